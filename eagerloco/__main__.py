@@ -1,0 +1,5 @@
+import sys
+
+from eagerloco.cli import main
+
+sys.exit(main())

@@ -1,0 +1,180 @@
+"""The `eagerloco` command: train, compare (demo), simulate, launch."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from eagerloco.config import METHODS, PATTERNS, WEIGHTINGS, ConfigError, LinkConfig, OuterConfig, from_dict
+
+# CLI flag -> (section, field). Sections: "train" (TrainConfig), "outer", "link".
+_OUTER_FIELDS = {f.name for f in fields(OuterConfig)}
+_LINK_FIELDS = {f.name for f in fields(LinkConfig)}
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    from eagerloco.codecs import CODEC_NAMES
+
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--method", choices=METHODS, help="dp, diloco, streaming, delayed or eager (default diloco)")
+    g.add_argument("--workers", type=int, help="number of workers M (default 2)")
+    g.add_argument("--inner-steps", type=int, help="inner steps per round H (default 50)")
+    g.add_argument("--fragments", type=int, help="fragments P for streaming (default 1)")
+    g.add_argument("--fragment-pattern", choices=PATTERNS, help="block-to-fragment pattern (default strided)")
+    g.add_argument("--overlap-steps", type=int, help="tau: inner steps an exchange may take (default 0)")
+    g.add_argument("--alpha", type=float, help="merge weight of the local parameters in [0, 1] (default 0)")
+    g.add_argument("--eager-rounds", type=int, help="k: rounds an exchange may take for delayed/eager (default 1)")
+    g.add_argument("--eager-weighting", choices=WEIGHTINGS, help="eager weighting (default nonlocal)")
+    g.add_argument("--codec", choices=CODEC_NAMES, help="exchange format (default fp32)")
+    g.add_argument("--codec-block", type=int, help="values per shared scale for block codecs (default 32)")
+    g.add_argument("--stochastic-rounding", action="store_true", default=None, help="stochastic rounding")
+    g.add_argument("--outer-optimizer", choices=("sgd", "adam", "adamw"), help="outer optimizer (default sgd)")
+    g.add_argument("--outer-lr", type=float, help="outer learning rate (default 0.7)")
+    g.add_argument("--outer-momentum", type=float, help="outer momentum (default 0.9)")
+    g.add_argument("--no-outer-nesterov", dest="outer_nesterov", action="store_false", default=None,
+                   help="plain momentum instead of Nesterov")
+    g = p.add_argument_group("link")
+    g.add_argument("--bandwidth-gbps", type=float, help="link bandwidth in Gbit/s (default inf)")
+    g.add_argument("--latency-ms", type=float, help="link latency in ms (default 0)")
+    g.add_argument("--jitter-ms", type=float, help="uniform extra latency in [0, J] ms (default 0)")
+    g = p.add_argument_group("training")
+    g.add_argument("--model", help="model preset (default tiny)")
+    g.add_argument("--data", help="'brown' or a path to a text file or directory (default brown)")
+    g.add_argument("--data-dir", help="cache directory for downloaded data (default ~/.cache/eagerloco)")
+    g.add_argument("--batch-size", type=int, help="sequences per worker per step (default 8)")
+    g.add_argument("--seq-len", type=int, help="tokens per sequence (default 128)")
+    g.add_argument("--steps", type=int, help="inner steps per worker (default 200)")
+    g.add_argument("--lr", type=float, help="inner AdamW peak learning rate (default 3e-3)")
+    g.add_argument("--weight-decay", type=float, help="inner AdamW weight decay (default 0.1)")
+    g.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 20)")
+    g.add_argument("--grad-clip", type=float, help="gradient-norm clip, 0 for none (default 1.0)")
+    g.add_argument("--eval-every", type=int, help="evaluate every N steps, 0: only at the end (default 0)")
+    g.add_argument("--eval-batches", type=int, help="held-out batches per evaluation (default 8)")
+    g.add_argument("--log-every", type=int, help="metrics line every N steps (default 10)")
+    g.add_argument("--sim-step-time", type=float,
+                   help="simulated seconds per inner step instead of the measured time (in-process)")
+    g.add_argument("--seed", type=int, help="random seed (default 0)")
+    g.add_argument("--out", help="output directory (default runs/latest)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    p.add_argument("--config", type=Path, help="TOML file: top-level training keys, [outer] and [link] tables")
+
+
+def build_train_config(args: argparse.Namespace) -> Any:
+    """Defaults <- config file <- flags given on the command line."""
+    from eagerloco.train import TrainConfig
+
+    data: dict[str, Any] = {}
+    outer: dict[str, Any] = {}
+    link: dict[str, Any] = {}
+    if args.config is not None:
+        if not args.config.is_file():
+            raise ConfigError(f"--config {args.config}: no such file; pass a TOML file")
+        try:
+            raw = tomllib.loads(args.config.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--config {args.config}: not valid TOML ({e})") from e
+        outer.update(raw.pop("outer", {}))
+        link.update(raw.pop("link", {}))
+        data.update(raw)
+    train_fields = {f.name for f in fields(TrainConfig)} - {"outer", "link"}
+    for key, value in vars(args).items():
+        if value is None or key in ("config", "func", "command"):
+            continue
+        if key in _OUTER_FIELDS:
+            outer[key] = value
+        elif key in _LINK_FIELDS:
+            link[key] = value
+        elif key in train_fields:
+            data[key] = value
+    where = f"--config {args.config}" if args.config else "the command line"
+    cfg = from_dict(TrainConfig, data, where)
+    cfg.outer = from_dict(OuterConfig, outer, f"[outer] of {where}")
+    cfg.link = from_dict(LinkConfig, link, f"[link] of {where}")
+    return cfg.validate()
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from eagerloco.train import train
+
+    cfg = build_train_config(args)
+    summary = train(cfg)
+    print(format_table([summary]))
+    print(f"\nwrote {Path(cfg.out) / 'summary.json'} and {Path(cfg.out) / 'metrics.jsonl'}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from eagerloco.demo import run_demo
+
+    return run_demo(args)
+
+
+def format_table(summaries: list[dict[str, Any]]) -> str:
+    """The comparison table: method, eval loss, bytes, peak, compute utilization on the link."""
+    head = ("method", "eval loss", "bytes sent/worker", "peak sync", "blocked s", "CU (link)")
+    rows = []
+    for s in summaries:
+        rows.append((
+            s.get("label", s["method"]),
+            f"{s['final_eval_loss']:.4f}",
+            _fmt_bytes(s["bytes_sent_per_worker"]),
+            _fmt_bytes(s["peak_sync_bytes"]),
+            f"{s['blocked_s']:.2f}",
+            f"{s['compute_utilization']:.3f}",
+        ))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    line = "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out)
+
+
+def _fmt_bytes(n: float) -> str:
+    if not math.isfinite(n):
+        return str(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="eagerloco",
+        description="DiLoCo, Streaming DiLoCo and eager outer updates for training across slow links.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train M workers on real text (in-process, simulated link)")
+    _add_train_flags(p)
+    p.set_defaults(func=_cmd_train)
+    p = sub.add_parser("demo", help="short comparison of the methods on the default data")
+    p.add_argument("--steps", type=int, default=300, help="inner steps per worker (default 300)")
+    p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
+    p.add_argument("--data-dir", default=None, help="data cache directory")
+    p.set_defaults(func=_cmd_demo)
+    for mod in ("eagerloco.sim.cli", "eagerloco.launch"):
+        try:
+            module = __import__(mod, fromlist=["add_parser"])
+        except ImportError:  # pragma: no cover - optional parts
+            continue
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"eagerloco: error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"eagerloco: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,1 @@
+"""Transports between workers: in-process (simulated link) and torch.distributed."""

@@ -1,0 +1,123 @@
+"""The Communicator interface: what the outer algorithm sees of the other workers.
+
+The algorithm never knows whether its peers are objects in the same process, processes on one
+machine or machines across an ocean. It calls :meth:`Communicator.allreduce_mean` and later
+waits on the returned :class:`Handle`. Every implementation encodes the tensors once with the
+codec, moves the packed bytes, dequantizes every worker's payload and sums in FP32 in worker
+order, so results do not depend on the transport.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+
+import torch
+
+from eagerloco.codecs import Codec
+
+
+@dataclass
+class WorkerStats:
+    """Accounting of one worker's link use and time (seconds on the worker's clock)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    peak_sync_bytes: int = 0  # largest single payload this worker put on the link
+    num_syncs: int = 0
+    compute_s: float = 0.0  # inner forward/backward/optimizer time
+    overhead_s: float = 0.0  # outer machinery (encode, decode, outer optimizer) outside the link
+    blocked_s: float = 0.0  # waiting for an exchange to land
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def wire_bytes(payload_bytes: int, num_workers: int, summable: bool) -> int:
+    """Bytes one worker sends for one exchange of a payload of this size.
+
+    Summable (fp32) payloads use a ring all-reduce: 2(M-1)/M of the payload. Quantized payloads
+    are all-gathered so that the sum stays in FP32: each worker sends (M-1) payloads' worth on a
+    ring. One worker alone sends nothing.
+    """
+    if num_workers <= 1:
+        return 0
+    if summable:
+        return (2 * (num_workers - 1) * payload_bytes + num_workers - 1) // num_workers
+    return (num_workers - 1) * payload_bytes
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One contiguous FP32 vector holding all tensors (the unit a codec encodes)."""
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, i = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(flat[i : i + n].view(t.shape))
+        i += n
+    return out
+
+
+def mean_of_payloads(codec: Codec, payloads: list[torch.Tensor], numel: int) -> torch.Tensor:
+    """Dequantize every worker's payload and sum in FP32 in worker order, then divide by M."""
+    total = torch.zeros(numel, dtype=torch.float32)
+    for buf in payloads:
+        total += codec.unpack(buf, numel)
+    return total / len(payloads)
+
+
+class Handle(ABC):
+    """An exchange in flight. Wait on every handle exactly once (no fire-and-forget)."""
+
+    #: This worker's contribution as the others receive it (dequantized), same shapes as the input.
+    own: list[torch.Tensor]
+    #: Size of this worker's encoded payload in bytes.
+    payload_bytes: int
+
+    @abstractmethod
+    def wait(self) -> list[torch.Tensor]:
+        """Block until the exchange has landed; return the FP32 mean, shaped like the input."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Whether wait() would return without blocking."""
+
+
+class Communicator(ABC):
+    """One worker's view of the outer group."""
+
+    rank: int
+    num_workers: int
+    stats: WorkerStats
+
+    @abstractmethod
+    def allreduce_mean(
+        self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None
+    ) -> Handle:
+        """Start averaging tensors over the workers (background); returns at once.
+
+        The tensors are encoded before this returns, so the caller may change them afterwards.
+        generator drives stochastic rounding, where the codec uses it.
+        """
+
+    def clock(self) -> float:
+        """Seconds on this worker's clock: real wall time here, simulated time in-process."""
+        return time.perf_counter()
+
+    def add_compute(self, seconds: float) -> None:
+        """Record inner-loop compute time (advances a simulated clock)."""
+        self.stats.compute_s += seconds
+
+    def add_overhead(self, seconds: float) -> None:
+        """Record outer-machinery time spent outside the link (advances a simulated clock)."""
+        self.stats.overhead_s += seconds
+
+    def barrier(self) -> None:  # noqa: B027 - optional for implementations without peers
+        """Wait for every worker (used at start and end of a run)."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release resources."""

@@ -1,0 +1,52 @@
+"""A slow link emulated on top of a fast one (loopback, LAN): when each transfer may finish.
+
+Real processes on one machine exchange bytes in milliseconds, so to see overlap and blocking as
+they would be across a slow link, every exchange is held back until the configured link could have
+carried it. The rule is the in-process runtime's: a transfer starts when the last worker has
+launched it and the previous transfer has left the link (one transfer at a time), and it takes
+``latency + wire_bytes * 8 / bandwidth`` plus uniform jitter in ``[0, jitter]``.
+
+Times are wall-clock seconds (``time.time()``) so that launch times taken in different processes,
+or on machines with synchronized clocks, can be compared.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+from eagerloco.config import LinkConfig
+
+
+class EmulatedLink:
+    """The schedule of one worker's view of the shared link.
+
+    Every worker keeps its own instance; given the same seed and the same launch times (the
+    transport exchanges them with the payloads) all workers compute the same finish times, as if
+    they shared one wire.
+    """
+
+    def __init__(self, config: LinkConfig | None = None, seed: int = 0) -> None:
+        self.config = (config or LinkConfig()).validate()
+        self._rng = random.Random(seed)
+        self._free_at = 0.0  # wall time the previous transfer left the link
+
+    def schedule(self, start: float, wire_bytes: int) -> float:
+        """Reserve the link for a transfer whose last worker launched at `start`; return its finish time."""
+        jitter_ms = self.config.jitter_ms
+        jitter = self._rng.uniform(0.0, jitter_ms / 1e3) if jitter_ms else 0.0
+        finish = max(start, self._free_at) + self.config.transfer_seconds(wire_bytes) + jitter
+        self._free_at = finish
+        return finish
+
+    @staticmethod
+    def sleep_until(finish: float, interrupt: threading.Event | None = None) -> bool:
+        """Sleep until wall time `finish`; False if `interrupt` was set first (shutdown)."""
+        remaining = finish - time.time()
+        if remaining <= 0:
+            return True
+        if interrupt is None:
+            time.sleep(remaining)
+            return True
+        return not interrupt.wait(remaining)

@@ -1,0 +1,159 @@
+"""M workers in one process, exact math, and a simulated link with its own clock.
+
+Workers run in lockstep: within one phase, every worker launches its exchange before any worker
+waits on it (see :func:`eagerloco.outer.lockstep`). Each worker has a simulated clock advanced by
+its measured (or fixed) compute time; an exchange finishes when the last worker has launched it
+and the link, which carries one transfer at a time, has moved its bytes. A worker that waits on
+an unfinished exchange is blocked until then, on its own clock. That is how blocked time and
+compute utilization are reported as they would be on the configured link.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from eagerloco.codecs import Codec
+from eagerloco.comm.base import Communicator, Handle, WorkerStats, flatten, mean_of_payloads, unflatten, wire_bytes
+from eagerloco.config import LinkConfig
+
+
+class _Exchange:
+    """One collective: every worker's payload, and when the link delivers it."""
+
+    def __init__(self, num_workers: int, codec: Codec, like: list[torch.Tensor]) -> None:
+        self.codec = codec
+        self.like = [torch.empty(t.shape) for t in like]
+        self.numel = sum(t.numel() for t in like)
+        self.payloads: list[torch.Tensor | None] = [None] * num_workers
+        self.launch_times: list[float] = [0.0] * num_workers
+        self.finish_time: float | None = None
+        self.mean: list[torch.Tensor] | None = None
+
+    def complete(self) -> bool:
+        return all(p is not None for p in self.payloads)
+
+
+class InProcessHandle(Handle):
+    def __init__(
+        self, group: InProcessGroup, comm: InProcessCommunicator, ex: _Exchange, own: list[torch.Tensor], nbytes: int
+    ) -> None:
+        self._group, self._comm, self._ex = group, comm, ex
+        self.own = own
+        self.payload_bytes = nbytes
+        self._waited = False
+
+    def done(self) -> bool:
+        ex = self._ex
+        return ex.complete() and ex.finish_time is not None and ex.finish_time <= self._comm.clock()
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._waited:
+            raise RuntimeError("this exchange was already waited on; wait on each handle exactly once")
+        ex = self._ex
+        if not ex.complete():
+            missing = [m for m, p in enumerate(ex.payloads) if p is None]
+            raise RuntimeError(
+                f"in-process worker {self._comm.rank} waits on an exchange that worker(s) {missing} have not "
+                "launched yet; launch every worker's exchange before any worker waits "
+                "(drive the workers with eagerloco.outer.lockstep)"
+            )
+        self._waited = True
+        if ex.mean is None:
+            flat = mean_of_payloads(ex.codec, ex.payloads, ex.numel)  # type: ignore[arg-type]
+            ex.mean = unflatten(flat, ex.like)
+        assert ex.finish_time is not None
+        comm = self._comm
+        if ex.finish_time > comm._clock:
+            comm.stats.blocked_s += ex.finish_time - comm._clock
+            comm._clock = ex.finish_time
+        return [t.clone() for t in ex.mean]
+
+
+class InProcessGroup:
+    """The shared state of M in-process workers: the exchanges in flight and the link."""
+
+    def __init__(
+        self, num_workers: int, link: LinkConfig | None = None, seed: int = 0, count_overhead: bool = True
+    ) -> None:
+        """count_overhead: advance the clocks by the measured outer-machinery time; turn it off when
+        compute time is simulated too, so the clocks are a pure function of the schedule."""
+        if num_workers < 1:
+            raise ValueError(f"--workers must be an integer >= 1, got {num_workers}")
+        self.num_workers = num_workers
+        self.link = (link or LinkConfig()).validate()
+        self.count_overhead = count_overhead
+        # Exchanges by launch sequence number, until every worker has launched; then only the
+        # handles hold them, so a finished exchange is freed with its last handle.
+        self._by_seq: dict[int, _Exchange] = {}
+        self._link_free = 0.0
+        self._rng = random.Random(seed)
+        self.communicators = [InProcessCommunicator(self, m) for m in range(num_workers)]
+
+    def communicator(self, worker: int) -> InProcessCommunicator:
+        return self.communicators[worker]
+
+    def _launch(self, comm: InProcessCommunicator, tensors: list[torch.Tensor], codec: Codec,
+                generator: torch.Generator | None) -> InProcessHandle:
+        idx = comm._next
+        comm._next += 1
+        ex = self._by_seq.get(idx)
+        if ex is None:
+            ex = self._by_seq[idx] = _Exchange(self.num_workers, codec, tensors)
+        flat = flatten(tensors)
+        if flat.numel() != ex.numel or codec.name != ex.codec.name:
+            raise RuntimeError(
+                f"worker {comm.rank}'s exchange #{idx} ({flat.numel()} values, {codec.name}) does not match "
+                f"worker(s) that launched it first ({ex.numel} values, {ex.codec.name}): workers must run "
+                "the same schedule"
+            )
+        buf = codec.pack(flat, generator)
+        ex.payloads[comm.rank] = buf
+        ex.launch_times[comm.rank] = comm._clock
+        nbytes = buf.numel()
+        wire = wire_bytes(nbytes, self.num_workers, codec.summable)
+        st = comm.stats
+        st.bytes_sent += wire
+        st.bytes_received += wire
+        st.peak_sync_bytes = max(st.peak_sync_bytes, nbytes)
+        st.num_syncs += 1
+        if ex.complete():
+            del self._by_seq[idx]
+            # The collective starts when the last worker joins and the link is free; a ring moves
+            # every worker's share at once, so one shared link time serves the group.
+            start = max(max(ex.launch_times), self._link_free)
+            jitter = self._rng.uniform(0.0, self.link.jitter_ms / 1e3) if self.link.jitter_ms else 0.0
+            ex.finish_time = start + self.link.transfer_seconds(wire) + jitter
+            self._link_free = ex.finish_time
+        own = unflatten(codec.unpack(buf, flat.numel()), tensors)
+        return InProcessHandle(self, comm, ex, own, nbytes)
+
+
+class InProcessCommunicator(Communicator):
+    """Worker `rank`'s view of an :class:`InProcessGroup`, with a simulated clock."""
+
+    def __init__(self, group: InProcessGroup, rank: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.num_workers = group.num_workers
+        self.stats = WorkerStats()
+        self._clock = 0.0
+        self._next = 0
+
+    def allreduce_mean(
+        self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None
+    ) -> InProcessHandle:
+        return self.group._launch(self, tensors, codec, generator)
+
+    def clock(self) -> float:
+        return self._clock
+
+    def add_compute(self, seconds: float) -> None:
+        self.stats.compute_s += seconds
+        self._clock += seconds
+
+    def add_overhead(self, seconds: float) -> None:
+        self.stats.overhead_s += seconds
+        if self.group.count_overhead:
+            self._clock += seconds

@@ -1,0 +1,75 @@
+"""Split a model's parameters into the fragments Streaming DiLoCo synchronizes one at a time.
+
+A fragment is a group of transformer blocks. Parameters outside the blocks (embeddings, final
+norm, head) go to fragment 0, so every parameter is in exactly one fragment.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from eagerloco.config import ConfigError
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer blocks, in order.
+
+    A ``blocks`` ModuleList is used when present; otherwise the ModuleList with the most
+    parameters (``transformer.h`` in GPT-2 style models, ``layers`` in Llama style ones).
+    A model without one has no blocks and can only be a single fragment.
+    """
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        return list(blocks)
+    best: list[nn.Module] = []
+    best_size = 0
+    for mod in model.modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            size = sum(p.numel() for p in mod.parameters())
+            if size > best_size:
+                best, best_size = list(mod), size
+    return best
+
+
+def block_groups(num_blocks: int, fragments: int, pattern: str) -> list[list[int]]:
+    """Block indices of each fragment: contiguous runs (sequential) or b mod P (strided)."""
+    if pattern == "strided":
+        return [list(range(p, num_blocks, fragments)) for p in range(fragments)]
+    if pattern == "sequential":
+        base, extra = divmod(num_blocks, fragments)
+        groups, start = [], 0
+        for p in range(fragments):
+            n = base + (1 if p < extra else 0)
+            groups.append(list(range(start, start + n)))
+            start += n
+        return groups
+    raise ConfigError(f"--fragment-pattern must be one of sequential, strided; got {pattern!r}")
+
+
+def assign_fragments(
+    model: nn.Module,
+    fragments: int,
+    pattern: str = "strided",
+    blocks: list[nn.Module] | None = None,
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """Named parameters of each fragment, in model order; every parameter in exactly one."""
+    if blocks is None:
+        blocks = find_blocks(model)
+    if fragments > max(len(blocks), 1):
+        raise ConfigError(
+            f"--fragments ({fragments}) is larger than the model's number of blocks ({len(blocks)}); "
+            f"choose 1..{max(len(blocks), 1)}"
+        )
+    owner: dict[int, int] = {}
+    if blocks:
+        for p, group in enumerate(block_groups(len(blocks), fragments, pattern)):
+            for b in group:
+                for param in blocks[b].parameters():
+                    owner.setdefault(id(param), p)
+    out: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(fragments)]
+    for name, param in model.named_parameters():  # deduplicates tied parameters
+        out[owner.get(id(param), 0)].append((name, param))
+    for p, frag in enumerate(out):
+        if not frag:
+            raise ConfigError(f"fragment {p} holds no parameters; lower --fragments")
+    return out

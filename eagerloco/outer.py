@@ -1,0 +1,327 @@
+"""The outer algorithm: one object, one code path, for the whole DiLoCo family.
+
+Settings select the method (see :class:`eagerloco.config.OuterConfig`):
+
+- dp: the gradients are averaged before every inner step.
+- diloco / streaming: fragment p's outer gradient (outer copy minus local parameters) is
+  averaged at its sync step; tau = overlap_steps inner steps later the outer optimizer steps on
+  the mean and the local fragment is merged: local <- alpha * local + (1 - alpha) * outer.
+  DiLoCo is the case P = 1, tau = 0.
+- delayed / eager: the exchange launched at a fragment's sync is applied k rounds later. At every
+  sync the outer optimizer steps on
+      delayed:               D(t-k)                           (nothing in the first k rounds)
+      eager, nonlocal:       Delta_m(t)/M + [D(t-k) - Delta_m(t-k)/M]
+      eager, stale_average:  Delta_m(t)/M + (M-1)/M * D(t-k)
+  and the local fragment restarts from the new outer copy (merged with alpha).
+
+Each worker keeps its own outer copies and outer-optimizer state (eager makes them differ).
+The object never knows what its peers are: it talks to a :class:`~eagerloco.comm.base.Communicator`.
+
+Per inner step a worker calls :meth:`OuterSync.before_inner_step` (after backward, before the
+inner optimizer step) and :meth:`OuterSync.after_inner_step`. Each is two halves, launch and
+finish, so M workers in one process can be driven in lockstep by :func:`before_inner_step_all`
+and :func:`after_inner_step_all`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from eagerloco.codecs import get_codec
+from eagerloco.comm.base import Communicator, Handle
+from eagerloco.config import OuterConfig
+from eagerloco.fragments import assign_fragments, find_blocks
+from eagerloco.schedule import apply_delay, fragment_offsets, fragments_due
+
+OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def make_outer_optimizer(config: OuterConfig) -> OuterOptimizerFactory:
+    """The configured outer optimizer (default: SGD, lr 0.7, momentum 0.9, Nesterov)."""
+
+    def factory(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        if config.outer_optimizer == "sgd":
+            return torch.optim.SGD(
+                params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_nesterov
+            )
+        if config.outer_optimizer == "adam":
+            return torch.optim.Adam(params, lr=config.outer_lr)
+        return torch.optim.AdamW(params, lr=config.outer_lr)
+
+    return factory
+
+
+@dataclass
+class _InFlight:
+    fragment: int
+    handle: Handle
+    launch_step: int
+    apply_step: int
+    fresh: list[torch.Tensor] | None  # eager: this worker's own full-precision outer gradient
+
+
+class OuterSync:
+    """Wraps a model and its inner optimizer with the configured outer algorithm.
+
+    model: any nn.Module; its parameters are updated in place.
+    inner_optimizer: kept for checkpointing and for the user's loop (the user calls its step()).
+    comm: this worker's communicator.
+    blocks: the modules to split into fragments (default: found by :func:`find_blocks`).
+    outer_optimizer: a factory taking a list of FP32 tensors (default from the config).
+    seed: seeds stochastic rounding, per worker.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer | None,
+        comm: Communicator,
+        config: OuterConfig | None = None,
+        *,
+        blocks: Sequence[nn.Module] | None = None,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.config = config or OuterConfig()
+        cfg = self.config
+        block_list = find_blocks(model) if blocks is None else list(blocks)
+        cfg.validate(num_blocks=len(block_list))
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.comm = comm
+        self.num_workers = comm.num_workers
+        self.codec = get_codec(cfg.codec, block_size=cfg.codec_block, stochastic=cfg.stochastic_rounding)
+        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + comm.rank)
+        self.step = 0  # inner steps completed
+        self.is_dp = cfg.method == "dp"
+        self.eager_like = cfg.method in ("delayed", "eager")
+        self.in_flight: list[_InFlight] = []
+        self._grad_handle: Handle | None = None
+        self._grad_params: list[nn.Parameter] = []
+        if self.is_dp:
+            self.fragment_names: list[list[str]] = [[n for n, _ in model.named_parameters()]]
+            self.local: list[list[nn.Parameter]] = [list(model.parameters())]
+            self.outer: list[list[torch.Tensor]] = []
+            self.outer_opts: list[torch.optim.Optimizer] = []
+            return
+        frags = assign_fragments(model, cfg.fragments, cfg.fragment_pattern, block_list)
+        self.fragment_names = [[n for n, _ in f] for f in frags]
+        self.local = [[p for _, p in f] for f in frags]
+        self.outer = [[p.detach().clone().to(torch.float32) for p in f] for f in self.local]
+        factory = outer_optimizer or make_outer_optimizer(cfg)
+        self.outer_opts = [factory(params) for params in self.outer]
+        self.offsets = fragment_offsets(cfg.inner_steps, cfg.fragments)
+        self.delay = apply_delay(cfg.method, cfg.inner_steps, cfg.overlap_steps, cfg.eager_rounds)
+
+    # ------------------------------------------------------------------ data-parallel gradients
+    def launch_grads(self) -> None:
+        """dp: start averaging the gradients (call after backward)."""
+        if not self.is_dp:
+            return
+        t0 = time.perf_counter()
+        self._grad_params = [p for p in self.local[0] if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._grad_params]
+        self._grad_handle = self.comm.allreduce_mean(grads, self.codec, self.generator)
+        self.comm.add_overhead(time.perf_counter() - t0)
+
+    def finish_grads(self) -> None:
+        """dp: write the mean gradient into .grad (call before the inner optimizer step)."""
+        if self._grad_handle is None:
+            return
+        t0 = time.perf_counter()
+        mean, waited = self._wait(self._grad_handle)
+        self._grad_handle = None
+        with torch.no_grad():
+            for p, g in zip(self._grad_params, mean, strict=True):
+                if p.grad is None:
+                    p.grad = g.to(p.dtype)
+                else:
+                    p.grad.copy_(g)
+        self.comm.add_overhead(time.perf_counter() - t0 - waited)
+
+    def before_inner_step(self) -> None:
+        """One worker per process: average gradients if the method says so."""
+        self.launch_grads()
+        self.finish_grads()
+
+    # ------------------------------------------------------------------ outer exchange
+    def launch_outer(self) -> None:
+        """Count the inner step just taken and launch the exchanges due at it."""
+        self.step += 1
+        if self.is_dp:
+            return
+        t0 = time.perf_counter()
+        cfg = self.config
+        for p in fragments_due(self.step, cfg.inner_steps, self.offsets):
+            with torch.no_grad():
+                delta = [o - l.detach().to(torch.float32) for o, l in zip(self.outer[p], self.local[p], strict=True)]
+            handle = self.comm.allreduce_mean(delta, self.codec, self.generator)
+            fresh = delta if cfg.method == "eager" else None
+            self.in_flight.append(_InFlight(p, handle, self.step, self.step + self.delay, fresh))
+        self.comm.add_overhead(time.perf_counter() - t0)
+
+    def finish_outer(self) -> None:
+        """Apply the exchanges due at this step."""
+        if self.is_dp:
+            return
+        t0 = time.perf_counter()
+        waited = 0.0
+        if self.eager_like:
+            for p in fragments_due(self.step, self.config.inner_steps, self.offsets):
+                waited += self._eager_update(p)
+        else:
+            for item in [x for x in self.in_flight if x.apply_step == self.step]:
+                self.in_flight.remove(item)
+                mean, w = self._wait(item.handle)
+                waited += w
+                self._outer_step(item.fragment, mean)
+                self._merge(item.fragment)
+        self.comm.add_overhead(time.perf_counter() - t0 - waited)
+
+    def after_inner_step(self) -> None:
+        """One worker per process: launch and apply what is due after this inner step."""
+        self.launch_outer()
+        self.finish_outer()
+
+    def _eager_update(self, p: int) -> float:
+        """Delayed / eager outer step of fragment p at one of its sync steps; returns seconds waited."""
+        cfg, m = self.config, float(self.num_workers)
+        fresh_item = next(x for x in self.in_flight if x.fragment == p and x.launch_step == self.step)
+        arrived = next((x for x in self.in_flight if x.fragment == p and x.apply_step == self.step), None)
+        waited = 0.0
+        mean: list[torch.Tensor] | None = None
+        if arrived is not None:
+            self.in_flight.remove(arrived)
+            mean, waited = self._wait(arrived.handle)
+        if cfg.method == "delayed":
+            grad = mean
+        else:
+            fresh = fresh_item.fresh
+            assert fresh is not None
+            fresh_item.fresh = None  # only needed now; the quantized copy stays in handle.own
+            grad = [f / m for f in fresh]
+            if mean is not None and arrived is not None:
+                if cfg.eager_weighting == "nonlocal":
+                    # Replace last time's proxy (own share) by the real average of everyone's.
+                    grad = [g + (d - o / m) for g, d, o in zip(grad, mean, arrived.handle.own, strict=True)]
+                else:
+                    grad = [g + d * ((m - 1) / m) for g, d in zip(grad, mean, strict=True)]
+        if grad is not None:
+            self._outer_step(p, grad)
+        self._merge(p)
+        return waited
+
+    def _wait(self, handle: Handle) -> tuple[list[torch.Tensor], float]:
+        t0 = time.perf_counter()
+        out = handle.wait()
+        return out, time.perf_counter() - t0
+
+    def _outer_step(self, p: int, grad: list[torch.Tensor]) -> None:
+        for o, g in zip(self.outer[p], grad, strict=True):
+            o.grad = g
+        self.outer_opts[p].step()
+        for o in self.outer[p]:
+            o.grad = None
+
+    @torch.no_grad()
+    def _merge(self, p: int) -> None:
+        """local <- alpha * local + (1 - alpha) * outer, in place (alpha weights the local side)."""
+        alpha = self.config.alpha
+        for local, outer in zip(self.local[p], self.outer[p], strict=True):
+            if alpha == 0.0:
+                local.copy_(outer)
+            elif alpha != 1.0:
+                local.lerp_(outer.to(local.dtype), 1.0 - alpha)
+
+    # ------------------------------------------------------------------ run end and evaluation
+    def drain(self, apply: bool = False) -> None:
+        """Wait on every exchange still in flight (end of a run).
+
+        apply=False leaves the parameters as the schedule has them. apply=True applies what was
+        still in flight, so that every outer gradient of the run counts once: eager adds the
+        others' share (the mean less its own, already applied), delayed adds the mean.
+        """
+        t0 = time.perf_counter()
+        waited = 0.0
+        m = float(self.num_workers)
+        for item in list(self.in_flight):
+            mean, w = self._wait(item.handle)
+            waited += w
+            if not apply:
+                continue
+            if self.config.method == "eager":
+                if self.config.eager_weighting == "nonlocal":
+                    mean = [d - o / m for d, o in zip(mean, item.handle.own, strict=True)]
+                else:
+                    mean = [d * ((m - 1) / m) for d in mean]
+            self._outer_step(item.fragment, mean)
+            self._merge(item.fragment)
+        self.in_flight.clear()
+        self.comm.add_overhead(time.perf_counter() - t0 - waited)
+
+    def outer_parameters(self) -> list[torch.Tensor]:
+        """The outer (global) parameters in model order: what evaluation should use."""
+        if self.is_dp:
+            return [p.detach() for p in self.model.parameters()]
+        by_id = {id(local): outer for fl, fo in zip(self.local, self.outer, strict=True)
+                 for local, outer in zip(fl, fo, strict=True)}
+        return [by_id[id(p)] for p in self.model.parameters()]
+
+    @contextmanager
+    def outer_weights(self) -> Iterator[nn.Module]:
+        """Temporarily load the outer parameters into the model (for evaluation)."""
+        if self.is_dp:
+            yield self.model
+            return
+        saved = [[t.detach().clone() for t in frag] for frag in self.local]
+        with torch.no_grad():
+            for fl, fo in zip(self.local, self.outer, strict=True):
+                for local, outer in zip(fl, fo, strict=True):
+                    local.copy_(outer)
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                for fl, fs in zip(self.local, saved, strict=True):
+                    for local, s in zip(fl, fs, strict=True):
+                        local.copy_(s)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Outer copies, outer-optimizer state and the step counter (exchanges in flight excluded)."""
+        return {
+            "step": self.step,
+            "outer": [[t.clone() for t in frag] for frag in self.outer],
+            "outer_opts": [opt.state_dict() for opt in self.outer_opts],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        with torch.no_grad():
+            for frag, saved in zip(self.outer, state["outer"], strict=True):
+                for t, s in zip(frag, saved, strict=True):
+                    t.copy_(s)
+        for opt, s in zip(self.outer_opts, state["outer_opts"], strict=True):
+            opt.load_state_dict(s)
+
+
+def before_inner_step_all(syncs: Sequence[OuterSync]) -> None:
+    """Lockstep for M workers in one process: every launch before any wait."""
+    for s in syncs:
+        s.launch_grads()
+    for s in syncs:
+        s.finish_grads()
+
+
+def after_inner_step_all(syncs: Sequence[OuterSync]) -> None:
+    """Lockstep for M workers in one process: every launch before any wait."""
+    for s in syncs:
+        s.launch_outer()
+    for s in syncs:
+        s.finish_outer()

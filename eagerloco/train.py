@@ -1,0 +1,303 @@
+"""The training loop: M workers, each a model replica with its inner AdamW and data stream.
+
+One loop serves every runtime: it drives the list of workers that live in this process in
+lockstep (all M in-process, or the single worker of a torch.distributed rank), so the algorithm,
+data and accounting are the same whichever transport carries the exchange.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from eagerloco.comm.base import Communicator
+from eagerloco.comm.inprocess import InProcessGroup
+from eagerloco.config import ConfigError, LinkConfig, OuterConfig
+from eagerloco.outer import OuterSync, after_inner_step_all, before_inner_step_all
+
+SUMMARY_KEYS = (
+    "method", "workers", "inner_steps", "fragments", "overlap_steps", "alpha", "eager_rounds", "codec",
+    "steps", "tokens", "final_eval_loss", "bytes_sent_per_worker", "peak_sync_bytes", "compute_s",
+    "blocked_s", "wall_s", "compute_utilization",
+)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; validated before the first step."""
+
+    model: str = "tiny"
+    data: str = "brown"
+    data_dir: str | None = None
+    batch_size: int = 8
+    seq_len: int = 128
+    steps: int = 200
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    eval_every: int = 0
+    eval_batches: int = 8
+    log_every: int = 10
+    seed: int = 0
+    workers: int = 2
+    out: str = "runs/latest"
+    sim_step_time: float | None = None
+    progress: bool = True
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
+
+    def validate(self) -> TrainConfig:
+        for name in ("batch_size", "seq_len", "steps", "workers", "eval_batches", "log_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        for name in ("warmup_steps", "eval_every", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}")
+        for name in ("lr", "weight_decay", "grad_clip"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (name == "lr" and v == 0):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0 (lr > 0), got {v!r}")
+        if self.sim_step_time is not None and not (math.isfinite(self.sim_step_time) and self.sim_step_time > 0):
+            raise ConfigError(f"--sim-step-time must be a positive number of seconds, got {self.sim_step_time}")
+        self.outer.validate()
+        self.link.validate()
+        return self
+
+
+def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
+    """Linear warmup then cosine decay to 10% of the peak."""
+
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+class Worker:
+    """One replica: model, inner optimizer with its schedule, outer algorithm, data stream."""
+
+    def __init__(self, model: nn.Module, comm: Communicator, stream: Any, cfg: TrainConfig) -> None:
+        self.model = model
+        self.comm = comm
+        self.stream = stream
+        self.cfg = cfg
+        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps, cfg.steps))
+        self.sync = OuterSync(model, self.opt, comm, cfg.outer, seed=cfg.seed)
+        self.last_loss = float("nan")
+
+    def _compute(self, seconds: float, share: float) -> None:
+        fixed = self.cfg.sim_step_time
+        self.comm.add_compute(fixed * share if fixed is not None else seconds)
+
+    def forward_backward(self) -> None:
+        t0 = time.perf_counter()
+        x, y = self.stream.next_batch()
+        self.opt.zero_grad(set_to_none=True)
+        _, loss = self.model(x, y)
+        loss.backward()
+        self.last_loss = float(loss.detach())
+        self._compute(time.perf_counter() - t0, 1.0)
+
+    def optimizer_step(self) -> None:
+        t0 = time.perf_counter()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        self._compute(time.perf_counter() - t0, 0.0)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        _, loss = model(x, y)
+        total += float(loss)
+    model.train(was_training)
+    return total / max(1, len(batches))
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
+    from eagerloco.model import GPT, model_config
+
+    try:
+        mcfg = model_config(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    torch.manual_seed(cfg.seed)
+    return GPT(mcfg)
+
+
+def run_training(
+    cfg: TrainConfig,
+    workers: list[Worker],
+    eval_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    num_workers: int,
+    log: Callable[[dict[str, Any]], None],
+    show_progress: bool,
+) -> dict[str, Any]:
+    """Drive the local workers through cfg.steps inner steps; returns the summary."""
+    syncs = [w.sync for w in workers]
+    tokens_per_step = cfg.batch_size * cfg.seq_len * num_workers
+    bar = None
+    if show_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, desc=f"{cfg.outer.method}", unit="step", dynamic_ncols=True, leave=False)
+    real_t0 = time.perf_counter()
+    eval_loss = float("nan")
+    for step in range(1, cfg.steps + 1):
+        for w in workers:
+            w.forward_backward()
+        before_inner_step_all(syncs)
+        for w in workers:
+            w.optimizer_step()
+        after_inner_step_all(syncs)
+        do_eval = cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps
+        if do_eval:
+            with syncs[0].outer_weights() as m:
+                eval_loss = evaluate(m, eval_batches)
+        if step % cfg.log_every == 0 or step == cfg.steps or do_eval:
+            st = workers[0].comm.stats
+            clock = workers[0].comm.clock() if _simulated(workers[0].comm) else time.perf_counter() - real_t0
+            rec: dict[str, Any] = {
+                "step": step,
+                "tokens": step * tokens_per_step,
+                "loss": sum(w.last_loss for w in workers) / len(workers),
+                "lr": workers[0].sched.get_last_lr()[0],
+                "bytes_sent": st.bytes_sent,
+                "blocked_s": st.blocked_s,
+                "compute_s": st.compute_s,
+                "wall_s": clock,
+                "compute_utilization": st.compute_s / clock if clock > 0 else 1.0,
+            }
+            if do_eval:
+                rec["eval_loss"] = eval_loss
+            log(rec)
+            if bar is not None:
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", sent=_human(st.bytes_sent), blocked=f"{st.blocked_s:.2f}s")
+        if bar is not None:
+            bar.update(1)
+    for s in syncs:
+        s.drain()
+    if bar is not None:
+        bar.close()
+    with syncs[0].outer_weights() as m:
+        final_eval = evaluate(m, eval_batches)
+    real_wall = time.perf_counter() - real_t0
+    stats = [w.comm.stats for w in workers]
+    walls = [w.comm.clock() if _simulated(w.comm) else real_wall for w in workers]
+    n = len(workers)
+    compute = sum(s.compute_s for s in stats)
+    summary: dict[str, Any] = {
+        "method": cfg.outer.method,
+        "workers": num_workers,
+        "inner_steps": cfg.outer.inner_steps,
+        "fragments": cfg.outer.fragments,
+        "overlap_steps": cfg.outer.overlap_steps,
+        "alpha": cfg.outer.alpha,
+        "eager_rounds": cfg.outer.eager_rounds,
+        "eager_weighting": cfg.outer.eager_weighting,
+        "codec": cfg.outer.codec,
+        "steps": cfg.steps,
+        "tokens": cfg.steps * tokens_per_step,
+        "final_eval_loss": final_eval,
+        "final_train_loss": sum(w.last_loss for w in workers) / n,
+        "bytes_sent_per_worker": sum(s.bytes_sent for s in stats) / n,
+        "bytes_received_per_worker": sum(s.bytes_received for s in stats) / n,
+        "peak_sync_bytes": max(s.peak_sync_bytes for s in stats),
+        "syncs_per_worker": sum(s.num_syncs for s in stats) / n,
+        "compute_s": compute / n,
+        "overhead_s": sum(s.overhead_s for s in stats) / n,
+        "blocked_s": sum(s.blocked_s for s in stats) / n,
+        "wall_s": max(walls),
+        "compute_utilization": compute / sum(walls) if sum(walls) > 0 else 1.0,
+        "real_wall_s": real_wall,
+        "bandwidth_gbps": cfg.link.bandwidth_gbps,
+        "latency_ms": cfg.link.latency_ms,
+        "per_worker": [s.as_dict() for s in stats],
+    }
+    return summary
+
+
+def _simulated(comm: Communicator) -> bool:
+    return hasattr(comm, "group") and isinstance(comm.group, InProcessGroup)  # type: ignore[attr-defined]
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000:
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n:.1f}PB"
+
+
+def _finite_json(obj: Any) -> Any:
+    """JSON has no inf/nan: write them as strings ("inf") so every reader can parse the file."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite_json(v) for v in obj]
+    return obj
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(_finite_json(obj), f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train M in-process workers on the configured text; writes metrics.jsonl and summary.json."""
+    from eagerloco.data import ByteTokenizer, eval_batches, load_corpus, worker_streams
+
+    cfg.validate()
+    torch.manual_seed(cfg.seed)
+    corpus = load_corpus(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed)
+    tok = ByteTokenizer()
+    base = build_model(cfg, tok.vocab_size)
+    cfg.outer.validate(num_blocks=len(getattr(base, "blocks", [])))
+    streams = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed)
+    evb = eval_batches(corpus, tok, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+    group = InProcessGroup(cfg.workers, cfg.link, seed=cfg.seed, count_overhead=cfg.sim_step_time is None)
+    workers = [
+        Worker(base if m == 0 else copy.deepcopy(base), group.communicator(m), streams[m], cfg)
+        for m in range(cfg.workers)
+    ]
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "metrics.jsonl", "w") as mf:
+
+        def log(rec: dict[str, Any]) -> None:
+            mf.write(json.dumps(_finite_json(rec)) + "\n")
+            mf.flush()
+
+        summary = run_training(cfg, workers, evb, cfg.workers, log, cfg.progress)
+    summary["num_params"] = sum(p.numel() for p in base.parameters())
+    summary["config"] = asdict(cfg)
+    write_json_atomic(out / "summary.json", summary)
+    return summary

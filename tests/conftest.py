@@ -1,0 +1,95 @@
+"""Shared toy models and an in-process driver for closed-form tests of the outer algorithm."""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from eagerloco.comm.inprocess import InProcessGroup
+from eagerloco.config import LinkConfig, OuterConfig
+from eagerloco.outer import OuterSync, after_inner_step_all, before_inner_step_all
+
+torch.set_num_threads(1)
+
+
+class Toy(nn.Module):
+    """Blocks of one linear layer each, plus embedding-like and head parameters outside them."""
+
+    def __init__(self, num_blocks: int = 4, width: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Parameter(torch.randn(width))
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(num_blocks))
+        self.head = nn.Parameter(torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.embed
+        for b in self.blocks:
+            h = torch.tanh(b(h))
+        return (h * self.head).sum(-1)
+
+
+GradFn = Callable[[int, int, str, torch.Tensor], torch.Tensor]
+
+
+def constant_grads(per_worker: list[float]) -> GradFn:
+    """Worker m's gradient is per_worker[m] * (1, 2, 3, ...) for every parameter at every step."""
+
+    def fn(m: int, step: int, name: str, p: torch.Tensor) -> torch.Tensor:
+        return per_worker[m] * torch.arange(1, p.numel() + 1, dtype=torch.float32).view(p.shape)
+
+    return fn
+
+
+def seeded_grads(seed: int = 0) -> GradFn:
+    """A fixed pseudo-random gradient per (worker, step, parameter): independent of the parameters."""
+
+    def fn(m: int, step: int, name: str, p: torch.Tensor) -> torch.Tensor:
+        g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{m}/{step}/{name}".encode()))
+        return torch.randn(p.shape, generator=g)
+
+    return fn
+
+
+def run_inprocess(
+    cfg: OuterConfig,
+    workers: int,
+    steps: int,
+    grads: GradFn,
+    inner_lr: float = 0.1,
+    model: nn.Module | None = None,
+    link: LinkConfig | None = None,
+    step_time: float | None = None,
+) -> tuple[list[nn.Module], list[OuterSync], InProcessGroup, nn.Module]:
+    """Train `workers` replicas with inner SGD on the given gradients; returns (models, syncs, group, init)."""
+    torch.manual_seed(0)
+    init = model if model is not None else Toy()
+    models = [copy.deepcopy(init) for _ in range(workers)]
+    group = InProcessGroup(workers, link, count_overhead=step_time is None)
+    opts = [torch.optim.SGD(m.parameters(), lr=inner_lr) for m in models]
+    syncs = [OuterSync(m, o, group.communicator(i), cfg) for i, (m, o) in enumerate(zip(models, opts))]
+    for step in range(1, steps + 1):
+        for i, m in enumerate(models):
+            for name, p in m.named_parameters():
+                p.grad = grads(i, step, name, p.detach())
+            if step_time is not None:
+                group.communicator(i).add_compute(step_time)
+        before_inner_step_all(syncs)
+        for o in opts:
+            o.step()
+        after_inner_step_all(syncs)
+    return models, syncs, group, init
+
+
+def plain_sgd_outer(lr: float = 1.0) -> dict[str, object]:
+    return {"outer_lr": lr, "outer_momentum": 0.0, "outer_nesterov": False}
+
+
+@pytest.fixture
+def toy() -> Toy:
+    torch.manual_seed(0)
+    return Toy()
