@@ -114,6 +114,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _cmd_data(args: argparse.Namespace) -> int:
+    from eagerloco.data import fetch_brown
+
+    path = fetch_brown(args.data_dir)
+    print(f"Brown Corpus ready in {path}")
+    return 0
+
+
 def format_table(summaries: list[dict[str, Any]]) -> str:
     """The comparison table: method, eval loss, bytes, peak, compute utilization on the link."""
     head = ("method", "eval loss", "bytes sent/worker", "peak sync", "blocked s", "CU (link)")
@@ -158,6 +166,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     p.add_argument("--data-dir", default=None, help="data cache directory")
     p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("data", help="fetch and cache the default data (the Brown Corpus)")
+    p.add_argument("action", choices=["fetch"], help="fetch: download once, verify the cache afterwards")
+    p.add_argument("--data-dir", default=None, help="cache dir (default $EAGERLOCO_DATA_DIR or ~/.cache/eagerloco)")
+    p.set_defaults(func=_cmd_data)
     for mod in ("eagerloco.sim.cli", "eagerloco.launch"):
         try:
             module = __import__(mod, fromlist=["add_parser"])

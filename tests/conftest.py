@@ -71,7 +71,7 @@ def run_inprocess(
     models = [copy.deepcopy(init) for _ in range(workers)]
     group = InProcessGroup(workers, link, count_overhead=step_time is None)
     opts = [torch.optim.SGD(m.parameters(), lr=inner_lr) for m in models]
-    syncs = [OuterSync(m, o, group.communicator(i), cfg) for i, (m, o) in enumerate(zip(models, opts))]
+    syncs = [OuterSync(m, o, group.communicator(i), cfg) for i, (m, o) in enumerate(zip(models, opts, strict=True))]
     for step in range(1, steps + 1):
         for i, m in enumerate(models):
             for name, p in m.named_parameters():

@@ -15,7 +15,15 @@ import random
 import torch
 
 from eagerloco.codecs import Codec
-from eagerloco.comm.base import Communicator, Handle, WorkerStats, flatten, mean_of_payloads, unflatten, wire_bytes
+from eagerloco.comm.base import (
+    Communicator,
+    Handle,
+    WorkerStats,
+    flatten,
+    mean_of_payloads,
+    unflatten,
+    wire_bytes,
+)
 from eagerloco.config import LinkConfig
 
 

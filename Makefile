@@ -1,0 +1,29 @@
+# Every target bootstraps .venv on its own, idempotently.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint data clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch pinned: these machines carry the 2.13.0 CPU wheel; an unpinned torch pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+data: $(STAMP)
+	$(PY) -m eagerloco data fetch
+
+demo: $(STAMP)
+	$(PY) -m eagerloco demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check eagerloco tests bench
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs *.egg-info

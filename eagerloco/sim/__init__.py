@@ -1,0 +1,24 @@
+"""Compute-utilization simulator: how much of a run's wall clock each method spends computing.
+
+Shares :mod:`eagerloco.schedule` with training, so the simulated schedule is the one that runs.
+Modules: ``model`` (presets, rows, payload sizes), ``engine`` (event simulation, vectorized over
+bandwidth), ``search`` (least bandwidth per target), ``plot`` (PNG figures), ``cli`` (the
+``simulate`` subcommand: ``add_parser`` and ``run``).
+"""
+
+from eagerloco.sim.engine import SimResult, simulate
+from eagerloco.sim.model import PRESETS, ModelSpec, SimError, Variant, default_variants, traffic
+from eagerloco.sim.search import bandwidth_grid, least_bandwidth
+
+__all__ = [
+    "PRESETS",
+    "ModelSpec",
+    "SimError",
+    "SimResult",
+    "Variant",
+    "bandwidth_grid",
+    "default_variants",
+    "least_bandwidth",
+    "simulate",
+    "traffic",
+]

@@ -1,0 +1,7 @@
+"""``python -m eagerloco.sim``: the simulate subcommand on its own."""
+
+import sys
+
+from eagerloco.sim.cli import main
+
+sys.exit(main(["simulate", *sys.argv[1:]]))

@@ -1,0 +1,220 @@
+"""What is simulated: model presets, step times, the method rows and the bytes they put on the link.
+
+Everything here is arithmetic on sizes; the timing lives in :mod:`eagerloco.sim.engine`.
+This module imports neither torch nor the codecs, so ``eagerloco simulate`` starts instantly;
+payload sizes are computed from bits per value plus per-block scale bytes, the same layout the
+runtime codecs pack (values, then one scale per block for formats below 16 bits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from eagerloco.config import METHODS
+
+
+class SimError(ValueError):
+    """Invalid simulator input; the message names the flag and what it accepts."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the simulator sees it: parameters spread evenly over its transformer blocks.
+
+    Embeddings and head are folded into the blocks (params / layers each), as the papers'
+    simulation does; step_time is one inner step (forward + backward) of one worker.
+    """
+
+    name: str
+    params: float
+    layers: int
+    step_time: float
+
+    @property
+    def params_per_layer(self) -> float:
+        return self.params / self.layers
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+#: The papers' presets: 60% MFU step times for 1B, 10B and 100B models (ALGORITHMS.md section 9).
+PRESETS: dict[str, ModelSpec] = {
+    "1b": ModelSpec("1b", 1e9, 24, 0.1),
+    "10b": ModelSpec("10b", 1e10, 48, 0.8),
+    "100b": ModelSpec("100b", 1e11, 108, 4.9),
+}
+
+
+def flops_step_time(params: float, tokens_per_step: float, accel_tflops: float, mfu: float) -> float:
+    """Seconds per inner step from the 6 * params * tokens FLOPs rule at a given speed and MFU."""
+    if not (accel_tflops > 0 and math.isfinite(accel_tflops)):
+        raise SimError(f"--accel-tflops must be a positive number of TFLOP/s, got {accel_tflops}")
+    if not 0 < mfu <= 1:
+        raise SimError(f"--mfu must be in (0, 1], got {mfu}")
+    if not (tokens_per_step > 0 and math.isfinite(tokens_per_step)):
+        raise SimError(f"--tokens-per-step must be a positive number, got {tokens_per_step}")
+    return 6.0 * params * tokens_per_step / (accel_tflops * 1e12 * mfu)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the tables: a method of :data:`eagerloco.config.METHODS` with its settings.
+
+    fragmented: the exchange is split into the P streaming fragments (streaming always; delayed
+    and eager only when asked, as the eager paper's main setting syncs the whole model).
+    """
+
+    key: str
+    label: str
+    method: str
+    bits: int
+    fragmented: bool = False
+    overlap_steps: int = 0
+    eager_rounds: int = 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default_variants(
+    bits: int = 32,
+    dp_bits: int = 16,
+    low_bits: int = 4,
+    taus: tuple[int, ...] = (1,),
+    delayed_rounds: tuple[int, ...] = (1,),
+    eager_rounds: tuple[int, ...] = (1, 2),
+    eager_fragmented: bool = False,
+) -> list[Variant]:
+    """The rows of the papers' comparison, parameterized by the CLI flags.
+
+    data-parallel, DiLoCo, Streaming (blocking), Streaming with each tau of overlap, Streaming with
+    the first tau at low_bits (the papers' "4-bit overlapped" headline row), naive delayed and eager
+    with k rounds of tolerance.
+    """
+    rows = [
+        Variant("dp", f"data-parallel {dp_bits}-bit", "dp", dp_bits),
+        Variant("diloco", f"DiLoCo {bits}-bit", "diloco", bits),
+        Variant("streaming", f"Streaming {bits}-bit", "streaming", bits, fragmented=True),
+    ]
+    for tau in taus:
+        if tau > 0:
+            rows.append(
+                Variant(
+                    f"streaming-tau{tau}", f"Streaming tau={tau} {bits}-bit", "streaming", bits, True, tau
+                )
+            )
+    if taus and low_bits != bits:
+        tau = taus[0]
+        suffix = f"-tau{tau}" if tau > 0 else ""
+        label = f"Streaming tau={tau} {low_bits}-bit" if tau > 0 else f"Streaming {low_bits}-bit"
+        rows.append(Variant(f"streaming{suffix}-{low_bits}bit", label, "streaming", low_bits, True, tau))
+    for method, ks, name in (("delayed", delayed_rounds, "naive delayed"), ("eager", eager_rounds, "eager")):
+        for k in ks:
+            label = f"{name} k={k} {bits}-bit" + (" streamed" if eager_fragmented else "")
+            rows.append(Variant(f"{method}-k{k}", label, method, bits, eager_fragmented, 0, k))
+    return rows
+
+
+def select_variants(rows: list[Variant], wanted: list[str] | None) -> list[Variant]:
+    """Keep the rows named by --method: a method name (all its rows) or a row key."""
+    if not wanted:
+        return rows
+    keys = {r.key for r in rows}
+    for w in wanted:
+        if w not in METHODS and w not in keys:
+            raise SimError(
+                f"--method must be one of {', '.join(METHODS)} or a row key "
+                f"({', '.join(sorted(keys))}); got {w!r}"
+            )
+    return [r for r in rows if r.method in wanted or r.key in wanted]
+
+
+def fragment_count(layers: int, fragment_layers: int) -> int:
+    """P = ceil(layers / fragment_layers): the papers use 3 blocks per fragment at every scale."""
+    return max(1, math.ceil(layers / fragment_layers))
+
+
+def fragment_layer_counts(layers: int, fragments: int) -> list[int]:
+    """Blocks per fragment under the strided pattern (fragment p holds blocks p, p+P, ...).
+
+    The largest holds ceil(layers / P) blocks, so adding fragments never enlarges the peak.
+    """
+    fragments = min(fragments, layers)
+    return [len(range(p, layers, fragments)) for p in range(fragments)]
+
+
+def payload_bytes(numel: float, bits: int, block: int = 32, scale_bytes: int = 1) -> float:
+    """Encoded size of numel values: bits per value, plus one scale per block below 16 bits."""
+    body = numel * bits / 8
+    if bits >= 16:
+        return body
+    return body + math.ceil(numel / block) * scale_bytes
+
+
+def wire_bytes(payload: float, workers: int, bits: int, transport: str = "ring") -> float:
+    """Bytes one worker sends for one exchange of payload bytes.
+
+    ring: a ring all-reduce, 2(M-1)/M of the payload, for every format (the papers' model).
+    allgather: what the runtime does for quantized payloads so that sums stay in FP32: each
+    worker sends (M-1) payloads; FP32 payloads still use the ring. Identical for M = 2.
+    """
+    if workers <= 1:
+        return 0.0
+    if transport == "allgather" and bits < 32:
+        return (workers - 1) * payload
+    return 2 * (workers - 1) / workers * payload
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Link traffic of one variant on one model, per worker."""
+
+    transfers: list[float]  # wire bytes of each transfer of one period (a step for dp, a round else)
+    period_steps: int  # inner steps in that period
+
+    @property
+    def bytes_per_step(self) -> float:
+        return sum(self.transfers) / self.period_steps
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(self.transfers, default=0.0)
+
+
+def traffic(
+    model: ModelSpec,
+    variant: Variant,
+    workers: int,
+    inner_steps: int,
+    fragments: int,
+    block: int = 32,
+    scale_bytes: int = 1,
+    transport: str = "ring",
+) -> Traffic:
+    """Sizes of the transfers one period puts on the link.
+
+    dp: one gradient all-reduce per block per step (always a ring). Outer methods: one exchange
+    per fragment per round of H steps (one fragment unless the variant is fragmented).
+    """
+    per_layer = model.params_per_layer
+    if variant.method == "dp":
+        one = wire_bytes(payload_bytes(per_layer, variant.bits, block, scale_bytes), workers, 32, "ring")
+        return Traffic([one] * model.layers, 1)
+    counts = fragment_layer_counts(model.layers, fragments) if variant.fragmented else [model.layers]
+    sizes = [
+        wire_bytes(
+            payload_bytes(c * per_layer, variant.bits, block, scale_bytes), workers, variant.bits, transport
+        )
+        for c in counts
+    ]
+    return Traffic(sizes, inner_steps)
+
+
+def with_name(model: ModelSpec, **changes: Any) -> ModelSpec:
+    """A preset with some fields overridden (a custom model keeps the preset's name plus a mark)."""
+    if not changes:
+        return model
+    return replace(model, name=model.name if model.name == "custom" else f"{model.name}*", **changes)
