@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from eagerloco.config import METHODS, PATTERNS, WEIGHTINGS, ConfigError, LinkConfig, OuterConfig, from_dict
+from eagerloco.data import DataError
 
 # CLI flag -> (section, field). Sections: "train" (TrainConfig), "outer", "link".
 _OUTER_FIELDS = {f.name for f in fields(OuterConfig)}
@@ -187,6 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"eagerloco: error: {e}", file=sys.stderr)
         return 2
-    except FileNotFoundError as e:
+    except (FileNotFoundError, DataError) as e:
         print(f"eagerloco: error: {e}", file=sys.stderr)
         return 2

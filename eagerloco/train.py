@@ -277,10 +277,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     cfg.validate()
     torch.manual_seed(cfg.seed)
-    corpus = load_corpus(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed)
     tok = ByteTokenizer()
     base = build_model(cfg, tok.vocab_size)
     cfg.outer.validate(num_blocks=len(getattr(base, "blocks", [])))
+    corpus = load_corpus(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed)
     streams = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed)
     evb = eval_batches(corpus, tok, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
     group = InProcessGroup(cfg.workers, cfg.link, seed=cfg.seed, count_overhead=cfg.sim_step_time is None)

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from eagerloco.codecs import SCALE_BYTES
 from eagerloco.sim import cli
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.model import (
@@ -252,7 +253,7 @@ def test_bytes_per_token_ratio_against_data_parallel() -> None:
     s4 = traffic(ONE_B, Variant("s", "s", "streaming", 4, True, 1), 2, H, P)
     s4_noscale = traffic(ONE_B, Variant("s", "s", "streaming", 4, True, 1), 2, H, P, scale_bytes=0)
     assert dp.bytes_per_step / s4_noscale.bytes_per_step == pytest.approx(H * 16 / 4)
-    assert dp.bytes_per_step / s4.bytes_per_step == pytest.approx(H * 16 / (4 + 8 / 32))
+    assert dp.bytes_per_step / s4.bytes_per_step == pytest.approx(H * 16 / (4 + 8 * SCALE_BYTES / 32))
     assert payload_bytes(64, 4, 32, 1) == 64 * 4 / 8 + 2
     assert wire_bytes(100.0, 4, 4, "allgather") == 300.0 and wire_bytes(100.0, 4, 32, "allgather") == 150.0
     assert wire_bytes(100.0, 1, 32) == 0.0

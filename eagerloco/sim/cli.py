@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from eagerloco.codecs import SCALE_BYTES
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.model import (
     PRESETS,
@@ -103,7 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--low-bits", type=int, default=4, help="bits of the extra quantized Streaming row")
     c.add_argument("--dp-bits", type=int, default=16, help="bits per gradient value for data-parallel")
     c.add_argument("--block", type=int, default=32, help="values per scale block for formats below 16 bits")
-    c.add_argument("--scale-bytes", type=int, default=1, help="bytes per block scale below 16 bits")
+    c.add_argument("--scale-bytes", type=int, default=SCALE_BYTES,
+                   help="bytes per block scale below 16 bits (default: what the codecs store)")
     c.add_argument(
         "--transport",
         choices=("ring", "allgather"),

@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from eagerloco.codecs import SCALE_BYTES
 from eagerloco.config import METHODS
 
 
@@ -146,7 +147,7 @@ def fragment_layer_counts(layers: int, fragments: int) -> list[int]:
     return [len(range(p, layers, fragments)) for p in range(fragments)]
 
 
-def payload_bytes(numel: float, bits: int, block: int = 32, scale_bytes: int = 1) -> float:
+def payload_bytes(numel: float, bits: int, block: int = 32, scale_bytes: int = SCALE_BYTES) -> float:
     """Encoded size of numel values: bits per value, plus one scale per block below 16 bits."""
     body = numel * bits / 8
     if bits >= 16:
@@ -191,7 +192,7 @@ def traffic(
     inner_steps: int,
     fragments: int,
     block: int = 32,
-    scale_bytes: int = 1,
+    scale_bytes: int = SCALE_BYTES,
     transport: str = "ring",
 ) -> Traffic:
     """Sizes of the transfers one period puts on the link.
