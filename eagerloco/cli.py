@@ -10,6 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from eagerloco.checkpoint import CheckpointError
 from eagerloco.config import METHODS, PATTERNS, WEIGHTINGS, ConfigError, LinkConfig, OuterConfig, from_dict
 from eagerloco.data import DataError
 
@@ -59,6 +60,11 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-every", type=int, help="metrics line every N steps (default 10)")
     g.add_argument("--sim-step-time", type=float,
                    help="simulated seconds per inner step instead of the measured time (in-process)")
+    g.add_argument("--tokens", type=int, help="token budget over all workers; sets --steps")
+    g.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps, 0: never (default 0)")
+    g.add_argument("--keep-checkpoints", type=int, help="how many checkpoints to keep (default 2)")
+    g.add_argument("--resume", action="store_true", default=None,
+                   help="continue from the newest valid checkpoint in --out")
     g.add_argument("--seed", type=int, help="random seed (default 0)")
     g.add_argument("--out", help="output directory (default runs/latest)")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
@@ -188,6 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"eagerloco: error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, DataError) as e:
+    except (FileNotFoundError, DataError, CheckpointError) as e:
         print(f"eagerloco: error: {e}", file=sys.stderr)
         return 2

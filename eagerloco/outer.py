@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from eagerloco.codecs import get_codec
-from eagerloco.comm.base import Communicator, Handle
+from eagerloco.comm.base import Communicator, Handle, ReadyHandle
 from eagerloco.config import OuterConfig
 from eagerloco.fragments import assign_fragments, find_blocks
 from eagerloco.schedule import apply_delay, fragment_offsets, fragments_due
@@ -294,14 +294,39 @@ class OuterSync:
                         local.copy_(s)
 
     def state_dict(self) -> dict[str, Any]:
-        """Outer copies, outer-optimizer state and the step counter (exchanges in flight excluded)."""
+        """Everything needed to continue exactly: outer copies, outer-optimizer state, step,
+        stochastic-rounding generator, and the exchanges in flight with their results.
+
+        In-flight exchanges are resolved (on a real link this waits for them) and replaced by
+        ready handles in this run too, so the run that continues and the run that resumes from
+        this state apply the very same numbers.
+        """
+        in_flight = []
+        for item in self.in_flight:
+            mean, ready_at = item.handle.checkpoint_result()
+            own, nbytes = item.handle.own, item.handle.payload_bytes
+            item.handle = ReadyHandle(self.comm, mean, own, nbytes, ready_at)
+            in_flight.append({
+                "fragment": item.fragment, "launch_step": item.launch_step, "apply_step": item.apply_step,
+                "mean": mean, "own": own, "payload_bytes": nbytes, "ready_at": ready_at,
+            })
         return {
+            "method": self.config.method,
             "step": self.step,
             "outer": [[t.clone() for t in frag] for frag in self.outer],
             "outer_opts": [opt.state_dict() for opt in self.outer_opts],
+            "in_flight": in_flight,
+            "generator": self.generator.get_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("method") != self.config.method:
+            raise ValueError(f"state is for method {state.get('method')!r}, this run uses {self.config.method!r}")
+        if len(state["outer"]) != len(self.outer) or any(
+            len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True))
+            for a, b in zip(state["outer"], self.outer, strict=True)
+        ):
+            raise ValueError("state's fragments do not match this model and --fragments setting")
         self.step = int(state["step"])
         with torch.no_grad():
             for frag, saved in zip(self.outer, state["outer"], strict=True):
@@ -309,6 +334,17 @@ class OuterSync:
                     t.copy_(s)
         for opt, s in zip(self.outer_opts, state["outer_opts"], strict=True):
             opt.load_state_dict(s)
+        self.generator.set_state(state["generator"])
+        self.in_flight = [
+            _InFlight(
+                x["fragment"],
+                ReadyHandle(self.comm, x["mean"], x["own"], x["payload_bytes"], x["ready_at"]),
+                x["launch_step"],
+                x["apply_step"],
+                None,
+            )
+            for x in state["in_flight"]
+        ]
 
 
 def before_inner_step_all(syncs: Sequence[OuterSync]) -> None:

@@ -54,6 +54,10 @@ class TrainConfig:
     out: str = "runs/latest"
     sim_step_time: float | None = None
     progress: bool = True
+    tokens: int | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    resume: bool = False
     outer: OuterConfig = field(default_factory=OuterConfig)
     link: LinkConfig = field(default_factory=LinkConfig)
 
@@ -62,7 +66,12 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
-        for name in ("warmup_steps", "eval_every", "seed"):
+        if self.tokens is not None:
+            if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
+                raise ConfigError(f"--tokens must be a positive integer token budget, got {self.tokens!r}")
+            per_step = self.batch_size * self.seq_len * self.workers
+            self.steps = -(-self.tokens // per_step)
+        for name in ("warmup_steps", "eval_every", "seed", "checkpoint_every", "keep_checkpoints"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}")
@@ -115,6 +124,33 @@ class Worker:
         self.last_loss = float(loss.detach())
         self._compute(time.perf_counter() - t0, 1.0)
 
+    def state_dict(self) -> dict[str, Any]:
+        comm = self.comm
+        return {
+            "model": self.model.state_dict(),
+            "opt": self.opt.state_dict(),
+            "sched": self.sched.state_dict(),
+            "sync": self.sync.state_dict(),
+            "stream": self.stream.state_dict(),
+            "stats": comm.stats.as_dict(),
+            "clock": comm.clock() if _simulated(comm) else None,
+            "last_loss": self.last_loss,
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.sched.load_state_dict(state["sched"])
+        self.sync.load_state_dict(state["sync"])
+        self.stream.load_state_dict(state["stream"])
+        for k, v in state["stats"].items():
+            setattr(self.comm.stats, k, v)
+        if state["clock"] is not None and _simulated(self.comm):
+            self.comm._clock = state["clock"]  # type: ignore[attr-defined]
+        self.last_loss = state["last_loss"]
+        torch.set_rng_state(state["torch_rng"])
+
     def optimizer_step(self) -> None:
         t0 = time.perf_counter()
         if self.cfg.grad_clip > 0:
@@ -154,18 +190,26 @@ def run_training(
     num_workers: int,
     log: Callable[[dict[str, Any]], None],
     show_progress: bool,
+    start_step: int = 0,
+    checkpoint: Callable[[int], None] | None = None,
+    real_elapsed: float = 0.0,
 ) -> dict[str, Any]:
-    """Drive the local workers through cfg.steps inner steps; returns the summary."""
+    """Drive the local workers from start_step to cfg.steps inner steps; returns the summary.
+
+    checkpoint(step) is called every cfg.checkpoint_every steps (after the step is complete).
+    """
     syncs = [w.sync for w in workers]
     tokens_per_step = cfg.batch_size * cfg.seq_len * num_workers
     bar = None
     if show_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, desc=f"{cfg.outer.method}", unit="step", dynamic_ncols=True, leave=False)
-    real_t0 = time.perf_counter()
+        # disable=None: a bar on a terminal, nothing in a pipe (the metrics lines say enough there).
+        bar = tqdm(total=cfg.steps, initial=start_step, desc=cfg.outer.method, unit="step",
+                   dynamic_ncols=True, leave=False, disable=None)
+    real_t0 = time.perf_counter() - real_elapsed
     eval_loss = float("nan")
-    for step in range(1, cfg.steps + 1):
+    for step in range(start_step + 1, cfg.steps + 1):
         for w in workers:
             w.forward_backward()
         before_inner_step_all(syncs)
@@ -197,6 +241,8 @@ def run_training(
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", sent=_human(st.bytes_sent), blocked=f"{st.blocked_s:.2f}s")
         if bar is not None:
             bar.update(1)
+        if checkpoint is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            checkpoint(step)
     for s in syncs:
         s.drain()
     if bar is not None:
@@ -271,8 +317,28 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+#: Settings that may change between a run and its resumption without changing its numbers.
+_RESUMABLE_CHANGES = {"progress", "resume", "out", "checkpoint_every", "keep_checkpoints", "eval_every", "log_every"}
+
+
+def _check_resume_config(saved: dict[str, Any], cfg: TrainConfig) -> None:
+    now = _finite_json(asdict(cfg))
+    diffs = sorted(k for k in set(saved) | set(now) if k not in _RESUMABLE_CHANGES and saved.get(k) != now.get(k))
+    if diffs:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diffs)
+        raise ConfigError(
+            f"--resume: the checkpoint was made with different settings ({detail}); "
+            "rerun with the original settings or start a fresh run in another --out directory"
+        )
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train M in-process workers on the configured text; writes metrics.jsonl and summary.json."""
+    """Train M in-process workers on the configured text; writes metrics.jsonl and summary.json.
+
+    With cfg.checkpoint_every, checkpoints go to <out>/checkpoints; cfg.resume continues from the
+    newest valid one, giving the same numbers as a run that was never interrupted.
+    """
+    from eagerloco import checkpoint as ckpt
     from eagerloco.data import ByteTokenizer, eval_batches, load_corpus, worker_streams
 
     cfg.validate()
@@ -280,6 +346,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     tok = ByteTokenizer()
     base = build_model(cfg, tok.vocab_size)
     cfg.outer.validate(num_blocks=len(getattr(base, "blocks", [])))
+    out = Path(cfg.out)
+    root = ckpt.checkpoint_root(out)
+    found = ckpt.latest_valid(root) if cfg.resume else None
+    if cfg.resume and found is None:
+        raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh")
+    if found is not None:
+        _check_resume_config(found[1]["config"], cfg)
     corpus = load_corpus(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed)
     streams = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed)
     evb = eval_batches(corpus, tok, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
@@ -288,15 +361,36 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         Worker(base if m == 0 else copy.deepcopy(base), group.communicator(m), streams[m], cfg)
         for m in range(cfg.workers)
     ]
-    out = Path(cfg.out)
+    start_step, real_elapsed = 0, 0.0
+    if found is not None:
+        path, meta = found
+        for m, w in enumerate(workers):
+            w.load_state_dict(ckpt.load_worker_state(path, m))
+        group.load_state_dict(meta["group"])
+        start_step, real_elapsed = int(meta["step"]), float(meta.get("real_elapsed", 0.0))
+        print(f"resuming from {path} (step {start_step} of {cfg.steps})", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "metrics.jsonl", "w") as mf:
+    metrics_path = out / "metrics.jsonl"
+    kept = []
+    if start_step and metrics_path.exists():  # drop lines logged after the checkpoint
+        kept = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start_step]
+    t_run = time.perf_counter()
+
+    def save(step: int) -> None:
+        states = {m: w.state_dict() for m, w in enumerate(workers)}
+        meta = {"config": _finite_json(asdict(cfg)), "group": group.state_dict(),
+                "real_elapsed": real_elapsed + time.perf_counter() - t_run}
+        ckpt.save(root, step, states, meta, keep=cfg.keep_checkpoints)
+
+    with open(metrics_path, "w") as mf:
+        for ln in kept:
+            mf.write(ln + "\n")
 
         def log(rec: dict[str, Any]) -> None:
             mf.write(json.dumps(_finite_json(rec)) + "\n")
             mf.flush()
 
-        summary = run_training(cfg, workers, evb, cfg.workers, log, cfg.progress)
+        summary = run_training(cfg, workers, evb, cfg.workers, log, cfg.progress, start_step, save, real_elapsed)
     summary["num_params"] = sum(p.numel() for p in base.parameters())
     summary["config"] = asdict(cfg)
     write_json_atomic(out / "summary.json", summary)

@@ -86,6 +86,37 @@ class Handle(ABC):
     def done(self) -> bool:
         """Whether wait() would return without blocking."""
 
+    def checkpoint_result(self) -> tuple[list[torch.Tensor], float | None]:
+        """The mean, for a checkpoint, and the clock time it lands at (None: already landed).
+
+        The default waits; a runtime with a simulated clock returns the result without moving
+        the clock, so checkpointing does not change the run's accounting.
+        """
+        return self.wait(), None
+
+
+class ReadyHandle(Handle):
+    """An exchange whose result is already known: restored from a checkpoint, or snapshotted for one."""
+
+    def __init__(
+        self, comm: Communicator, mean: list[torch.Tensor], own: list[torch.Tensor], payload_bytes: int,
+        ready_at: float | None,
+    ) -> None:
+        self._comm, self._mean, self._ready_at = comm, mean, ready_at
+        self.own = own
+        self.payload_bytes = payload_bytes
+
+    def done(self) -> bool:
+        return self._ready_at is None or self._ready_at <= self._comm.clock()
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._ready_at is not None:
+            self._comm.wait_until(self._ready_at)
+        return [t.clone() for t in self._mean]
+
+    def checkpoint_result(self) -> tuple[list[torch.Tensor], float | None]:
+        return self._mean, self._ready_at
+
 
 class Communicator(ABC):
     """One worker's view of the outer group."""
@@ -115,6 +146,9 @@ class Communicator(ABC):
     def add_overhead(self, seconds: float) -> None:
         """Record outer-machinery time spent outside the link (advances a simulated clock)."""
         self.stats.overhead_s += seconds
+
+    def wait_until(self, t: float) -> None:  # noqa: B027 - only simulated clocks need it
+        """Block (on a simulated clock) until time t, counting the wait as blocked time."""
 
     def barrier(self) -> None:  # noqa: B027 - optional for implementations without peers
         """Wait for every worker (used at start and end of a run)."""

@@ -59,6 +59,16 @@ class InProcessHandle(Handle):
     def wait(self) -> list[torch.Tensor]:
         if self._waited:
             raise RuntimeError("this exchange was already waited on; wait on each handle exactly once")
+        mean = self._mean()
+        self._waited = True
+        assert self._ex.finish_time is not None
+        self._comm.wait_until(self._ex.finish_time)
+        return [t.clone() for t in mean]
+
+    def checkpoint_result(self) -> tuple[list[torch.Tensor], float | None]:
+        return [t.clone() for t in self._mean()], self._ex.finish_time
+
+    def _mean(self) -> list[torch.Tensor]:
         ex = self._ex
         if not ex.complete():
             missing = [m for m, p in enumerate(ex.payloads) if p is None]
@@ -67,16 +77,10 @@ class InProcessHandle(Handle):
                 "launched yet; launch every worker's exchange before any worker waits "
                 "(drive the workers with eagerloco.outer.lockstep)"
             )
-        self._waited = True
         if ex.mean is None:
             flat = mean_of_payloads(ex.codec, ex.payloads, ex.numel)  # type: ignore[arg-type]
             ex.mean = unflatten(flat, ex.like)
-        assert ex.finish_time is not None
-        comm = self._comm
-        if ex.finish_time > comm._clock:
-            comm.stats.blocked_s += ex.finish_time - comm._clock
-            comm._clock = ex.finish_time
-        return [t.clone() for t in ex.mean]
+        return ex.mean
 
 
 class InProcessGroup:
@@ -98,6 +102,17 @@ class InProcessGroup:
         self._link_free = 0.0
         self._rng = random.Random(seed)
         self.communicators = [InProcessCommunicator(self, m) for m in range(num_workers)]
+
+    def state_dict(self) -> dict[str, object]:
+        """The link's state between steps (every exchange launched by then is complete)."""
+        if self._by_seq:
+            raise RuntimeError("cannot checkpoint while an exchange is only partly launched")
+        return {"link_free": self._link_free, "rng": self._rng.getstate()}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self._link_free = float(state["link_free"])  # type: ignore[arg-type]
+        rng = state["rng"]
+        self._rng.setstate((rng[0], tuple(rng[1]), rng[2]))  # type: ignore[index]
 
     def communicator(self, worker: int) -> InProcessCommunicator:
         return self.communicators[worker]
@@ -160,6 +175,11 @@ class InProcessCommunicator(Communicator):
     def add_compute(self, seconds: float) -> None:
         self.stats.compute_s += seconds
         self._clock += seconds
+
+    def wait_until(self, t: float) -> None:
+        if t > self._clock:
+            self.stats.blocked_s += t - self._clock
+            self._clock = t
 
     def add_overhead(self, seconds: float) -> None:
         self.stats.overhead_s += seconds

@@ -1,0 +1,150 @@
+"""Checkpoints that survive crashes: written atomically, verified on load, never half-read.
+
+Layout: ``<run>/checkpoints/step_00000100/`` holds one ``worker_<m>.pt`` per worker and a
+``meta.json`` listing every file with its size and SHA-256. The directory is built under a
+temporary name and renamed into place only when complete, so a crash mid-write leaves the
+previous checkpoint as the newest one. Loading verifies every checksum; a corrupt or truncated
+checkpoint is refused with a message naming the file, and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+_PREFIX = "step_"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint; the message says which file is wrong and what to do."""
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def staging_dir(root: Path, step: int) -> Path:
+    """Where the files of step's checkpoint are written before it is published."""
+    return root / f".partial-{_PREFIX}{step:08d}"
+
+
+def write_worker_state(stage: Path, worker: int, state: dict[str, Any]) -> dict[str, Any]:
+    """Serialize one worker's state into the staging directory; returns its manifest entry."""
+    stage.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getvalue()
+    name = f"worker_{worker}.pt"
+    _write_bytes(stage / name, data)
+    return {"file": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def publish(root: Path, step: int, entries: list[dict[str, Any]], meta: dict[str, Any], keep: int = 2) -> Path:
+    """Write meta.json last, rename the staging directory into place, prune old checkpoints."""
+    stage = staging_dir(root, step)
+    full = {"format": FORMAT_VERSION, "step": step, "files": entries, **meta}
+    _write_bytes(stage / "meta.json", (json.dumps(full, indent=1, default=str) + "\n").encode())
+    _fsync_dir(stage)
+    final = root / f"{_PREFIX}{step:08d}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(stage, final)
+    _fsync_dir(root)
+    if keep > 0:
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def save(root: Path, step: int, states: dict[int, dict[str, Any]], meta: dict[str, Any], keep: int = 2) -> Path:
+    """Save every worker's state of a process that holds them all (the in-process runtime)."""
+    stage = staging_dir(root, step)
+    if stage.exists():
+        shutil.rmtree(stage)
+    entries = [write_worker_state(stage, m, s) for m, s in sorted(states.items())]
+    return publish(root, step, entries, meta, keep)
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Published checkpoints, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """Meta of a checkpoint whose every file matches its size and checksum; raises CheckpointError."""
+    meta_path = path / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{meta_path} is missing: the checkpoint was not completed") from e
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{meta_path} is unreadable or corrupt ({e})") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "files" not in meta:
+        raise CheckpointError(f"{meta_path} is not an eagerloco checkpoint of format {FORMAT_VERSION}")
+    for entry in meta["files"]:
+        f = path / entry["file"]
+        try:
+            data = f.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{f} is missing or unreadable ({e})") from e
+        if len(data) != entry["size"]:
+            raise CheckpointError(f"{f} is truncated or padded: {len(data)} bytes, expected {entry['size']}")
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"{f} fails its SHA-256 check: the file is corrupt")
+    return meta
+
+
+def load_worker_state(path: Path, worker: int) -> dict[str, Any]:
+    f = path / f"worker_{worker}.pt"
+    try:
+        return torch.load(f, map_location="cpu", weights_only=False)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{f} is missing: this checkpoint has no state for worker {worker}") from e
+
+
+def latest_valid(root: Path, log: Any = None) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that verifies, skipping (and reporting) corrupt ones; None if none exist."""
+    problems = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            return path, verify(path)
+        except CheckpointError as e:
+            problems.append(str(e))
+            print(f"eagerloco: skipping checkpoint {path.name}: {e}", file=log or sys.stderr)
+    if problems:
+        raise CheckpointError(
+            "no usable checkpoint under " + str(root) + ":\n  " + "\n  ".join(problems)
+            + "\nstart a fresh run (drop --resume) or restore a good copy of the checkpoint directory"
+        )
+    return None

@@ -1,0 +1,129 @@
+"""Checkpoints: atomic, verified, and a resumed run equals one never interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagerloco import checkpoint as ckpt
+
+ARGS = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "2", "--no-progress",
+        "--workers", "2", "--inner-steps", "6", "--log-every", "3", "--sim-step-time", "0.05",
+        "--bandwidth-gbps", "0.002", "--latency-ms", "20"]
+
+
+def _states() -> dict[int, dict]:
+    return {m: {"w": torch.arange(1000, dtype=torch.float32) * (m + 1), "step": 5} for m in range(2)}
+
+
+def test_save_and_verify_round_trip(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    path = ckpt.save(root, 5, _states(), {"config": {"x": 1}})
+    meta = ckpt.verify(path)
+    assert meta["step"] == 5 and meta["config"] == {"x": 1}
+    assert torch.equal(ckpt.load_worker_state(path, 1)["w"], torch.arange(1000.0) * 2)
+    assert not any(p.name.startswith(".partial") for p in root.iterdir())  # staged files were moved
+
+
+def test_keeps_only_the_newest(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        ckpt.save(root, step, _states(), {}, keep=2)
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_00000003", "step_00000004"]
+
+
+@pytest.mark.parametrize("fraction", [i / 10 for i in range(10)])
+def test_truncated_checkpoint_is_refused_and_the_previous_used(tmp_path: Path, fraction: float) -> None:
+    root = tmp_path / "checkpoints"
+    ckpt.save(root, 1, _states(), {})
+    newest = ckpt.save(root, 2, _states(), {})
+    f = newest / "worker_1.pt"
+    data = f.read_bytes()
+    f.write_bytes(data[: int(len(data) * fraction)])
+    with pytest.raises(ckpt.CheckpointError, match="worker_1.pt is truncated"):
+        ckpt.verify(newest)
+    path, meta = ckpt.latest_valid(root, log=open(os.devnull, "w"))
+    assert meta["step"] == 1 and path.name == "step_00000001"
+
+
+def test_flipped_byte_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    path = ckpt.save(root, 1, _states(), {})
+    f = path / "worker_0.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match="SHA-256"):
+        ckpt.verify(path)
+    with pytest.raises(ckpt.CheckpointError, match="no usable checkpoint"):
+        ckpt.latest_valid(root, log=open(os.devnull, "w"))
+
+
+def test_missing_or_corrupt_meta(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    path = ckpt.save(root, 1, _states(), {})
+    (path / "meta.json").write_text("{not json")
+    with pytest.raises(ckpt.CheckpointError, match="meta.json is unreadable"):
+        ckpt.verify(path)
+    (path / "meta.json").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="meta.json is missing"):
+        ckpt.verify(path)
+
+
+def _train(out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "eagerloco", "train", *ARGS, "--out", str(out), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _result(out: Path) -> tuple[dict, list[dict]]:
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return summary, metrics
+
+
+@pytest.mark.parametrize("method", ["eager", "streaming"])
+def test_killed_run_resumes_to_the_same_numbers(tmp_path: Path, method: str) -> None:
+    extra = ["--method", method, "--steps", "24", "--checkpoint-every", "6"]
+    if method == "streaming":
+        extra += ["--fragments", "2", "--overlap-steps", "1", "--alpha", "0.5", "--codec", "e2m1"]
+    else:
+        extra += ["--eager-rounds", "2", "--codec", "int4", "--stochastic-rounding"]
+    clean = tmp_path / "clean"
+    p = _train(clean, *extra)
+    assert p.wait(timeout=300) == 0, p.stderr.read().decode()
+    killed = tmp_path / "killed"
+    p = _train(killed, *extra)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "step_00000012").exists():  # mid-run, exchanges in flight
+        assert p.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.005)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    assert not (killed / "summary.json").exists()
+    p = _train(killed, *extra, "--resume")
+    assert p.wait(timeout=300) == 0, p.stderr.read().decode()
+    a, am = _result(clean)
+    b, bm = _result(killed)
+    assert a["final_eval_loss"] == b["final_eval_loss"]
+    assert [m["loss"] for m in am] == [m["loss"] for m in bm]
+    for key in ("bytes_sent_per_worker", "peak_sync_bytes", "blocked_s", "wall_s", "compute_utilization"):
+        assert a[key] == pytest.approx(b[key], rel=1e-12), key
+
+
+def test_resume_with_changed_settings_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    p = _train(out, "--method", "diloco", "--steps", "12", "--checkpoint-every", "6")
+    assert p.wait(timeout=300) == 0
+    p = _train(out, "--method", "eager", "--steps", "12", "--resume")
+    assert p.wait(timeout=300) == 2
+    err = p.stderr.read().decode()
+    assert "different settings" in err and "method" in err
