@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from eagerloco.checkpoint import CheckpointError
+from eagerloco.comm.distributed import PeerError
 from eagerloco.config import METHODS, PATTERNS, WEIGHTINGS, ConfigError, LinkConfig, OuterConfig, from_dict
 from eagerloco.data import DataError
 
@@ -69,6 +70,12 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", help="output directory (default runs/latest)")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     p.add_argument("--config", type=Path, help="TOML file: top-level training keys, [outer] and [link] tables")
+    g = p.add_argument_group("multi-process (under torchrun or `eagerloco launch`)")
+    g.add_argument("--ranks-per-worker", type=int, default=1,
+                   help="ranks per worker, data-parallel inside it (default 1)")
+    g.add_argument("--backend", choices=("gloo", "nccl"), help="inner backend (default: nccl with CUDA, else gloo)")
+    g.add_argument("--dist-timeout", type=float, default=300.0,
+                   help="seconds before a silent peer is declared dead (default 300)")
 
 
 def build_train_config(args: argparse.Namespace) -> Any:
@@ -90,7 +97,7 @@ def build_train_config(args: argparse.Namespace) -> Any:
         data.update(raw)
     train_fields = {f.name for f in fields(TrainConfig)} - {"outer", "link"}
     for key, value in vars(args).items():
-        if value is None or key in ("config", "func", "command"):
+        if value is None or key in ("config", "func", "command", "ranks_per_worker", "backend", "dist_timeout"):
             continue
         if key in _OUTER_FIELDS:
             outer[key] = value
@@ -106,10 +113,18 @@ def build_train_config(args: argparse.Namespace) -> Any:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from eagerloco.dist_train import in_distributed_env, train_distributed
     from eagerloco.train import train
 
     cfg = build_train_config(args)
-    summary = train(cfg)
+    if in_distributed_env():
+        summary = train_distributed(cfg, args.ranks_per_worker, args.backend, args.dist_timeout)
+        if summary is None:  # not rank 0: rank 0 prints the table
+            return 0
+    else:
+        if args.ranks_per_worker != 1:
+            raise ConfigError("--ranks-per-worker needs several processes: use `eagerloco launch` or torchrun")
+        summary = train(cfg)
     print(format_table([summary]))
     print(f"\nwrote {Path(cfg.out) / 'summary.json'} and {Path(cfg.out) / 'metrics.jsonl'}")
     return 0
@@ -197,3 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, DataError, CheckpointError) as e:
         print(f"eagerloco: error: {e}", file=sys.stderr)
         return 2
+    except PeerError as e:
+        print(f"eagerloco: error: {e}", file=sys.stderr, flush=True)
+        return 3

@@ -101,8 +101,13 @@ def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
 class Worker:
     """One replica: model, inner optimizer with its schedule, outer algorithm, data stream."""
 
-    def __init__(self, model: nn.Module, comm: Communicator, stream: Any, cfg: TrainConfig) -> None:
+    def __init__(
+        self, model: nn.Module, comm: Communicator, stream: Any, cfg: TrainConfig, inner_group: Any = None
+    ) -> None:
+        """inner_group: the process group of this worker's ranks, whose gradients are averaged
+        every step (data parallelism inside the worker); None when the worker is one rank."""
         self.model = model
+        self.inner_group = inner_group
         self.comm = comm
         self.stream = stream
         self.cfg = cfg
@@ -121,8 +126,25 @@ class Worker:
         self.opt.zero_grad(set_to_none=True)
         _, loss = self.model(x, y)
         loss.backward()
+        if self.inner_group is not None:
+            self._average_inner_grads()
         self.last_loss = float(loss.detach())
         self._compute(time.perf_counter() - t0, 1.0)
+
+    def _average_inner_grads(self) -> None:
+        # One flat all-reduce instead of DDP: the outer algorithm needs the bare module (its blocks)
+        # and the lockstep loop already knows when gradients are ready.
+        import torch.distributed as dist
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.inner_group)
+        flat /= dist.get_world_size(self.inner_group)
+        i = 0
+        for p in params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[i : i + n].view_as(p.grad))
+            i += n
 
     def state_dict(self) -> dict[str, Any]:
         comm = self.comm
@@ -193,6 +215,7 @@ def run_training(
     start_step: int = 0,
     checkpoint: Callable[[int], None] | None = None,
     real_elapsed: float = 0.0,
+    evaluate_on: bool = True,
 ) -> dict[str, Any]:
     """Drive the local workers from start_step to cfg.steps inner steps; returns the summary.
 
@@ -216,7 +239,7 @@ def run_training(
         for w in workers:
             w.optimizer_step()
         after_inner_step_all(syncs)
-        do_eval = cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps
+        do_eval = evaluate_on and cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps
         if do_eval:
             with syncs[0].outer_weights() as m:
                 eval_loss = evaluate(m, eval_batches)
@@ -243,13 +266,24 @@ def run_training(
             bar.update(1)
         if checkpoint is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             checkpoint(step)
+    # Training is over: what is still in flight is waited on (every handle is), but that wait is
+    # shutdown, not training, so it goes to drain_s and does not count against utilization.
+    real_wall = time.perf_counter() - real_t0
+    clocks = [w.comm.clock() for w in workers]
+    blocked = [w.comm.stats.blocked_s for w in workers]
     for s in syncs:
         s.drain()
+    for w, c, b in zip(workers, clocks, blocked, strict=True):
+        w.comm.stats.drain_s += w.comm.stats.blocked_s - b
+        w.comm.stats.blocked_s = b
+        if _simulated(w.comm):
+            w.comm._clock = c  # type: ignore[attr-defined]
     if bar is not None:
         bar.close()
-    with syncs[0].outer_weights() as m:
-        final_eval = evaluate(m, eval_batches)
-    real_wall = time.perf_counter() - real_t0
+    final_eval = float("nan")
+    if evaluate_on:
+        with syncs[0].outer_weights() as m:
+            final_eval = evaluate(m, eval_batches)
     stats = [w.comm.stats for w in workers]
     walls = [w.comm.clock() if _simulated(w.comm) else real_wall for w in workers]
     n = len(workers)
@@ -275,6 +309,7 @@ def run_training(
         "compute_s": compute / n,
         "overhead_s": sum(s.overhead_s for s in stats) / n,
         "blocked_s": sum(s.blocked_s for s in stats) / n,
+        "drain_s": sum(s.drain_s for s in stats) / n,
         "wall_s": max(walls),
         "compute_utilization": compute / sum(walls) if sum(walls) > 0 else 1.0,
         "real_wall_s": real_wall,

@@ -29,6 +29,7 @@ class WorkerStats:
     compute_s: float = 0.0  # inner forward/backward/optimizer time
     overhead_s: float = 0.0  # outer machinery (encode, decode, outer optimizer) outside the link
     blocked_s: float = 0.0  # waiting for an exchange to land
+    drain_s: float = 0.0  # waiting, after the last step, for exchanges still in flight (not training time)
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)

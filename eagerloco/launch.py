@@ -1,0 +1,228 @@
+"""Start a multi-process run on this machine: M workers x R ranks of ``python -m eagerloco train``.
+
+Each process gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT) plus EAGERLOCO_WORKERS and EAGERLOCO_RANKS_PER_WORKER, so the trainer
+code is the same under ``torchrun --standalone`` and here.
+
+Why not torch.distributed.run: its elastic agent restarts or tears down every rank at the first
+failure, while here the others get a grace period to notice the dead peer and exit with a message
+that names it (see :class:`eagerloco.comm.distributed.PeerError`); it also cannot run an arbitrary
+command (tests) and prefixes output only through extra flags. What we keep from torchrun is its
+store arrangement: the launcher hosts the rendezvous TCPStore and sets TORCHELASTIC_USE_AGENT_STORE,
+so every rank connects as a client and the store (with the heartbeats) outlives any rank, rank 0
+included, and the port is taken by the store itself (no race on a "free" port).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import IO, Any
+
+#: Seconds the other processes get to exit on their own after one fails (they notice a dead peer
+#: at once, or within their collective timeout if it hangs) before they are terminated.
+DEFAULT_GRACE_S = 30.0
+_KILL_AFTER_S = 5.0  # between SIGTERM and SIGKILL
+
+
+def _default_command() -> list[str]:
+    return [sys.executable, "-m", "eagerloco", "train"]
+
+
+def launch(
+    argv_for_train: Sequence[str],
+    workers: int,
+    ranks_per_worker: int = 1,
+    master_port: int | None = None,
+    timeout_s: float = DEFAULT_GRACE_S,
+    *,
+    command: Sequence[str] | None = None,
+    out: IO[str] | None = None,
+) -> int:
+    """Run workers * ranks_per_worker local processes; return 0 if all succeed, else the first failure's code.
+
+    timeout_s: grace period after a process fails before the others are terminated.
+    command: what to run instead of ``python -m eagerloco train`` (argv_for_train is appended).
+    out: where the rank-prefixed output goes (default: sys.stdout).
+    """
+    for name, value in (("--workers", workers), ("--ranks-per-worker", ranks_per_worker)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    import torch.distributed as dist  # here, not at module level: `eagerloco --help` stays fast
+
+    nproc = workers * ranks_per_worker
+    store = dist.TCPStore(
+        "127.0.0.1", master_port or 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    out = out or sys.stdout
+    lock = threading.Lock()
+    cmd = list(command or _default_command()) + list(argv_for_train)
+    threads_each = max(1, (os.cpu_count() or 1) // nproc)
+    procs: list[subprocess.Popen[bytes]] = []
+    readers: list[threading.Thread] = []
+    for rank in range(nproc):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
+            EAGERLOCO_WORKERS=str(workers), EAGERLOCO_RANKS_PER_WORKER=str(ranks_per_worker),
+            PYTHONUNBUFFERED="1",
+        )
+        env.setdefault("OMP_NUM_THREADS", str(threads_each))  # as torchrun: no core oversubscription
+        # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it exactly once.
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        procs.append(p)
+        t = threading.Thread(target=_pump, args=(p, f"[rank {rank}] ", out, lock), daemon=True)
+        t.start()
+        readers.append(t)
+
+    def say(msg: str) -> None:
+        with lock:
+            out.write(f"[launch] {msg}\n")
+            out.flush()
+
+    terminated = threading.Event()
+    old_term = _install_sigterm(terminated)
+    try:
+        code = _supervise(procs, timeout_s, say, terminated)
+    except KeyboardInterrupt:
+        say("interrupted: forwarding Ctrl-C to every process")
+        _signal_all(procs, signal.SIGINT)
+        try:
+            _wait_all(procs, min(timeout_s, 10.0))
+        except KeyboardInterrupt:
+            pass
+        _stop(procs, say)
+        code = 130
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+        for t in readers:
+            t.join(timeout=5.0)
+        del store
+    return code
+
+
+def _supervise(
+    procs: list[subprocess.Popen[bytes]], grace_s: float, say: Any, terminated: threading.Event
+) -> int:
+    """Wait for all processes; after the first failure, give the rest grace_s, then stop them."""
+    first: tuple[int, int] | None = None
+    deadline = None
+    while True:
+        codes = [p.poll() for p in procs]
+        for rank, rc in enumerate(codes):
+            if rc not in (None, 0) and first is None:
+                first = (rank, rc)
+                deadline = time.monotonic() + grace_s
+                running = sum(c is None for c in codes)
+                if running:
+                    say(f"rank {rank} exited with code {rc}; the other {running} process(es) get "
+                        f"{grace_s:g} s to finish before they are stopped")
+        if all(c is not None for c in codes):
+            break
+        if terminated.is_set():
+            say("launcher got SIGTERM: stopping every process")
+            _stop(procs, say)
+            return 143
+        if deadline is not None and time.monotonic() >= deadline:
+            say(f"stopping the processes still running {grace_s:g} s after rank {first[0]} failed")
+            _stop(procs, say)
+            break
+        time.sleep(0.05)
+    if first is None:
+        return 0
+    rank, rc = first
+    return rc if rc > 0 else 128 - rc  # killed by signal s: 128 + s, as a shell reports it
+
+
+def _pump(p: subprocess.Popen[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+    """Copy a process's output line by line, each line prefixed with its rank."""
+    assert p.stdout is not None
+    for raw in iter(p.stdout.readline, b""):
+        line = raw.decode(errors="replace")
+        try:
+            with lock:
+                out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+                out.flush()
+        except (OSError, ValueError):  # our output is gone (closed pipe): keep draining the child's
+            pass
+    p.stdout.close()
+
+
+def _signal_all(procs: list[subprocess.Popen[bytes]], sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)  # the process and anything it started
+            except ProcessLookupError:
+                pass
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], say: Any) -> None:
+    """SIGTERM what still runs, then SIGKILL what ignores it."""
+    if not any(p.poll() is None for p in procs):
+        return
+    _signal_all(procs, signal.SIGTERM)
+    _wait_all(procs, _KILL_AFTER_S)
+    if any(p.poll() is None for p in procs):
+        say("some processes ignored SIGTERM: killing them")
+        _signal_all(procs, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
+def _install_sigterm(flag: threading.Event) -> Any:
+    """Turn SIGTERM into a flag the supervisor loop sees (only possible on the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, lambda signum, frame: flag.set())
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line: eagerloco launch --workers M [--ranks-per-worker R] -- <train args>
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``launch`` subcommand on an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "launch",
+        help="run M workers x R ranks of `eagerloco train` as local processes",
+        description="Start workers * ranks-per-worker local processes of `python -m eagerloco train` "
+        "with torchrun's environment; everything after `--` goes to train. For several machines "
+        "use torchrun instead.",
+    )
+    p.add_argument("--workers", type=int, required=True, help="number of workers M (outer group size)")
+    p.add_argument("--ranks-per-worker", type=int, default=1,
+                   help="data-parallel ranks inside each worker (R); M*R processes in all")
+    p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: any free one)")
+    p.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
+                   help="after one process fails, seconds the others get to exit before being stopped")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the arguments of `eagerloco train`")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    train_args = list(args.train_args)
+    if train_args[:1] == ["--"]:
+        train_args = train_args[1:]
+    return launch(train_args, args.workers, args.ranks_per_worker, args.master_port, args.grace_s)
+
+
+__all__ = ["DEFAULT_GRACE_S", "add_parser", "launch", "run"]

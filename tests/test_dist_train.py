@@ -1,0 +1,238 @@
+"""The multi-process runtime end to end: real processes, gloo on loopback, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagerloco import checkpoint as ckpt
+
+BASE = [
+    "--model",
+    "tiny",
+    "--batch-size",
+    "2",
+    "--seq-len",
+    "32",
+    "--eval-batches",
+    "2",
+    "--no-progress",
+    "--log-every",
+    "4",
+    "--seed",
+    "3",
+]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    for k in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "EAGERLOCO_WORKERS",
+        "EAGERLOCO_RANKS_PER_WORKER",
+    ):
+        env.pop(k, None)
+    env.update(extra or {})
+    return env
+
+
+def launch(
+    out: Path, workers: int, args: list[str], ranks: int = 1, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "eagerloco",
+        "launch",
+        "--workers",
+        str(workers),
+        "--ranks-per-worker",
+        str(ranks),
+        "--",
+        *BASE,
+        "--workers",
+        str(workers),
+        "--ranks-per-worker",
+        str(ranks),
+        "--out",
+        str(out),
+        *args,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+def inprocess(out: Path, workers: int, args: list[str]) -> subprocess.CompletedProcess:
+    # One thread, like each launched process, so the matrix products add in the same order.
+    code = "import torch, sys; torch.set_num_threads(1); from eagerloco.cli import main; sys.exit(main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", code, "train", *BASE, "--workers", str(workers), "--out", str(out), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(ONE_THREAD))
+
+
+def final_state(out: Path, worker: int) -> dict:
+    path = ckpt.list_checkpoints(ckpt.checkpoint_root(out))[-1]
+    ckpt.verify(path)
+    return ckpt.load_worker_state(path, worker)
+
+
+METHODS = {
+    "dp": ["--method", "dp"],
+    "diloco": ["--method", "diloco", "--inner-steps", "4"],
+    "streaming": [
+        "--method",
+        "streaming",
+        "--inner-steps",
+        "4",
+        "--fragments",
+        "2",
+        "--overlap-steps",
+        "1",
+        "--alpha",
+        "0.5",
+    ],
+    "delayed": ["--method", "delayed", "--inner-steps", "4"],
+    "eager": ["--method", "eager", "--inner-steps", "4", "--eager-rounds", "2"],
+}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_multiprocess_equals_inprocess(tmp_path: Path, method: str) -> None:
+    args = [*METHODS[method], "--codec", "e2m1", "--steps", "12", "--checkpoint-every", "12"]
+    a, b = tmp_path / "dist", tmp_path / "inproc"
+    r = launch(a, 2, args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = inprocess(b, 2, args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for w in range(2):
+        sa, sb = final_state(a, w), final_state(b, w)
+        for k in sa["model"]:
+            torch.testing.assert_close(sa["model"][k], sb["model"][k], rtol=1e-6, atol=1e-7, msg=f"{w} {k}")
+        for fa, fb in zip(sa["sync"]["outer"], sb["sync"]["outer"], strict=True):
+            for x, y in zip(fa, fb, strict=True):
+                torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+    sa, sb = (json.loads((p / "summary.json").read_text()) for p in (a, b))
+    assert sa["runtime"] == "distributed"
+    assert sa["bytes_sent_per_worker"] == sb["bytes_sent_per_worker"]  # the same bytes counted
+    assert sa["peak_sync_bytes"] == sb["peak_sync_bytes"]
+    assert sa["final_eval_loss"] == pytest.approx(sb["final_eval_loss"], rel=1e-5)
+
+
+def test_overlap_is_real_on_an_emulated_link(tmp_path: Path) -> None:
+    """A full exchange takes ~0.3 s (several inner steps): DiLoCo waits it out every round, eager hides it."""
+    n_bytes = 820_352 * 4  # tiny preset, fp32
+    bw = n_bytes * 8 / 0.3 / 1e9  # M = 2: the ring sends one payload's worth per worker
+    common = [
+        "--inner-steps",
+        "10",
+        "--steps",
+        "30",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "64",
+        "--bandwidth-gbps",
+        f"{bw:.6f}",
+        "--latency-ms",
+        "5",
+    ]
+    out = {}
+    for method in ("diloco", "eager"):
+        r = launch(tmp_path / method, 2, ["--method", method, *common])
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        out[method] = json.loads((tmp_path / method / "summary.json").read_text())
+    link_time = 0.005 + n_bytes * 8 / (bw * 1e9)
+    rounds = 3
+    assert out["diloco"]["blocked_s"] >= 0.95 * rounds * link_time
+    # Eager launches each exchange a whole round (10 steps) before it must land.
+    assert out["eager"]["blocked_s"] < 0.25 * out["diloco"]["blocked_s"], (out["eager"], out["diloco"])
+    assert out["eager"]["compute_utilization"] > out["diloco"]["compute_utilization"]
+
+
+def test_two_ranks_per_worker_stay_identical_and_count_one_exchange(tmp_path: Path) -> None:
+    args = ["--method", "diloco", "--inner-steps", "4", "--steps", "10", "--checkpoint-every", "10"]  # mid-round
+    r = launch(tmp_path, 2, args, ranks=2)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    path = ckpt.list_checkpoints(ckpt.checkpoint_root(tmp_path))[-1]
+    ranks = [ckpt.load_worker_state(path, rank) for rank in range(4)]
+    for w in range(2):
+        first, second = ranks[2 * w], ranks[2 * w + 1]
+        for k in first["model"]:
+            assert torch.equal(first["model"][k], second["model"][k]), k
+        assert first["stream"]["num_tokens"] == second["stream"]["num_tokens"]
+        assert first["stream"]["seed"] != second["stream"]["seed"]  # each rank draws its own batches
+    assert not torch.equal(ranks[0]["model"]["blocks.0.attn.qkv.weight"], ranks[2]["model"]["blocks.0.attn.qkv.weight"])
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["syncs_per_worker"] == 2  # one outer exchange per worker and round, not one per rank
+    n = s["num_params"]
+    assert s["bytes_sent_per_worker"] == 2 * 4 * n  # M = 2 ring: one fp32 payload per exchange
+    assert len(s["per_worker"]) == 2
+
+
+def _pid_of_rank(marker: str, rank: int, deadline: float) -> int:
+    while time.time() < deadline:
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+                env = (d / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if marker in cmd and f"RANK={rank}".encode() in env and "launch" not in cmd:
+                return int(d.name)
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} never started")
+
+
+def test_killed_worker_makes_the_others_stop_with_a_clear_error(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "eagerloco",
+        "launch",
+        "--workers",
+        "3",
+        "--grace-s",
+        "60",
+        "--",
+        *BASE,
+        "--workers",
+        "3",
+        "--method",
+        "eager",
+        "--inner-steps",
+        "3",
+        "--steps",
+        "100000",
+        "--dist-timeout",
+        "20",
+        "--out",
+        str(out),
+    ]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    victim = _pid_of_rank(str(out), 2, time.time() + 60)
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+        assert p.poll() is None
+        time.sleep(0.05)
+    t0 = time.time()
+    os.kill(victim, signal.SIGKILL)
+    output, _ = p.communicate(timeout=120)
+    assert p.returncode != 0
+    assert time.time() - t0 < 20 + 30  # within the timeout (plus diagnosis)
+    for rank in (0, 1):
+        lines = [ln for ln in output.splitlines() if ln.startswith(f"[rank {rank}]") and "error" in ln]
+        assert any("worker 2" in ln for ln in lines), output[-4000:]
