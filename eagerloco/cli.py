@@ -192,12 +192,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["fetch"], help="fetch: download once, verify the cache afterwards")
     p.add_argument("--data-dir", default=None, help="cache dir (default $EAGERLOCO_DATA_DIR or ~/.cache/eagerloco)")
     p.set_defaults(func=_cmd_data)
-    for mod in ("eagerloco.sim.cli", "eagerloco.launch"):
-        try:
-            module = __import__(mod, fromlist=["add_parser"])
-        except ImportError:  # pragma: no cover - optional parts
-            continue
-        module.add_parser(sub)
+    from eagerloco import launch
+    from eagerloco.sim import cli as sim_cli
+
+    sim_cli.add_parser(sub)
+    launch.add_parser(sub)
     return parser
 
 
