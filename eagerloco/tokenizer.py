@@ -1,0 +1,224 @@
+"""Tokenizers: UTF-8 bytes, or a byte-level BPE trained on the corpus's training split and cached.
+
+Why these choices:
+- Byte-level BPE never meets an unknown token and decodes back to the exact text, like bytes, while
+  cutting sequence length ~4x, so a CPU-sized model sees more text per step.
+- It is trained on the training documents only: merges learnt from held-out documents would leak
+  them into the evaluation (a word seen only in eval text must not become one cheap token).
+- Training takes seconds to minutes, so the result is cached on disk under a key that hashes
+  everything it depends on (training documents, vocabulary size, settings, library version): a
+  different corpus or setting trains anew, the same ones load the file.
+- This module imports nothing from ``eagerloco.data`` at import time (data imports it); the corpus
+  helpers are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from eagerloco.data import Corpus
+
+DEFAULT_BPE_VOCAB = 8192
+MIN_BPE_VOCAB = 256  # the byte alphabet: a smaller vocabulary could not encode every text
+BPE_SETTINGS: dict[str, Any] = {
+    "format": 1,
+    "model": "bpe",
+    "pre_tokenizer": "byte_level",
+    "add_prefix_space": False,
+    "use_regex": True,
+    "min_frequency": 2,
+}
+TOKENIZER_NAMES = ("byte", "bpe", "bpe:<vocab>")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the data pipeline and the evals need; ``fingerprint`` keys the token cache."""
+
+    vocab_size: int
+    fingerprint: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids: no training, no unknown tokens, vocabulary 256."""
+
+    vocab_size: int = 256
+    fingerprint: str = "byte-utf8-v1"
+    name: str = "byte"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def encode_tensor(self, text: str) -> torch.Tensor:
+        """Fast path for megabytes of text: a Python list of ints would cost ~50x the memory."""
+        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
+
+
+class BPETokenizer:
+    """A Hugging Face ``tokenizers`` byte-level BPE behind the small Tokenizer interface."""
+
+    def __init__(self, tok: Any, name: str = "bpe") -> None:
+        self.tok = tok
+        self.name = name
+        self.vocab_size: int = tok.get_vocab_size()
+        # Hash of the full serialized model: two tokenizers share cached token ids only if identical.
+        self.fingerprint: str = "bpe-" + hashlib.sha256(tok.to_str().encode()).hexdigest()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Many documents at once: the Rust side spreads them over all cores."""
+        return [e.ids for e in self.tok.encode_batch(texts)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(list(ids))
+
+    @classmethod
+    def from_file(cls, path: str | Path, name: str = "bpe") -> BPETokenizer:
+        tokenizers = _import_tokenizers()
+        return cls(tokenizers.Tokenizer.from_file(str(path)), name=name)
+
+
+def _import_tokenizers() -> Any:
+    try:
+        import tokenizers
+    except ImportError as e:  # pragma: no cover - it is a declared dependency
+        raise ImportError("the BPE tokenizer needs the `tokenizers` package: pip install tokenizers") from e
+    return tokenizers
+
+
+def parse_tokenizer_name(name: str) -> tuple[str, int | None]:
+    """"byte" -> ("byte", None); "bpe" -> ("bpe", 8192); "bpe:4096" -> ("bpe", 4096)."""
+    if name == "byte":
+        return "byte", None
+    if name == "bpe":
+        return "bpe", DEFAULT_BPE_VOCAB
+    if name.startswith("bpe:"):
+        raw = name[4:]
+        if not raw.isdigit() or int(raw) < MIN_BPE_VOCAB:
+            raise ValueError(f"tokenizer {name!r}: the vocabulary must be an integer >= {MIN_BPE_VOCAB}, e.g. bpe:8192")
+        return "bpe", int(raw)
+    raise ValueError(f"unknown tokenizer {name!r}; available: {', '.join(TOKENIZER_NAMES)}")
+
+
+def bpe_key(train_docs: list[str], vocab_size: int) -> str:
+    """Cache key of a BPE: training documents in order, vocabulary, settings and library version.
+
+    Eval documents are left out on purpose: holding out other documents must not retrain.
+    """
+    tokenizers = _import_tokenizers()
+    h = hashlib.sha256()
+    h.update(json.dumps({**BPE_SETTINGS, "vocab_size": vocab_size, "tokenizers": tokenizers.__version__}).encode())
+    h.update(len(train_docs).to_bytes(8, "little"))
+    for doc in train_docs:
+        h.update(hashlib.sha256(doc.encode("utf-8")).digest())
+    return h.hexdigest()
+
+
+def train_bpe(train_docs: list[str], vocab_size: int) -> Any:
+    """A fresh byte-level BPE (a ``tokenizers.Tokenizer``) learnt from ``train_docs``."""
+    tokenizers = _import_tokenizers()
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(
+        add_prefix_space=BPE_SETTINGS["add_prefix_space"], use_regex=BPE_SETTINGS["use_regex"]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=BPE_SETTINGS["min_frequency"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    tok.train_from_iterator(train_docs, trainer=trainer, length=len(train_docs))
+    return tok
+
+
+def _cached_bpe(path: Path, meta_path: Path) -> BPETokenizer | None:
+    """The cached tokenizer when its file matches the checksum written beside it, else None."""
+    from eagerloco.data import _sha256
+
+    try:
+        meta = json.loads(meta_path.read_text())
+        if path.stat().st_size != meta["size"] or _sha256(path) != meta["sha256"]:
+            return None
+        return BPETokenizer.from_file(path, name=meta["name"])
+    except Exception:  # any damage (missing, truncated, edited, unparsable) means: train again
+        return None
+
+
+def load_or_train_bpe(corpus: Corpus, vocab_size: int, data_dir: str | Path | None = None) -> BPETokenizer:
+    """The BPE for ``corpus.train_docs``: from <data_dir>/tokenizers when cached, else trained and cached."""
+    from eagerloco.data import DataError, _atomic_write, _locked, default_data_dir
+
+    if not corpus.train_docs:
+        raise DataError(f"{corpus.name}: no training documents to learn a BPE from")
+    root = default_data_dir(data_dir if data_dir is not None else corpus.data_dir) / "tokenizers"
+    root.mkdir(parents=True, exist_ok=True)
+    key = bpe_key(corpus.train_docs, vocab_size)
+    name = f"bpe:{vocab_size}"
+    path = root / f"bpe-{vocab_size}-{key[:24]}.json"
+    meta_path = path.with_suffix(".meta.json")
+    cached = _cached_bpe(path, meta_path)
+    if cached is not None:
+        return cached
+    with _locked(root):
+        cached = _cached_bpe(path, meta_path)  # another process may have trained it meanwhile
+        if cached is not None:
+            return cached
+        t0 = time.perf_counter()
+        tok = train_bpe(corpus.train_docs, vocab_size)
+        seconds = time.perf_counter() - t0
+        blob = tok.to_str().encode()
+        _atomic_write(path, blob)
+        meta = {
+            "name": name,
+            "key": key,
+            "size": len(blob),
+            "sha256": hashlib.sha256(blob).hexdigest(),
+            "vocab_size": tok.get_vocab_size(),
+            "requested_vocab_size": vocab_size,
+            "corpus": corpus.name,
+            "train_docs": len(corpus.train_docs),
+            "train_chars": sum(map(len, corpus.train_docs)),
+            "train_seconds": round(seconds, 3),
+            "settings": BPE_SETTINGS,
+        }
+        _atomic_write(meta_path, (json.dumps(meta, indent=1) + "\n").encode())
+    return BPETokenizer(tok, name=name)
+
+
+def get_tokenizer(
+    name: str = "byte", corpus: Corpus | None = None, data_dir: str | Path | None = None
+) -> ByteTokenizer | BPETokenizer:
+    """"byte", or "bpe" / "bpe:<vocab>" trained on ``corpus``'s training split (cached under data_dir).
+
+    data_dir defaults to the corpus's own data dir, then $EAGERLOCO_DATA_DIR, then ~/.cache/eagerloco.
+    """
+    kind, vocab = parse_tokenizer_name(name)
+    if kind == "byte":
+        return ByteTokenizer()
+    if corpus is None:
+        raise ValueError(f"tokenizer {name!r} is learnt from the training text: pass corpus=")
+    assert vocab is not None
+    return load_or_train_bpe(corpus, vocab, data_dir)
