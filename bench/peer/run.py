@@ -1,0 +1,369 @@
+"""Peer benchmark: eagerloco's outer machinery beside torchft's DiLoCo on one small workload.
+
+Run from the repository root: ``.venv/bin/python bench/peer/run.py`` (see README.md beside it).
+
+Every variant trains the same 0.94M-parameter GPT for the same inner steps on 2 replica processes
+over gloo on loopback; the plain loop (no outer machinery, each process alone) is the reference for
+overhead. Each variant runs in its own pair of fresh processes, one variant after another, and the
+whole set is repeated (alternating the order) because a shared 2-core machine is noisy: the report
+gives the median over repeats. Results: bench/results/peer.json and bench/results/peer.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "worker.py"
+TORCHFT_VERSION = "0.2.0"
+VARIANTS = (
+    "plain",
+    "torchft_diloco",
+    "torchft_diloco_bucketized",
+    "torchft_streaming",
+    "ours_diloco",
+    "ours_streaming",
+    "ours_eager",
+)
+LABELS = {
+    "plain": "plain loop (no outer machinery)",
+    "torchft_diloco": "torchft DiLoCo",
+    "torchft_diloco_bucketized": "torchft DiLoCo, bucketized",
+    "torchft_streaming": "torchft Streaming (2 fragments, bucketized)",
+    "ours_diloco": "eagerloco DiLoCo",
+    "ours_streaming": "eagerloco Streaming (P = 2)",
+    "ours_eager": "eagerloco eager (P = 1, 1 round)",
+}
+#: (ours, torchft reference) pairs of the goal: ours costs at most half of torchft's bucketized overhead.
+GOALS = (("ours_diloco", "torchft_diloco_bucketized"), ("ours_streaming", "torchft_streaming"))
+
+INSTALL = f"""torchft {TORCHFT_VERSION} is not installed in this environment. Install it (CPU, keeping torch 2.13.0):
+
+    cd {ROOT}
+    .venv/bin/pip download --no-deps torchft=={TORCHFT_VERSION} -d /tmp/torchft-wheel
+    .venv/bin/pip install --no-deps /tmp/torchft-wheel/torchft-{TORCHFT_VERSION}-*.whl
+    .venv/bin/pip install "opentelemetry-api>=1.39" "opentelemetry-sdk>=1.39" \\
+        "opentelemetry-exporter-otlp-proto-http>=1.39"
+
+then run this again (it sets TORCHFT_USE_OTEL=false itself). Or run only eagerloco's variants:
+    .venv/bin/python bench/peer/run.py --variants plain ours_diloco ours_streaming ours_eager
+"""
+
+
+def torchft_version() -> str | None:
+    """The installed torchft's version if it imports, else None (with the reason on stderr)."""
+    os.environ.setdefault("TORCHFT_USE_OTEL", "false")
+    os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse runs in this process; keep its log quiet
+    try:
+        import torchft  # noqa: F401
+        from torchft.coordination import LighthouseServer  # noqa: F401
+    except Exception as e:  # missing, or a missing dependency (opentelemetry)
+        print(f"cannot import torchft: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+    return importlib.metadata.version("torchft")
+
+
+def run_pair(variant: str, rep: int, args: argparse.Namespace, logdir: Path) -> list[dict[str, Any]]:
+    """Start the replicas of one variant, wait for them, return their results (replica order)."""
+    import torch.distributed as dist
+
+    # A fresh store per run: process-group keys from an earlier run must not be seen by a later one.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    lighthouse = None
+    env = dict(os.environ)
+    if str(variant).startswith("torchft"):
+        from torchft.coordination import LighthouseServer
+
+        lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=args.replicas)
+        env["TORCHFT_LIGHTHOUSE"] = lighthouse.address()
+    env.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(args.replicas),
+        LOCAL_WORLD_SIZE=str(args.replicas), TORCHELASTIC_USE_AGENT_STORE="True", BENCH_RUN=f"{variant}/{rep}",
+        TORCHFT_USE_OTEL="false", RUST_LOG="warn", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+    )
+    procs, outs, logs = [], [], []
+    for r in range(args.replicas):
+        out = logdir / f"{variant}_{rep}_{r}.json"
+        log = logdir / f"{variant}_{rep}_{r}.log"
+        env_r = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+        cmd = [sys.executable, str(WORKER), str(variant), str(r), str(args.replicas), str(args.steps),
+               str(args.inner_steps), str(out)]
+        with open(log, "wb") as f:
+            procs.append(subprocess.Popen(cmd, env=env_r, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT))
+        outs.append(out)
+        logs.append(log)
+    deadline = time.monotonic() + args.timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    finally:
+        if lighthouse is not None:
+            lighthouse.shutdown()
+        del store
+    results = []
+    for p, out, log in zip(procs, outs, logs, strict=True):
+        if p.returncode != 0 or not out.exists():
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{variant} (repeat {rep}) failed with exit code {p.returncode}; log {log}:\n{tail}")
+        results.append(json.loads(out.read_text()))
+    return results
+
+
+def summarize_run(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run of a variant: the slower replica's wall time, per-worker means, and the last arriver.
+
+    At a blocking sync the replica that arrives first also waits for the other one; on a loaded
+    machine that wait is mostly noise (the peer was descheduled), not the cost of the machinery.
+    Taking, at every inner step, the smaller of the replicas' times (the one that arrived last
+    and waited only for the exchange itself) and summing gives the "last arriver" times.
+    """
+
+    def mean(key: str) -> float:
+        return statistics.fmean(r[key] for r in results)
+
+    def last_arriver(key: str) -> float:
+        return sum(min(step) for step in zip(*(r[key] for r in results), strict=True))
+
+    out = {
+        "wall_s": max(r["wall_s"] for r in results),
+        "cpu_s": mean("cpu_s"),
+        "outer_s": mean("outer_s"),
+        "outer_last_s": last_arriver("outer_steps"),
+        "blocked_s": mean("blocked_s"),
+        "blocked_last_s": last_arriver("blocked_steps"),
+        "bytes_sent": int(mean("bytes_sent")),
+        "syncs": int(mean("syncs")),
+        "train_loss_last20": mean("train_loss_last20"),
+        "eval_loss": mean("eval_loss"),
+    }
+    out["outer_share_pct"] = 100 * out["outer_last_s"] / (out["wall_s"] - out["outer_last_s"])
+    out["replicas"] = [{k: v for k, v in r.items() if not k.endswith("_steps")} for r in results]
+    return out
+
+
+def aggregate(runs: dict[str, list[dict[str, Any]]], steps: int) -> dict[str, dict[str, Any]]:
+    """Medians over repeats; overheads against the plain loop's medians."""
+    keys = ("wall_s", "cpu_s", "outer_s", "outer_last_s", "blocked_s", "blocked_last_s", "outer_share_pct",
+            "train_loss_last20", "eval_loss")
+    table: dict[str, dict[str, Any]] = {}
+    for v, rs in runs.items():
+        row: dict[str, Any] = {k: statistics.median(r[k] for r in rs) for k in keys}
+        syncs = rs[0]["syncs"]
+        row.update(
+            steps_per_s=steps / row["wall_s"],
+            bytes_sent_per_worker=rs[0]["bytes_sent"],
+            syncs=syncs,
+            blocked_ms_per_sync=1e3 * row["blocked_s"] / syncs if syncs else 0.0,
+            blocked_last_ms_per_sync=1e3 * row["blocked_last_s"] / syncs if syncs else 0.0,
+            outer_last_ms_per_sync=1e3 * row["outer_last_s"] / syncs if syncs else 0.0,
+            wall_s_each=[r["wall_s"] for r in rs],
+        )
+        table[v] = row
+    if "plain" in table:
+        plain = table["plain"]
+        walls, cpus = plain["wall_s_each"], [r["cpu_s"] for r in runs["plain"]]
+        plain["noise_pct"] = 100 * (max(walls) - min(walls)) / plain["wall_s"]
+        plain["cpu_noise_pct"] = 100 * (max(cpus) - min(cpus)) / plain["cpu_s"]
+        for row in table.values():
+            row["overhead_pct"] = 100 * (row["wall_s"] / plain["wall_s"] - 1)
+            row["cpu_overhead_pct"] = 100 * (row["cpu_s"] / plain["cpu_s"] - 1)
+    return table
+
+
+#: The three ways the report measures overhead: (key in the table, how the report names it, the
+#: key of the plain loop's spread across repeats that bounds what the measure can resolve).
+MEASURES = (
+    ("overhead_pct", "wall time vs plain (the goal's measure)", "noise_pct"),
+    ("outer_share_pct", "outer-step time of the last arriver over the rest of the loop", None),
+    ("cpu_overhead_pct", "CPU seconds vs plain", "cpu_noise_pct"),
+)
+
+
+def goal_checks(table: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ours at most half of torchft's (bucketized) overhead, on each measure.
+
+    Where the reference overhead is not above the plain loop's own spread across repeats, the
+    noise swamped it: the check says "inconclusive" rather than pass or fail on a meaningless limit.
+    """
+    checks = []
+    plain = table.get("plain", {})
+    for ours, ref in GOALS:
+        if ours not in table or ref not in table or "overhead_pct" not in table[ours]:
+            continue
+        c: dict[str, Any] = {"ours": ours, "reference": ref}
+        for key, _, noise_key in MEASURES:
+            o, t = table[ours][key], table[ref][key]
+            noise = plain.get(noise_key, 0.0) if noise_key else 0.0
+            verdict = "inconclusive" if t <= max(noise, 0.0) else ("PASS" if o <= t / 2 else "FAIL")
+            c[key] = {"ours": o, "reference": t, "limit": t / 2, "noise": noise, "verdict": verdict}
+        checks.append(c)
+    return checks
+
+
+def markdown(report: dict[str, Any]) -> str:
+    cfg, env, table = report["config"], report["environment"], report["table"]
+    noise = table.get("plain", {}).get("noise_pct")
+    lines = [
+        "# Peer benchmark: eagerloco beside torchft DiLoCo",
+        "",
+        f"{cfg['params']:,}-parameter GPT, {cfg['replicas']} replicas (processes, gloo on loopback), "
+        f"H = {cfg['inner_steps']}, {cfg['steps']} inner steps, batch {cfg['batch']} x {cfg['seq_len']} tokens, "
+        f"inner AdamW, outer SGD lr {cfg['outer_lr']} (eager {cfg['eager_outer_lr']}) momentum 0.9 Nesterov, "
+        f"fp32 exchanges, 1 thread per process. Median of {cfg['repeats']} repeats (order alternated). "
+        f"torch {env['torch']}, torchft {env['torchft']}, {env['cpus']} cores; load average "
+        f"{env['loadavg_start'][0]} at start, {env['loadavg_end'][0]} at end; {env['bench_seconds']:.0f} s in all.",
+        "",
+        "| variant | wall s | inner steps/s | overhead: wall | overhead: CPU | outer s: mean / last arriver | "
+        "outer share (last arriver) | blocked s: mean / last arriver | blocked ms/sync (last arriver) | syncs | "
+        "MB sent/worker | train loss (last 20) | eval loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for v, row in table.items():
+        base = v == "plain"
+        ov = "-" if base else f"{row.get('overhead_pct', float('nan')):+.1f}%"
+        cpu = "-" if base else f"{row.get('cpu_overhead_pct', float('nan')):+.1f}%"
+        lines.append(
+            f"| {LABELS.get(v, v)} | {row['wall_s']:.2f} | {row['steps_per_s']:.2f} | {ov} | {cpu} | "
+            f"{row['outer_s']:.2f} / {row['outer_last_s']:.2f} | {row['outer_share_pct']:.1f}% | "
+            f"{row['blocked_s']:.2f} / {row['blocked_last_s']:.2f} | {row['blocked_last_ms_per_sync']:.1f} | "
+            f"{row['syncs']} | {row['bytes_sent_per_worker'] / 1e6:.1f} | {row['train_loss_last20']:.3f} | "
+            f"{row['eval_loss']:.3f} |"
+        )
+    lines += [
+        "",
+        "- overhead: wall: median wall time (slower replica) over the plain loop's, minus 1. "
+        + (f"The plain loop's own wall times spread by {noise:.1f}% across repeats (noise)." if noise else ""),
+        "- overhead: CPU: CPU seconds of each process (all threads) during the loop, over the plain loop's"
+        + (f" (whose own spread across repeats is {table['plain']['cpu_noise_pct']:.1f}%)."
+           if "cpu_noise_pct" in table.get("plain", {}) else "."),
+        "- outer s: time on the training thread inside the outer machinery (eagerloco: "
+        "`before_inner_step` + `after_inner_step` + the final `drain`; torchft: its optimizer pre/post "
+        "hooks, where all of DiLoCo's work runs). Mean: per replica. Last arriver: at every step the smaller "
+        "of the two replicas' times (the one that did not also wait for a late peer), summed. Outer share: "
+        "last-arriver outer time over the rest of the loop, an overhead estimate that a loaded machine "
+        "disturbs least.",
+        "- blocked s: eagerloco `comm.stats.blocked_s` (waiting on an exchange); torchft: time in "
+        "`start_quorum`, in the all-reduce `wait()`s and in `should_commit` (its blocking calls).",
+        "- MB sent/worker: eagerloco `comm.stats.bytes_sent`; torchft: the bytes handed to "
+        "`manager.allreduce`, times the ring all-reduce factor 2(M-1)/M.",
+        f"- the best possible loss on this synthetic chain is ln 4 = {cfg['best_loss']:.3f}.",
+        "",
+        "## Goal: our overhead at most half of torchft's bucketized overhead",
+        "",
+    ]
+    for c in report["goal"]:
+        lines.append(f"- {LABELS[c['ours']]} against {LABELS[c['reference']]}:")
+        for key, name, noise_key in MEASURES:
+            m = c[key]
+            noise = f", plain loop's spread {m['noise']:.1f}%" if noise_key else ""
+            lines.append(f"  - {name}: {m['ours']:+.1f}% vs {m['reference']:+.1f}% (limit {m['limit']:+.1f}%"
+                         f"{noise}): **{m['verdict']}**")
+    if not report["goal"]:
+        lines.append("- not checked (a variant of the comparison was not run).")
+    lines += [
+        "",
+        "At a blocking sync (DiLoCo, Streaming with no overlap) the replica that arrives first waits "
+        "for the other; any method with the same H pays that, whatever its machinery costs. The "
+        "last-arriver share leaves it out and compares the machinery alone.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200, help="inner steps per run")
+    ap.add_argument("--inner-steps", type=int, default=10, help="H, inner steps per outer round")
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each variant (median reported)")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--from-json", type=Path, help="rebuild the report from an earlier peer.json (no runs)")
+    args = ap.parse_args(argv)
+    if args.from_json is not None:
+        report = json.loads(args.from_json.read_text())
+        report["table"] = aggregate(report["runs"], report["config"]["steps"])
+        report["goal"] = goal_checks(report["table"])
+        return write_report(report, args.out_dir)
+
+    if "plain" not in args.variants:
+        args.variants = ["plain", *args.variants]
+    tft = None
+    if any(v.startswith("torchft") for v in args.variants):
+        tft = torchft_version()
+        if tft is None:
+            print(INSTALL, file=sys.stderr)
+            return 2
+    import torch
+
+    sys.path.insert(0, str(WORKER.parent))
+    import workload as wl
+
+    loadavg_start = os.getloadavg()
+    t_start = time.monotonic()
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
+    with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
+        for rep in range(args.repeats):
+            order = args.variants if rep % 2 == 0 else list(reversed(args.variants))
+            for v in order:
+                t0 = time.monotonic()
+                run = summarize_run(run_pair(v, rep, args, Path(tmp)))
+                runs[v].append(run)
+                print(f"[repeat {rep + 1}/{args.repeats}] {v:27s} wall {run['wall_s']:6.2f} s  cpu "
+                      f"{run['cpu_s']:6.2f} s  outer {run['outer_s']:5.2f} s (last arriver "
+                      f"{run['outer_last_s']:5.2f} s)  eval loss "
+                      f"{run['eval_loss']:.3f}  ({time.monotonic() - t0:.0f} s with startup)", flush=True)
+    table = aggregate(runs, args.steps)
+    report: dict[str, Any] = {
+        "config": {
+            "steps": args.steps, "inner_steps": args.inner_steps, "replicas": args.replicas,
+            "repeats": args.repeats, "variants": args.variants, "params": wl.build_model().num_params(),
+            "batch": wl.BATCH, "seq_len": wl.SEQ_LEN, "inner_lr": wl.INNER_LR, "outer_lr": wl.OUTER_LR,
+            "eager_outer_lr": wl.EAGER_OUTER_LR,
+            "outer_momentum": wl.OUTER_MOMENTUM, "codec": "fp32", "best_loss": wl.BEST_LOSS,
+            "fragments": {"torchft_streaming": 2, "ours_streaming": 2, "ours_eager": 1},
+        },
+        "environment": {
+            "torch": torch.__version__, "torchft": tft, "python": platform.python_version(),
+            "platform": platform.platform(), "cpus": os.cpu_count(), "threads_per_process": 1,
+            "loadavg_start": [round(x, 2) for x in loadavg_start],
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+            "bench_seconds": round(time.monotonic() - t_start, 1),
+        },
+        "table": table,
+        "goal": goal_checks(table),
+        "runs": runs,
+    }
+    return write_report(report, args.out_dir)
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "peer.json").write_text(json.dumps(report, indent=1) + "\n")
+    md = markdown(report)
+    (out_dir / "peer.md").write_text(md)
+    print()
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
