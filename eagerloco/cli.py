@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import tomllib
 from dataclasses import fields
@@ -49,6 +50,11 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="model preset (default tiny)")
     g.add_argument("--data", help="'brown' or a path to a text file or directory (default brown)")
     g.add_argument("--data-dir", help="cache directory for downloaded data (default ~/.cache/eagerloco)")
+    g.add_argument("--tokenizer", help="byte, bpe (8192 tokens) or bpe:<vocab>, trained on the training split")
+    g.add_argument("--non-iid", dest="iid", action="store_false", default=None,
+                   help="give workers different sources / genres instead of i.i.d. shards")
+    g.add_argument("--eval-tasks", help="zero-shot tasks at the end: comma list of hellaswag, piqa, arc_easy")
+    g.add_argument("--eval-limit", type=int, help="examples per zero-shot task (default 200)")
     g.add_argument("--batch-size", type=int, help="sequences per worker per step (default 8)")
     g.add_argument("--seq-len", type=int, help="tokens per sequence (default 128)")
     g.add_argument("--steps", type=int, help="inner steps per worker (default 200)")
@@ -68,14 +74,27 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
                    help="continue from the newest valid checkpoint in --out")
     g.add_argument("--seed", type=int, help="random seed (default 0)")
     g.add_argument("--out", help="output directory (default runs/latest)")
+    g.add_argument("--tensorboard", action="store_true", default=None,
+                   help="also write TensorBoard events to <out>/tensorboard")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     p.add_argument("--config", type=Path, help="TOML file: top-level training keys, [outer] and [link] tables")
     g = p.add_argument_group("multi-process (under torchrun or `eagerloco launch`)")
-    g.add_argument("--ranks-per-worker", type=int, default=1,
-                   help="ranks per worker, data-parallel inside it (default 1)")
+    g.add_argument("--ranks-per-worker", type=int,
+                   help="ranks per worker, data-parallel inside it (default: the launcher's, else 1)")
     g.add_argument("--backend", choices=("gloo", "nccl"), help="inner backend (default: nccl with CUDA, else gloo)")
     g.add_argument("--dist-timeout", type=float, default=300.0,
                    help="seconds before a silent peer is declared dead (default 300)")
+    g = p.add_argument_group("faults")
+    g.add_argument("--elastic", action="store_true", default=None,
+                   help="multi-process: when a worker dies the others go on (mean over the workers present) and "
+                   "admit it again when it comes back; without it they stop with an error naming it")
+    g.add_argument("--rejoin", action="store_true", default=None,
+                   help="this process comes back into a running --elastic run (environment: the run's MASTER_ADDR, "
+                   "MASTER_PORT and WORLD_SIZE, RANK = its worker id); a live worker hands it the current state "
+                   "at the next round boundary")
+    g.add_argument("--slow-worker", dest="slow_workers", action="append", default=None, metavar="ID:FACTOR",
+                   help="emulate a straggler: worker ID takes FACTOR (>= 1) times its measured time per inner step "
+                   "(multi-process: it sleeps; in-process: simulated time); repeatable")
 
 
 def build_train_config(args: argparse.Namespace) -> Any:
@@ -105,6 +124,12 @@ def build_train_config(args: argparse.Namespace) -> Any:
             link[key] = value
         elif key in train_fields:
             data[key] = value
+    # Under `eagerloco launch`, the worker count given to the launcher is the default here too.
+    launched = os.environ.get("EAGERLOCO_WORKERS")
+    if args.workers is None and "workers" not in data and launched:
+        data["workers"] = int(launched)
+    if getattr(args, "ranks_per_worker", 1) is None:
+        args.ranks_per_worker = int(os.environ.get("EAGERLOCO_RANKS_PER_WORKER") or 1)
     where = f"--config {args.config}" if args.config else "the command line"
     cfg = from_dict(TrainConfig, data, where)
     cfg.outer = from_dict(OuterConfig, outer, f"[outer] of {where}")
@@ -130,17 +155,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from eagerloco.demo import run_demo
+def _demo_argv(extra: list[str]) -> list[str]:
+    """The `make demo` job: a small `eagerloco compare` of the eager paper's grid; extra flags win."""
+    from eagerloco.compare import DEMO_ARGV
 
-    return run_demo(args)
+    return ["compare", *DEMO_ARGV, *extra]
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
-    from eagerloco.data import fetch_brown
+    from eagerloco.data import fetch_source
 
-    path = fetch_brown(args.data_dir)
-    print(f"Brown Corpus ready in {path}")
+    for path in fetch_source(args.data, args.data_dir):
+        print(f"ready: {path}")
     return 0
 
 
@@ -183,24 +209,28 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train M workers on real text (in-process, simulated link)")
     _add_train_flags(p)
     p.set_defaults(func=_cmd_train)
-    p = sub.add_parser("demo", help="short comparison of the methods on the default data")
-    p.add_argument("--steps", type=int, default=300, help="inner steps per worker (default 300)")
-    p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
-    p.add_argument("--data-dir", default=None, help="data cache directory")
-    p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("demo", help="short comparison of the methods on the default data (eagerloco compare)",
+                       description="Runs `eagerloco compare` with the demo's settings; extra compare flags "
+                                   "(e.g. --steps 100 --out DIR) override them.")
+    p.set_defaults(func=lambda args: main(_demo_argv([])))
     p = sub.add_parser("data", help="fetch and cache the default data (the Brown Corpus)")
     p.add_argument("action", choices=["fetch"], help="fetch: download once, verify the cache afterwards")
+    p.add_argument("--data", default="brown", help="source(s): brown, kjv, austen, or a comma list (default brown)")
     p.add_argument("--data-dir", default=None, help="cache dir (default $EAGERLOCO_DATA_DIR or ~/.cache/eagerloco)")
     p.set_defaults(func=_cmd_data)
-    from eagerloco import launch
+    from eagerloco import compare, launch
     from eagerloco.sim import cli as sim_cli
 
     sim_cli.add_parser(sub)
     launch.add_parser(sub)
+    compare.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"] and not {"-h", "--help"} & set(argv):
+        argv = _demo_argv(argv[1:])
     parser = make_parser()
     args = parser.parse_args(argv)
     try:

@@ -11,6 +11,12 @@ command (tests) and prefixes output only through extra flags. What we keep from 
 store arrangement: the launcher hosts the rendezvous TCPStore and sets TORCHELASTIC_USE_AGENT_STORE,
 so every rank connects as a client and the store (with the heartbeats) outlives any rank, rank 0
 included, and the port is taken by the store itself (no race on a "free" port).
+
+Elastic runs (``--elastic``, see :mod:`eagerloco.comm.elastic`): a rank that fails does not stop
+the others; the launcher records its exit in the store (``eagerloco/outer/exited/<rank>``, so the
+survivors need not wait for its heartbeat to go stale) and, with ``--max-restarts N``, starts it
+again (at most N times per rank) as a returning worker (EAGERLOCO_REJOIN=1) that the others admit
+at a round boundary. The run succeeds when it finished on the workers present at its end.
 """
 
 from __future__ import annotations
@@ -45,45 +51,72 @@ def launch(
     *,
     command: Sequence[str] | None = None,
     out: IO[str] | None = None,
+    elastic: bool = False,
+    max_restarts: int = 0,
 ) -> int:
     """Run workers * ranks_per_worker local processes; return 0 if all succeed, else the first failure's code.
 
-    timeout_s: grace period after a process fails before the others are terminated.
+    timeout_s: grace period after a process fails before the others are terminated (elastic:
+    after the first rank finishes the run, for the others to finish too).
     command: what to run instead of ``python -m eagerloco train`` (argv_for_train is appended).
     out: where the rank-prefixed output goes (default: sys.stdout).
+    elastic: the others go on when a rank fails (implied by ``--elastic`` among the train arguments,
+    and passed on to train); max_restarts: how many times each failed rank is started again.
     """
     for name, value in (("--workers", workers), ("--ranks-per-worker", ranks_per_worker)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"--max-restarts must be an integer >= 0, got {max_restarts!r}")
+    if not (isinstance(timeout_s, (int, float)) and timeout_s >= 0 and timeout_s != float("inf")):
+        raise ValueError(f"--grace-s must be a finite number of seconds >= 0, got {timeout_s!r}")
+    if master_port is not None and not 0 <= master_port <= 65535:
+        raise ValueError(f"--master-port must be in 0..65535 (0: any free port), got {master_port}")
+    argv_for_train = list(argv_for_train)
+    elastic = elastic or "--elastic" in argv_for_train
+    if elastic and command is None and "--elastic" not in argv_for_train:
+        argv_for_train.append("--elastic")
+    if max_restarts and not elastic:
+        raise ValueError("--max-restarts needs --elastic: without it a failed rank stops the whole run")
+    if elastic and ranks_per_worker != 1:
+        raise ValueError("--elastic supports one rank per worker (--ranks-per-worker 1)")
     import torch.distributed as dist  # here, not at module level: `eagerloco --help` stays fast
 
     nproc = workers * ranks_per_worker
     store = dist.TCPStore(
         "127.0.0.1", master_port or 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
     )
+    port = store.port
     out = out or sys.stdout
     lock = threading.Lock()
     cmd = list(command or _default_command()) + list(argv_for_train)
     threads_each = max(1, (os.cpu_count() or 1) // nproc)
     procs: list[subprocess.Popen[bytes]] = []
     readers: list[threading.Thread] = []
-    for rank in range(nproc):
+
+    def spawn(rank: int, incarnation: int = 0) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
         env.update(
             RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
             WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
             EAGERLOCO_WORKERS=str(workers), EAGERLOCO_RANKS_PER_WORKER=str(ranks_per_worker),
             PYTHONUNBUFFERED="1",
         )
+        if incarnation:
+            env.update(EAGERLOCO_REJOIN="1", EAGERLOCO_INCARNATION=str(incarnation))
         env.setdefault("OMP_NUM_THREADS", str(threads_each))  # as torchrun: no core oversubscription
         # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it exactly once.
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              start_new_session=True)
-        procs.append(p)
-        t = threading.Thread(target=_pump, args=(p, f"[rank {rank}] ", out, lock), daemon=True)
+        tag = f"[rank {rank}] " if not incarnation else f"[rank {rank}.{incarnation}] "
+        t = threading.Thread(target=_pump, args=(p, tag, out, lock), daemon=True)
         t.start()
         readers.append(t)
+        return p
+
+    for rank in range(nproc):
+        procs.append(spawn(rank))
 
     def say(msg: str) -> None:
         with lock:
@@ -93,7 +126,13 @@ def launch(
     terminated = threading.Event()
     old_term = _install_sigterm(terminated)
     try:
-        code = _supervise(procs, timeout_s, say, terminated)
+        # Exits are recorded by worker, under the workers' heartbeat prefix
+        # (eagerloco.comm.distributed._heartbeat_store): errors name a dead worker at once.
+        exits = _ExitBoard(dist.PrefixStore("eagerloco/outer/", store), ranks_per_worker)
+        if elastic:
+            code = _supervise_elastic(procs, timeout_s, say, terminated, spawn, max_restarts, exits)
+        else:
+            code = _supervise(procs, timeout_s, say, terminated, exits)
     except KeyboardInterrupt:
         say("interrupted: forwarding Ctrl-C to every process")
         _signal_all(procs, signal.SIGINT)
@@ -112,8 +151,26 @@ def launch(
     return code
 
 
+class _ExitBoard:
+    """Records in the store how each worker's process ended (``exited/<worker>``), once per exit."""
+
+    def __init__(self, store: Any, ranks_per_worker: int) -> None:
+        self.store, self.r = store, ranks_per_worker
+        self.seen: set[tuple[int, int]] = set()
+
+    def record(self, rank: int, pid: int, rc: int) -> None:
+        if (rank, pid) in self.seen:
+            return
+        self.seen.add((rank, pid))
+        try:
+            self.store.set(f"exited/{rank // self.r}", str(rc))
+        except Exception:  # only speeds up diagnosis
+            pass
+
+
 def _supervise(
-    procs: list[subprocess.Popen[bytes]], grace_s: float, say: Any, terminated: threading.Event
+    procs: list[subprocess.Popen[bytes]], grace_s: float, say: Any, terminated: threading.Event,
+    exits: _ExitBoard | None = None,
 ) -> int:
     """Wait for all processes; after the first failure, give the rest grace_s, then stop them."""
     first: tuple[int, int] | None = None
@@ -121,6 +178,8 @@ def _supervise(
     while True:
         codes = [p.poll() for p in procs]
         for rank, rc in enumerate(codes):
+            if rc is not None and exits is not None:
+                exits.record(rank, procs[rank].pid, rc)
             if rc not in (None, 0) and first is None:
                 first = (rank, rc)
                 deadline = time.monotonic() + grace_s
@@ -143,6 +202,56 @@ def _supervise(
         return 0
     rank, rc = first
     return rc if rc > 0 else 128 - rc  # killed by signal s: 128 + s, as a shell reports it
+
+
+def _supervise_elastic(
+    procs: list[subprocess.Popen[bytes]], grace_s: float, say: Any, terminated: threading.Event,
+    spawn: Any, max_restarts: int, exits: _ExitBoard,
+) -> int:
+    """Elastic: a failed rank does not stop the others; restart it (as a returning worker) while
+    it has restarts left. Done when every rank's latest process has exited; success if the run
+    finished (some rank exited 0). After the first rank finishes, the rest get grace_s."""
+    restarts = [0] * len(procs)
+    final: list[int | None] = [None] * len(procs)
+    first_fail: int | None = None
+    deadline = None
+    while True:
+        for rank, p in enumerate(procs):
+            rc = p.poll()
+            if rc is None or final[rank] is not None:
+                continue
+            exits.record(rank, p.pid, rc)  # the survivors read it: no need to wait for a stale heartbeat
+            if rc != 0 and restarts[rank] < max_restarts and deadline is None:
+                restarts[rank] += 1
+                say(f"rank {rank} exited with code {rc}; restarting it to rejoin the run "
+                    f"(restart {restarts[rank]} of {max_restarts})")
+                procs[rank] = spawn(rank, restarts[rank])
+                continue
+            final[rank] = rc
+            if rc != 0:
+                first_fail = rc if first_fail is None else first_fail
+                running = sum(q.poll() is None for q in procs)
+                if running:
+                    say(f"rank {rank} exited with code {rc}; the other {running} process(es) go on (elastic)")
+            elif deadline is None:
+                deadline = time.monotonic() + grace_s
+        if all(c is not None for c in final):
+            break
+        if terminated.is_set():
+            say("launcher got SIGTERM: stopping every process")
+            _stop(procs, say)
+            return 143
+        if deadline is not None and time.monotonic() >= deadline and any(p.poll() is None for p in procs):
+            say(f"stopping the processes still running {grace_s:g} s after the run finished")
+            _stop(procs, say)
+        time.sleep(0.05)
+    if any(c == 0 for c in final):
+        lost = [r for r, c in enumerate(final) if c != 0]
+        if lost:
+            say(f"the run finished without rank(s) {lost} (elastic)")
+        return 0
+    rc = first_fail if first_fail is not None else 1
+    return rc if rc > 0 else 128 - rc
 
 
 def _pump(p: subprocess.Popen[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
@@ -213,6 +322,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: any free one)")
     p.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                    help="after one process fails, seconds the others get to exit before being stopped")
+    p.add_argument("--elastic", action="store_true",
+                   help="a failed rank does not stop the others (passes --elastic to train)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="with --elastic: start a failed rank again, at most N times, to rejoin the run (default 0)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the arguments of `eagerloco train`")
     p.set_defaults(func=run)
     return p
@@ -222,7 +335,12 @@ def run(args: argparse.Namespace) -> int:
     train_args = list(args.train_args)
     if train_args[:1] == ["--"]:
         train_args = train_args[1:]
-    return launch(train_args, args.workers, args.ranks_per_worker, args.master_port, args.grace_s)
+    try:
+        return launch(train_args, args.workers, args.ranks_per_worker, args.master_port, args.grace_s,
+                      elastic=args.elastic, max_restarts=args.max_restarts)
+    except ValueError as e:
+        print(f"eagerloco launch: error: {e}", file=sys.stderr)
+        return 2
 
 
 __all__ = ["DEFAULT_GRACE_S", "add_parser", "launch", "run"]

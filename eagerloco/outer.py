@@ -65,6 +65,10 @@ class _InFlight:
     launch_step: int
     apply_step: int
     fresh: list[torch.Tensor] | None  # eager: this worker's own full-precision outer gradient
+    #: M of the round this exchange belongs to (workers present at launch). Eager applied its own
+    #: share with weight 1/workers and corrects with the same weight, so every outer gradient
+    #: counts exactly once even when membership changes while the exchange is in flight.
+    workers: int = 1
 
 
 class OuterSync:
@@ -96,7 +100,6 @@ class OuterSync:
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.comm = comm
-        self.num_workers = comm.num_workers
         self.codec = get_codec(cfg.codec, block_size=cfg.codec_block, stochastic=cfg.stochastic_rounding)
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + comm.rank)
         self.step = 0  # inner steps completed
@@ -119,6 +122,11 @@ class OuterSync:
         self.outer_opts = [factory(params) for params in self.outer]
         self.offsets = fragment_offsets(cfg.inner_steps, cfg.fragments)
         self.delay = apply_delay(cfg.method, cfg.inner_steps, cfg.overlap_steps, cfg.eager_rounds)
+
+    @property
+    def num_workers(self) -> int:
+        """Workers present now (the communicator's count; elastic runs change it between rounds)."""
+        return self.comm.num_workers
 
     # ------------------------------------------------------------------ data-parallel gradients
     def launch_grads(self) -> None:
@@ -164,7 +172,9 @@ class OuterSync:
                 delta = [o - l.detach().to(torch.float32) for o, l in zip(self.outer[p], self.local[p], strict=True)]
             handle = self.comm.allreduce_mean(delta, self.codec, self.generator)
             fresh = delta if cfg.method == "eager" else None
-            self.in_flight.append(_InFlight(p, handle, self.step, self.step + self.delay, fresh))
+            self.in_flight.append(
+                _InFlight(p, handle, self.step, self.step + self.delay, fresh, self.comm.num_workers)
+            )
         self.comm.add_overhead(time.perf_counter() - t0)
 
     def finish_outer(self) -> None:
@@ -192,8 +202,9 @@ class OuterSync:
 
     def _eager_update(self, p: int) -> float:
         """Delayed / eager outer step of fragment p at one of its sync steps; returns seconds waited."""
-        cfg, m = self.config, float(self.num_workers)
+        cfg = self.config
         fresh_item = next(x for x in self.in_flight if x.fragment == p and x.launch_step == self.step)
+        m = float(fresh_item.workers)
         arrived = next((x for x in self.in_flight if x.fragment == p and x.apply_step == self.step), None)
         waited = 0.0
         mean: list[torch.Tensor] | None = None
@@ -208,11 +219,12 @@ class OuterSync:
             fresh_item.fresh = None  # only needed now; the quantized copy stays in handle.own
             grad = [f / m for f in fresh]
             if mean is not None and arrived is not None:
+                ma = float(arrived.workers)  # the M its own share was applied with
                 if cfg.eager_weighting == "nonlocal":
                     # Replace last time's proxy (own share) by the real average of everyone's.
-                    grad = [g + (d - o / m) for g, d, o in zip(grad, mean, arrived.handle.own, strict=True)]
+                    grad = [g + (d - o / ma) for g, d, o in zip(grad, mean, arrived.handle.own, strict=True)]
                 else:
-                    grad = [g + d * ((m - 1) / m) for g, d in zip(grad, mean, strict=True)]
+                    grad = [g + d * ((ma - 1) / ma) for g, d in zip(grad, mean, strict=True)]
         if grad is not None:
             self._outer_step(p, grad)
         self._merge(p)
@@ -250,12 +262,12 @@ class OuterSync:
         """
         t0 = time.perf_counter()
         waited = 0.0
-        m = float(self.num_workers)
         for item in list(self.in_flight):
             mean, w = self._wait(item.handle)
             waited += w
             if not apply:
                 continue
+            m = float(item.workers)
             if self.config.method == "eager":
                 if self.config.eager_weighting == "nonlocal":
                     mean = [d - o / m for d, o in zip(mean, item.handle.own, strict=True)]
@@ -309,6 +321,7 @@ class OuterSync:
             in_flight.append({
                 "fragment": item.fragment, "launch_step": item.launch_step, "apply_step": item.apply_step,
                 "mean": mean, "own": own, "payload_bytes": nbytes, "ready_at": ready_at,
+                "workers": item.workers,
             })
         return {
             "method": self.config.method,
@@ -342,6 +355,7 @@ class OuterSync:
                 x["launch_step"],
                 x["apply_step"],
                 None,
+                int(x.get("workers", self.num_workers)),  # older checkpoints: M never changed
             )
             for x in state["in_flight"]
         ]

@@ -11,6 +11,7 @@ import copy
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -39,6 +40,11 @@ class TrainConfig:
     model: str = "tiny"
     data: str = "brown"
     data_dir: str | None = None
+    tokenizer: str = "byte"
+    iid: bool = True
+    eval_tasks: str = ""
+    eval_limit: int = 200
+    tensorboard: bool = False
     batch_size: int = 8
     seq_len: int = 128
     steps: int = 200
@@ -58,6 +64,9 @@ class TrainConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     resume: bool = False
+    elastic: bool = False  # multi-process: survivors of a dead worker go on (see eagerloco.faults)
+    rejoin: bool = False  # this process comes back into a running elastic run
+    slow_workers: list[str] = field(default_factory=list)  # "ID:FACTOR": emulated stragglers
     outer: OuterConfig = field(default_factory=OuterConfig)
     link: LinkConfig = field(default_factory=LinkConfig)
 
@@ -81,9 +90,32 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0 (lr > 0), got {v!r}")
         if self.sim_step_time is not None and not (math.isfinite(self.sim_step_time) and self.sim_step_time > 0):
             raise ConfigError(f"--sim-step-time must be a positive number of seconds, got {self.sim_step_time}")
+        from eagerloco.model import model_config
+
+        try:
+            model_config(self.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        if not re.fullmatch(r"byte|bpe(:\d+)?", self.tokenizer):
+            raise ConfigError(f"--tokenizer must be byte, bpe or bpe:<vocab size>, got {self.tokenizer!r}")
+        from eagerloco.evals import TASKS
+
+        unknown = [t for t in self.eval_task_list if t not in TASKS]
+        if unknown:
+            raise ConfigError(f"--eval-tasks: unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
+        if isinstance(self.eval_limit, bool) or not isinstance(self.eval_limit, int) or self.eval_limit < 1:
+            raise ConfigError(f"--eval-limit must be an integer >= 1, got {self.eval_limit!r}")
         self.outer.validate()
         self.link.validate()
+        from eagerloco.faults import validate_faults
+
+        validate_faults(self)
         return self
+
+
+    @property
+    def eval_task_list(self) -> list[str]:
+        return [t.strip() for t in self.eval_tasks.split(",") if t.strip()]
 
 
 def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
@@ -115,10 +147,18 @@ class Worker:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps, cfg.steps))
         self.sync = OuterSync(model, self.opt, comm, cfg.outer, seed=cfg.seed)
         self.last_loss = float("nan")
+        from eagerloco.faults import slowdown_for
+
+        self.slowdown = slowdown_for(cfg, comm.rank)  # --slow-worker: an emulated straggler
 
     def _compute(self, seconds: float, share: float) -> None:
         fixed = self.cfg.sim_step_time
-        self.comm.add_compute(fixed * share if fixed is not None else seconds)
+        t = fixed * share if fixed is not None else seconds
+        if self.slowdown != 1.0:  # a straggler: really sleep on a real clock, add time on a simulated one
+            if not _simulated(self.comm):
+                time.sleep((self.slowdown - 1.0) * seconds)
+            t *= self.slowdown
+        self.comm.add_compute(t)
 
     def forward_backward(self) -> None:
         t0 = time.perf_counter()
@@ -215,12 +255,18 @@ def run_training(
     start_step: int = 0,
     checkpoint: Callable[[int], None] | None = None,
     real_elapsed: float = 0.0,
-    evaluate_on: bool = True,
+    evaluate_on: bool | Callable[[], bool] = True,
+    on_step: Callable[[int], None] | None = None,
+    final_evals: Callable[[nn.Module], dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     """Drive the local workers from start_step to cfg.steps inner steps; returns the summary.
 
     checkpoint(step) is called every cfg.checkpoint_every steps (after the step is complete).
+    evaluate_on: whether this process evaluates (a callable: asked each time, as the evaluating
+    worker of an elastic run can change). on_step(step): called once each inner step is complete,
+    before evaluation, logging and checkpointing (elastic membership changes, fault injection).
     """
+    evaluating = evaluate_on if callable(evaluate_on) else (lambda: bool(evaluate_on))
     syncs = [w.sync for w in workers]
     tokens_per_step = cfg.batch_size * cfg.seq_len * num_workers
     bar = None
@@ -239,7 +285,9 @@ def run_training(
         for w in workers:
             w.optimizer_step()
         after_inner_step_all(syncs)
-        do_eval = evaluate_on and cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps
+        if on_step is not None:
+            on_step(step)
+        do_eval = evaluating() and cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps
         if do_eval:
             with syncs[0].outer_weights() as m:
                 eval_loss = evaluate(m, eval_batches)
@@ -281,9 +329,12 @@ def run_training(
     if bar is not None:
         bar.close()
     final_eval = float("nan")
-    if evaluate_on:
+    extra: dict[str, float] = {}
+    if evaluating():
         with syncs[0].outer_weights() as m:
             final_eval = evaluate(m, eval_batches)
+            if final_evals is not None:
+                extra = final_evals(m)
     stats = [w.comm.stats for w in workers]
     walls = [w.comm.clock() if _simulated(w.comm) else real_wall for w in workers]
     n = len(workers)
@@ -316,6 +367,7 @@ def run_training(
         "bandwidth_gbps": cfg.link.bandwidth_gbps,
         "latency_ms": cfg.link.latency_ms,
         "per_worker": [s.as_dict() for s in stats],
+        **extra,
     }
     return summary
 
@@ -352,8 +404,46 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def tensorboard_writer(cfg: TrainConfig, out: Path) -> Any:
+    """A TensorBoard writer under <out>/tensorboard when --tensorboard is set (metrics.jsonl is always written)."""
+    if not cfg.tensorboard:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'eagerloco[tensorboard]'") from e
+    return SummaryWriter(str(out / "tensorboard"))
+
+
+def prepare(cfg: TrainConfig) -> tuple[Any, Any, nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Corpus, tokenizer (trained on the training split when BPE), the initial model, eval batches."""
+    from eagerloco.data import eval_batches, load_corpus
+    from eagerloco.tokenizer import get_tokenizer
+
+    corpus = load_corpus(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed)
+    tok = get_tokenizer(cfg.tokenizer, corpus, cfg.data_dir)
+    base = build_model(cfg, tok.vocab_size)
+    cfg.outer.validate(num_blocks=len(getattr(base, "blocks", [])))
+    evb = eval_batches(corpus, tok, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+    return corpus, tok, base, evb
+
+
+def task_evals(cfg: TrainConfig, tok: Any) -> Callable[[nn.Module], dict[str, float]] | None:
+    """Zero-shot accuracy on --eval-tasks of the final outer parameters, or None."""
+    if not cfg.eval_task_list:
+        return None
+
+    def run(model: nn.Module) -> dict[str, float]:
+        from eagerloco.evals import run_evals
+
+        return run_evals(model, tok, cfg.eval_task_list, limit=cfg.eval_limit, seq_len=cfg.seq_len, seed=cfg.seed)
+
+    return run
+
+
 #: Settings that may change between a run and its resumption without changing its numbers.
-_RESUMABLE_CHANGES = {"progress", "resume", "out", "checkpoint_every", "keep_checkpoints", "eval_every", "log_every"}
+_RESUMABLE_CHANGES = {"progress", "resume", "out", "checkpoint_every", "keep_checkpoints", "eval_every", "log_every",
+                      "elastic", "rejoin", "slow_workers", "eval_tasks", "eval_limit", "tensorboard"}
 
 
 def _check_resume_config(saved: dict[str, Any], cfg: TrainConfig) -> None:
@@ -374,13 +464,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     newest valid one, giving the same numbers as a run that was never interrupted.
     """
     from eagerloco import checkpoint as ckpt
-    from eagerloco.data import ByteTokenizer, eval_batches, load_corpus, worker_streams
+    from eagerloco.data import worker_streams
 
     cfg.validate()
     torch.manual_seed(cfg.seed)
-    tok = ByteTokenizer()
-    base = build_model(cfg, tok.vocab_size)
-    cfg.outer.validate(num_blocks=len(getattr(base, "blocks", [])))
     out = Path(cfg.out)
     root = ckpt.checkpoint_root(out)
     found = ckpt.latest_valid(root) if cfg.resume else None
@@ -388,9 +475,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh")
     if found is not None:
         _check_resume_config(found[1]["config"], cfg)
-    corpus = load_corpus(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed)
-    streams = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed)
-    evb = eval_batches(corpus, tok, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+    corpus, tok, base, evb = prepare(cfg)
+    streams = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed, iid=cfg.iid)
     group = InProcessGroup(cfg.workers, cfg.link, seed=cfg.seed, count_overhead=cfg.sim_step_time is None)
     workers = [
         Worker(base if m == 0 else copy.deepcopy(base), group.communicator(m), streams[m], cfg)
@@ -417,6 +503,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 "real_elapsed": real_elapsed + time.perf_counter() - t_run}
         ckpt.save(root, step, states, meta, keep=cfg.keep_checkpoints)
 
+    tb = tensorboard_writer(cfg, out)
     with open(metrics_path, "w") as mf:
         for ln in kept:
             mf.write(ln + "\n")
@@ -424,8 +511,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         def log(rec: dict[str, Any]) -> None:
             mf.write(json.dumps(_finite_json(rec)) + "\n")
             mf.flush()
+            if tb is not None:
+                for k, v in rec.items():
+                    if k != "step" and isinstance(v, (int, float)):
+                        tb.add_scalar(k, v, rec["step"])
 
-        summary = run_training(cfg, workers, evb, cfg.workers, log, cfg.progress, start_step, save, real_elapsed)
+        summary = run_training(cfg, workers, evb, cfg.workers, log, cfg.progress, start_step, save, real_elapsed,
+                               final_evals=task_evals(cfg, tok))
+    if tb is not None:
+        tb.close()
     summary["num_params"] = sum(p.numel() for p in base.parameters())
     summary["config"] = asdict(cfg)
     write_json_atomic(out / "summary.json", summary)

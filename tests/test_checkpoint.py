@@ -127,3 +127,51 @@ def test_resume_with_changed_settings_is_refused(tmp_path: Path) -> None:
     assert p.wait(timeout=300) == 2
     err = p.stderr.read().decode()
     assert "different settings" in err and "method" in err
+
+
+class _Interrupted(Exception):
+    """Stands for the process dying right after a checkpoint was published."""
+
+
+@pytest.mark.parametrize("method", ["dp", "diloco", "delayed"])
+def test_interrupted_run_resumes_to_the_same_numbers_every_method(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """The methods the SIGKILL test above leaves out, in this process (cheaper): stop the run right
+    after the step-12 checkpoint, resume, and compare with a run never interrupted."""
+    from eagerloco.cli import build_train_config, make_parser
+    from eagerloco.train import train
+
+    extra = ["--method", method, "--steps", "18", "--checkpoint-every", "6"]
+    if method == "delayed":
+        extra += ["--eager-rounds", "2", "--codec", "int8"]
+
+    def cfg(out: Path, *more: str):  # noqa: ANN202 - a TrainConfig
+        return build_train_config(make_parser().parse_args(["train", *ARGS, *extra, "--out", str(out), *more]))
+
+    train(cfg(tmp_path / "clean"))
+    publish = ckpt.publish
+
+    def publish_then_die(root: Path, step: int, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        path = publish(root, step, *args, **kwargs)
+        if step == 12:
+            raise _Interrupted
+        return path
+
+    monkeypatch.setattr(ckpt, "publish", publish_then_die)
+    with pytest.raises(_Interrupted):
+        train(cfg(tmp_path / "cut"))
+    monkeypatch.undo()
+    assert not (tmp_path / "cut" / "summary.json").exists()
+    train(cfg(tmp_path / "cut", "--resume"))
+    a, am = _result(tmp_path / "clean")
+    b, bm = _result(tmp_path / "cut")
+    assert a["final_eval_loss"] == b["final_eval_loss"]
+    assert [m["loss"] for m in am] == [m["loss"] for m in bm]
+    last = [ckpt.list_checkpoints(ckpt.checkpoint_root(tmp_path / run))[-1] for run in ("clean", "cut")]
+    for m in range(2):
+        sa, sb = (ckpt.load_worker_state(p, m) for p in last)
+        for k in sa["model"]:
+            assert torch.equal(sa["model"][k], sb["model"][k]), (m, k)
+        for fa, fb in zip(sa["sync"]["outer"], sb["sync"]["outer"], strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(fa, fb, strict=True)), m

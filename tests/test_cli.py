@@ -62,6 +62,9 @@ def test_config_file_and_flag_override(tmp_path: Path) -> None:
         (["--model", "huge"], "--model"),
         (["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
         (["--steps", "0"], "--steps"),
+        (["--tokenizer", "wordpiece"], "--tokenizer"),
+        (["--eval-tasks", "mmlu"], "--eval-tasks"),
+        (["--tokens", "0"], "--tokens"),
     ],
 )
 def test_bad_input_fails_before_training_with_the_flag_named(tmp_path: Path, capsys, args, needle) -> None:
@@ -91,3 +94,22 @@ def test_config_file_errors(tmp_path: Path, capsys) -> None:
     broken.write_text("steps = = 3\n")
     assert main(["train", "--config", str(broken)]) == 2
     assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_tensorboard_events_hold_the_logged_metrics(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    s = _run(tmp_path, "--steps", "4", "--inner-steps", "2", "--log-every", "2", "--tensorboard")
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    losses = acc.Scalars("loss")
+    assert [e.step for e in losses] == [2, 4]
+    assert losses[-1].value == pytest.approx(s["_metrics"][-1]["loss"], rel=1e-6)
+
+
+def test_bpe_tokenizer_and_zero_shot_evals(tmp_path: Path) -> None:
+    s = _run(tmp_path, "--steps", "2", "--inner-steps", "2", "--tokenizer", "bpe:512", "--eval-tasks", "piqa",
+             "--eval-limit", "8")
+    assert 0.0 <= s["piqa"] <= 1.0
+    assert s["config"]["tokenizer"] == "bpe:512"
+    assert s["num_params"] > 820_352  # a 512-token embedding table instead of 256

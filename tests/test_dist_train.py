@@ -51,8 +51,9 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def launch(
-    out: Path, workers: int, args: list[str], ranks: int = 1, timeout: float = 240
+    out: Path, workers: int, args: list[str], ranks: int = 1, timeout: float = 240, kill: str | None = None
 ) -> subprocess.CompletedProcess:
+    """kill: EAGERLOCO_FAULT_KILL ("WORKER:STEP:DELAY_S"), a worker that SIGKILLs itself mid-run."""
     cmd = [
         sys.executable,
         "-m",
@@ -72,7 +73,8 @@ def launch(
         str(out),
         *args,
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+    env = _env({"EAGERLOCO_FAULT_KILL": kill} if kill else None)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def inprocess(out: Path, workers: int, args: list[str]) -> subprocess.CompletedProcess:
@@ -108,26 +110,79 @@ METHODS = {
 }
 
 
+SHARED = ["--codec", "e2m1", "--steps", "12", "--checkpoint-every", "4"]
+
+
+class _CleanRuns:
+    """One uninterrupted 2-worker run per method, made on first use and shared by the tests below."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.done: set[str] = set()
+
+    def get(self, method: str) -> Path:
+        out = self.root / method
+        if method not in self.done:
+            r = launch(out, 2, [*METHODS[method], *SHARED])
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            self.done.add(method)
+        return out
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> _CleanRuns:
+    return _CleanRuns(tmp_path_factory.mktemp("clean"))
+
+
+def _assert_same_state(sa: dict, sb: dict, what: str, exact: bool) -> None:
+    tol = {"rtol": 0.0, "atol": 0.0} if exact else {"rtol": 1e-6, "atol": 1e-7}
+    for k in sa["model"]:
+        torch.testing.assert_close(sa["model"][k], sb["model"][k], **tol, msg=f"{what} {k}")
+    for fa, fb in zip(sa["sync"]["outer"], sb["sync"]["outer"], strict=True):
+        for x, y in zip(fa, fb, strict=True):
+            torch.testing.assert_close(x, y, **tol, msg=what)
+
+
 @pytest.mark.parametrize("method", list(METHODS))
-def test_multiprocess_equals_inprocess(tmp_path: Path, method: str) -> None:
-    args = [*METHODS[method], "--codec", "e2m1", "--steps", "12", "--checkpoint-every", "12"]
-    a, b = tmp_path / "dist", tmp_path / "inproc"
-    r = launch(a, 2, args)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    r = inprocess(b, 2, args)
+def test_multiprocess_equals_inprocess(tmp_path: Path, clean: _CleanRuns, method: str) -> None:
+    a, b = clean.get(method), tmp_path / "inproc"
+    r = inprocess(b, 2, [*METHODS[method], *SHARED])
     assert r.returncode == 0, r.stderr[-3000:]
     for w in range(2):
-        sa, sb = final_state(a, w), final_state(b, w)
-        for k in sa["model"]:
-            torch.testing.assert_close(sa["model"][k], sb["model"][k], rtol=1e-6, atol=1e-7, msg=f"{w} {k}")
-        for fa, fb in zip(sa["sync"]["outer"], sb["sync"]["outer"], strict=True):
-            for x, y in zip(fa, fb, strict=True):
-                torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+        _assert_same_state(final_state(a, w), final_state(b, w), f"worker {w}", exact=False)
     sa, sb = (json.loads((p / "summary.json").read_text()) for p in (a, b))
     assert sa["runtime"] == "distributed"
     assert sa["bytes_sent_per_worker"] == sb["bytes_sent_per_worker"]  # the same bytes counted
     assert sa["peak_sync_bytes"] == sb["peak_sync_bytes"]
     assert sa["final_eval_loss"] == pytest.approx(sb["final_eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_resume_after_a_killed_worker_gives_the_uninterrupted_numbers(
+    tmp_path: Path, clean: _CleanRuns, method: str
+) -> None:
+    """Without --elastic: worker 1 is killed mid-step 6; worker 0 stops with a PeerError naming it;
+    the last checkpoint (step 4) is intact; resuming from it ends bit for bit where a run that was
+    never interrupted ends."""
+    args = [*METHODS[method], *SHARED]
+    r = launch(tmp_path, 2, args, kill="1:6:0.01")
+    assert r.returncode != 0, r.stdout[-3000:]
+    assert "worker 1" in r.stdout and "Traceback" not in r.stdout, r.stdout[-3000:]
+    assert not (tmp_path / "summary.json").exists()
+    path, meta = ckpt.latest_valid(ckpt.checkpoint_root(tmp_path))
+    assert meta["step"] == 4 and len(meta["files"]) == 2, path
+    r = launch(tmp_path, 2, [*args, "--resume"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ref = clean.get(method)
+    for w in range(2):
+        a, b = final_state(ref, w), final_state(tmp_path, w)
+        _assert_same_state(a, b, f"worker {w}", exact=True)
+        for x, y in zip(a["sync"]["outer_opts"], b["sync"]["outer_opts"], strict=True):
+            for sx, sy in zip(x["state"].values(), y["state"].values(), strict=True):
+                for k in sx:
+                    torch.testing.assert_close(sx[k], sy[k], rtol=0, atol=0)
+    sa, sb = (json.loads((p / "summary.json").read_text()) for p in (ref, tmp_path))
+    assert sa["final_eval_loss"] == sb["final_eval_loss"]
 
 
 def test_overlap_is_real_on_an_emulated_link(tmp_path: Path) -> None:

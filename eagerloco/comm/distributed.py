@@ -28,6 +28,14 @@ never returns. To name the culprit, every outer rank's heartbeat thread writes `
 report the workers whose heartbeat went stale, that closed their communicator, or (failing that)
 that never reached the failed exchange.
 
+Elastic mode (``elastic=True``, driven by :mod:`eagerloco.comm.elastic`). A failed collective
+does not fail the handles: the communication thread parks with the failed exchange kept, the
+caller's thread notices (at its next wait, or at a step boundary through ``broken``) and runs the
+membership protocol, which re-forms the group among the survivors and hands the unfinished
+exchanges back (:meth:`TorchDistCommunicator.take_jobs`, :meth:`~TorchDistCommunicator.resume`) to
+be run again on the new group. ``rank`` stays the worker id (it names seeds, shards and files);
+the position in the current group is separate.
+
 Threads. With several processes on few cores, each process should use
 ``cores // processes_on_this_host`` intra-op threads (1 on a 2-core machine with 2+ processes),
 else they oversubscribe the cores; :func:`set_worker_threads` does that.
@@ -71,6 +79,8 @@ _WAIT_SLACK_S = 10.0
 _POLL_S = 0.25
 _HEADER_FIELDS = 5  # launch wall time, sequence number, numel, payload bytes, codec id
 _BARRIER = -1  # numel marking a barrier in the header
+_PAUSE = object()  # queue marker: park the communication thread (elastic membership change)
+_RECENT = 8  # completed results kept for survivors that did not see them complete
 
 
 class PeerError(RuntimeError):
@@ -331,6 +341,7 @@ class _Job:
     codec: Codec | None = None
     payload: torch.Tensor | None = None
     wire: int = 0
+    step: int = 0  # training step at launch (what a lost worker's progress is measured from)
 
 
 class TorchDistCommunicator(Communicator):
@@ -340,7 +351,9 @@ class TorchDistCommunicator(Communicator):
     (default: none beyond the real one). timeout_s: how long one collective may wait for peers.
     names: how error messages call each worker (outer-group rank -> name). store: where heartbeats
     go (None: no heartbeats, errors cannot name the dead worker). seed: jitter RNG, the same on all
-    workers so that they agree on the link schedule.
+    workers so that they agree on the link schedule. elastic: park on a failed collective instead
+    of failing (see the module docstring). members: the worker id of each group rank (default:
+    rank r is worker r); ``rank`` is this process's worker id.
     """
 
     def __init__(
@@ -353,6 +366,8 @@ class TorchDistCommunicator(Communicator):
         store: dist.Store | None = None,
         seed: int = 0,
         heartbeat_s: float = HEARTBEAT_S,
+        elastic: bool = False,
+        members: list[int] | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call init_process_groups first")
@@ -360,10 +375,27 @@ class TorchDistCommunicator(Communicator):
             raise ValueError("this rank is not in the outer group: only the first rank of each worker "
                              "exchanges with the other workers")
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.num_workers = dist.get_world_size(group)
+        pos, size = dist.get_rank(group), dist.get_world_size(group)
+        self._members = list(members) if members is not None else list(range(size))
+        if len(self._members) != size:
+            raise ValueError(f"members {self._members} do not match the group's size {size}")
+        self._pos = pos  # this worker's rank in the current group
+        self.rank = self._members[pos]  # worker id: stable across membership changes
+        self.num_workers = size
         self.stats = WorkerStats()
+        self._link_cfg, self._seed = link, seed
         self.link = EmulatedLink(link, seed)
+        self._elastic = elastic
+        #: Called on the caller's thread when it finds the group broken (elastic); re-forms it.
+        self.recover_hook: Any = None
+        #: Training step, published with the heartbeat (what a lost worker had done).
+        self.step_hint = 0
+        self._broken: tuple[int, str] | None = None  # (exchange, what failed): text, no traceback
+        self._parked = threading.Event()
+        self._resume_ev = threading.Event()
+        self._parked_job: _Job | None = None
+        self._done_upto = 0  # last exchange completed here (they complete in order)
+        self._recent: dict[int, tuple[int, torch.Tensor | None, int]] = {}  # seq -> (numel, flat mean, step)
         self.timeout_s = float(timeout_s)
         self._names = dict(names or {})
         self._store = store
@@ -433,7 +465,7 @@ class TorchDistCommunicator(Communicator):
         device = tensors[0].device if tensors else torch.device("cpu")
         handle = self._enqueue(numel, like, device, own=unflatten(own_flat, like), nbytes=nbytes)
         self._unwaited.add(handle.seq)
-        job = _Job(handle.seq, numel, time.time(), handle, codec, packed, wire)
+        job = _Job(handle.seq, numel, time.time(), handle, codec, packed, wire, self.step_hint)
         self._jobs.put(job)
         return handle
 
@@ -441,7 +473,7 @@ class TorchDistCommunicator(Communicator):
         """Wait until every worker reached this point (in order with the exchanges launched before)."""
         self._check_open()
         handle = self._enqueue(_BARRIER, [], torch.device("cpu"), own=[], nbytes=0)
-        self._jobs.put(_Job(handle.seq, _BARRIER, time.time(), handle))
+        self._jobs.put(_Job(handle.seq, _BARRIER, time.time(), handle, step=self.step_hint))
         self._await(handle, None)
         handle._waited = True
         if handle._error is not None:
@@ -459,6 +491,7 @@ class TorchDistCommunicator(Communicator):
         if cancel or self._error is not None:
             self._cancel.set()
         self._jobs.put(None)
+        self._resume_ev.set()  # a parked thread (elastic) leaves as well
         self._thread.join(timeout=1.0 if self._cancel.is_set() else self.timeout_s + _WAIT_SLACK_S)
         if self._thread.is_alive():
             warnings.warn("the outer communication thread is still inside a collective; abandoning it",
@@ -495,6 +528,10 @@ class TorchDistCommunicator(Communicator):
         start = time.monotonic()
         limit = self.timeout_s + _WAIT_SLACK_S
         while not handle._event.wait(_POLL_S if timeout is None else min(_POLL_S, max(timeout, 0.0))):
+            if self._broken is not None and self.recover_hook is not None:
+                self.recover_hook()  # re-forms the group; this exchange then lands or runs again
+                start = time.monotonic()
+                continue
             waited = time.monotonic() - start
             since = self._in_collective_since
             stuck = 0.0 if since is None else time.monotonic() - since
@@ -512,6 +549,10 @@ class TorchDistCommunicator(Communicator):
             job = self._jobs.get()
             if job is None:
                 return
+            if job is _PAUSE:
+                self._park(None)
+                continue
+            broken = False
             try:
                 if self._error is not None:
                     raise self._error
@@ -520,17 +561,149 @@ class TorchDistCommunicator(Communicator):
                 mean = self._execute(job)
             except _TransportError as e:  # a peer is gone or hung
                 self._in_collective_since = None
-                self._fail(job.seq, "the collective failed", e.__cause__)
+                if self._elastic and not self._cancel.is_set():
+                    # Keep text only: the exception's traceback would keep the broken group (and its
+                    # sockets, which the other survivors wait on) alive.
+                    self._broken = (job.seq, _short(e.__cause__ or e))
+                    broken = True
+                else:
+                    self._fail(job.seq, "the collective failed", e.__cause__)
             except Exception as e:  # a schedule mismatch or a local bug: report it as is
                 if self._error is None:
                     self._error = e
                 self._fail_pending(self._error)
             else:
+                self._done_upto = job.seq
+                self._recent[job.seq] = (job.numel, mean, job.step)
+                self._recent.pop(job.seq - _RECENT, None)
                 job.handle._finish(mean=mean)
-            finally:
-                self._in_collective_since = None
-                with self._pending_lock:
-                    self._pending.pop(job.seq, None)
+            if broken:
+                self._park(job)  # the caller re-forms the group and hands the job back
+                continue
+            self._in_collective_since = None
+            with self._pending_lock:
+                self._pending.pop(job.seq, None)
+
+    def _park(self, job: _Job | None) -> None:
+        """Stop between exchanges until the caller's thread has re-formed the group (elastic)."""
+        self._parked_job = job
+        self._parked.set()
+        self._resume_ev.wait()
+        self._resume_ev.clear()
+
+    # -- elastic membership (called on the caller's thread) ------------------------------------------
+
+    @property
+    def broken(self) -> bool:
+        """Whether a collective failed and the group must be re-formed (elastic mode)."""
+        return self._broken is not None
+
+    @property
+    def done_upto(self) -> int:
+        """The last exchange completed here (exchanges complete in launch order)."""
+        return self._done_upto
+
+    @property
+    def members(self) -> list[int]:
+        """The worker id of each rank of the current group."""
+        return list(self._members)
+
+    def pause(self, timeout_s: float) -> None:
+        """Park the communication thread between exchanges; returns once it is parked.
+
+        An exchange under way finishes first (or fails, when a member is gone: then the thread
+        parks with it). Raises PeerError if that takes longer than timeout_s.
+        """
+        self._check_open()
+        if not self._parked.is_set():
+            self._jobs.put(_PAUSE)
+        if not self._parked.wait(timeout_s):
+            raise PeerError(f"{self._name(self.rank)}: the outer communication thread did not stop within "
+                            f"{timeout_s:g} s for a membership change. Restart the run from the last checkpoint.")
+
+    def detach_group(self) -> None:
+        """Drop the reference to the current group (parked thread), so that destroying it closes its
+        sockets: survivors still blocked in a collective of that group then fail at once instead
+        of at the timeout."""
+        assert self._parked.is_set()
+        self.group = None
+
+    @property
+    def failure(self) -> str:
+        """What failed, when broken (elastic mode)."""
+        return f"exchange #{self._broken[0]}: {self._broken[1]}" if self._broken else ""
+
+    def take_jobs(self) -> list[_Job]:
+        """The exchanges not completed here, in launch order (the thread must be parked)."""
+        assert self._parked.is_set()
+        jobs = [] if self._parked_job is None else [self._parked_job]
+        self._parked_job = None
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, _Job):
+                jobs.append(job)
+        return sorted(jobs, key=lambda j: j.seq)
+
+    def recent_result(self, seq: int) -> tuple[int, torch.Tensor | None, int]:
+        """(numel, flat mean, launch step) of a recently completed exchange, for survivors that did not complete it."""
+        if seq not in self._recent:
+            raise PeerError(f"{self._name(self.rank)} no longer holds the result of exchange #{seq}; "
+                            "restart the run from the last checkpoint")
+        return self._recent[seq]
+
+    def complete_from_peer(self, job: _Job, mean: torch.Tensor | None) -> None:
+        """Finish an exchange with the result another survivor saw complete (elastic recovery)."""
+        self._done_upto = max(self._done_upto, job.seq)
+        self._recent[job.seq] = (job.numel, mean, job.step)
+        job.handle._finish(mean=mean)
+        with self._pending_lock:
+            self._pending.pop(job.seq, None)
+
+    def resume(self, group: dist.ProcessGroup | None, members: list[int], jobs: list[_Job], epoch: int,
+               names: Mapping[int, str] | None = None) -> None:
+        """Continue on a new group: rerun the given exchanges there, in order, then the later ones.
+
+        The emulated link restarts (same seed and epoch on every member, so they agree on it);
+        an exchange that runs again is counted again in the byte accounting, at the new size.
+        """
+        assert self._parked.is_set(), "pause() first"
+        self.group = group
+        self._members = list(members)
+        self._pos = self._members.index(self.rank)
+        self.num_workers = len(self._members)
+        if names is not None:
+            self._names.update(names)
+        self.reset_link(epoch)
+        pending = []
+        while True:  # launches made while parked queue up behind the reruns
+            try:
+                pending.append(self._jobs.get_nowait())
+            except queue.Empty:
+                break
+        for job in jobs:
+            if job.codec is not None and job.payload is not None:
+                job.wire = wire_bytes(job.payload.numel(), self.num_workers, job.codec.summable)
+                self.stats.bytes_sent += job.wire
+                self.stats.bytes_received += job.wire
+            self._jobs.put(job)
+        for job in pending:
+            if job is not _PAUSE:
+                self._jobs.put(job)
+        self._broken = None
+        self._parked.clear()
+        self._resume_ev.set()
+
+    def reset_link(self, epoch: int) -> None:
+        """A fresh emulated link for a membership epoch (same seed and epoch on every member)."""
+        self.link = EmulatedLink(self._link_cfg, self._seed + 7919 * epoch)
+
+    def adopt_sequence(self, launched: int) -> None:
+        """A worker that joins continues the members' exchange numbering."""
+        assert not self._pending, "adopt_sequence() before any exchange"
+        self._launched = self._entered = self._done_upto = launched
 
     def _gather(self, buf: torch.Tensor) -> torch.Tensor:
         """All-gather equal-size uint8 buffers; rows in worker order."""
@@ -565,7 +738,7 @@ class TorchDistCommunicator(Communicator):
         return mean
 
     def _check_headers(self, job: _Job, rows: torch.Tensor) -> None:
-        mine = rows[self.rank, 1:]
+        mine = rows[self._pos, 1:]
         if bool((rows[:, 1:] == mine).all()):
             return
 
@@ -576,7 +749,7 @@ class TorchDistCommunicator(Communicator):
             name = CODEC_NAMES[cid] if 0 <= cid < len(CODEC_NAMES) else "?"
             return f"exchange #{seq}: {numel} values as {name} ({nbytes} bytes)"
 
-        lines = "; ".join(f"{self._name(w)} {describe(rows[w])}" for w in range(self.num_workers))
+        lines = "; ".join(f"{self._name(w)} {describe(rows[i])}" for i, w in enumerate(self._members))
         raise ScheduleMismatchError(
             f"workers launched different exchanges at the same point: {lines}. Every worker must launch "
             "the same exchanges (same sizes, codec and order); check the fragment schedule and settings"
@@ -648,7 +821,7 @@ class TorchDistCommunicator(Communicator):
         strong: list[tuple[int, str]] = []
         weak: list[tuple[int, str]] = []
         now = time.time()
-        for w in range(self.num_workers):
+        for w in self._members:
             if w == self.rank:
                 continue
             name, key = self._name(w), f"hb/{w}"
@@ -656,13 +829,16 @@ class TorchDistCommunicator(Communicator):
                 if not self._store.check([key]):
                     strong.append((w, f"{name} never started its outer communicator"))
                     continue
-                stamp, entered, state = self._store.get(key).decode().split()
+                stamp, entered, state = self._store.get(key).decode().split()[:3]
             except Exception as e:
                 return f"the rendezvous store is unreachable ({str(e).splitlines()[0][:120]})"
             age, last = now - float(stamp), int(entered)
             if state == "failed":  # a fellow survivor that already gave up: not a cause
                 continue
-            if state == "closed":
+            exit_note = self._exit_note(w)
+            if exit_note:  # the launcher saw its process end: no need to wait for a stale heartbeat
+                strong.append((w, f"{name} is gone: its process {exit_note} (after exchange #{last})"))
+            elif state == "closed":
                 strong.append((w, f"{name} closed its communicator after exchange #{last} (done or quit)"))
             elif age > self._stale_s:
                 note = f"{name} is gone or frozen (last heartbeat {age:.1f} s ago, at exchange #{last})"
@@ -670,6 +846,17 @@ class TorchDistCommunicator(Communicator):
             elif last < seq:
                 weak.append((w, f"{name} has not reached exchange #{seq} (alive, last entered #{last})"))
         return strong, weak
+
+    def _exit_note(self, w: int) -> str:
+        """How worker w's process ended, if ``eagerloco launch`` recorded it ('' if not)."""
+        assert self._store is not None
+        try:
+            if not self._store.check([f"exited/{w}"]):
+                return ""
+            rc = int(self._store.get(f"exited/{w}").decode())
+        except Exception:
+            return ""
+        return f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
 
     def _announce(self, state: str | None = None) -> None:
         """Have the heartbeat thread publish now (a new exchange entered, or a new state).
@@ -689,7 +876,8 @@ class TorchDistCommunicator(Communicator):
             if state is not None:
                 self._state = state
             try:
-                self._store.set(f"hb/{self.rank}", f"{time.time():.3f} {self._entered} {self._state}")
+                self._store.set(f"hb/{self.rank}",
+                                f"{time.time():.3f} {self._entered} {self._state} {self.step_hint}")
             except Exception:  # the store host may be gone; a diagnosis will say so
                 pass
 

@@ -1,0 +1,494 @@
+"""Elastic membership: workers die and come back, the others go on.
+
+torch.distributed cannot shrink or grow a process group, so membership moves in *epochs*: every
+change destroys the process groups and builds new ones among the new members, on the same
+launcher-hosted TCPStore under a fresh prefix (``eagerloco/elastic/ep<E>/pg/``). Worker ids stay
+stable (they name data shards, seeds and checkpoint files); a worker's rank in an epoch's group is
+its position among the sorted member ids. One worker per process (``--ranks-per-worker 1``).
+
+A worker dies (epoch E -> E+1). Its peers' collectives fail; each survivor's communicator parks
+(:class:`~eagerloco.comm.distributed.TorchDistCommunicator` in elastic mode) and the survivor,
+at its next wait or step boundary, runs :meth:`Membership.recover`:
+
+1. it flags ``ep<E+1>/recovering`` (peers that have not hit a failed collective yet see it at
+   their next step) and announces ``ep<E+1>/alive/<id>``;
+2. once every member of epoch E has announced or is known gone (the launcher wrote
+   ``exited/<id>``, or its heartbeat is stale or says closed), or after the timeout, the first
+   survivor to decide writes the member list with compare-and-set; everyone adopts that one value
+   (a survivor left out stops with PeerError, and may come back as a joiner);
+3. the survivors build epoch E+1's groups.
+
+The exchanges that were in flight: an exchange that completed on *any* survivor counts with its
+full result (every worker, the dead one included, contributed to it): survivors that did not see
+it complete receive it from one that did (at most one exchange can be in that state, since
+completing exchange n needs every member to have completed n-1). Every later exchange is run
+again among the survivors from each survivor's own saved payload, so the mean is over the workers
+present. No partial result is ever applied. Eager's bookkeeping stays exact because each exchange
+in flight remembers the M its worker's own share was applied with (``_InFlight.workers`` in
+:mod:`eagerloco.outer`): the correction subtracts own/M_round and adds the mean over whoever
+contributed, so every outer gradient present is applied exactly once.
+
+A worker (re)joins (epoch E -> E+1). A restarted process (``eagerloco launch --elastic
+--max-restarts N`` restarts it, or the user starts it with ``--rejoin``) writes ``join/req/<id>``
+and waits. The leader (lowest member id) sees the request at a round boundary (a step where
+fragment 0 syncs: step % H == 0; every step for dp) and schedules the change at a later boundary
+b, far enough ahead (the exchange delay plus two rounds) that no member has passed b, in
+``ep<E>/change``. Every member reads it at its boundaries; at step b they resolve the exchanges
+still in flight in the old group (so nothing crosses the change half-done), the leader writes
+``join/admit/<id>``, all build the new groups, and the leader sends the joiner its complete
+current state: outer parameters and outer-optimizer state of every fragment, the exchanges in
+flight with their results, the local model, inner optimizer and schedule, step counter and
+exchange numbering. The joiner continues from step b+1 as an exact copy of the leader except for
+its own data position (its last checkpoint's, else fresh). The outer state is the leader's at the
+very step the joiner starts from: never a stale copy.
+
+An elastic run ends with the members agreeing on one model: the leader's outer parameters are
+broadcast (for eager, whose workers' outer copies differ slightly, this picks the copy the final
+evaluation used; for the other methods they are already equal).
+
+Limits: a second failure during the few collectives of a change (or a joiner dying between its
+admission and its first step) stops the run with PeerError; resume from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import io
+import json
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from eagerloco.comm.distributed import _BARRIER, PeerError, TorchDistCommunicator, _short
+
+T = TypeVar("T")
+_POLL_S = 0.05
+_STALE_S = 4.0  # a heartbeat older than this marks its worker gone (they are written every second)
+
+
+def comm_failure(comm: TorchDistCommunicator | None) -> str:
+    return (comm.failure if comm is not None else "") or "collective failed"
+
+
+def _ids(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x != ""]
+
+
+def outer_digest(params: list[torch.Tensor]) -> str:
+    """SHA-256 of the outer parameters' bytes: equal digests, bit-identical parameters."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class Membership:
+    """This worker's view of who is in the run, and the protocol that changes it.
+
+    client: a TCPStore client of the launcher-hosted store. members/epoch: the current group
+    (epoch 0: the group torch.distributed was initialized with). inner_steps/delay/steps: where
+    round boundaries are, how far ahead a change must be scheduled, and when the run ends.
+    """
+
+    def __init__(
+        self,
+        client: dist.Store,
+        worker: int,
+        workers: int,
+        timeout_s: float,
+        *,
+        members: list[int] | None = None,
+        epoch: int = 0,
+        inner_steps: int = 1,
+        delay: int = 0,
+        steps: int = 0,
+        is_dp: bool = False,
+    ) -> None:
+        self.client = client
+        self.kv = dist.PrefixStore("eagerloco/elastic/", client)
+        self.hb = dist.PrefixStore("eagerloco/outer/", client)
+        self.worker, self.workers, self.timeout_s = worker, workers, float(timeout_s)
+        self.members = list(members) if members is not None else list(range(workers))
+        self.epoch = epoch
+        self.inner_steps, self.delay, self.steps, self.is_dp = inner_steps, delay, steps, is_dp
+        self.step = 0
+        self.comm: TorchDistCommunicator | None = None
+        self.trainer: Any = None  # the eagerloco.train.Worker of this process
+        self.names: dict[int, str] = {w: f"worker {w}" for w in range(workers)}
+        self.recovery_s = 0.0  # wall time spent re-forming groups
+        self._busy = False
+
+    # ------------------------------------------------------------------ roles
+    @property
+    def leader(self) -> int:
+        return min(self.members)
+
+    def is_leader(self) -> bool:
+        return self.worker == self.leader
+
+    @property
+    def pos(self) -> int:
+        return self.members.index(self.worker)
+
+    def attach(self, comm: TorchDistCommunicator, trainer: Any) -> None:
+        """Wire the communicator (its failures call recover()) and the trainer (state handover)."""
+        self.comm, self.trainer = comm, trainer
+        comm.recover_hook = self.recover
+
+    # ------------------------------------------------------------------ groups
+    @staticmethod
+    def teardown() -> None:
+        """Destroy the current groups now (the communicator must have dropped its reference): their
+        sockets close, so members still blocked in one of their collectives fail at once."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()  # free the groups held only by reference cycles: that is what closes the sockets
+
+    def form(self, epoch: int, members: list[int]) -> dist.ProcessGroup:
+        """Tear down the current groups and build epoch's: a default group (control traffic on the
+        caller's thread) and the outer group (the communication thread's), both gloo."""
+        self.teardown()
+        timeout = timedelta(seconds=self.timeout_s)
+        store = dist.PrefixStore(f"eagerloco/elastic/ep{epoch}/pg/", self.client)
+        dist.init_process_group("gloo", store=store, rank=members.index(self.worker), world_size=len(members),
+                                timeout=timeout)
+        outer = dist.new_group(list(range(len(members))), timeout=timeout, backend="gloo")
+        self.epoch, self.members = epoch, list(members)
+        return outer
+
+    def event(self, record: dict[str, Any]) -> None:
+        """Append an event to the run's log in the store (written by one member only)."""
+        record = {"epoch": self.epoch, "step": self.step, "time": time.time(), **record}
+        n = self.kv.add("events/count", 1)
+        self.kv.set(f"events/{n}", json.dumps(record))
+
+    def events(self) -> list[dict[str, Any]]:
+        n = self.kv.add("events/count", 0)
+        return [json.loads(self.kv.get(f"events/{i}")) for i in range(1, n + 1)]
+
+    # ------------------------------------------------------------------ per step
+    def on_step(self, step: int) -> None:
+        """After each inner step: re-form the group if a member is gone, admit joiners at boundaries."""
+        self.step = step
+        comm = self.comm
+        assert comm is not None
+        comm.step_hint = step + 1  # the step now under way: what it launches belongs to it
+        comm._announce()  # heartbeat now: a lost worker's last step is known to the step
+        if comm.broken or self.kv.check([f"ep{self.epoch + 1}/recovering"]):
+            self.recover()
+        if self.is_dp or step % self.inner_steps == 0:
+            self._boundary(step)
+
+    def guarded(self, fn: Callable[[], T]) -> T:
+        """Run a collective of the caller's thread; if a member is gone, re-form the group and retry."""
+        for _ in range(self.workers + 1):
+            epoch = self.epoch
+            try:
+                return fn()
+            except RuntimeError as e:
+                if isinstance(e, PeerError):
+                    raise
+                cause = _short(e)  # text only: the traceback would keep the broken group alive
+            if self.epoch == epoch:
+                self.recover(cause=cause)
+        raise PeerError(f"worker {self.worker}: a collective kept failing across membership changes; "
+                        "resume from the last checkpoint")
+
+    def collect(self, prefix: str) -> dict[int, Any]:
+        """Wait until every member has published ``prefix/<id>`` (JSON) in the store; returns them.
+
+        Checkpoint manifests and the final summary go through the store rather than a collective:
+        a worker that has published goes on without waiting, so a death can never leave some
+        members inside a collective that others completed. A member found gone is not waited for;
+        a broken group is re-formed first.
+        """
+        comm = self.comm
+        assert comm is not None
+        deadline = time.monotonic() + 2 * self.timeout_s
+        while True:
+            missing = [w for w in self.members if not self.kv.check([f"{prefix}/{w}"])]
+            waiting = [w for w in missing if not self._gone(w)]
+            if not waiting:
+                return {w: json.loads(self.kv.get(f"{prefix}/{w}")) for w in self.members if w not in missing}
+            if comm.broken or self.kv.check([f"ep{self.epoch + 1}/recovering"]):
+                self.recover()
+                continue
+            if time.monotonic() >= deadline:
+                raise PeerError(f"workers {waiting} did not publish {prefix} within {2 * self.timeout_s:g} s; "
+                                "check their logs, then resume from the last checkpoint")
+            time.sleep(_POLL_S)
+
+    # ------------------------------------------------------------------ a worker is gone
+    def recover(self, cause: str = "") -> None:
+        """Re-form the group among the survivors and resolve the exchanges in flight (see module doc)."""
+        if self._busy:
+            raise PeerError(f"worker {self.worker}: another failure during a membership change "
+                            f"({cause or comm_failure(self.comm)}); resume from the last checkpoint")
+        comm = self.comm
+        assert comm is not None
+        self._busy = True
+        t0 = time.perf_counter()
+        try:
+            comm.pause(self.timeout_s + 10.0)
+            jobs = comm.take_jobs()
+            cause = cause or comm.failure or "a peer's collective failed"
+            comm.detach_group()
+            self.teardown()  # peers still inside a collective of the old group fail now, not at the timeout
+            t_pause = time.perf_counter()
+            e = self.epoch + 1
+            old = list(self.members)
+            self.kv.set(f"ep{e}/recovering", str(self.worker))
+            self.kv.set(f"ep{e}/alive/{self.worker}", str(comm.done_upto))
+            members = self._decide(e, old)
+            t_decide = time.perf_counter()
+            if self.worker not in members:
+                raise PeerError(
+                    f"worker {self.worker} was left out of the group re-formed after a failure (it did not "
+                    f"answer within {self.timeout_s:g} s); it can come back with --rejoin"
+                )
+            lost = [w for w in old if w not in members]
+            outer = self.form(e, members)
+            last = self._settle(jobs)
+            comm.resume(outer, members, jobs, e, self.names)
+            t_end = time.perf_counter()
+            phases = {"pause_s": round(t_pause - t0, 3), "decide_s": round(t_decide - t_pause, 3),
+                      "regroup_s": round(t_end - t_decide, 3)}
+            if self.is_leader():
+                seen = {w: self._last_seen_step(w) for w in lost}
+                self.event({"event": "left", "workers": lost, "members": members,
+                            "last_included_step": last, "last_seen_step": seen, "rerun_exchanges": len(jobs),
+                            "cause": cause, **phases})
+            print(f"eagerloco: worker {self.worker}: lost {', '.join(map(str, lost)) or 'no worker'}; "
+                  f"continuing with workers {members} (epoch {e}, step {self.step}; {phases})", flush=True)
+        finally:
+            self._busy = False
+            self.recovery_s += time.perf_counter() - t0
+
+    def _decide(self, e: int, old: list[int]) -> list[int]:
+        deadline = time.monotonic() + self.timeout_s
+        key = f"ep{e}/members"
+        while True:
+            if self.kv.check([key]):
+                return _ids(self.kv.get(key).decode())
+            alive = [w for w in old if self.kv.check([f"ep{e}/alive/{w}"])]
+            gone = [w for w in old if w not in alive and self._gone(w)]
+            if len(alive) + len(gone) == len(old) or time.monotonic() >= deadline:
+                proposal = ",".join(str(w) for w in sorted(alive))
+                return _ids(self.kv.compare_set(key, "", proposal).decode())
+            time.sleep(_POLL_S)
+
+    def _gone(self, w: int) -> bool:
+        """Strong evidence only: the launcher saw it exit, or its heartbeat is stale or says closed."""
+        try:
+            if self.hb.check([f"exited/{w}"]):
+                return True
+            if not self.hb.check([f"hb/{w}"]):
+                return False
+            parts = self.hb.get(f"hb/{w}").decode().split()
+        except Exception:
+            return False
+        return parts[2] in ("closed", "failed") or time.time() - float(parts[0]) > _STALE_S
+
+    def _last_seen_step(self, w: int) -> int | None:
+        """Inner steps worker w had completed at its last heartbeat."""
+        try:
+            parts = self.hb.get(f"hb/{w}").decode().split()
+            return int(parts[3]) - 1 if len(parts) > 3 else None
+        except Exception:
+            return None
+
+    def _settle(self, jobs: list[Any]) -> int:
+        """Give every survivor the result of the exchanges some survivor completed; drop them from
+        jobs (the rest run again). Returns the launch step of the last exchange completed."""
+        comm = self.comm
+        assert comm is not None
+        mine = comm.done_upto
+        step = comm._recent[mine][2] if mine in comm._recent else 0
+        every: list[Any] = [None] * len(self.members)
+        dist.all_gather_object(every, (mine, step))
+        dones = [d for d, _ in every]
+        for seq in range(min(dones) + 1, max(dones) + 1):
+            holders = [i for i, d in enumerate(dones) if d >= seq]
+            job = next((j for j in jobs if j.seq == seq), None)
+            if self.pos in holders:
+                numel, mean, _ = comm.recent_result(seq)
+            else:
+                if job is None:
+                    raise PeerError(f"worker {self.worker} never launched exchange #{seq} that its peers completed")
+                numel, mean = job.numel, None
+            buf = None
+            if numel != _BARRIER:
+                buf = mean.clone() if mean is not None else torch.empty(numel, dtype=torch.float32)
+                dist.broadcast(buf, src=holders[0])
+            if self.pos not in holders:
+                assert job is not None
+                comm.complete_from_peer(job, buf)
+                jobs.remove(job)
+        return max(s for d, s in every if d == max(dones))
+
+    # ------------------------------------------------------------------ a worker comes back
+    def _margin(self) -> int:
+        h = 1 if self.is_dp else self.inner_steps
+        return self.delay + 2 * h
+
+    def _boundary(self, step: int) -> None:
+        key = f"ep{self.epoch}/change"
+        if self.is_leader() and not self.kv.check([key]):
+            absent = [w for w in range(self.workers) if w not in self.members]
+            joiners = [w for w in absent if self.kv.check([f"join/req/{w}"])]
+            if joiners:
+                h = 1 if self.is_dp else self.inner_steps
+                b = -(-(step + self._margin()) // h) * h
+                if b < self.steps:  # a change at the last step would only cost a handover
+                    self.kv.compare_set(key, "", f"{b} {','.join(map(str, joiners))}")
+        if not self.kv.check([key]):
+            return
+        b_text, joiners_text = self.kv.get(key).decode().split()
+        b = int(b_text)
+        if step == b:
+            self._admit(step, _ids(joiners_text))
+        elif step > b:
+            raise PeerError(f"worker {self.worker} passed step {b} where workers {joiners_text} were to join "
+                            "(a bug in the schedule margin); resume from the last checkpoint")
+
+    def _admit(self, step: int, joiners: list[int]) -> None:
+        comm, trainer = self.comm, self.trainer
+        assert comm is not None and trainer is not None
+        e0 = self.epoch
+        t0 = time.perf_counter()
+        trainer.sync.state_dict()  # resolves every exchange in flight in the old group
+        if self.epoch != e0:  # a member died meanwhile: the new leader schedules the join again
+            return
+        t_flush = time.perf_counter()
+        self._busy = True
+        try:
+            comm.pause(self.timeout_s + 10.0)
+            comm.detach_group()
+            if comm.take_jobs():
+                raise PeerError("exchanges still queued at a membership change (a bug); "
+                                "resume from the last checkpoint")
+            src = self.leader
+            members = sorted(self.members + joiners)
+            if self.worker == src:
+                for j in joiners:
+                    self.hb.delete_key(f"exited/{j}")
+                    self.kv.set(f"join/admit/{j}", f"{e0 + 1} {step} {','.join(map(str, members))} {src}")
+            outer = self.form(e0 + 1, members)
+            self.handover(src, joiners)
+            comm.resume(outer, members, [], self.epoch, self.names)
+            digests: list[Any] = [None] * len(members)
+            dist.all_gather_object(digests, outer_digest(trainer.sync.outer_parameters()))
+            if self.worker == src:
+                self.event({"event": "joined", "workers": joiners, "members": members, "source": src,
+                            "outer_sha256": {str(w): d for w, d in zip(members, digests, strict=True)},
+                            "flush_s": round(t_flush - t0, 3), "regroup_s": round(time.perf_counter() - t_flush, 3)})
+            print(f"eagerloco: worker {self.worker}: workers {joiners} joined at step {step}; "
+                  f"members {members} (epoch {self.epoch})", flush=True)
+        finally:
+            self._busy = False
+            self.recovery_s += time.perf_counter() - t0
+
+    def handover(self, src: int, receivers: list[int]) -> None:
+        """src sends its complete training state to each receiver (point to point, default group)."""
+        trainer, comm = self.trainer, self.comm
+        assert trainer is not None and comm is not None
+        if self.worker == src:
+            buf = io.BytesIO()
+            torch.save({
+                "model": trainer.model.state_dict(), "opt": trainer.opt.state_dict(),
+                "sched": trainer.sched.state_dict(), "sync": trainer.sync.state_dict(),
+                "last_loss": trainer.last_loss, "launched": comm._launched,
+            }, buf)
+            data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+            for r in receivers:
+                dst = self.members.index(r)
+                dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=dst)
+                dist.send(data, dst=dst)
+        elif self.worker in receivers:
+            n = torch.zeros(1, dtype=torch.int64)
+            dist.recv(n, src=self.members.index(src))
+            data = torch.empty(int(n.item()), dtype=torch.uint8)
+            dist.recv(data, src=self.members.index(src))
+            state = torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=False)
+            trainer.model.load_state_dict(state["model"])
+            trainer.opt.load_state_dict(state["opt"])
+            trainer.sched.load_state_dict(state["sched"])
+            trainer.sync.load_state_dict(state["sync"])
+            # Its own rounding noise, not a copy of the source's (that would correlate their errors).
+            trainer.sync.generator.manual_seed(trainer.cfg.seed * 1_000_003 + self.worker + 7919 * self.epoch)
+            trainer.last_loss = state["last_loss"]
+            comm.adopt_sequence(int(state["launched"]))
+        dist.barrier()
+
+    def joined(self, src: int) -> None:
+        """The joiner's half of :meth:`_admit` (same collectives, same order): receive the state."""
+        trainer = self.trainer
+        assert trainer is not None
+        self.handover(src, [self.worker])
+        digests: list[Any] = [None] * len(self.members)
+        dist.all_gather_object(digests, outer_digest(trainer.sync.outer_parameters()))
+        print(f"eagerloco: worker {self.worker}: joined at step {self.step} with state from worker {src}; "
+              f"members {self.members} (epoch {self.epoch})", flush=True)
+
+    @classmethod
+    def join(cls, client: dist.Store, worker: int, workers: int, timeout_s: float,
+             wait_s: float, **kwargs: Any) -> tuple[Membership, dist.ProcessGroup, int, int] | None:
+        """A returning worker: ask to join, wait to be admitted (at most wait_s), build the groups.
+
+        Returns (membership, outer group, step the members are at, source worker), or None when
+        the run ended before this worker could join.
+        """
+        m = cls(client, worker, workers, timeout_s, **kwargs)
+        m.kv.set(f"join/req/{worker}", str(time.time()))
+        deadline = time.monotonic() + wait_s
+        key = f"join/admit/{worker}"
+        last_alive = time.monotonic()
+        while not m.kv.check([key]):
+            if m.kv.check(["done"]):
+                m.kv.delete_key(f"join/req/{worker}")
+                return None
+            now = time.monotonic()
+            if any(not m._gone(w) and m.hb.check([f"hb/{w}"]) for w in range(workers) if w != worker):
+                last_alive = now
+            if now >= deadline or now - last_alive > 3 * _STALE_S:
+                m.kv.delete_key(f"join/req/{worker}")
+                why = (f"no other worker is alive (no fresh heartbeat for {now - last_alive:.0f} s)"
+                       if now - last_alive > 3 * _STALE_S else f"it was not admitted within {wait_s:g} s")
+                raise PeerError(f"worker {worker} cannot rejoin the run: {why}. Are the other workers running with "
+                                "--elastic? Otherwise restart the run from the last checkpoint with --resume")
+            time.sleep(_POLL_S)
+        e, step, members, src = m.kv.get(key).decode().split()
+        m.kv.delete_key(key)
+        m.kv.delete_key(f"join/req/{worker}")
+        outer = m.form(int(e), _ids(members))
+        m.step = int(step)
+        return m, outer, int(step), int(src)
+
+    # ------------------------------------------------------------------ the end
+    def finish(self) -> None:
+        """Agree on one final model (the leader's outer parameters) and tell late joiners it is over."""
+        trainer = self.trainer
+        assert trainer is not None
+
+        def agree() -> None:
+            params = trainer.sync.outer_parameters()
+            flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+            dist.broadcast(flat, src=self.members.index(self.leader))
+            i = 0
+            with torch.no_grad():
+                for p in params:
+                    n = p.numel()
+                    p.copy_(flat[i : i + n].view_as(p).to(p.dtype))
+                    i += n
+
+        self.guarded(agree)
+        if self.is_leader():
+            self.kv.set("done", "1")
+
+
+__all__ = ["Membership", "outer_digest"]

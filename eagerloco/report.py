@@ -1,0 +1,435 @@
+"""The comparison report: a Markdown table, the combined summary.json and PNG plots.
+
+Kept apart from :mod:`eagerloco.compare` so a report can be redrawn from finished runs without
+training, and so matplotlib is imported only when a report is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+#: Downstream benchmarks (report column, summary keys that may hold the accuracy).
+EVAL_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
+    ("HellaSwag", ("hellaswag",)),
+    ("PIQA", ("piqa",)),
+    ("ARC-Easy", ("arc_easy", "arc-easy", "arceasy")),
+]
+REFERENCE = "no-overlap"
+PLOTS = {"steps": "loss_vs_steps.png", "wallclock": "loss_vs_wallclock.png", "bytes": "loss_vs_bytes.png"}
+SWEEP_PLOT = "loss_vs_inner_steps.png"
+
+
+# --------------------------------------------------------------------------------------------------
+# Formatting
+
+
+def fmt_bytes(n: Any) -> str:
+    if not isinstance(n, (int, float)) or not math.isfinite(n):
+        return "n/a"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):  # train writes inf/nan as strings
+        try:
+            return float(v)
+        except ValueError:
+            return None
+    return None
+
+
+def benchmark_score(summary: dict[str, Any], keys: tuple[str, ...]) -> float | None:
+    """A benchmark accuracy from the run's summary, wherever the evals put it (top level, or under
+    'evals'/'benchmarks'; a dict value gives its acc_norm or acc); None when the run has none."""
+    for where in (summary, summary.get("evals"), summary.get("benchmarks")):
+        if not isinstance(where, dict):
+            continue
+        for k in keys:
+            v = where.get(k)
+            if isinstance(v, dict):
+                v = next((v[a] for a in ("acc_norm", "acc", "accuracy") if a in v), None)
+            x = _num(v)
+            if x is not None and math.isfinite(x):
+                return x
+    return None
+
+
+def fmt_score(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{100 * x:.1f}%" if 0.0 <= x <= 1.0 else f"{x:.3f}"
+
+
+def fmt_loss(x: Any) -> str:
+    v = _num(x)
+    return f"{v:.4f}" if v is not None else "n/a"
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table padded to line up in a terminal too."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def _delta(r: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    a, b = _num(r.get("final_eval_loss")), _num(ref.get("final_eval_loss")) if ref else None
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return "n/a"
+    return "0" if r is ref else f"{a - b:+.4f}"
+
+
+def fmt_cu(x: Any) -> str:
+    v = _num(x)
+    return f"{v:.3f}" if v is not None else "n/a"
+
+
+def _cu(r: dict[str, Any]) -> str:
+    return fmt_cu(r.get("compute_utilization"))
+
+
+def _wall(r: dict[str, Any]) -> str:
+    v = _num(r.get("wall_s"))
+    return f"{v:.1f} s" if v is not None else "n/a"
+
+
+def grid_table(results: list[dict[str, Any]]) -> str:
+    ref = next((r for r in results if r["name"] == REFERENCE), None)
+    headers = ["method", "tolerated latency", "eval loss"] + (["Δ vs no overlap"] if ref else [])
+    headers += [c for c, _ in EVAL_COLUMNS]
+    headers += ["bytes exchanged / worker", "peak bytes", "CU (link)", "wall (link)"]
+    rows = []
+    for r in results:
+        row = [r["label"], r["tolerated"], fmt_loss(r.get("final_eval_loss"))]
+        if ref:
+            row.append(_delta(r, ref))
+        row += [fmt_score(benchmark_score(r, keys)) for _, keys in EVAL_COLUMNS]
+        row += [fmt_bytes(r.get("bytes_sent_per_worker")), fmt_bytes(r.get("peak_sync_bytes")), _cu(r), _wall(r)]
+        rows.append(row)
+    return markdown_table(headers, rows)
+
+
+def sweep_table(results: list[dict[str, Any]]) -> str:
+    refs = {r["inner_steps"]: r for r in results if r["name"] == REFERENCE}
+    headers = ["H", "method", "tolerated latency", "eval loss"] + (["Δ vs no overlap"] if refs else [])
+    headers += [c for c, _ in EVAL_COLUMNS] + ["bytes exchanged / worker", "peak bytes", "CU (link)", "wall (link)"]
+    rows = []
+    for r in sorted(results, key=lambda r: r["inner_steps"]):
+        row = [str(r["inner_steps"]), r["label"], r["tolerated"], fmt_loss(r.get("final_eval_loss"))]
+        if refs:
+            row.append(_delta(r, refs.get(r["inner_steps"])))
+        row += [fmt_score(benchmark_score(r, keys)) for _, keys in EVAL_COLUMNS]
+        row += [fmt_bytes(r.get("bytes_sent_per_worker")), fmt_bytes(r.get("peak_sync_bytes")), _cu(r), _wall(r)]
+        rows.append(row)
+    return markdown_table(headers, rows)
+
+
+# --------------------------------------------------------------------------------------------------
+# Curves
+
+
+def load_curves(result: dict[str, Any]) -> dict[str, list[tuple[float, ...]]]:
+    """From a run's metrics.jsonl: eval points (step, link seconds, bytes, eval loss), ending with
+    the final evaluation from its summary, and train points (step, link seconds, bytes, loss)."""
+    evals: list[tuple[float, ...]] = []
+    trains: list[tuple[float, ...]] = []
+    path = Path(result["run_dir"]) / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill
+            at = (float(rec["step"]), _num(rec.get("wall_s")) or 0.0, _num(rec.get("bytes_sent")) or 0.0)
+            if _num(rec.get("loss")) is not None:
+                trains.append((*at, float(_num(rec["loss"]))))  # type: ignore[arg-type]
+            if _num(rec.get("eval_loss")) is not None:
+                evals.append((*at, float(_num(rec["eval_loss"]))))  # type: ignore[arg-type]
+    final = _num(result.get("final_eval_loss"))
+    if final is not None:
+        evals = [e for e in evals if e[0] < result["steps"]]
+        evals.append((float(result["steps"]), _num(result.get("wall_s")) or 0.0,
+                      _num(result.get("bytes_sent_per_worker")) or 0.0, final))
+    return {"eval": evals, "train": trains}
+
+
+def _ema(values: list[float], weight: float = 0.6) -> list[float]:
+    out, acc = [], None
+    for v in values:
+        acc = v if acc is None else weight * acc + (1 - weight) * v
+        out.append(acc)
+    return out
+
+
+def _styles(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One color and line style per grid entry, the same in every plot."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    names = list(dict.fromkeys(r["name"] for r in results))
+    styles = {}
+    i = 0
+    for n in names:
+        if n == "dp":
+            styles[n] = {"color": "black", "linestyle": "--", "marker": "s"}
+            continue
+        delayed = n.startswith("delayed")  # dotted, triangles: tell naive delayed from eager at a glance
+        styles[n] = {"color": cmap(i % 10), "linestyle": ":" if delayed else "-", "marker": "^" if delayed else "o"}
+        i += 1
+    return styles
+
+
+def _setup_line(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
+    b = meta["base_config"]
+    link = b["link"]
+    bw = link["bandwidth_gbps"]
+    r0 = results[0] if results else {}
+    params = r0.get("num_params")
+    return (
+        f"{b['model']} GPT" + (f" ({params / 1e6:.2f}M params)" if isinstance(params, (int, float)) else "")
+        + f", {b['workers']} workers x batch {b['batch_size']} x {b['seq_len']} tokens, {b['steps']} steps, "
+        f"seed {b['seed']}; link {bw:g} Gbit/s + {link['latency_ms']:g} ms"
+    )
+
+
+def plot_curves(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> dict[str, Path]:
+    """Eval loss (top, with markers) and smoothed train loss (bottom) against steps, link seconds and bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {r["key"]: load_curves(r) for r in results}
+    styles = _styles(results)
+    # Data-parallel's link time is often 10x the others': a log axis keeps both readable.
+    walls = [w for r in results if (w := _num(r.get("wall_s"))) and w > 0]
+    log_wall = bool(walls) and max(walls) > 8 * min(walls)
+    axes_spec = {
+        "steps": (0, "inner steps (per worker)", "Eval loss against inner steps", False),
+        "wallclock": (1, "wall-clock on the emulated link (s" + (", log scale)" if log_wall else ")"),
+                      "Eval loss against wall-clock time on the link", log_wall),
+        "bytes": (2, "bytes sent per worker (log scale)", "Eval loss against bytes exchanged", True),
+    }
+    paths = {}
+    subtitle = _setup_line(meta, results)
+    for kind, (col, xlabel, title, logx) in axes_spec.items():
+        fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11.5, 7.5), sharex=True,
+                                      gridspec_kw={"height_ratios": [2.2, 1]})
+        for r in results:
+            c, st = curves[r["key"]], styles[r["name"]]
+            ev = [p for p in c["eval"] if not logx or p[col] > 0]
+            tr = [p for p in c["train"] if not logx or p[col] > 0]
+            if ev:
+                loss = r.get("final_eval_loss")
+                label = f"{r['label']} ({fmt_loss(loss)})"
+                ax.plot([p[col] for p in ev], [p[3] for p in ev], label=label, color=st["color"],
+                        linestyle=st["linestyle"], marker=st["marker"], markersize=3.5, linewidth=1.6)
+            if tr:
+                ax2.plot([p[col] for p in tr], _ema([p[3] for p in tr]), color=st["color"],
+                         linestyle=st["linestyle"], linewidth=1.2)
+        for a in (ax, ax2):
+            a.grid(True, which="major", alpha=0.3)
+            if logx:
+                a.set_xscale("log")
+                a.grid(True, which="minor", alpha=0.1)
+        clipped = _zoom_y(ax, [p[3] for c in curves.values() for p in c["eval"]])
+        _zoom_y(ax2, [p[3] for c in curves.values() for p in c["train"]])
+        notes = ["top: eval loss of the outer parameters", "bottom: train loss (EMA over logged steps)"]
+        if clipped:
+            notes.append(f"y axis clipped: {clipped} point(s) above it\n(early steps, diverging runs)")
+        ax.set_ylabel("eval loss (nats/token)")
+        ax2.set_ylabel("train loss\n(smoothed)")
+        ax2.set_xlabel(xlabel)
+        ax.set_title(f"{title}\n{subtitle}", fontsize=10)
+        ax.legend(fontsize=8, title="method (final eval loss)", title_fontsize=8, loc="upper left",
+                  bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        if kind == "bytes":
+            from matplotlib.ticker import FuncFormatter
+
+            ax2.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _short_bytes(x)))
+            ax2.xaxis.set_minor_formatter(FuncFormatter(_minor_bytes_label))
+            notes.append("points before a run's first exchange\n(0 bytes) are not shown")
+        ax.text(1.01, 0.0, "\n".join(notes), transform=ax.transAxes, va="bottom", ha="left", fontsize=7,
+                color="dimgray")
+        fig.tight_layout()
+        path = out / PLOTS[kind]
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths[kind] = path
+    return paths
+
+
+def _short_bytes(x: float) -> str:
+    """Tick labels: '5 MB', '1 GB', '20 MB'."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(x) < 1000 or unit == "TB":
+            return f"{x:.3g} {unit}"
+        x /= 1000
+    return f"{x:.3g} TB"
+
+
+def _minor_bytes_label(x: float, _pos: int) -> str:
+    """Label the 2x and 5x minor ticks of a log bytes axis (enough when it spans under a decade)."""
+    if x <= 0:
+        return ""
+    lead = x / 10 ** math.floor(math.log10(x))
+    return _short_bytes(x) if round(lead) in (2, 5) and abs(lead - round(lead)) < 1e-6 else ""
+
+
+def _zoom_y(ax: Any, values: list[float]) -> int:
+    """Clip the early, high losses so the differences at the end (what the comparison is about)
+    show; returns how many points are above the axis."""
+    vals = sorted(v for v in values if math.isfinite(v))
+    if len(vals) < 3:
+        return 0
+    low, high = vals[0], vals[int(0.9 * (len(vals) - 1))]
+    pad = 0.08 * max(high - low, 1e-3)
+    top = high + 3 * pad
+    ax.set_ylim(low - pad, top)
+    return sum(v > top for v in vals)
+
+
+def plot_sweep(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> Path:
+    """Final eval loss (top) and compute utilization on the link (bottom) against H, per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = _styles(results)
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    hs = sorted({r["inner_steps"] for r in results})
+    for name in dict.fromkeys(r["name"] for r in results):
+        rows = sorted((r for r in results if r["name"] == name), key=lambda r: r["inner_steps"])
+        st = styles[name]
+        kw = {"color": st["color"], "linestyle": st["linestyle"], "marker": st["marker"]}
+        ax.plot([r["inner_steps"] for r in rows], [_num(r.get("final_eval_loss")) for r in rows],
+                label=rows[0]["label"], **kw)
+        ax2.plot([r["inner_steps"] for r in rows], [_num(r.get("compute_utilization")) for r in rows], **kw)
+    for a in (ax, ax2):
+        a.set_xscale("log")
+        a.set_xticks(hs)
+        a.set_xticklabels([str(h) for h in hs])
+        a.minorticks_off()
+        a.grid(True, alpha=0.3)
+    ax.set_ylabel("final eval loss (nats/token)")
+    ax2.set_ylabel("compute utilization\non the link")
+    ax2.set_xlabel("inner steps per round H (log scale)")
+    ax.set_title(f"Final eval loss against H\n{_setup_line(meta, results)}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / SWEEP_PLOT
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# The report
+
+
+def _notes(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    b = meta["base_config"]
+    link = b["link"]
+    step = next((r["mean_step_s"] for r in results if r.get("mean_step_s") is not None), None)
+    step_txt = f"{step:.3f} s" if step is not None else "n/a"
+    source = "fixed by --sim-step-time" if b.get("sim_step_time") is not None else "measured"
+    outer = b["outer"]
+    limit = b.get("eval_limit")
+    any_4bit = any(r["outer"]["codec"] != outer["codec"] for r in results)
+    lowered = any(r["outer"]["outer_lr"] != outer["outer_lr"] for r in results)
+    notes = [
+        "- **tolerated latency**: how long an exchange may take before the schedule applies it "
+        "(`schedule.apply_delay`), in inner steps and in seconds on the link's clock "
+        f"(steps x the mean step time, {step_txt}, {source}). 0: the exchange blocks.",
+        f"- **eval loss**: mean loss of the outer parameters at the end on {b['eval_batches']} held-out "
+        "batch(es) (nats per byte token); **Δ** is against the no-overlap row"
+        + (" at the same H." if meta["kind"] != "grid" else "."),
+        "- **HellaSwag / PIQA / ARC-Easy**: zero-shot accuracy of the final outer parameters when the runs "
+        "evaluated them (`--eval-tasks hellaswag,piqa,arc_easy`), n/a otherwise"
+        + (f"; chance is 25% / 50% / 25%, and on {limit} questions per task one standard error is up to "
+           f"{50 / math.sqrt(limit):.0f} points." if b.get("eval_tasks") and isinstance(limit, int) and limit > 0
+           else "."),
+        "- **bytes exchanged**: bytes each worker sent over the whole run (compressed size); **peak bytes**: "
+        "the largest single payload.",
+        f"- **CU (link)**: compute time / wall-clock on the emulated link ({link['bandwidth_gbps']:g} Gbit/s, "
+        f"{link['latency_ms']:g} ms latency, one transfer at a time); **wall (link)**: that wall-clock.",
+        f"- Shared by every run: outer {outer['outer_optimizer']} lr {outer['outer_lr']:g} "
+        f"momentum {outer['outer_momentum']:g}{' Nesterov' if outer['outer_nesterov'] else ''}, "
+        f"exchange codec {outer['codec']}{' unless the row says 4-bit' if any_4bit else ''}, "
+        f"inner AdamW lr {b['lr']:g}, data {b['data']}"
+        + (f"; the lowered-lr row uses outer lr {meta['lowered_outer_lr']:g}." if lowered else "."),
+    ]
+    times = [r["step_s"] for r in results if r.get("step_s")]
+    if times and b.get("sim_step_time") is None and max(times) > 1.25 * min(times):
+        notes.append(
+            f"- The measured step time varied between runs ({min(times):.3f} to {max(times):.3f} s: other load on "
+            "the machine), which moves the link columns; `--sim-step-time` fixes it for a like-for-like clock."
+        )
+    names = {r["name"] for r in results}
+    paper = [(n, v) for n, v in _paper_rows() if n in names]
+    if paper and meta["kind"] == "grid":
+        from eagerloco.compare import ENTRIES
+
+        ref = "; ".join(f"{ENTRIES[n].label} {v:.2f}" for n, v in paper)
+        notes.append(f"- For scale, the eager paper reports eval loss for a 500M model at H = 30: {ref}.")
+    return notes
+
+
+def _paper_rows() -> list[tuple[str, float]]:
+    from eagerloco.compare import PAPER_EVAL_LOSS
+
+    return list(PAPER_EVAL_LOSS.items())
+
+
+def write_report(out: Path, results: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """Write <out>/report.md, <out>/summary.json and the plots; returns their paths and the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    sweep = meta["kind"] != "grid"
+    table = sweep_table(results) if sweep else grid_table(results)
+    lines = [
+        "# Inner-steps sweep" if sweep else "# Method comparison",
+        "",
+        _setup_line(meta, results) + ".",
+        "",
+        table,
+        "",
+        *_notes(results, meta),
+        "",
+    ]
+    if sweep:
+        plot = plot_sweep(results, out, meta)
+        plots: dict[str, Path] = {"sweep": plot}
+        lines += ["## Final eval loss and compute utilization against H", "", f"![eval loss against H]({plot.name})",
+                  ""]
+    else:
+        plots = plot_curves(results, out, meta)
+        for kind, heading in (("steps", "Eval loss against inner steps"),
+                              ("wallclock", "Eval loss against wall-clock time on the emulated link"),
+                              ("bytes", "Eval loss against bytes exchanged")):
+            lines += [f"## {heading}", "", f"![{heading}]({plots[kind].name})", ""]
+    lines += ["## Runs", ""]
+    for r in results:
+        how = "reused" if r.get("cached") else f"trained in {_num(r.get('real_wall_s')) or 0:.0f} s"
+        lines.append(f"- {r['label']}" + (f" (H = {r['inner_steps']})" if sweep else "")
+                     + f": `{r['run_dir']}` ({how})")
+    report = out / "report.md"
+    report.write_text("\n".join(lines) + "\n")
+    from eagerloco.train import write_json_atomic
+
+    write_json_atomic(out / "summary.json", {**meta, "runs": results})
+    return {"report": report, "summary": out / "summary.json", "plots": plots, "table": table}
