@@ -44,9 +44,9 @@ from eagerloco.faults import kill_hook, kill_self, rejoining
 from eagerloco.train import (
     TrainConfig,
     Worker,
-    _check_resume_config,
-    _finite_json,
+    finite_json,
     prepare,
+    resume_checkpoint,
     run_training,
     task_evals,
     tensorboard_writer,
@@ -85,11 +85,7 @@ def train_distributed(
     try:
         out = Path(cfg.out)
         root = ckpt.checkpoint_root(out)
-        found = ckpt.latest_valid(root) if cfg.resume else None
-        if cfg.resume and found is None:
-            raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh")
-        if found is not None:
-            _check_resume_config(found[1]["config"], cfg)
+        found = resume_checkpoint(cfg)
         # Same corpus, tokenizer (its cache is locked) and seeded initial model on every rank.
         corpus, tok, model, evb = prepare(cfg)
         model = model.to(ctx.device)
@@ -121,7 +117,7 @@ def train_distributed(
             entries: list[Any] = [None] * ctx.world_size
             dist.all_gather_object(entries, entry)
             if ctx.rank == 0:
-                meta = {"config": _finite_json(asdict(cfg)), "runtime": "distributed",
+                meta = {"config": finite_json(asdict(cfg)), "runtime": "distributed",
                         "ranks_per_worker": ranks_per_worker,
                         "real_elapsed": real_elapsed + time.perf_counter() - t_run}
                 ckpt.publish(root, step, entries, meta, keep=cfg.keep_checkpoints)
@@ -140,7 +136,7 @@ def train_distributed(
 
             def log(rec: dict[str, Any]) -> None:
                 if mf is not None:
-                    mf.write(json.dumps(_finite_json(rec)) + "\n")
+                    mf.write(json.dumps(finite_json(rec)) + "\n")
                     mf.flush()
                 _to_tensorboard(tb, rec)
 
@@ -234,7 +230,7 @@ class _Metrics:
             return
         if self.f is None:
             self.f = self._open(int(rec["step"]))
-        self.f.write(json.dumps(_finite_json(rec)) + "\n")
+        self.f.write(json.dumps(finite_json(rec)) + "\n")
         self.f.flush()
 
     def _open(self, step: int) -> IO[str]:
@@ -322,12 +318,7 @@ def _train_elastic(cfg: TrainConfig, timeout_s: float) -> dict[str, Any] | None:
           "delay": apply_delay(oc.method, oc.inner_steps, oc.overlap_steps, oc.eager_rounds)}
     out = Path(cfg.out)
     root = ckpt.checkpoint_root(out)
-    found = None
-    if cfg.resume and not joining:
-        found = ckpt.latest_valid(root)
-        if found is None:
-            raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh")
-        _check_resume_config(found[1]["config"], cfg)
+    found = resume_checkpoint(cfg) if not joining else None
     corpus, tok, model, evb = prepare(cfg)  # every worker keeps eval batches: any of them may lead
     stream = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed, iid=cfg.iid)[me]
     src = -1
@@ -390,7 +381,7 @@ def _train_elastic(cfg: TrainConfig, timeout_s: float) -> dict[str, Any] | None:
             for f in stage.glob("worker_*.pt"):  # a worker that died while saving
                 if f.name not in listed:
                     f.unlink()
-            meta = {"config": _finite_json(asdict(cfg)), "runtime": "distributed", "ranks_per_worker": 1,
+            meta = {"config": finite_json(asdict(cfg)), "runtime": "distributed", "ranks_per_worker": 1,
                     "real_elapsed": real_elapsed + time.perf_counter() - t_run,
                     "members": sorted(entries), "epoch": membership.epoch}
             ckpt.publish(root, step, [entries[w] for w in sorted(entries)], meta, keep=cfg.keep_checkpoints)

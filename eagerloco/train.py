@@ -384,21 +384,21 @@ def _human(n: float) -> str:
     return f"{n:.1f}PB"
 
 
-def _finite_json(obj: Any) -> Any:
+def finite_json(obj: Any) -> Any:
     """JSON has no inf/nan: write them as strings ("inf") so every reader can parse the file."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return str(obj)
     if isinstance(obj, dict):
-        return {k: _finite_json(v) for k, v in obj.items()}
+        return {k: finite_json(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_finite_json(v) for v in obj]
+        return [finite_json(v) for v in obj]
     return obj
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(_finite_json(obj), f, indent=2)
+        json.dump(finite_json(obj), f, indent=2)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -447,7 +447,7 @@ _RESUMABLE_CHANGES = {"progress", "resume", "out", "checkpoint_every", "keep_che
 
 
 def _check_resume_config(saved: dict[str, Any], cfg: TrainConfig) -> None:
-    now = _finite_json(asdict(cfg))
+    now = finite_json(asdict(cfg))
     diffs = sorted(k for k in set(saved) | set(now) if k not in _RESUMABLE_CHANGES and saved.get(k) != now.get(k))
     if diffs:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diffs)
@@ -455,6 +455,20 @@ def _check_resume_config(saved: dict[str, Any], cfg: TrainConfig) -> None:
             f"--resume: the checkpoint was made with different settings ({detail}); "
             "rerun with the original settings or start a fresh run in another --out directory"
         )
+
+
+def resume_checkpoint(cfg: TrainConfig) -> tuple[Path, dict[str, Any]] | None:
+    """With --resume, the newest valid checkpoint of this run (its settings checked); else None."""
+    from eagerloco import checkpoint as ckpt
+
+    if not cfg.resume:
+        return None
+    root = ckpt.checkpoint_root(Path(cfg.out))
+    found = ckpt.latest_valid(root)
+    if found is None:
+        raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh")
+    _check_resume_config(found[1]["config"], cfg)
+    return found
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -470,11 +484,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     root = ckpt.checkpoint_root(out)
-    found = ckpt.latest_valid(root) if cfg.resume else None
-    if cfg.resume and found is None:
-        raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh")
-    if found is not None:
-        _check_resume_config(found[1]["config"], cfg)
+    found = resume_checkpoint(cfg)
     corpus, tok, base, evb = prepare(cfg)
     streams = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed, iid=cfg.iid)
     group = InProcessGroup(cfg.workers, cfg.link, seed=cfg.seed, count_overhead=cfg.sim_step_time is None)
@@ -499,7 +509,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     def save(step: int) -> None:
         states = {m: w.state_dict() for m, w in enumerate(workers)}
-        meta = {"config": _finite_json(asdict(cfg)), "group": group.state_dict(),
+        meta = {"config": finite_json(asdict(cfg)), "group": group.state_dict(),
                 "real_elapsed": real_elapsed + time.perf_counter() - t_run}
         ckpt.save(root, step, states, meta, keep=cfg.keep_checkpoints)
 
@@ -509,7 +519,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             mf.write(ln + "\n")
 
         def log(rec: dict[str, Any]) -> None:
-            mf.write(json.dumps(_finite_json(rec)) + "\n")
+            mf.write(json.dumps(finite_json(rec)) + "\n")
             mf.flush()
             if tb is not None:
                 for k, v in rec.items():

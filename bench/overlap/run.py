@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from eagerloco.train import finite_json
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 WORKERS = 4
@@ -490,22 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     report["elapsed_s"] = time.perf_counter() - t_start
     args.out_dir.mkdir(parents=True, exist_ok=True)
     text = markdown(report, methods)
-    (args.out_dir / "overlap.json").write_text(json.dumps(_finite(report), indent=1, default=str) + "\n")
+    (args.out_dir / "overlap.json").write_text(json.dumps(finite_json(report), indent=1, default=str) + "\n")
     (args.out_dir / "overlap.md").write_text(text)
     print(text)
     print(f"wrote {args.out_dir / 'overlap.json'} and {args.out_dir / 'overlap.md'}")
     return 0
-
-
-def _finite(obj: Any) -> Any:
-    """JSON has no inf/nan: write them as strings."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 if __name__ == "__main__":

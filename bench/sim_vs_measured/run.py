@@ -29,6 +29,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from eagerloco.train import finite_json
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 OVERLAP = ROOT / "bench" / "overlap" / "run.py"
@@ -225,22 +227,11 @@ def main(argv: list[str] | None = None) -> int:
               "calibration": data["calibration"], "rows": rows, "elapsed_s": time.perf_counter() - t0,
               "loadavg_now": [round(x, 2) for x in os.getloadavg()]}
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "sim_vs_measured.json").write_text(json.dumps(_finite(report), indent=1) + "\n")
+    (args.out_dir / "sim_vs_measured.json").write_text(json.dumps(finite_json(report), indent=1) + "\n")
     (args.out_dir / "sim_vs_measured.md").write_text(text)
     print(text)
     print(f"wrote {args.out_dir / 'sim_vs_measured.json'} and {args.out_dir / 'sim_vs_measured.md'}")
     return 0
-
-
-def _finite(obj: Any) -> Any:
-    """JSON has no inf/nan: write them as strings."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 if __name__ == "__main__":
