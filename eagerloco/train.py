@@ -155,7 +155,7 @@ class Worker:
         fixed = self.cfg.sim_step_time
         t = fixed * share if fixed is not None else seconds
         if self.slowdown != 1.0:  # a straggler: really sleep on a real clock, add time on a simulated one
-            if not _simulated(self.comm):
+            if not self.comm.simulated_clock:
                 time.sleep((self.slowdown - 1.0) * seconds)
             t *= self.slowdown
         self.comm.add_compute(t)
@@ -195,7 +195,7 @@ class Worker:
             "sync": self.sync.state_dict(),
             "stream": self.stream.state_dict(),
             "stats": comm.stats.as_dict(),
-            "clock": comm.clock() if _simulated(comm) else None,
+            "clock": comm.clock() if comm.simulated_clock else None,
             "last_loss": self.last_loss,
             "torch_rng": torch.get_rng_state(),
         }
@@ -208,8 +208,8 @@ class Worker:
         self.stream.load_state_dict(state["stream"])
         for k, v in state["stats"].items():
             setattr(self.comm.stats, k, v)
-        if state["clock"] is not None and _simulated(self.comm):
-            self.comm._clock = state["clock"]  # type: ignore[attr-defined]
+        if state["clock"] is not None and self.comm.simulated_clock:
+            self.comm.set_clock(state["clock"])
         self.last_loss = state["last_loss"]
         torch.set_rng_state(state["torch_rng"])
 
@@ -293,7 +293,7 @@ def run_training(
                 eval_loss = evaluate(m, eval_batches)
         if step % cfg.log_every == 0 or step == cfg.steps or do_eval:
             st = workers[0].comm.stats
-            clock = workers[0].comm.clock() if _simulated(workers[0].comm) else time.perf_counter() - real_t0
+            clock = workers[0].comm.clock() if workers[0].comm.simulated_clock else time.perf_counter() - real_t0
             rec: dict[str, Any] = {
                 "step": step,
                 "tokens": step * tokens_per_step,
@@ -324,8 +324,7 @@ def run_training(
     for w, c, b in zip(workers, clocks, blocked, strict=True):
         w.comm.stats.drain_s += w.comm.stats.blocked_s - b
         w.comm.stats.blocked_s = b
-        if _simulated(w.comm):
-            w.comm._clock = c  # type: ignore[attr-defined]
+        w.comm.set_clock(c)
     if bar is not None:
         bar.close()
     final_eval = float("nan")
@@ -336,7 +335,7 @@ def run_training(
             if final_evals is not None:
                 extra = final_evals(m)
     stats = [w.comm.stats for w in workers]
-    walls = [w.comm.clock() if _simulated(w.comm) else real_wall for w in workers]
+    walls = [w.comm.clock() if w.comm.simulated_clock else real_wall for w in workers]
     n = len(workers)
     compute = sum(s.compute_s for s in stats)
     summary: dict[str, Any] = {
@@ -370,10 +369,6 @@ def run_training(
         **extra,
     }
     return summary
-
-
-def _simulated(comm: Communicator) -> bool:
-    return hasattr(comm, "group") and isinstance(comm.group, InProcessGroup)  # type: ignore[attr-defined]
 
 
 def _human(n: float) -> str:

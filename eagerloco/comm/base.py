@@ -127,6 +127,8 @@ class Communicator(ABC):
     rank: int
     num_workers: int
     stats: WorkerStats
+    #: True when clock() is simulated (in-process runtime) rather than real wall time.
+    simulated_clock: bool = False
 
     @abstractmethod
     def allreduce_mean(
@@ -149,6 +151,9 @@ class Communicator(ABC):
     def add_overhead(self, seconds: float) -> None:
         """Record outer-machinery time spent outside the link (advances a simulated clock)."""
         self.stats.overhead_s += seconds
+
+    def set_clock(self, t: float) -> None:  # noqa: B027 - a real clock cannot be set
+        """Set a simulated clock (restoring a checkpoint, rewinding the end-of-run drain)."""
 
     def wait_until(self, t: float) -> None:  # noqa: B027 - only simulated clocks need it
         """Block (on a simulated clock) until time t, counting the wait as blocked time."""

@@ -156,6 +156,8 @@ class InProcessGroup:
 class InProcessCommunicator(Communicator):
     """Worker `rank`'s view of an :class:`InProcessGroup`, with a simulated clock."""
 
+    simulated_clock = True
+
     def __init__(self, group: InProcessGroup, rank: int) -> None:
         self.group = group
         self.rank = rank
@@ -175,6 +177,9 @@ class InProcessCommunicator(Communicator):
     def add_compute(self, seconds: float) -> None:
         self.stats.compute_s += seconds
         self._clock += seconds
+
+    def set_clock(self, t: float) -> None:
+        self._clock = t
 
     def wait_until(self, t: float) -> None:
         if t > self._clock:
