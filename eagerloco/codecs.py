@@ -158,6 +158,14 @@ class Fp32Codec(Codec):
         self._check_buf(buf, numel)
         return _bytes_as(buf, torch.float32, numel)
 
+    def values(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
+        """The payload's values without a copy where its bytes are aligned (read-only use: it shares
+        memory with buf); a decoded copy otherwise."""
+        self._check_buf(buf, numel)
+        if buf.is_contiguous() and buf.data_ptr() % 4 == 0:
+            return buf.view(torch.float32)
+        return _bytes_as(buf, torch.float32, numel)
+
     def packed_nbytes(self, numel: int) -> int:
         return 4 * numel
 

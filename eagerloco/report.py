@@ -357,7 +357,7 @@ def _notes(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
         "(`schedule.apply_delay`), in inner steps and in seconds on the link's clock "
         f"(steps x the mean step time, {step_txt}, {source}). 0: the exchange blocks.",
         f"- **eval loss**: mean loss of the outer parameters at the end on {b['eval_batches']} held-out "
-        "batch(es) (nats per byte token); **Δ** is against the no-overlap row"
+        f"batch(es) (nats per {b.get('tokenizer', 'byte')} token); **Δ** is against the no-overlap row"
         + (" at the same H." if meta["kind"] != "grid" else "."),
         "- **HellaSwag / PIQA / ARC-Easy**: zero-shot accuracy of the final outer parameters when the runs "
         "evaluated them (`--eval-tasks hellaswag,piqa,arc_easy`), n/a otherwise"
@@ -372,7 +372,7 @@ def _notes(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
         f"momentum {outer['outer_momentum']:g}{' Nesterov' if outer['outer_nesterov'] else ''}, "
         f"exchange codec {outer['codec']}{' unless the row says 4-bit' if any_4bit else ''}, "
         f"inner AdamW lr {b['lr']:g}, data {b['data']}"
-        + (f"; the lowered-lr row uses outer lr {meta['lowered_outer_lr']:g}." if lowered else "."),
+        + (f"; the lowered-lr rows use outer lr {meta['lowered_outer_lr']:g}." if lowered else "."),
     ]
     times = [r["step_s"] for r in results if r.get("step_s")]
     if times and b.get("sim_step_time") is None and max(times) > 1.25 * min(times):

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eagerloco.codecs import CODEC_NAMES, Codec, get_codec
+from eagerloco.comm.base import encode, mean_of_payloads
 
 BLOCK_FORMATS = ("fp8", "e2m1", "e3m0", "int8", "int4")
 BITS = {"fp32": 32, "bf16": 16, "fp8": 8, "e2m1": 4, "e3m0": 4, "int8": 8, "int4": 4}
@@ -375,6 +376,51 @@ def test_payload_does_not_alias_the_input() -> None:
         y = c.unpack(buf, 100)
         y.zero_()
         assert torch.equal(buf, before), name
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+def test_fp32_mean_sums_views_with_the_same_bits_and_leaves_payloads_alone(workers: int) -> None:
+    """The FP32 mean reads the payloads in place (no decoding copies): same bits as summing decoded
+    copies in worker order, and the payloads, the caller's values, are not written."""
+    n = 1001
+    c = get_codec("fp32")
+    xs = [_heavy_tailed(n, 40 + m) for m in range(workers)]
+    payloads = [c.pack(x) for x in xs]
+    before = [b.clone() for b in payloads]
+    total = c.unpack(payloads[0], n)
+    for buf in payloads[1:]:
+        total += c.unpack(buf, n)
+    expected = total / workers
+    got = mean_of_payloads(c, payloads, n)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    assert all(torch.equal(b, a) for b, a in zip(payloads, before, strict=True))
+    got.zero_()  # the mean is fresh memory
+    assert all(torch.equal(b, a) for b, a in zip(payloads, before, strict=True))
+
+
+def test_fp32_values_is_a_view_only_when_aligned() -> None:
+    c = get_codec("fp32")
+    x = _normal(64, 1)
+    buf = c.pack(x)
+    v = c.values(buf, 64)
+    assert v.data_ptr() == buf.data_ptr() and torch.equal(v, x)
+    shifted = torch.empty(4 * 64 + 1, dtype=torch.uint8)[1:]  # misaligned by one byte
+    shifted.copy_(buf)
+    w = c.values(shifted, 64)
+    assert w.data_ptr() != shifted.data_ptr() and torch.equal(w, x)
+    with pytest.raises(ValueError, match="does not hold"):
+        c.values(buf[:-4], 64)
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_encode_gives_the_payload_and_what_the_others_decode(name: str) -> None:
+    c = get_codec(name)
+    flat = _heavy_tailed(300, 5)
+    payload, own = encode(c, flat)
+    assert torch.equal(payload, c.pack(flat))
+    assert torch.equal(own, c.unpack(payload, 300))
+    # fp32 is its own encoding: no copy at all (flat is the caller's private vector).
+    assert (payload.data_ptr() == flat.data_ptr()) == (name == "fp32")
 
 
 @settings(max_examples=40, deadline=None)

@@ -90,6 +90,7 @@ def _read(outdir: Path, scenario: str, rank: int) -> dict:
 
 # --------------------------------------------------------------------------------------------------
 # Exact results: every rank's mean equals the single-process mean of the same payloads, bit for bit
+# (fp32 beyond 2 workers: up to the all-reduce's summation order)
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +130,15 @@ def test_mean_is_bit_exact_with_single_process(exact: dict[int, dict], label: st
         got = exact[rank][f"{label}/{name}"]
         assert [tuple(t.shape) for t in got["mean"]] == [tuple(s) for s in dist_worker.SHAPES]
         mean = flatten(got["mean"])
-        assert torch.equal(mean.view(torch.int32), expected.view(torch.int32)), (
-            f"rank {rank}: max diff {(mean - expected).abs().max().item():g}"
-        )
+        if codec.summable and workers > 2:
+            # One all-reduce: its ring adds in another order than worker order (last-bit rounding),
+            # but every rank gets the same bits.
+            torch.testing.assert_close(mean, expected, rtol=1e-6, atol=1e-7)
+            assert torch.equal(mean, flatten(exact[0][f"{label}/{name}"]["mean"])), f"rank {rank} differs from rank 0"
+        else:
+            assert torch.equal(mean.view(torch.int32), expected.view(torch.int32)), (
+                f"rank {rank}: max diff {(mean - expected).abs().max().item():g}"
+            )
         own = flatten(got["own"])
         assert torch.equal(own.view(torch.int32), codec.unpack(payloads[rank], numel).view(torch.int32))
         assert got["payload_bytes"] == codec.packed_nbytes(numel)

@@ -10,6 +10,7 @@ import torch
 from conftest import Toy, constant_grads, plain_sgd_outer, run_inprocess, seeded_grads
 
 from eagerloco.codecs import get_codec
+from eagerloco.comm.base import ReadyHandle
 from eagerloco.comm.inprocess import InProcessGroup
 from eagerloco.config import ConfigError, LinkConfig, OuterConfig
 from eagerloco.fragments import assign_fragments, block_groups
@@ -312,6 +313,26 @@ def test_lockstep_violation_is_a_clear_error() -> None:
     assert torch.equal(handle.wait()[0], torch.full((3,), 2.0))
     with pytest.raises(RuntimeError, match="already waited"):
         handle.wait()
+
+
+@pytest.mark.parametrize("codec_name", ["fp32", "int8"])
+def test_wait_hands_over_fresh_tensors(codec_name: str) -> None:
+    """What wait() returns is the caller's to write into (a foreach optimizer does): another worker's
+    result, the payloads and this worker's own share stay as they were."""
+    group = InProcessGroup(2)
+    codec = get_codec(codec_name)
+    xs = [torch.arange(6.0).view(2, 3), torch.full((2, 3), 5.0)]
+    handles = [group.communicator(m).allreduce_mean([x], codec) for m, x in enumerate(xs)]
+    own_before = [h.own[0].clone() for h in handles]
+    first = handles[0].wait()[0]
+    expected = first.clone()
+    first.mul_(-7)
+    xs[1].zero_()  # the caller's input is not the payload either
+    assert torch.equal(handles[1].wait()[0], expected)
+    assert all(torch.equal(h.own[0], o) for h, o in zip(handles, own_before, strict=True))
+    ready = ReadyHandle(group.communicator(0), [expected], [expected], 24, None)
+    ready.wait()[0].zero_()
+    assert torch.equal(ready.wait()[0], expected)
 
 
 # --------------------------------------------------------------------------- validation

@@ -56,6 +56,7 @@ class Method:
 def all_methods(inner_steps: int) -> list[Method]:
     """The rows of the issue; streaming also with the largest overlap H/P allows (tau*P < H)."""
     tau_max = (inner_steps - 1) // 4
+    tau_max2 = (inner_steps - 1) // 2
     return [
         Method("dp", "data-parallel", "dp"),
         Method("diloco", "DiLoCo", "diloco"),
@@ -64,6 +65,7 @@ def all_methods(inner_steps: int) -> list[Method]:
         Method("streaming-p2-tau1", "Streaming P=2 tau=1", "streaming", 2, 1),
         Method("streaming-p4-tau1", "Streaming P=4 tau=1", "streaming", 4, 1),
         Method(f"streaming-p4-tau{tau_max}", f"Streaming P=4 tau={tau_max}", "streaming", 4, tau_max),
+        Method(f"streaming-p2-tau{tau_max2}", f"Streaming P=2 tau={tau_max2}", "streaming", 2, tau_max2),
         Method("delayed", "naive delayed k=1", "delayed"),
         Method("eager", "eager k=1", "eager"),
     ]
@@ -71,8 +73,9 @@ def all_methods(inner_steps: int) -> list[Method]:
 
 def quick_keys(inner_steps: int) -> list[str]:
     """The --quick rows: one of each kind, keeping both overlapped Streaming rows the goal names."""
-    tau_max = (inner_steps - 1) // 4
-    return ["dp", "diloco", "streaming-p4-tau1", f"streaming-p4-tau{tau_max}", "delayed", "eager"]
+    tau_max, tau_max2 = (inner_steps - 1) // 4, (inner_steps - 1) // 2
+    return ["dp", "diloco", "streaming-p4-tau1", f"streaming-p4-tau{tau_max}", f"streaming-p2-tau{tau_max2}",
+            "delayed", "eager"]
 
 
 # -------------------------------------------------------------------------------------------- runners
@@ -272,20 +275,21 @@ def _spread(xs: list[float]) -> list[float]:
 
 
 def goal_check(table: dict[str, Any], bandwidths: list[float], methods: list[Method]) -> dict[str, Any]:
-    """The issue's goal at the highest swept bandwidth where DiLoCo falls below 0.7, twice.
+    """The issue's goal at the highest swept bandwidth where DiLoCo's measured CU falls below 0.7,
+    judged twice at that bandwidth:
 
     absolute: CU as measured (capped by the no-emulation CU of this shared machine);
     relative: CU divided by the same method's no-emulation CU, i.e. what the link alone costs.
     """
     overlapped = [m.key for m in methods if m.method == "eager" or (m.method == "streaming" and m.overlap_steps)]
     out: dict[str, Any] = {}
+    found = None
+    for bw in sorted(bandwidths, reverse=True):
+        cell = table.get("diloco", {}).get(f"{bw:.6g}")
+        if cell is not None and cell["compute_utilization"] < 0.7:
+            found = bw
+            break
     for mode, field in (("absolute", "compute_utilization"), ("relative", "cu_ratio")):
-        found = None
-        for bw in sorted(bandwidths, reverse=True):
-            cell = table.get("diloco", {}).get(f"{bw:.6g}")
-            if cell is not None and cell[field] < 0.7:
-                found = bw
-                break
         entry: dict[str, Any] = {"bandwidth_gbps": found, "diloco": None, "methods": {}}
         if found is not None:
             key = f"{found:.6g}"
@@ -358,7 +362,7 @@ def markdown(report: dict[str, Any], methods: list[Method]) -> str:
                      f"{c['peak_sync_bytes'] / 1e6:.2f} MB | {c['final_eval_loss']:.3f} |")
     lines += ["", "## Goal check", "",
               "Goal: eager and Streaming with overlap keep CU >= 0.95 at a bandwidth where DiLoCo falls "
-              "below 0.7.", ""]
+              "below 0.7 (the highest swept bandwidth where DiLoCo's measured CU does).", ""]
     for mode, what in (("absolute", "measured CU"), ("relative", "CU / no-emulation CU of the same method")):
         g = report["goal"][mode]
         if g["bandwidth_gbps"] is None:
@@ -420,7 +424,10 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(args.worker)
     if args.render_only:
         report = json.loads((args.out_dir / "overlap.json").read_text())
-        text = markdown(report, [Method(**m) for m in report["methods"]])
+        methods = [Method(**m) for m in report["methods"]]
+        report["goal"] = goal_check(report["table"], report["calibration"]["bandwidths_gbps"], methods)
+        (args.out_dir / "overlap.json").write_text(json.dumps(finite_json(report), indent=1))
+        text = markdown(report, methods)
         (args.out_dir / "overlap.md").write_text(text)
         print(text)
         return 0

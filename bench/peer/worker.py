@@ -109,9 +109,11 @@ def run_ours(method: str, fragments: int, replica: int, steps: int, h: int) -> d
     prof = _Timer()
     sync.launch_outer = prof.wrap("launch", sync.launch_outer)  # type: ignore[method-assign]
     sync._wait = prof.wrap("wait", sync._wait)  # type: ignore[method-assign]
+    comm.allreduce_mean = prof.wrap("launch_comm", comm.allreduce_mean)  # type: ignore[method-assign]
     sync._outer_step = prof.wrap("outer_opt", sync._outer_step)  # type: ignore[method-assign]
     sync._merge = prof.wrap("merge", sync._merge)  # type: ignore[method-assign]
     comm._gather = prof.wrap("thread_gather", comm._gather)  # type: ignore[method-assign]
+    comm._sum = prof.wrap("thread_allreduce", comm._sum)  # type: ignore[method-assign]
     comm._execute = prof.wrap("thread_execute", comm._execute)  # type: ignore[method-assign]
     publish = comm._publish
 
@@ -244,6 +246,7 @@ def _result(res: wl.LoopResult, model: Any, *, outer_s: float, blocked_s: float,
         "cpu_s": res.cpu_s,
         "outer_steps": outer_steps,
         "blocked_steps": blocked_steps,
+        "wall_steps": res.per_step["step_s"],
         "outer_s": outer_s,
         "blocked_s": blocked_s,
         "bytes_sent": bytes_sent,

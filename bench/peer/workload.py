@@ -109,7 +109,8 @@ class LoopResult:
     hook_s: float  # seconds inside the caller's before/after/finish callables (outer machinery)
     losses: list[float] = field(default_factory=list)
     #: Per inner step, the increase of each of the caller's counters (the final finish counts in
-    #: the last step); lets the launcher line the replicas' syncs up step by step.
+    #: the last step); lets the launcher line the replicas' syncs up step by step. "step_s": each
+    #: step's wall time, hooks included.
     per_step: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -158,7 +159,9 @@ def run_loop(
             last[k] = now
 
     losses: list[float] = []
+    step_s: list[float] = []
     c_start, t_start = time.process_time(), time.perf_counter()
+    t_step = t_start
     for i, (x, y) in enumerate(batches):
         opt.zero_grad(set_to_none=True)
         _, loss = model(x, y)
@@ -171,5 +174,9 @@ def run_loop(
             timed(finish)
         record()
         losses.append(loss.item())
+        now = time.perf_counter()
+        step_s.append(now - t_step)
+        t_step = now
     wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
+    per_step["step_s"] = step_s
     return LoopResult(wall, cpu, hook[0], losses, per_step)

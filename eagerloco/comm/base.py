@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from eagerloco.codecs import Codec
+from eagerloco.codecs import Codec, Fp32Codec
 
 
 @dataclass
@@ -67,10 +67,30 @@ def mean_of_payloads(codec: Codec, payloads: list[torch.Tensor], numel: int) -> 
     """Dequantize every worker's payload and sum in FP32 in worker order, then divide by M."""
     # Starting from the first decoded payload (fresh memory) instead of zeros gives the same
     # bits (0 + x == x) with one pass less; the division happens in place.
+    if isinstance(codec, Fp32Codec):
+        # The payloads are the values: sum views of them instead of decoded copies (same bits).
+        vals = [codec.values(buf, numel) for buf in payloads]
+        total = vals[0] + vals[1] if len(vals) > 1 else vals[0].clone()
+        for v in vals[2:]:
+            total += v
+        return total.div_(len(payloads))
     total = codec.unpack(payloads[0], numel)
     for buf in payloads[1:]:
         total += codec.unpack(buf, numel)
     return total.div_(len(payloads))
+
+
+def encode(codec: Codec, flat: torch.Tensor, generator: torch.Generator | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload, own): the packed payload of a flat FP32 vector and its values as the others decode them.
+
+    flat must be the caller's private copy (as :func:`flatten` makes). FP32 is its own encoding: the
+    payload is flat's bytes and own is flat itself, with no copies; nothing writes to either.
+    """
+    if isinstance(codec, Fp32Codec) and flat.dtype == torch.float32 and flat.is_contiguous():
+        return flat.view(torch.uint8), flat
+    payload = codec.pack(flat, generator)
+    return payload, codec.unpack(payload, flat.numel())
 
 
 class Handle(ABC):
@@ -83,7 +103,11 @@ class Handle(ABC):
 
     @abstractmethod
     def wait(self) -> list[torch.Tensor]:
-        """Block until the exchange has landed; return the FP32 mean, shaped like the input."""
+        """Block until the exchange has landed; return the FP32 mean, shaped like the input.
+
+        The tensors are the caller's: fresh memory that nothing else holds, so the caller may write
+        into them (an optimizer given them as gradients does).
+        """
 
     @abstractmethod
     def done(self) -> bool:

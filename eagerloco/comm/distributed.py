@@ -7,13 +7,15 @@ outer ranks own a :class:`TorchDistCommunicator`; they share the outer result wi
 
 Exchange. ``allreduce_mean`` encodes once on the caller's thread, then a single communication thread
 per worker runs the exchanges in launch order: a 40-byte header all-gather (launch time, sequence
-number, size, codec) that checks every worker launched the same exchange, the all-gather of the
-packed payloads, FP32 dequantize-and-sum in worker order (:func:`base.mean_of_payloads`, so results
-match the in-process runtime bit for bit), then a sleep until the emulated slow link could have
-carried it (:mod:`emulated_link`). All codecs, fp32 included, are all-gathered for that exactness;
-the byte accounting is nevertheless the one of :func:`base.wire_bytes` (a ring all-reduce for fp32,
-a ring all-gather otherwise), i.e. what the algorithm would cost on a real link, not what loopback
-moved. The header is bookkeeping of this emulation and is not counted.
+number, size, codec) that checks every worker launched the same exchange, then the payload moves,
+then a sleep until the emulated slow link could have carried it (:mod:`emulated_link`). Quantized
+payloads are all-gathered packed and each worker dequantizes and sums them in FP32 in worker order
+(:func:`base.mean_of_payloads`, bit for bit the in-process runtime's result). FP32 payloads are
+summed by one all-reduce: for M = 2 that is bit for bit the same sum, beyond that it differs only
+in the ring's summation order (last-bit rounding), and it moves 2(M-1)/M payloads per worker
+instead of M-1. So the byte accounting of :func:`base.wire_bytes` (a ring all-reduce for fp32, a
+ring all-gather otherwise) is what the transport moves. The header is bookkeeping of this
+emulation and is not counted.
 
 Why a thread and not ``async_op=True``: the emulated link delay must also run in the background,
 and one FIFO thread gives the one-transfer-at-a-time link for free. gloo collectives and sleeps
@@ -62,6 +64,7 @@ from eagerloco.comm.base import (
     Communicator,
     Handle,
     WorkerStats,
+    encode,
     flatten,
     mean_of_payloads,
     unflatten,
@@ -324,7 +327,10 @@ class TorchDistHandle(Handle):
         if self._error is not None:
             raise self._error
         assert self._mean is not None
-        return [t.to(self._device) for t in unflatten(self._mean, self._like)]
+        # A copy: the caller owns what it gets (an optimizer may write into it), while the
+        # communicator keeps the mean for survivors of a membership change (elastic).
+        mean = self._mean.to(self._device, copy=True)
+        return unflatten(mean, self._like)
 
     def _finish(self, mean: torch.Tensor | None = None, error: BaseException | None = None) -> None:
         if not self._event.is_set():
@@ -451,10 +457,9 @@ class TorchDistCommunicator(Communicator):
         self._check_open()
         flat = flatten(tensors)
         numel = flat.numel()
-        packed = codec.pack(flat, generator)
-        own_flat = codec.unpack(packed, numel)
-        packed = packed.cpu()  # gloo and mean_of_payloads work on the CPU
+        packed, own_flat = encode(codec, flat, generator)
         nbytes = packed.numel()
+        packed = packed.cpu()  # gloo and mean_of_payloads work on the CPU
         wire = wire_bytes(nbytes, self.num_workers, codec.summable)
         st = self.stats
         st.bytes_sent += wire  # ring all-reduce / all-gather: as many bytes in as out
@@ -716,6 +721,16 @@ class TorchDistCommunicator(Communicator):
         self._in_collective_since = None
         return out.view(self.num_workers, buf.numel())
 
+    def _sum(self, buf: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) an FP32 buffer in place: half the bytes of an all-gather beyond M = 2."""
+        self._in_collective_since = time.monotonic()
+        try:
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+        except Exception as e:
+            raise _TransportError(str(e)) from e
+        self._in_collective_since = None
+        return buf
+
     def _execute(self, job: _Job) -> torch.Tensor | None:
         self._entered = job.seq
         self._announce()
@@ -730,8 +745,13 @@ class TorchDistCommunicator(Communicator):
         if job.numel == _BARRIER:
             return None
         assert codec is not None and job.payload is not None
-        payloads = list(self._gather(job.payload).unbind(0))
-        mean = mean_of_payloads(codec, payloads, job.numel)
+        if codec.summable and self.num_workers > 1:
+            # FP32: one all-reduce, on a copy so that a failed collective leaves the payload intact
+            # for a rerun among the survivors (elastic).
+            mean = self._sum(job.payload.clone().view(torch.float32)).div_(self.num_workers)
+        else:
+            payloads = list(self._gather(job.payload).unbind(0))
+            mean = mean_of_payloads(codec, payloads, job.numel)
         finish = self.link.schedule(float(rows[:, 0].max()), job.wire)
         if not EmulatedLink.sleep_until(finish, self._cancel):
             raise RuntimeError("the communicator was closed while this exchange was on the link")

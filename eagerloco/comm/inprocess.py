@@ -19,6 +19,7 @@ from eagerloco.comm.base import (
     Communicator,
     Handle,
     WorkerStats,
+    encode,
     flatten,
     mean_of_payloads,
     unflatten,
@@ -131,7 +132,7 @@ class InProcessGroup:
                 f"worker(s) that launched it first ({ex.numel} values, {ex.codec.name}): workers must run "
                 "the same schedule"
             )
-        buf = codec.pack(flat, generator)
+        buf, own_flat = encode(codec, flat, generator)
         ex.payloads[comm.rank] = buf
         ex.launch_times[comm.rank] = comm._clock
         nbytes = buf.numel()
@@ -149,7 +150,7 @@ class InProcessGroup:
             jitter = self._rng.uniform(0.0, self.link.jitter_ms / 1e3) if self.link.jitter_ms else 0.0
             ex.finish_time = start + self.link.transfer_seconds(wire) + jitter
             self._link_free = ex.finish_time
-        own = unflatten(codec.unpack(buf, flat.numel()), tensors)
+        own = unflatten(own_flat, tensors)
         return InProcessHandle(self, comm, ex, own, nbytes)
 
 
