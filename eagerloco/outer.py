@@ -141,7 +141,7 @@ class OuterSync:
         t0 = time.perf_counter()
         self._grad_params = [p for p in self.local[0] if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._grad_params]
-        self._grad_handle = self.comm.allreduce_mean(grads, self.codec, self.generator)
+        self._grad_handle = self.comm.allreduce_mean(grads, self.codec, self.generator, keep_own=False)
         self.comm.add_overhead(time.perf_counter() - t0)
 
     def finish_grads(self) -> None:
@@ -149,12 +149,16 @@ class OuterSync:
         if self._grad_handle is None:
             return
         t0 = time.perf_counter()
-        mean, waited = self._wait(self._grad_handle)
+        params = self._grad_params
+        if all(p.grad is not None for p in params):
+            # The mean lands in the gradients themselves: no allocation every step.
+            _, waited = self._wait(self._grad_handle, out=[p.grad for p in params])  # type: ignore[misc]
+        else:
+            mean, waited = self._wait(self._grad_handle)
+            with torch.no_grad():
+                for p, g in zip(params, mean, strict=True):
+                    p.grad = g.to(dtype=p.dtype, device=p.device)  # fresh tensors: no copy needed
         self._grad_handle = None
-        with torch.no_grad():
-            for p, g in zip(self._grad_params, mean, strict=True):
-                # wait() hands over fresh tensors: they become the gradients, no copy needed.
-                p.grad = g.to(dtype=p.dtype, device=p.device)
         self.comm.add_overhead(time.perf_counter() - t0 - waited)
 
     def before_inner_step(self) -> None:
@@ -233,7 +237,7 @@ class OuterSync:
         self._merge(p)
         return waited
 
-    def _wait(self, handle: Handle) -> tuple[list[torch.Tensor], float]:
+    def _wait(self, handle: Handle, out: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], float]:
         """The mean, and the real seconds spent blocked (which the caller leaves out of overhead_s).
 
         On a real clock the time in wait() is blocking (the communicator counts it as blocked_s). On a
@@ -241,8 +245,8 @@ class OuterSync:
         outer machinery like the rest.
         """
         t0 = time.perf_counter()
-        out = handle.wait()
-        return out, 0.0 if self.comm.simulated_clock else time.perf_counter() - t0
+        mean = handle.wait() if out is None else handle.wait(out)
+        return mean, 0.0 if self.comm.simulated_clock else time.perf_counter() - t0
 
     def _outer_step(self, p: int, grad: list[torch.Tensor]) -> None:
         for o, g in zip(self.outer[p], grad, strict=True):

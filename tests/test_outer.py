@@ -335,6 +335,41 @@ def test_wait_hands_over_fresh_tensors(codec_name: str) -> None:
     assert torch.equal(ready.wait()[0], expected)
 
 
+def test_wait_into_out_and_the_mean_buffer_serves_the_next_exchange() -> None:
+    """wait(out=...) writes the mean into the caller's tensors; once every worker has its copy, the
+    group reuses the mean's memory for the next exchange of that size, and results stay exact."""
+    group = InProcessGroup(2)
+    codec = get_codec("fp32")
+    outs = [[torch.empty(2, 3)] for _ in range(2)]
+    for step in range(3):
+        xs = [torch.randn(2, 3, generator=torch.Generator().manual_seed(10 * step + m)) for m in range(2)]
+        handles = [group.communicator(m).allreduce_mean([x], codec) for m, x in enumerate(xs)]
+        got = [h.wait(out) for h, out in zip(handles, outs, strict=True)]
+        for m in range(2):
+            assert got[m] is outs[m]
+            assert torch.equal(outs[m][0], (xs[0] + xs[1]) / 2)
+        assert set(group._spare) == {6}  # the buffer waits for the next exchange of 6 values
+    # keep_own=False (data-parallel gradients): no own share, and the payloads' memory is reused too.
+    ptrs: set[int] = set()
+    kept: list = []
+    for step in range(3):
+        xs = [torch.randn(2, 3, generator=torch.Generator().manual_seed(99 + 10 * step + m)) for m in range(2)]
+        handles = [group.communicator(m).allreduce_mean([x], codec, keep_own=False) for m, x in enumerate(xs)]
+        payloads = handles[0]._ex.payloads
+        kept.extend(payloads)  # alive, so that only the group's reuse can give the same address again
+        ptrs |= {p.data_ptr() for p in payloads}  # type: ignore[union-attr]
+        assert handles[0].own == []
+        xs[0].zero_()  # launched: the caller may change its tensors
+        for h, out in zip(handles, outs, strict=True):
+            h.wait(out)
+        expected = (torch.randn(2, 3, generator=torch.Generator().manual_seed(99 + 10 * step)) + xs[1]) / 2
+        assert all(torch.equal(o[0], expected) for o in outs)
+    assert len(ptrs) == 2  # two payload buffers, reused in every later step
+    with pytest.raises(ValueError, match="needs 1 tensors"):
+        h = [group.communicator(m).allreduce_mean([torch.ones(3)], codec) for m in range(2)]
+        h[0].wait([torch.empty(1), torch.empty(2)])
+
+
 # --------------------------------------------------------------------------- validation
 @pytest.mark.parametrize(
     ("kwargs", "flag"),

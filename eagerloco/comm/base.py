@@ -49,9 +49,9 @@ def wire_bytes(payload_bytes: int, num_workers: int, summable: bool) -> int:
     return (num_workers - 1) * payload_bytes
 
 
-def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One contiguous FP32 vector holding all tensors (the unit a codec encodes)."""
-    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+def flatten(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """One contiguous FP32 vector holding all tensors (the unit a codec encodes); in out if given."""
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors], out=out)
 
 
 def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -63,16 +63,39 @@ def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor
     return out
 
 
-def mean_of_payloads(codec: Codec, payloads: list[torch.Tensor], numel: int) -> torch.Tensor:
-    """Dequantize every worker's payload and sum in FP32 in worker order, then divide by M."""
+def hand_over(mean: list[torch.Tensor], out: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """What Handle.wait returns: copies of mean the caller owns, in out when given."""
+    if out is None:
+        return [t.clone() for t in mean]
+    if len(out) != len(mean):
+        raise ValueError(f"wait(out=...) needs {len(mean)} tensors, got {len(out)}")
+    for o, m in zip(out, mean, strict=True):
+        o.copy_(m.view(o.shape))
+    return out
+
+
+def mean_of_payloads(codec: Codec, payloads: list[torch.Tensor], numel: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize every worker's payload and sum in FP32 in worker order, then divide by M.
+
+    out: an FP32 vector of numel values to write the mean into (reused memory) instead of a new one.
+    """
     # Starting from the first decoded payload (fresh memory) instead of zeros gives the same
     # bits (0 + x == x) with one pass less; the division happens in place.
     if isinstance(codec, Fp32Codec):
         # The payloads are the values: sum views of them instead of decoded copies (same bits).
         vals = [codec.values(buf, numel) for buf in payloads]
-        total = vals[0] + vals[1] if len(vals) > 1 else vals[0].clone()
+        if len(vals) > 1:
+            total = torch.add(vals[0], vals[1], out=out) if out is not None else vals[0] + vals[1]
+        else:
+            total = out.copy_(vals[0]) if out is not None else vals[0].clone()
         for v in vals[2:]:
             total += v
+        return total.div_(len(payloads))
+    if out is not None:
+        total = out.copy_(codec.unpack(payloads[0], numel))
+        for buf in payloads[1:]:
+            total += codec.unpack(buf, numel)
         return total.div_(len(payloads))
     total = codec.unpack(payloads[0], numel)
     for buf in payloads[1:]:
@@ -102,11 +125,13 @@ class Handle(ABC):
     payload_bytes: int
 
     @abstractmethod
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Block until the exchange has landed; return the FP32 mean, shaped like the input.
 
         The tensors are the caller's: fresh memory that nothing else holds, so the caller may write
-        into them (an optimizer given them as gradients does).
+        into them (an optimizer given them as gradients does). With out (tensors shaped like the
+        input, any float dtype), the mean is copied into them and out is returned: no allocation,
+        which matters for an exchange every step (data-parallel gradients).
         """
 
     @abstractmethod
@@ -136,10 +161,10 @@ class ReadyHandle(Handle):
     def done(self) -> bool:
         return self._ready_at is None or self._ready_at <= self._comm.clock()
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         if self._ready_at is not None:
             self._comm.wait_until(self._ready_at)
-        return [t.clone() for t in self._mean]
+        return hand_over(self._mean, out)
 
     def checkpoint_result(self) -> tuple[list[torch.Tensor], float | None]:
         return self._mean, self._ready_at
@@ -156,9 +181,13 @@ class Communicator(ABC):
 
     @abstractmethod
     def allreduce_mean(
-        self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None
+        self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
+        *, keep_own: bool = True,
     ) -> Handle:
         """Start averaging tensors over the workers (background); returns at once.
+
+        keep_own=False: the caller will not read ``handle.own`` (it is empty), which lets a runtime
+        reuse the payload's memory once the exchange is done (data-parallel gradients, every step).
 
         The tensors are encoded before this returns, so the caller may change them afterwards.
         generator drives stochastic rounding, where the codec uses it.

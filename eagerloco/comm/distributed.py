@@ -66,6 +66,7 @@ from eagerloco.comm.base import (
     WorkerStats,
     encode,
     flatten,
+    hand_over,
     mean_of_payloads,
     unflatten,
     wire_bytes,
@@ -308,7 +309,7 @@ class TorchDistHandle(Handle):
     def done(self) -> bool:
         return self._event.is_set()
 
-    def wait(self, timeout: float | None = None) -> list[torch.Tensor]:
+    def wait(self, out: list[torch.Tensor] | None = None, timeout: float | None = None) -> list[torch.Tensor]:
         """Block until the exchange landed; the time spent here is added to stats.blocked_s.
 
         timeout: seconds to wait at most (then :class:`PeerError`). By default the wait lasts as long
@@ -329,8 +330,9 @@ class TorchDistHandle(Handle):
         assert self._mean is not None
         # A copy: the caller owns what it gets (an optimizer may write into it), while the
         # communicator keeps the mean for survivors of a membership change (elastic).
-        mean = self._mean.to(self._device, copy=True)
-        return unflatten(mean, self._like)
+        if out is not None:
+            return hand_over(unflatten(self._mean, self._like), out)
+        return unflatten(self._mean.to(self._device, copy=True), self._like)
 
     def _finish(self, mean: torch.Tensor | None = None, error: BaseException | None = None) -> None:
         if not self._event.is_set():
@@ -452,7 +454,8 @@ class TorchDistCommunicator(Communicator):
     # -- the Communicator interface ----------------------------------------------------------------
 
     def allreduce_mean(
-        self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None
+        self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
+        *, keep_own: bool = True,
     ) -> TorchDistHandle:
         self._check_open()
         flat = flatten(tensors)
@@ -468,7 +471,7 @@ class TorchDistCommunicator(Communicator):
         st.num_syncs += 1
         like = [torch.empty(t.shape, device="meta") for t in tensors]
         device = tensors[0].device if tensors else torch.device("cpu")
-        handle = self._enqueue(numel, like, device, own=unflatten(own_flat, like), nbytes=nbytes)
+        handle = self._enqueue(numel, like, device, own=unflatten(own_flat, like) if keep_own else [], nbytes=nbytes)
         self._unwaited.add(handle.seq)
         job = _Job(handle.seq, numel, time.time(), handle, codec, packed, wire, self.step_hint)
         self._jobs.put(job)
@@ -933,10 +936,11 @@ class WorkerCommunicator(Communicator):
         self._leader = ctx.inner_ranks[0]
 
     def allreduce_mean(
-        self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None
+        self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
+        *, keep_own: bool = True,
     ) -> _WorkerHandle:
         if self.outer is not None:
-            h = self.outer.allreduce_mean(tensors, codec, generator)
+            h = self.outer.allreduce_mean(tensors, codec, generator, keep_own=keep_own)
             return _WorkerHandle(self, h, h.own, h.payload_bytes, h._like, h._device)
         flat = flatten(tensors)
         packed = codec.pack(flat, generator)  # same generator state as the first rank: same `own`
@@ -967,7 +971,7 @@ class _WorkerHandle(Handle):
         """Exact on the first rank; the other ranks only know once they waited."""
         return self._waited or (self._outer is not None and self._outer.done())
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """First rank: wait for the exchange, then broadcast; the others: receive the broadcast.
 
         One extra value travels with the mean: 1 when the exchange failed on the first rank, so
@@ -1008,6 +1012,8 @@ class _WorkerHandle(Handle):
                 f"{self._comm._leader}); its log names the cause. Restart all workers and resume from "
                 "the last checkpoint.", []
             )
+        if out is not None:
+            return hand_over(unflatten(buf[:numel], self._like), out)
         return [t.to(self._device) for t in unflatten(buf[:numel], self._like)]
 
 

@@ -14,13 +14,14 @@ import random
 
 import torch
 
-from eagerloco.codecs import Codec
+from eagerloco.codecs import Codec, Fp32Codec
 from eagerloco.comm.base import (
     Communicator,
     Handle,
     WorkerStats,
     encode,
     flatten,
+    hand_over,
     mean_of_payloads,
     unflatten,
     wire_bytes,
@@ -39,6 +40,9 @@ class _Exchange:
         self.launch_times: list[float] = [0.0] * num_workers
         self.finish_time: float | None = None
         self.mean: list[torch.Tensor] | None = None
+        self.mean_flat: torch.Tensor | None = None
+        self.waits = 0
+        self.reusable: list[torch.Tensor] = []  # payloads launched with keep_own=False (fp32)
 
     def complete(self) -> bool:
         return all(p is not None for p in self.payloads)
@@ -57,14 +61,27 @@ class InProcessHandle(Handle):
         ex = self._ex
         return ex.complete() and ex.finish_time is not None and ex.finish_time <= self._comm.clock()
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         if self._waited:
             raise RuntimeError("this exchange was already waited on; wait on each handle exactly once")
+        ex = self._ex
         mean = self._mean()
         self._waited = True
-        assert self._ex.finish_time is not None
-        self._comm.wait_until(self._ex.finish_time)
-        return [t.clone() for t in mean]
+        assert ex.finish_time is not None
+        self._comm.wait_until(ex.finish_time)
+        result = hand_over(mean, out)
+        ex.waits += 1
+        if ex.waits == len(ex.payloads):
+            # Every worker has its copy and nothing else sees the mean (checkpoints copy it too):
+            # its memory serves the next exchange of this size, which saves a fresh allocation,
+            # a page-faulting mmap for a large model, when the exchange happens every step (dp).
+            group = self._group
+            group._spare[ex.numel] = ex.mean_flat
+            ex.mean = ex.mean_flat = None
+            group._spare_payloads.setdefault(ex.numel, []).extend(ex.reusable)
+            del group._spare_payloads[ex.numel][: -len(ex.payloads)]  # keep at most M
+            ex.reusable = []
+        return result
 
     def checkpoint_result(self) -> tuple[list[torch.Tensor], float | None]:
         return [t.clone() for t in self._mean()], self._ex.finish_time
@@ -79,8 +96,9 @@ class InProcessHandle(Handle):
                 "(drive the workers with eagerloco.outer.lockstep)"
             )
         if ex.mean is None:
-            flat = mean_of_payloads(ex.codec, ex.payloads, ex.numel)  # type: ignore[arg-type]
-            ex.mean = unflatten(flat, ex.like)
+            spare = self._group._spare.pop(ex.numel, None)
+            flat = mean_of_payloads(ex.codec, ex.payloads, ex.numel, out=spare)  # type: ignore[arg-type]
+            ex.mean_flat, ex.mean = flat, unflatten(flat, ex.like)
         return ex.mean
 
 
@@ -101,6 +119,8 @@ class InProcessGroup:
         # handles hold them, so a finished exchange is freed with its last handle.
         self._by_seq: dict[int, _Exchange] = {}
         self._link_free = 0.0
+        self._spare: dict[int, torch.Tensor] = {}  # a finished exchange's mean buffer, by size
+        self._spare_payloads: dict[int, list[torch.Tensor]] = {}  # finished keep_own=False payloads
         self._rng = random.Random(seed)
         self.communicators = [InProcessCommunicator(self, m) for m in range(num_workers)]
 
@@ -119,13 +139,17 @@ class InProcessGroup:
         return self.communicators[worker]
 
     def _launch(self, comm: InProcessCommunicator, tensors: list[torch.Tensor], codec: Codec,
-                generator: torch.Generator | None) -> InProcessHandle:
+                generator: torch.Generator | None, keep_own: bool = True) -> InProcessHandle:
         idx = comm._next
         comm._next += 1
         ex = self._by_seq.get(idx)
         if ex is None:
             ex = self._by_seq[idx] = _Exchange(self.num_workers, codec, tensors)
-        flat = flatten(tensors)
+        reuse = not keep_own and isinstance(codec, Fp32Codec)
+        spares = self._spare_payloads.get(sum(t.numel() for t in tensors)) if reuse else None
+        flat = flatten(tensors, out=spares.pop() if spares else None)
+        if reuse:
+            ex.reusable.append(flat)  # its memory serves a later payload once everyone has the mean
         if flat.numel() != ex.numel or codec.name != ex.codec.name:
             raise RuntimeError(
                 f"worker {comm.rank}'s exchange #{idx} ({flat.numel()} values, {codec.name}) does not match "
@@ -150,7 +174,7 @@ class InProcessGroup:
             jitter = self._rng.uniform(0.0, self.link.jitter_ms / 1e3) if self.link.jitter_ms else 0.0
             ex.finish_time = start + self.link.transfer_seconds(wire) + jitter
             self._link_free = ex.finish_time
-        own = unflatten(own_flat, tensors)
+        own = unflatten(own_flat, tensors) if keep_own else []
         return InProcessHandle(self, comm, ex, own, nbytes)
 
 
@@ -168,9 +192,10 @@ class InProcessCommunicator(Communicator):
         self._next = 0
 
     def allreduce_mean(
-        self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None
+        self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
+        *, keep_own: bool = True,
     ) -> InProcessHandle:
-        return self.group._launch(self, tensors, codec, generator)
+        return self.group._launch(self, tensors, codec, generator, keep_own)
 
     def clock(self) -> float:
         return self._clock
