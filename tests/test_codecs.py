@@ -398,6 +398,18 @@ def test_fp32_mean_sums_views_with_the_same_bits_and_leaves_payloads_alone(worke
     assert all(torch.equal(b, a) for b, a in zip(payloads, before, strict=True))
 
 
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_mean_into_out_is_the_same_mean(name: str, workers: int) -> None:
+    c = get_codec(name)
+    payloads = [c.pack(_heavy_tailed(257, 60 + m)) for m in range(workers)]
+    fresh = mean_of_payloads(c, payloads, 257)
+    out = torch.full((257,), float("nan"))
+    got = mean_of_payloads(c, payloads, 257, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got.view(torch.int32), fresh.view(torch.int32))
+
+
 def test_fp32_values_is_a_view_only_when_aligned() -> None:
     c = get_codec("fp32")
     x = _normal(64, 1)

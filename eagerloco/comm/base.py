@@ -80,26 +80,20 @@ def mean_of_payloads(codec: Codec, payloads: list[torch.Tensor], numel: int,
 
     out: an FP32 vector of numel values to write the mean into (reused memory) instead of a new one.
     """
-    # Starting from the first decoded payload (fresh memory) instead of zeros gives the same
-    # bits (0 + x == x) with one pass less; the division happens in place.
-    if isinstance(codec, Fp32Codec):
-        # The payloads are the values: sum views of them instead of decoded copies (same bits).
-        vals = [codec.values(buf, numel) for buf in payloads]
-        if len(vals) > 1:
-            total = torch.add(vals[0], vals[1], out=out) if out is not None else vals[0] + vals[1]
-        else:
-            total = out.copy_(vals[0]) if out is not None else vals[0].clone()
-        for v in vals[2:]:
-            total += v
-        return total.div_(len(payloads))
-    if out is not None:
-        total = out.copy_(codec.unpack(payloads[0], numel))
-        for buf in payloads[1:]:
-            total += codec.unpack(buf, numel)
-        return total.div_(len(payloads))
-    total = codec.unpack(payloads[0], numel)
-    for buf in payloads[1:]:
-        total += codec.unpack(buf, numel)
+    # The FP32 payloads are the values: they are read in place instead of decoded into copies. The
+    # sum starts from the first two payloads (into fresh memory, or out) instead of from zeros: the
+    # same bits (0 + x == x) with one pass less; the division happens in place.
+    decode = codec.values if isinstance(codec, Fp32Codec) else codec.unpack
+    vals = (decode(buf, numel) for buf in payloads)  # decoded one by one, not all at once
+    total = next(vals)
+    if len(payloads) > 1:
+        total = torch.add(total, next(vals), out=out)
+    elif out is not None:
+        total = out.copy_(total)
+    elif isinstance(codec, Fp32Codec):
+        total = total.clone()  # a view of the payload: the mean must be fresh memory
+    for v in vals:
+        total += v
     return total.div_(len(payloads))
 
 
