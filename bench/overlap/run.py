@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads((args.out_dir / "overlap.json").read_text())
         methods = [Method(**m) for m in report["methods"]]
         report["goal"] = goal_check(report["table"], report["calibration"]["bandwidths_gbps"], methods)
-        (args.out_dir / "overlap.json").write_text(json.dumps(finite_json(report), indent=1))
+        (args.out_dir / "overlap.json").write_text(json.dumps(finite_json(report), indent=1, default=str) + "\n")
         text = markdown(report, methods)
         (args.out_dir / "overlap.md").write_text(text)
         print(text)

@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     report["elapsed_s"] = time.perf_counter() - t0
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "throughput.json").write_text(json.dumps(finite_json(report), indent=1))
+    (args.out_dir / "throughput.json").write_text(json.dumps(finite_json(report), indent=1) + "\n")
     text = markdown(report)
     (args.out_dir / "throughput.md").write_text(text)
     print(text)
