@@ -73,7 +73,16 @@ def exact(outdir: Path, ctx: DistContext) -> None:
                 gen = rounding_generator(comm.rank) if stochastic else None
                 h = comm.allreduce_mean(inputs(comm.rank, ci), codec, gen)
                 mean = h.wait()
-                results[f"{label}/{name}"] = {"mean": mean, "own": h.own, "payload_bytes": h.payload_bytes}
+                # The result is the caller's: writing into it (a foreach optimizer does) leaves the
+                # mean the communicator keeps for survivors of a membership change as it was.
+                kept = comm.recent_result(h.seq)[1]
+                assert kept is not None
+                before = kept.clone()
+                results[f"{label}/{name}"] = {"mean": [m.clone() for m in mean], "own": h.own,
+                                              "payload_bytes": h.payload_bytes}
+                for m in mean:
+                    m.mul_(-3.0).add_(1.0)
+                results[f"{label}/{name}"]["kept_intact"] = torch.equal(kept, before)
             results[f"{label}/stats"] = comm.stats.as_dict()
             results[f"{label}/workers"] = comm.num_workers
             if label == "all":

@@ -139,6 +139,7 @@ def test_mean_is_bit_exact_with_single_process(exact: dict[int, dict], label: st
             assert torch.equal(mean.view(torch.int32), expected.view(torch.int32)), (
                 f"rank {rank}: max diff {(mean - expected).abs().max().item():g}"
             )
+        assert got["kept_intact"], f"rank {rank}: writing into wait()'s result changed the kept mean"
         own = flatten(got["own"])
         assert torch.equal(own.view(torch.int32), codec.unpack(payloads[rank], numel).view(torch.int32))
         assert got["payload_bytes"] == codec.packed_nbytes(numel)
