@@ -66,7 +66,10 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-batches", type=int, help="held-out batches per evaluation (default 8)")
     g.add_argument("--log-every", type=int, help="metrics line every N steps (default 10)")
     g.add_argument("--sim-step-time", type=float,
-                   help="simulated seconds per inner step instead of the measured time (in-process)")
+                   help="seconds per inner step. In-process: the simulated time of a step instead of the measured "
+                   "one. Multi-process: each step is padded with a sleep to this wall time, an emulated "
+                   "accelerator of that speed, so that processes sharing cores run at equal speed "
+                   "(steps that take longer are counted as slow_steps)")
     g.add_argument("--tokens", type=int, help="token budget over all workers; sets --steps")
     g.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps, 0: never (default 0)")
     g.add_argument("--keep-checkpoints", type=int, help="how many checkpoints to keep (default 2)")

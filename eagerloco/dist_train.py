@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -189,6 +190,11 @@ def _aggregate(summary: dict[str, Any], per_worker: list[dict[str, Any]]) -> Non
         compute_utilization=compute / sum(walls) if sum(walls) > 0 else 1.0,
         per_worker=stats,
     )
+    slow = summary["slow_steps"] = sum(int(s.get("slow_steps", 0)) for s in stats)
+    if slow:
+        print(f"eagerloco: warning: {slow} inner step(s) over all workers took longer than --sim-step-time "
+              "to compute; those ran at the machine's speed, not the emulated one. Raise --sim-step-time for "
+              "a fixed pace.", file=sys.stderr, flush=True)
 
 
 def _to_tensorboard(tb: Any, rec: dict[str, Any]) -> None:

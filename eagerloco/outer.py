@@ -177,7 +177,8 @@ class OuterSync:
         for p in fragments_due(self.step, cfg.inner_steps, self.offsets):
             with torch.no_grad():
                 delta = [o - l.detach().to(torch.float32) for o, l in zip(self.outer[p], self.local[p], strict=True)]
-            handle = self.comm.allreduce_mean(delta, self.codec, self.generator)
+            # Only eager reads its own share back (handle.own); the others let the runtime reuse it.
+            handle = self.comm.allreduce_mean(delta, self.codec, self.generator, keep_own=cfg.method == "eager")
             fresh = delta if cfg.method == "eager" else None
             self.in_flight.append(
                 _InFlight(p, handle, self.step, self.step + self.delay, fresh, self.comm.num_workers)

@@ -150,15 +150,40 @@ class Worker:
         from eagerloco.faults import slowdown_for
 
         self.slowdown = slowdown_for(cfg, comm.rank)  # --slow-worker: an emulated straggler
+        self._step_real = 0.0  # real compute of the current step so far (fixed step time on a real clock)
 
     def _compute(self, seconds: float, share: float) -> None:
         fixed = self.cfg.sim_step_time
+        if fixed is not None and not self.comm.simulated_clock:
+            self._pace(seconds, share, fixed * self.slowdown)
+            return
         t = fixed * share if fixed is not None else seconds
         if self.slowdown != 1.0:  # a straggler: really sleep on a real clock, add time on a simulated one
             if not self.comm.simulated_clock:
                 time.sleep((self.slowdown - 1.0) * seconds)
             t *= self.slowdown
         self.comm.add_compute(t)
+
+    def _pace(self, seconds: float, share: float, step_s: float) -> None:
+        """A fixed step time on a real clock: an emulated accelerator that takes step_s per inner step.
+
+        The step's real compute (forward/backward, then the optimizer step; share 1.0 and 0.0) is
+        padded with a sleep to step_s, so that workers sharing a few cores run in step as equal
+        accelerators would instead of drifting apart with the scheduler. Time waiting on an
+        exchange between the two parts is not part of the step. A step whose real compute alone
+        exceeds step_s keeps its real length and is counted in ``stats.slow_steps``.
+        """
+        self._step_real += seconds
+        if share != 0.0:  # the forward/backward half: the optimizer step comes next
+            return
+        real, self._step_real = self._step_real, 0.0
+        if real > step_s:
+            self.comm.stats.slow_steps += 1
+        else:
+            t0 = time.perf_counter()
+            time.sleep(step_s - real)
+            real += time.perf_counter() - t0
+        self.comm.add_compute(real)
 
     def forward_backward(self) -> None:
         t0 = time.perf_counter()

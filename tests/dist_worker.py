@@ -65,7 +65,11 @@ def exact(outdir: Path, ctx: DistContext) -> None:
     for label, group in (("all", ctx.outer_group), ("pair", pair)):
         if group is dist.GroupMember.NON_GROUP_MEMBER:
             continue
-        with TorchDistCommunicator(group, timeout_s=20, store=ctx.store if label == "all" else None) as comm:
+        # The full group runs in elastic mode (it keeps recent means for survivors and sums on a
+        # copy), the pair in the default mode (no copies kept, FP32 summed in place without keep_own).
+        elastic = label == "all"
+        with TorchDistCommunicator(group, timeout_s=20, store=ctx.store if label == "all" else None,
+                                   elastic=elastic) as comm:
             comm.barrier()
             for ci, name in enumerate(CODECS):
                 stochastic = name == "e2m1"  # exercises the generator path too
@@ -73,16 +77,20 @@ def exact(outdir: Path, ctx: DistContext) -> None:
                 gen = rounding_generator(comm.rank) if stochastic else None
                 h = comm.allreduce_mean(inputs(comm.rank, ci), codec, gen)
                 mean = h.wait()
-                # The result is the caller's: writing into it (a foreach optimizer does) leaves the
-                # mean the communicator keeps for survivors of a membership change as it was.
                 kept = comm.recent_result(h.seq)[1]
-                assert kept is not None
-                before = kept.clone()
+                assert (kept is not None) == elastic
+                before = None if kept is None else kept.clone()
                 results[f"{label}/{name}"] = {"mean": [m.clone() for m in mean], "own": h.own,
                                               "payload_bytes": h.payload_bytes}
+                # The result is the caller's: writing into it (a foreach optimizer does) leaves the
+                # mean an elastic communicator keeps for survivors of a membership change as it was.
                 for m in mean:
                     m.mul_(-3.0).add_(1.0)
-                results[f"{label}/{name}"]["kept_intact"] = torch.equal(kept, before)
+                results[f"{label}/{name}"]["kept_intact"] = kept is None or torch.equal(kept, before)
+                if not stochastic:  # without own (in place for FP32 outside elastic mode): same bits
+                    h = comm.allreduce_mean(inputs(comm.rank, ci), codec, keep_own=False)
+                    results[f"{label}/{name}"]["mean_no_own"] = h.wait()
+                    assert h.own == []
             results[f"{label}/stats"] = comm.stats.as_dict()
             results[f"{label}/workers"] = comm.num_workers
             if label == "all":

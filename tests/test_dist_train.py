@@ -216,6 +216,28 @@ def test_overlap_is_real_on_an_emulated_link(tmp_path: Path) -> None:
     assert out["eager"]["compute_utilization"] > out["diloco"]["compute_utilization"]
 
 
+def test_fixed_step_time_paces_real_processes_and_counts_overruns(tmp_path: Path) -> None:
+    """--sim-step-time on real processes: every step lasts at least that long and counts as compute;
+    a step time no real step can meet is reported step by step and warned about."""
+    steps, pace = 6, 0.08
+    args = ["--method", "diloco", "--inner-steps", "3", "--steps", str(steps)]
+    r = launch(tmp_path / "paced", 2, [*args, "--sim-step-time", str(pace)])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.loads((tmp_path / "paced" / "summary.json").read_text())
+    for w in s["per_worker"]:
+        assert w["compute_s"] >= steps * pace  # the padding sleeps at least the rest of each step
+        assert w["slow_steps"] <= steps
+    assert s["real_wall_s"] >= steps * pace
+    assert s["slow_steps"] == sum(w["slow_steps"] for w in s["per_worker"])
+
+    r = launch(tmp_path / "overrun", 2, [*args, "--sim-step-time", "1e-9"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.loads((tmp_path / "overrun" / "summary.json").read_text())
+    assert [w["slow_steps"] for w in s["per_worker"]] == [steps, steps]
+    assert s["slow_steps"] == 2 * steps
+    assert "took longer than --sim-step-time" in r.stdout + r.stderr
+
+
 def test_two_ranks_per_worker_stay_identical_and_count_one_exchange(tmp_path: Path) -> None:
     args = ["--method", "diloco", "--inner-steps", "4", "--steps", "10", "--checkpoint-every", "10"]  # mid-round
     r = launch(tmp_path, 2, args, ranks=2)

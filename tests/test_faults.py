@@ -147,7 +147,7 @@ class _ScriptedComm(Communicator):
         self.others = others  # round -> the other present workers' gradients (flat)
         self.round = 0
 
-    def allreduce_mean(self, tensors, codec, generator=None):  # type: ignore[no-untyped-def]
+    def allreduce_mean(self, tensors, codec, generator=None, *, keep_own=True):  # type: ignore[no-untyped-def]
         own = flatten(tensors)
         peers = self.others[self.round][: self.num_workers - 1]
         self.round += 1

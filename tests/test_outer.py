@@ -229,8 +229,8 @@ def test_each_fragment_syncs_once_per_round_at_its_offset(codec: str) -> None:
         comm = group.communicator(m)
         original = comm.allreduce_mean
 
-        def record(tensors, c, gen=None, _orig=original, _sync=sync, _m=m):
-            handle = _orig(tensors, c, gen)
+        def record(tensors, c, gen=None, *, keep_own=True, _orig=original, _sync=sync, _m=m):
+            handle = _orig(tensors, c, gen, keep_own=keep_own)
             if _m == 0:
                 log.append((_sync.step, sum(t.numel() for t in tensors), handle.payload_bytes))
             return handle

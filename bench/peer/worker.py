@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -46,10 +45,11 @@ def start_barrier(store: dist.Store, replicas: int) -> None:
 
 
 class _Timer:
-    """Seconds and calls accumulated under named keys."""
+    """Seconds, CPU seconds of the calling thread, and calls accumulated under named keys."""
 
     def __init__(self) -> None:
         self.s: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
         self.n: dict[str, int] = {}
 
     def add(self, key: str, seconds: float) -> None:
@@ -58,10 +58,11 @@ class _Timer:
 
     def wrap(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.cpu[key] = self.cpu.get(key, 0.0) + time.thread_time() - c0
                 self.add(key, time.perf_counter() - t0)
 
         return timed
@@ -83,8 +84,10 @@ def run_plain(replica: int, steps: int, h: int) -> dict[str, Any]:
                    outer_steps=[0.0] * len(batches), blocked_steps=[0.0] * len(batches))
 
 
-def run_ours(method: str, fragments: int, replica: int, steps: int, h: int) -> dict[str, Any]:
+def run_ours(method: str, fragments: int, replica: int, steps: int, h: int, overlap: int = 0) -> dict[str, Any]:
     """eagerloco's OuterSync over the torch.distributed transport (fp32, no link emulation).
+
+    overlap: Streaming's tau, the inner steps between launching a fragment's exchange and using it.
 
     Eager uses outer lr 0.4 (the eager paper's tuned value): with 0.7 its stale half-update and
     Nesterov momentum overshoot on this workload (train loss 2.20 against DiLoCo's 1.55). The
@@ -102,7 +105,7 @@ def run_ours(method: str, fragments: int, replica: int, steps: int, h: int) -> d
     model = wl.build_model()
     opt = wl.inner_optimizer(model)
     lr = wl.EAGER_OUTER_LR if method == "eager" else wl.OUTER_LR
-    cfg = OuterConfig(method=method, inner_steps=h, fragments=fragments, codec="fp32",
+    cfg = OuterConfig(method=method, inner_steps=h, fragments=fragments, overlap_steps=overlap, codec="fp32",
                       outer_lr=lr, outer_momentum=wl.OUTER_MOMENTUM, outer_nesterov=True)
     sync = OuterSync(model, opt, comm, cfg)
     # Where the time goes, for the profile in the report: wrap the stages on this instance only.
@@ -117,11 +120,11 @@ def run_ours(method: str, fragments: int, replica: int, steps: int, h: int) -> d
     comm._execute = prof.wrap("thread_execute", comm._execute)  # type: ignore[method-assign]
     publish = comm._publish
 
-    def publish_timed(*args: Any) -> None:  # the heartbeat thread publishes too: count the comm thread's
-        t0 = time.perf_counter()
+    def publish_timed(*args: Any) -> None:  # heartbeat publishes, most of them prompted by an exchange
+        t0, c0 = time.perf_counter(), time.thread_time()
         publish(*args)
-        if threading.current_thread() is comm._thread:
-            prof.add("thread_publish", time.perf_counter() - t0)
+        prof.cpu["hb_publish"] = prof.cpu.get("hb_publish", 0.0) + time.thread_time() - c0
+        prof.add("hb_publish", time.perf_counter() - t0)
 
     comm._publish = publish_timed  # type: ignore[method-assign]
     dmod.mean_of_payloads = prof.wrap("thread_mean", comm_base.mean_of_payloads)  # type: ignore[assignment]
@@ -137,8 +140,58 @@ def run_ours(method: str, fragments: int, replica: int, steps: int, h: int) -> d
                   syncs=st.num_syncs, outer_steps=res.per_step["hook"], blocked_steps=res.per_step["blocked"])
     out["overhead_s"] = st.overhead_s  # outer machinery outside the wait, as eagerloco counts it
     out["profile_s"] = prof.s
+    out["profile_cpu_s"] = prof.cpu
     out["profile_calls"] = prof.n
     comm.close()
+    dist.destroy_process_group()
+    return out
+
+
+def run_floor(fragments: int, replica: int, steps: int, h: int, overlap: int = 0) -> dict[str, Any]:
+    """The exchange alone: a bare gloo all-reduce of the same bytes at the same steps, nothing else.
+
+    No outer gradient, optimizer, copies or bookkeeping: one preallocated FP32 buffer per fragment
+    is all-reduced (async) where the method launches its exchange and waited on ``overlap`` steps
+    later, as Streaming (or DiLoCo, one fragment) does. Whatever this costs over the plain loop,
+    every implementation of the method pays on this machine: it is the floor of the comparison.
+    """
+    replicas = int(sys.argv[3])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    model = wl.build_model()
+    opt = wl.inner_optimizer(model)
+    frags = [model] if fragments == 1 else wl.fragment_modules(model, fragments)
+    bufs = [torch.zeros(sum(p.numel() for p in f.parameters())) for f in frags]
+    batches = wl.train_batches(steps, replica)
+    wl.warm_up(model, opt, batches[0])
+    for b in bufs:
+        dist.all_reduce(b)  # connection setup, untimed (like the other variants' first collective)
+    start_barrier(_store(), replicas)
+    every = h // fragments
+    state: dict[str, Any] = {"step": 0, "launches": 0, "pending": [], "blocked": 0.0, "bytes": 0}
+
+    def wait_due(final: bool = False) -> None:
+        while state["pending"] and (final or state["pending"][0][0] <= state["step"]):
+            _, work = state["pending"].pop(0)
+            t0 = time.perf_counter()
+            work.wait()
+            state["blocked"] += time.perf_counter() - t0
+
+    def after() -> None:
+        state["step"] += 1
+        if state["step"] % every == 0:
+            buf = bufs[state["launches"] % fragments]
+            state["launches"] += 1
+            state["bytes"] += buf.numel() * 4
+            state["pending"].append((state["step"] + overlap, dist.all_reduce(buf, async_op=True)))
+        wait_due()
+
+    res = wl.run_loop(model, opt, batches, after=after, finish=lambda: wait_due(final=True),
+                      counters={"blocked": lambda: state["blocked"]})
+    from eagerloco.comm.base import wire_bytes
+
+    out = _result(res, model, outer_s=res.hook_s, blocked_s=state["blocked"],
+                  bytes_sent=wire_bytes(state["bytes"], replicas, True), syncs=state["launches"],
+                  outer_steps=res.per_step["hook"], blocked_steps=res.per_step["blocked"])
     dist.destroy_process_group()
     return out
 
@@ -160,8 +213,11 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
-def run_torchft(fragments: int, bucketize: bool, replica: int, steps: int, h: int) -> dict[str, Any]:
+def run_torchft(fragments: int, bucketize: bool, replica: int, steps: int, h: int, delay: int = 0) -> dict[str, Any]:
     """torchft 0.2.0's DiLoCo / Streaming DiLoCo: one Manager and ProcessGroupGloo per replica.
+
+    delay: torchft's ``fragment_sync_delay`` (Streaming's tau: the fragment's all-reduce starts this
+    many inner steps before the step that waits for it and applies it).
 
     Each replica is a replica group of one process with its own TCPStore. Timing: the optimizer
     hooks DiLoCo registers (everything it does after each inner step: quorum RPC, pseudo-gradient,
@@ -203,7 +259,7 @@ def run_torchft(fragments: int, bucketize: bool, replica: int, steps: int, h: in
     frags = [model] if fragments == 1 else wl.fragment_modules(model, fragments)
     outer = [wl.outer_sgd(list(f.parameters())) for f in frags]
     diloco = DiLoCo(manager, frags, opt, outer if fragments > 1 else outer[0], sync_every=h,
-                    use_bucketization=bucketize)
+                    use_bucketization=bucketize, fragment_sync_delay=delay)
     # Instance attributes shadow the methods that __enter__ registers as optimizer hooks.
     diloco._step_pre_hook = prof.wrap("hooks", diloco._step_pre_hook)  # type: ignore[method-assign]
     diloco._step_post_hook = prof.wrap("hooks", diloco._step_post_hook)  # type: ignore[method-assign]
@@ -257,6 +313,9 @@ def _result(res: wl.LoopResult, model: Any, *, outer_s: float, blocked_s: float,
     }
 
 
+#: Streaming's overlap in the *_overlap variants: tau for eagerloco, fragment_sync_delay for torchft.
+OVERLAP_STEPS = int(os.environ.get("BENCH_OVERLAP_STEPS", "1"))
+
 VARIANTS: dict[str, Callable[[int, int, int], dict[str, Any]]] = {
     "plain": run_plain,
     "torchft_diloco": lambda r, s, h: run_torchft(1, False, r, s, h),
@@ -265,6 +324,11 @@ VARIANTS: dict[str, Callable[[int, int, int], dict[str, Any]]] = {
     "ours_diloco": lambda r, s, h: run_ours("diloco", 1, r, s, h),
     "ours_streaming": lambda r, s, h: run_ours("streaming", 2, r, s, h),
     "ours_eager": lambda r, s, h: run_ours("eager", 1, r, s, h),
+    "torchft_streaming_overlap": lambda r, s, h: run_torchft(2, True, r, s, h, delay=OVERLAP_STEPS),
+    "ours_streaming_overlap": lambda r, s, h: run_ours("streaming", 2, r, s, h, overlap=OVERLAP_STEPS),
+    "floor_diloco": lambda r, s, h: run_floor(1, r, s, h),
+    "floor_streaming": lambda r, s, h: run_floor(2, r, s, h),
+    "floor_streaming_overlap": lambda r, s, h: run_floor(2, r, s, h, overlap=OVERLAP_STEPS),
 }
 
 

@@ -30,6 +30,7 @@ class WorkerStats:
     overhead_s: float = 0.0  # outer machinery (encode, decode, outer optimizer) outside the link
     blocked_s: float = 0.0  # waiting for an exchange to land
     drain_s: float = 0.0  # waiting, after the last step, for exchanges still in flight (not training time)
+    slow_steps: int = 0  # real clock with a fixed step time: steps whose real compute took longer than it
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)

@@ -328,11 +328,12 @@ class TorchDistHandle(Handle):
         if self._error is not None:
             raise self._error
         assert self._mean is not None
-        # A copy: the caller owns what it gets (an optimizer may write into it), while the
-        # communicator keeps the mean for survivors of a membership change (elastic).
+        mean, self._mean = self._mean, None
         if out is not None:
-            return hand_over(unflatten(self._mean, self._like), out)
-        return unflatten(self._mean.to(self._device, copy=True), self._like)
+            return hand_over(unflatten(mean, self._like), out)
+        # The caller owns what it gets (an optimizer may write into it). In elastic mode the
+        # communicator also keeps the mean for survivors of a membership change: hand out a copy.
+        return unflatten(mean.to(self._device, copy=self._comm._elastic), self._like)
 
     def _finish(self, mean: torch.Tensor | None = None, error: BaseException | None = None) -> None:
         if not self._event.is_set():
@@ -350,6 +351,7 @@ class _Job:
     payload: torch.Tensor | None = None
     wire: int = 0
     step: int = 0  # training step at launch (what a lost worker's progress is measured from)
+    inplace: bool = False  # the FP32 sum may overwrite the payload (nothing reads it afterwards)
 
 
 class TorchDistCommunicator(Communicator):
@@ -473,7 +475,10 @@ class TorchDistCommunicator(Communicator):
         device = tensors[0].device if tensors else torch.device("cpu")
         handle = self._enqueue(numel, like, device, own=unflatten(own_flat, like) if keep_own else [], nbytes=nbytes)
         self._unwaited.add(handle.seq)
-        job = _Job(handle.seq, numel, time.time(), handle, codec, packed, wire, self.step_hint)
+        # Without keep_own the payload is the communicator's alone; outside elastic mode a failed
+        # collective ends the run, so no rerun needs it intact either.
+        job = _Job(handle.seq, numel, time.time(), handle, codec, packed, wire, self.step_hint,
+                   inplace=not keep_own and not self._elastic)
         self._jobs.put(job)
         return handle
 
@@ -582,7 +587,9 @@ class TorchDistCommunicator(Communicator):
                 self._fail_pending(self._error)
             else:
                 self._done_upto = job.seq
-                self._recent[job.seq] = (job.numel, mean, job.step)
+                # Elastic mode keeps recent means for survivors that missed them; they are then
+                # shared, so wait() hands out copies. Otherwise the mean is the handle's alone.
+                self._recent[job.seq] = (job.numel, mean if self._elastic else None, job.step)
                 self._recent.pop(job.seq - _RECENT, None)
                 job.handle._finish(mean=mean)
             if broken:
@@ -749,9 +756,10 @@ class TorchDistCommunicator(Communicator):
             return None
         assert codec is not None and job.payload is not None
         if codec.summable and self.num_workers > 1:
-            # FP32: one all-reduce, on a copy so that a failed collective leaves the payload intact
-            # for a rerun among the survivors (elastic).
-            mean = self._sum(job.payload.clone().view(torch.float32)).div_(self.num_workers)
+            # FP32: one all-reduce; on a copy where the payload must stay intact (the caller's own
+            # share, or a rerun among the survivors of a failed collective in elastic mode).
+            buf = job.payload if job.inplace else job.payload.clone()
+            mean = self._sum(buf.view(torch.float32)).div_(self.num_workers)
         else:
             payloads = list(self._gather(job.payload).unbind(0))
             mean = mean_of_payloads(codec, payloads, job.numel)
