@@ -15,6 +15,7 @@ does what rank 0 does otherwise: evaluation, metrics, checkpoint manifest, summa
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -40,8 +41,9 @@ from eagerloco.comm.distributed import (
     workers_from_env,
 )
 from eagerloco.comm.elastic import Membership, outer_digest
-from eagerloco.config import ConfigError
+from eagerloco.config import ConfigError, LinkConfig
 from eagerloco.faults import kill_hook, kill_self, rejoining
+from eagerloco.netshape import kernel_link_from_env
 from eagerloco.train import (
     TrainConfig,
     Worker,
@@ -94,7 +96,7 @@ def train_distributed(
         stream = worker_streams(corpus, tok, cfg.workers * ranks_per_worker, cfg.batch_size, cfg.seq_len,
                                 cfg.seed, iid=cfg.iid)[ctx.rank]
         evb = evb if ctx.rank == 0 else []
-        comm = communicator_for(ctx, cfg.link, seed=cfg.seed, timeout_s=timeout_s)
+        comm = communicator_for(ctx, _emulated_link(cfg), seed=cfg.seed, timeout_s=timeout_s)
         worker = Worker(model, comm, stream, cfg, inner_group=ctx.inner_group)
         start_step, real_elapsed = 0, 0.0
         if found is not None:
@@ -157,6 +159,7 @@ def train_distributed(
             return None
         _aggregate(summary, [e for e in every if e["outer"]])
         summary.update(runtime="distributed", ranks_per_worker=ranks_per_worker, backend=ctx.backend,
+                       link_shaping="kernel" if kernel_link_from_env() is not None else "emulated",
                        num_params=sum(p.numel() for p in model.parameters()), config=asdict(cfg))
         write_json_atomic(out / "summary.json", summary)
         return summary
@@ -169,6 +172,22 @@ def train_distributed(
         if comm is not None:
             comm.close()
         shutdown()
+
+
+def _emulated_link(cfg: TrainConfig) -> LinkConfig:
+    """What the communicator emulates: the whole link, or under ``eagerloco launch --kernel-link-gbps``
+    (the kernel shapes the bandwidth) only its latency and jitter. cfg.link then records the rate."""
+    kernel = kernel_link_from_env()
+    if kernel is None:
+        return cfg.link
+    given = cfg.link.bandwidth_gbps
+    if math.isfinite(given) and given != kernel:
+        raise ConfigError(
+            f"the launcher shapes the link to {kernel:g} Gbit/s in the kernel (--kernel-link-gbps), but train got "
+            f"--bandwidth-gbps {given:g}: pass the bandwidth once, to the launcher"
+        )
+    cfg.link.bandwidth_gbps = kernel
+    return LinkConfig(latency_ms=cfg.link.latency_ms, jitter_ms=cfg.link.jitter_ms)
 
 
 def _aggregate(summary: dict[str, Any], per_worker: list[dict[str, Any]]) -> None:
@@ -341,8 +360,9 @@ def _train_elastic(cfg: TrainConfig, timeout_s: float) -> dict[str, Any] | None:
     else:
         ctx = init_process_groups(cfg.workers, 1, "gloo", timeout_s)
         membership, outer, start_step = Membership(client, me, cfg.workers, timeout_s, **kw), ctx.outer_group, 0
-    comm = TorchDistCommunicator(outer, cfg.link, timeout_s, membership.names, store=_heartbeat_store(timeout_s),
-                                 seed=cfg.seed, elastic=True, members=membership.members)
+    comm = TorchDistCommunicator(outer, _emulated_link(cfg), timeout_s, membership.names,
+                                 store=_heartbeat_store(timeout_s), seed=cfg.seed, elastic=True,
+                                 members=membership.members)
     outer = ctx = None  # the communicator holds the group alone: a membership change must free it
     try:
         worker = Worker(model, comm, stream, cfg)
@@ -430,6 +450,7 @@ def _train_elastic(cfg: TrainConfig, timeout_s: float) -> dict[str, Any] | None:
         worker_steps = _worker_steps(events, cfg.workers, start_step, cfg.steps)
         summary.update(
             runtime="distributed", ranks_per_worker=1, backend="gloo", elastic=True,
+            link_shaping="kernel" if kernel_link_from_env() is not None else "emulated",
             num_params=sum(p.numel() for p in model.parameters()), config=asdict(cfg),
             members=membership.members, epoch=membership.epoch, faults=events,
             lost_inner_steps=_lost_steps(events), worker_steps=worker_steps,

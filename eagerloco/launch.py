@@ -53,6 +53,7 @@ def launch(
     out: IO[str] | None = None,
     elastic: bool = False,
     max_restarts: int = 0,
+    kernel_link_gbps: float | None = None,
 ) -> int:
     """Run workers * ranks_per_worker local processes; return 0 if all succeed, else the first failure's code.
 
@@ -62,6 +63,8 @@ def launch(
     out: where the rank-prefixed output goes (default: sys.stdout).
     elastic: the others go on when a rank fails (implied by ``--elastic`` among the train arguments,
     and passed on to train); max_restarts: how many times each failed rank is started again.
+    kernel_link_gbps: run each worker in its own network namespace behind an uplink the kernel
+    shapes to this rate (Linux, root; see :mod:`eagerloco.netshape`) instead of emulating it.
     """
     for name, value in (("--workers", workers), ("--ranks-per-worker", ranks_per_worker)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -80,6 +83,26 @@ def launch(
         raise ValueError("--max-restarts needs --elastic: without it a failed rank stops the whole run")
     if elastic and ranks_per_worker != 1:
         raise ValueError("--elastic supports one rank per worker (--ranks-per-worker 1)")
+    if kernel_link_gbps is not None and any(a.split("=")[0] == "--bandwidth-gbps" for a in argv_for_train):
+        raise ValueError("--kernel-link-gbps shapes the link's bandwidth in the kernel: drop --bandwidth-gbps "
+                         "from the train arguments (latency and jitter flags still apply)")
+    if kernel_link_gbps is None:
+        return _launch(argv_for_train, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic,
+                       max_restarts, None)
+    from eagerloco.netshape import KernelLink
+
+    with KernelLink(workers, kernel_link_gbps) as link:
+        (out or sys.stdout).write(
+            f"[launch] kernel-shaped link: {workers} network namespaces, each worker's uplink {kernel_link_gbps:g} "
+            f"Gbit/s (tbf), rendezvous at {link.master_addr}\n")
+        return _launch(argv_for_train, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic,
+                       max_restarts, link)
+
+
+def _launch(
+    argv_for_train: list[str], workers: int, ranks_per_worker: int, master_port: int | None, timeout_s: float,
+    command: Sequence[str] | None, out: IO[str] | None, elastic: bool, max_restarts: int, link: Any,
+) -> int:
     import torch.distributed as dist  # here, not at module level: `eagerloco --help` stays fast
 
     nproc = workers * ranks_per_worker
@@ -106,8 +129,12 @@ def launch(
         if incarnation:
             env.update(EAGERLOCO_REJOIN="1", EAGERLOCO_INCARNATION=str(incarnation))
         env.setdefault("OMP_NUM_THREADS", str(threads_each))  # as torchrun: no core oversubscription
+        argv = cmd
+        if link is not None:  # in the worker's network namespace, behind its shaped uplink
+            env.update(link.env(rank // ranks_per_worker))
+            argv = link.command(cmd, rank // ranks_per_worker)
         # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it exactly once.
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              start_new_session=True)
         tag = f"[rank {rank}] " if not incarnation else f"[rank {rank}.{incarnation}] "
         t = threading.Thread(target=_pump, args=(p, tag, out, lock), daemon=True)
@@ -326,6 +353,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a failed rank does not stop the others (passes --elastic to train)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="with --elastic: start a failed rank again, at most N times, to rejoin the run (default 0)")
+    p.add_argument("--kernel-link-gbps", type=float, default=None, metavar="GBPS",
+                   help="shape the link in the kernel instead of emulating it: each worker runs in its own "
+                   "network namespace and its uplink carries GBPS Gbit/s (Linux, root, iproute2; latency and "
+                   "jitter stay emulated). Do not pass --bandwidth-gbps to train then")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the arguments of `eagerloco train`")
     p.set_defaults(func=run)
     return p
@@ -337,8 +368,8 @@ def run(args: argparse.Namespace) -> int:
         train_args = train_args[1:]
     try:
         return launch(train_args, args.workers, args.ranks_per_worker, args.master_port, args.grace_s,
-                      elastic=args.elastic, max_restarts=args.max_restarts)
-    except ValueError as e:
+                      elastic=args.elastic, max_restarts=args.max_restarts, kernel_link_gbps=args.kernel_link_gbps)
+    except ValueError as e:  # ConfigError (and so LinkShapingError) is a ValueError too
         print(f"eagerloco launch: error: {e}", file=sys.stderr)
         return 2
 

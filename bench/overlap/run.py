@@ -91,14 +91,22 @@ def train_argv(m: Method, bandwidth_gbps: float, args: argparse.Namespace, steps
     if args.step_time > 0:
         argv += ["--sim-step-time", repr(args.step_time)]
     if math.isfinite(bandwidth_gbps):
-        argv += ["--bandwidth-gbps", repr(bandwidth_gbps), "--latency-ms", repr(args.latency_ms)]
+        if not args.kernel_link:  # else the launcher shapes the bandwidth (see run_cli)
+            argv += ["--bandwidth-gbps", repr(bandwidth_gbps)]
+        argv += ["--latency-ms", repr(args.latency_ms)]
     return argv
 
 
-def run_cli(jobs: list[dict[str, Any]], timeout_s: float) -> None:
-    """One `python -m eagerloco launch` per run: exactly what a user types, ~15-20 s start-up each here."""
+def run_cli(jobs: list[dict[str, Any]], timeout_s: float, kernel_link: bool = False) -> None:
+    """One `python -m eagerloco launch` per run: exactly what a user types, ~15-20 s start-up each here.
+
+    kernel_link: runs with a finite bandwidth get it shaped by the kernel (`--kernel-link-gbps`).
+    """
     for job in jobs:
-        cmd = [sys.executable, "-m", "eagerloco", "launch", "--workers", str(WORKERS), "--", *job["argv"]]
+        cmd = [sys.executable, "-m", "eagerloco", "launch", "--workers", str(WORKERS)]
+        if kernel_link and math.isfinite(job["bandwidth_gbps"]):
+            cmd += ["--kernel-link-gbps", repr(job["bandwidth_gbps"])]
+        cmd += ["--", *job["argv"]]
         load = os.getloadavg()[0]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0:
@@ -166,7 +174,7 @@ def execute(jobs: list[dict[str, Any]], args: argparse.Namespace, scratch: Path)
         return []
     t0 = time.perf_counter()
     if args.runner == "cli":
-        run_cli(jobs, args.timeout)
+        run_cli(jobs, args.timeout, args.kernel_link)
     else:
         # A first, discarded run: the first job of fresh processes pays one-off costs (allocator,
         # first collectives) that would otherwise land on whichever method comes first.
@@ -312,10 +320,13 @@ def markdown(report: dict[str, Any], methods: list[Method]) -> str:
     s, cal, env, table = report["settings"], report["calibration"], report["environment"], report["table"]
     bws = cal["bandwidths_gbps"]
     ratios = cal["ratios"]
+    kernel = s.get("kernel_link", False)
+    transport = ("gloo between network namespaces, each worker's uplink shaped by the kernel (tbf, "
+                 "`--kernel-link-gbps`), latency emulated" if kernel else "gloo on loopback")
     lines = [
-        "# Overlap: compute utilization on an emulated slow link",
+        "# Overlap: compute utilization on a " + ("kernel-shaped" if kernel else "emulated") + " slow link",
         "",
-        f"{WORKERS} worker processes (`eagerloco launch`, gloo on loopback, runner `{s['runner']}`), model "
+        f"{WORKERS} worker processes (`eagerloco launch`, {transport}, runner `{s['runner']}`), model "
         f"`{s['model']}` ({report['num_params']:,} parameters, {cal['wire_bytes_fp32'] / 1e6:.2f} MB on the "
         f"wire per worker for one FP32 exchange), batch {s['batch_size']} x {s['seq_len']} tokens, "
         f"H = {s['inner_steps']}, {s['steps']} inner steps ({s['steps'] // s['inner_steps']} rounds; "
@@ -434,6 +445,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(default 0.05,0.15,0.5,1.5; quick 0.15,0.5,1.5)")
     p.add_argument("--bandwidths", help="comma list of Gbit/s instead of --ratios (no calibration)")
     p.add_argument("--latency-ms", type=float, default=10.0)
+    p.add_argument("--kernel-link", action="store_true",
+                   help="shape the bandwidth in the kernel (`eagerloco launch --kernel-link-gbps`: network "
+                   "namespaces and tbf; root) instead of emulating it; needs --runner cli")
     p.add_argument("--repeats", type=int, default=1, help="runs per emulated cell (baselines: twice this)")
     p.add_argument("--methods", help="comma list of row keys (default: all, or the quick set)")
     p.add_argument("--eval-batches", type=int, default=4)
@@ -446,6 +460,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="rewrite overlap.md from the overlap.json in --out-dir, without running anything")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.kernel_link and args.runner != "cli":
+        p.error("--kernel-link needs --runner cli (each run is its own launch, in its own namespaces)")
     if not (math.isfinite(args.step_time) and args.step_time >= 0):
         p.error(f"--step-time must be a finite number of seconds >= 0 (0: unpaced), got {args.step_time}")
     args.steps = args.rounds * args.inner_steps

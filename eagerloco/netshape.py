@@ -1,0 +1,202 @@
+"""A slow link shaped by the kernel: one network namespace per worker, each worker's uplink limited.
+
+The default link of the multi-process runtime is emulated in user space (:mod:`eagerloco.comm.
+emulated_link`): the payload crosses loopback at full speed and the communicator then waits for
+the time the link would have taken. This module is the second mode, ``eagerloco launch
+--kernel-link-gbps B``: the bytes really cross a link that carries B Gbit/s, so everything on it
+(the gloo collective's own chunks and round trips, the header exchange, TCP's behaviour under a
+rate limit) takes the time it would.
+
+Topology (Linux, root): a bridge in the launcher's namespace holds the rendezvous store's address;
+each worker's processes run in their own namespace, joined to the bridge by a veth pair whose
+worker-side end sends through a token-bucket filter (``tc qdisc ... tbf rate B``). The ranks of one
+worker share its namespace and reach each other over its loopback, unshaped: only traffic between
+workers crosses a shaped uplink, as between datacenters. Latency and jitter stay emulated by the
+communicator: the kernels this runs on often lack ``sch_netem`` (this one does), and a delay on
+every packet would also slow the rendezvous and heartbeats, which the emulated latency does not.
+
+Why ``ip``/``tc`` through subprocess and not a netlink library: these two commands are on every
+Linux machine that can do this at all (iproute2), and the setup is a dozen fixed commands.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+
+from eagerloco.config import ConfigError
+
+#: Environment of every launched process in this mode: the uplink rate in Gbit/s (the runtime then
+#: emulates only latency and jitter, and records the rate as the run's link bandwidth).
+KERNEL_LINK_ENV = "EAGERLOCO_KERNEL_LINK_GBPS"
+_PREFIX = "eloc"  # namespaces eloc<pid>w<worker>, bridge elbr<pid>, host-side veth elh<pid>w<worker>
+_IFACE = "eth0"  # the worker side of its veth pair, inside its namespace
+
+
+class LinkShapingError(ConfigError):
+    """Kernel shaping is not possible here; the message says why and what to do instead."""
+
+
+def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(list(args), capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise LinkShapingError(f"`{' '.join(args)}` failed: {(r.stderr or r.stdout).strip()}")
+    return r
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def tbf_args(bandwidth_gbps: float) -> list[str]:
+    """The tbf qdisc parameters for a rate of bandwidth_gbps.
+
+    burst: at least 64 KiB, since a segmentation-offloaded packet can be that large and tbf drops
+    a packet bigger than its bucket, and at least one 250 Hz timer tick of data. limit: a queue of
+    four bursts or 4 MiB, so that TCP sees a slow link rather than losses.
+    """
+    rate_bytes = bandwidth_gbps * 1e9 / 8
+    burst = max(64 * 1024, int(rate_bytes / 250))
+    limit = max(4 * burst, 4 * 1024 * 1024)
+    return ["rate", f"{int(bandwidth_gbps * 1e9)}bit", "burst", str(burst), "limit", str(limit)]
+
+
+class KernelLink:
+    """Namespaces, bridge and shaped uplinks for one launch; a context manager that removes them.
+
+    workers: M; bandwidth_gbps: each worker's uplink rate. Use ``command(cmd, worker)`` to run a
+    process in worker's namespace, ``master_addr`` as the rendezvous address and ``env(worker)``
+    for the variables each of its processes needs.
+    """
+
+    def __init__(self, workers: int, bandwidth_gbps: float, tag: int | None = None) -> None:
+        if not (isinstance(bandwidth_gbps, (int, float)) and math.isfinite(bandwidth_gbps) and bandwidth_gbps > 0):
+            raise LinkShapingError(
+                f"--kernel-link-gbps must be a positive, finite number of Gbit/s, got {bandwidth_gbps!r}"
+            )
+        if workers > 240:
+            raise LinkShapingError(f"--kernel-link-gbps supports at most 240 workers (one /24 subnet), got {workers}")
+        self.workers, self.bandwidth_gbps = workers, float(bandwidth_gbps)
+        self.tag = os.getpid() if tag is None else tag
+        self.subnet = f"10.213.{self.tag % 250}"
+        self.master_addr = f"{self.subnet}.1"
+        self.bridge = f"elbr{self.tag}"
+        self._made: list[tuple[str, str]] = []  # ("ns" | "link", name), in creation order
+
+    def namespace(self, worker: int) -> str:
+        return f"{_PREFIX}{self.tag}w{worker}"
+
+    def command(self, cmd: Sequence[str], worker: int) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace(worker), *cmd]
+
+    def env(self, worker: int) -> dict[str, str]:
+        # gloo binds to the interface the other workers can reach (not the namespace's loopback).
+        return {KERNEL_LINK_ENV: repr(self.bandwidth_gbps), "GLOO_SOCKET_IFNAME": _IFACE,
+                "MASTER_ADDR": self.master_addr}
+
+    @staticmethod
+    def check() -> None:
+        """Raise LinkShapingError unless this machine can shape a link in the kernel."""
+        if not hasattr(os, "geteuid") or os.geteuid() != 0:
+            raise LinkShapingError(
+                "--kernel-link-gbps needs root (it creates network namespaces and traffic-control qdiscs); "
+                "run as root, or drop it and use the emulated link (--bandwidth-gbps among the train arguments)"
+            )
+        missing = [c for c in ("ip", "tc") if shutil.which(c) is None]
+        if missing:
+            raise LinkShapingError(
+                f"--kernel-link-gbps needs the iproute2 commands {' and '.join(missing)}, which are not on PATH; "
+                "install iproute2 (apt-get install iproute2) or use the emulated link (--bandwidth-gbps)"
+            )
+
+    def __enter__(self) -> KernelLink:
+        self.check()
+        remove_stale()
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _setup(self) -> None:
+        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+        self._made.append(("link", self.bridge))
+        _run(["ip", "addr", "add", f"{self.master_addr}/24", "dev", self.bridge])
+        _run(["ip", "link", "set", self.bridge, "up"])
+        for w in range(self.workers):
+            ns, host = self.namespace(w), f"elh{self.tag}w{w}"
+            _run(["ip", "netns", "add", ns])
+            self._made.append(("ns", ns))
+            _run(["ip", "link", "add", host, "type", "veth", "peer", "name", _IFACE, "netns", ns])
+            self._made.append(("link", host))
+            _run(["ip", "link", "set", host, "master", self.bridge])
+            _run(["ip", "link", "set", host, "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.subnet}.{10 + w}/24", "dev", _IFACE])
+            _run(["ip", "-n", ns, "link", "set", _IFACE, "up"])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            r = _run(["tc", "-n", ns, "qdisc", "add", "dev", _IFACE, "root", "tbf",
+                      *tbf_args(self.bandwidth_gbps)], check=False)
+            if r.returncode != 0:
+                raise LinkShapingError(
+                    f"this kernel cannot shape traffic with a token-bucket filter (tc qdisc tbf: "
+                    f"{(r.stderr or r.stdout).strip()}); it needs sch_tbf. Use the emulated link instead "
+                    "(--bandwidth-gbps among the train arguments)"
+                )
+
+    def close(self) -> None:
+        """Remove what was made (a namespace takes its veth end with it), newest first."""
+        while self._made:
+            kind, name = self._made.pop()
+            if kind == "ns":
+                _run(["ip", "netns", "del", name], check=False)
+            else:
+                _run(["ip", "link", "del", name], check=False)
+
+
+def remove_stale() -> list[str]:
+    """Remove namespaces and bridges left by a launcher that was killed (its pid is gone)."""
+    removed = []
+    ns = _run(["ip", "netns", "list"], check=False).stdout.split()
+    links = _run(["ip", "-o", "link", "show"], check=False).stdout
+    # `ip -o link show` lines read "7: elh123w0@if2: <BROADCAST,...> mtu ...".
+    names = [fields[1].split("@")[0] for line in links.splitlines() if len(fields := line.split(": ")) > 1]
+    for name in ns:
+        if name.startswith(_PREFIX) and "w" in name[len(_PREFIX):]:
+            pid = name[len(_PREFIX):].split("w")[0]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                _run(["ip", "netns", "del", name], check=False)
+                removed.append(name)
+    for name in names:
+        if name.startswith("elbr") and name[4:].isdigit() and not _pid_alive(int(name[4:])):
+            _run(["ip", "link", "del", name], check=False)
+            removed.append(name)
+    return removed
+
+
+def kernel_link_from_env() -> float | None:
+    """The uplink rate this process runs behind (Gbit/s), or None when the link is emulated."""
+    raw = os.environ.get(KERNEL_LINK_ENV)
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{KERNEL_LINK_ENV}={raw!r} is not a number of Gbit/s (it is set by eagerloco launch "
+                          "--kernel-link-gbps; unset it)") from None
+    return value
+
+
+__all__ = ["KERNEL_LINK_ENV", "KernelLink", "LinkShapingError", "kernel_link_from_env", "remove_stale", "tbf_args"]

@@ -1,0 +1,96 @@
+"""The kernel-shaped link (``eagerloco launch --kernel-link-gbps``): network namespaces, a tbf uplink.
+
+The end-to-end test needs root, iproute2 and a kernel with network namespaces, veth, bridges and
+sch_tbf; where any is missing it is skipped (the error paths are tested everywhere).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagerloco import netshape
+from eagerloco.netshape import KernelLink, LinkShapingError, tbf_args
+
+
+def test_tbf_parameters_follow_the_rate() -> None:
+    assert tbf_args(0.1) == ["rate", "100000000bit", "burst", str(64 * 1024), "limit", str(4 * 1024 * 1024)]
+    # 10 Gbit/s: one 250 Hz tick of data (5 MB) exceeds the 64 KiB floor, and the queue holds four bursts.
+    assert tbf_args(10.0) == ["rate", "10000000000bit", "burst", "5000000", "limit", "20000000"]
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_bad_rate_is_a_clear_error(bad: float) -> None:
+    with pytest.raises(LinkShapingError, match="--kernel-link-gbps must be a positive, finite number"):
+        KernelLink(2, bad)
+
+
+def test_without_root_the_error_says_so_and_names_the_alternative(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netshape.os, "geteuid", lambda: 1000)
+    with pytest.raises(LinkShapingError, match="needs root.*--bandwidth-gbps"):
+        KernelLink.check()
+
+
+def test_launch_refuses_a_second_bandwidth(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "eagerloco", "launch", "--workers", "2", "--kernel-link-gbps", "0.1", "--",
+         "--bandwidth-gbps", "0.1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 2
+    assert "drop --bandwidth-gbps" in r.stderr
+
+
+def _can_shape() -> str | None:
+    """None when this machine can build a shaped namespace, else why not."""
+    try:
+        KernelLink.check()
+    except LinkShapingError as e:
+        return str(e)
+    try:
+        with KernelLink(1, 1.0, tag=os.getpid() + 1_000_000):
+            return None
+    except LinkShapingError as e:
+        return str(e)
+
+
+_WHY_NOT = _can_shape()
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "EAGERLOCO_WORKERS", "EAGERLOCO_RANKS_PER_WORKER", netshape.KERNEL_LINK_ENV)
+
+
+@pytest.mark.skipif(_WHY_NOT is not None, reason=f"kernel shaping not possible here: {_WHY_NOT}")
+def test_a_kernel_shaped_link_blocks_diloco_and_eager_hides_it(tmp_path: Path) -> None:
+    """2 workers, tiny model (3.28 MB per FP32 exchange; the M = 2 ring sends one payload per worker):
+    at 0.08 Gbit/s one exchange needs about 0.33 s on the wire, several inner steps. DiLoCo waits for it
+    every round, eager overlaps it with the next round; the namespaces are gone afterwards."""
+    gbps, payload = 0.08, 820_352 * 4
+    wire_s = payload * 8 / (gbps * 1e9)
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    summaries = {}
+    for method in ("diloco", "eager"):
+        out = tmp_path / method
+        r = subprocess.run(
+            [sys.executable, "-m", "eagerloco", "launch", "--workers", "2", "--kernel-link-gbps", str(gbps), "--",
+             "--workers", "2", "--method", method, "--model", "tiny", "--batch-size", "8", "--seq-len", "64",
+             "--inner-steps", "10", "--steps", "30", "--eval-batches", "2", "--no-progress", "--seed", "3",
+             "--dist-timeout", "60", "--out", str(out)],
+            capture_output=True, text=True, timeout=300, env=env,
+        )
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "kernel-shaped link" in r.stdout
+        summaries[method] = json.loads((out / "summary.json").read_text())
+    d, e = summaries["diloco"], summaries["eager"]
+    assert d["link_shaping"] == "kernel" and d["bandwidth_gbps"] == gbps
+    # The rate limit is real: every blocking round waits at least most of the wire time (TCP's first
+    # bytes ride the token bucket's burst, hence 0.7).
+    assert d["blocked_s"] >= 0.7 * 3 * wire_s, d
+    assert e["blocked_s"] < 0.25 * d["blocked_s"], (e, d)
+    # The launchers are gone, and so are their namespaces.
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    assert not [n for n in left if n.startswith("eloc") and not netshape._pid_alive(int(n[4:].split("w")[0]))], left
