@@ -184,16 +184,20 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], source: str) -> s
     lines += ["", f"Mean absolute difference over the emulated cells (outer methods / all): simulator "
               f"{mae('diff', outer):.3f} / {mae('diff', emu):.3f}; replay + O0 "
               f"{mae('diff_replay_plus_fixed', outer):.3f} / {mae('diff_replay_plus_fixed', emu):.3f}."]
+    paced = data["settings"].get("step_time", 0)
     base = [r for r in rows if not math.isfinite(r["bandwidth_gbps"])]
     lo, hi = min(base, key=lambda r: r["measured_cu"]), max(base, key=lambda r: r["measured_cu"])
     lines += [
         "", "Main sources of disagreement (details and evidence in bench/sim_vs_measured/README.md):", "",
         f"1. Fixed overhead of the machine, not of the link: without emulation the simulator says 1.000, the "
-        f"runs {lo['measured_cu']:.3f} ({lo['label']}) to {hi['measured_cu']:.3f} ({hi['label']}). Four "
-        "processes on two shared cores drift apart and a blocking exchange waits for the slowest; the "
-        "exchange's own all-gather and FP32 sum add to it (data-parallel pays both every step).",
+        f"runs {lo['measured_cu']:.3f} ({lo['label']}) to {hi['measured_cu']:.3f} ({hi['label']}). A "
+        "blocking exchange waits for the slowest worker and for the exchange's own all-reduce "
+        "(data-parallel pays both every step)"
+        + (f"; the steps were paced to {paced * 1e3:g} ms, which keeps the workers' drift small." if paced else
+           "; unpaced, four processes on two shared cores drift apart, which makes that wait long."),
         "2. Skew eats the overlap window: a transfer starts when the last worker launched it, so tau or "
-        "eager hide the link only while skew + transfer fits their window.",
+        "eager hide the link only while skew + transfer fits their window"
+        + (" (small when paced)." if paced else "."),
         "3. Finite runs: the simulator reports the steady state; a run of a few rounds has eager's and "
         "delayed's first round free and its last exchange drained outside the loop (`replay` captures it).",
         "4. Data-parallel: the simulator overlaps each block's all-reduce with the backward; the runtime "
