@@ -95,6 +95,7 @@ def launch(
         (out or sys.stdout).write(
             f"[launch] kernel-shaped link: {workers} network namespaces, each worker's uplink {kernel_link_gbps:g} "
             f"Gbit/s (tbf), rendezvous at {link.master_addr}\n")
+        (out or sys.stdout).flush()
         return _launch(argv_for_train, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic,
                        max_restarts, link)
 

@@ -87,7 +87,7 @@ class KernelLink:
             raise LinkShapingError(f"--kernel-link-gbps supports at most 240 workers (one /24 subnet), got {workers}")
         self.workers, self.bandwidth_gbps = workers, float(bandwidth_gbps)
         self.tag = os.getpid() if tag is None else tag
-        self.subnet = f"10.213.{self.tag % 250}"
+        self.subnet = f"10.213.{self.tag % 250}"  # settled on a free one in _setup
         self.master_addr = f"{self.subnet}.1"
         self.bridge = f"elbr{self.tag}"
         self._made: list[tuple[str, str]] = []  # ("ns" | "link", name), in creation order
@@ -131,7 +131,18 @@ class KernelLink:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _pick_subnet(self) -> None:
+        """A 10.213.X.0/24 no interface here uses yet (concurrent launches each get their own)."""
+        used = _run(["ip", "-o", "-4", "addr", "show"], check=False).stdout
+        for i in range(250):
+            x = (self.tag + i) % 250
+            if f" 10.213.{x}." not in used:
+                self.subnet, self.master_addr = f"10.213.{x}", f"10.213.{x}.1"
+                return
+        raise LinkShapingError("every 10.213.X.0/24 subnet is in use here: remove stale bridges (elbr*) and retry")
+
     def _setup(self) -> None:
+        self._pick_subnet()
         _run(["ip", "link", "add", self.bridge, "type", "bridge"])
         self._made.append(("link", self.bridge))
         _run(["ip", "addr", "add", f"{self.master_addr}/24", "dev", self.bridge])

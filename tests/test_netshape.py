@@ -53,7 +53,7 @@ def _can_shape() -> str | None:
     except LinkShapingError as e:
         return str(e)
     try:
-        with KernelLink(1, 1.0, tag=os.getpid() + 1_000_000):
+        with KernelLink(1, 1.0):  # named after this process: nobody takes it for a stale one
             return None
     except LinkShapingError as e:
         return str(e)
@@ -94,3 +94,20 @@ def test_a_kernel_shaped_link_blocks_diloco_and_eager_hides_it(tmp_path: Path) -
     # The launchers are gone, and so are their namespaces.
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     assert not [n for n in left if n.startswith("eloc") and not netshape._pid_alive(int(n[4:].split("w")[0]))], left
+
+
+@pytest.mark.skipif(_WHY_NOT is not None, reason=f"kernel shaping not possible here: {_WHY_NOT}")
+def test_concurrent_links_get_their_own_subnets_and_leave_nothing_behind() -> None:
+    tags = (os.getpid(), os.getppid())  # both alive: neither set is taken for a stale one
+    with KernelLink(2, 0.5, tag=tags[0]) as a, KernelLink(1, 0.5, tag=tags[1]) as b:
+        assert a.subnet != b.subnet
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        assert {a.namespace(0), a.namespace(1), b.namespace(0)} <= set(names)
+        qdisc = subprocess.run(["tc", "-n", a.namespace(1), "qdisc", "show", "dev", "eth0"],
+                               capture_output=True, text=True).stdout
+        assert "tbf" in qdisc and "500Mbit" in qdisc, qdisc
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    assert not {a.namespace(0), a.namespace(1), b.namespace(0)} & set(names)
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert a.bridge not in links and b.bridge not in links
+
