@@ -132,7 +132,7 @@ def _launch(
         env.setdefault("OMP_NUM_THREADS", str(threads_each))  # as torchrun: no core oversubscription
         argv = cmd
         if link is not None:  # in the worker's network namespace, behind its shaped uplink
-            env.update(link.env(rank // ranks_per_worker))
+            env.update(link.env())
             argv = link.command(cmd, rank // ranks_per_worker)
         # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it exactly once.
         p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

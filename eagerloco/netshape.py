@@ -74,8 +74,8 @@ class KernelLink:
     """Namespaces, bridge and shaped uplinks for one launch; a context manager that removes them.
 
     workers: M; bandwidth_gbps: each worker's uplink rate. Use ``command(cmd, worker)`` to run a
-    process in worker's namespace, ``master_addr`` as the rendezvous address and ``env(worker)``
-    for the variables each of its processes needs.
+    process in worker's namespace, ``master_addr`` as the rendezvous address and ``env()`` for the
+    variables each of its processes needs.
     """
 
     def __init__(self, workers: int, bandwidth_gbps: float, tag: int | None = None) -> None:
@@ -98,8 +98,9 @@ class KernelLink:
     def command(self, cmd: Sequence[str], worker: int) -> list[str]:
         return ["ip", "netns", "exec", self.namespace(worker), *cmd]
 
-    def env(self, worker: int) -> dict[str, str]:
-        # gloo binds to the interface the other workers can reach (not the namespace's loopback).
+    def env(self) -> dict[str, str]:
+        """What every process in a namespace needs. gloo binds to the interface the other workers
+        can reach (not the namespace's loopback)."""
         return {KERNEL_LINK_ENV: repr(self.bandwidth_gbps), "GLOO_SOCKET_IFNAME": _IFACE,
                 "MASTER_ADDR": self.master_addr}
 

@@ -155,6 +155,8 @@ def run_floor(fragments: int, replica: int, steps: int, h: int, overlap: int = 0
     later, as Streaming (or DiLoCo, one fragment) does. Whatever this costs over the plain loop,
     every implementation of the method pays on this machine: it is the floor of the comparison.
     """
+    from eagerloco.comm.base import wire_bytes
+
     replicas = int(sys.argv[3])
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     model = wl.build_model()
@@ -187,8 +189,6 @@ def run_floor(fragments: int, replica: int, steps: int, h: int, overlap: int = 0
 
     res = wl.run_loop(model, opt, batches, after=after, finish=lambda: wait_due(final=True),
                       counters={"blocked": lambda: state["blocked"]})
-    from eagerloco.comm.base import wire_bytes
-
     out = _result(res, model, outer_s=res.hook_s, blocked_s=state["blocked"],
                   bytes_sent=wire_bytes(state["bytes"], replicas, True), syncs=state["launches"],
                   outer_steps=res.per_step["hook"], blocked_steps=res.per_step["blocked"])
