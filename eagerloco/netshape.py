@@ -87,10 +87,14 @@ class KernelLink:
             raise LinkShapingError(f"--kernel-link-gbps supports at most 240 workers (one /24 subnet), got {workers}")
         self.workers, self.bandwidth_gbps = workers, float(bandwidth_gbps)
         self.tag = os.getpid() if tag is None else tag
-        self.subnet = f"10.213.{self.tag % 250}"  # settled on a free one in _setup
-        self.master_addr = f"{self.subnet}.1"
+        self.subnet = ""  # "10.213.X", a free one, picked on entry
         self.bridge = f"elbr{self.tag}"
         self._made: list[tuple[str, str]] = []  # ("ns" | "link", name), in creation order
+
+    @property
+    def master_addr(self) -> str:
+        """The bridge's address: where every namespace reaches the rendezvous store."""
+        return f"{self.subnet}.1"
 
     def namespace(self, worker: int) -> str:
         return f"{_PREFIX}{self.tag}w{worker}"
@@ -138,7 +142,7 @@ class KernelLink:
         for i in range(250):
             x = (self.tag + i) % 250
             if f" 10.213.{x}." not in used:
-                self.subnet, self.master_addr = f"10.213.{x}", f"10.213.{x}.1"
+                self.subnet = f"10.213.{x}"
                 return
         raise LinkShapingError("every 10.213.X.0/24 subnet is in use here: remove stale bridges (elbr*) and retry")
 
@@ -185,17 +189,23 @@ def remove_stale() -> list[str]:
     links = _run(["ip", "-o", "link", "show"], check=False).stdout
     # `ip -o link show` lines read "7: elh123w0@if2: <BROADCAST,...> mtu ...".
     names = [fields[1].split("@")[0] for line in links.splitlines() if len(fields := line.split(": ")) > 1]
-    for name in ns:
-        if name.startswith(_PREFIX) and "w" in name[len(_PREFIX):]:
-            pid = name[len(_PREFIX):].split("w")[0]
-            if pid.isdigit() and not _pid_alive(int(pid)):
-                _run(["ip", "netns", "del", name], check=False)
+    for kind, candidates in (("netns", ns), ("link", names)):
+        for name in candidates:
+            pid = owner_pid(name)
+            if pid is not None and not _pid_alive(pid):
+                _run(["ip", kind, "del", name], check=False)
                 removed.append(name)
-    for name in names:
-        if name.startswith("elbr") and name[4:].isdigit() and not _pid_alive(int(name[4:])):
-            _run(["ip", "link", "del", name], check=False)
-            removed.append(name)
     return removed
+
+
+def owner_pid(name: str) -> int | None:
+    """The launcher pid a namespace (eloc<pid>w<worker>) or bridge (elbr<pid>) is named after, else None."""
+    if name.startswith(_PREFIX):
+        pid, sep, worker = name[len(_PREFIX):].partition("w")
+        return int(pid) if pid.isdigit() and sep and worker.isdigit() else None
+    if name.startswith("elbr") and name[4:].isdigit():
+        return int(name[4:])
+    return None
 
 
 def kernel_link_from_env() -> float | None:
@@ -211,4 +221,5 @@ def kernel_link_from_env() -> float | None:
     return value
 
 
-__all__ = ["KERNEL_LINK_ENV", "KernelLink", "LinkShapingError", "kernel_link_from_env", "remove_stale", "tbf_args"]
+__all__ = ["KERNEL_LINK_ENV", "KernelLink", "LinkShapingError", "kernel_link_from_env", "owner_pid", "remove_stale",
+           "tbf_args"]

@@ -30,6 +30,14 @@ def test_bad_rate_is_a_clear_error(bad: float) -> None:
         KernelLink(2, bad)
 
 
+def test_owner_pid_reads_only_our_names() -> None:
+    assert netshape.owner_pid("eloc1234w0") == 1234
+    assert netshape.owner_pid("eloc1234w17") == 1234
+    assert netshape.owner_pid("elbr1234") == 1234
+    for other in ("eloc1234", "eloc12x4w0", "eloc1234w", "elbr", "elbr12a", "elh1234w0", "docker0", "eth0"):
+        assert netshape.owner_pid(other) is None, other
+
+
 def test_without_root_the_error_says_so_and_names_the_alternative(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(netshape.os, "geteuid", lambda: 1000)
     with pytest.raises(LinkShapingError, match="needs root.*--bandwidth-gbps"):
@@ -93,7 +101,7 @@ def test_a_kernel_shaped_link_blocks_diloco_and_eager_hides_it(tmp_path: Path) -
     assert e["blocked_s"] < 0.25 * d["blocked_s"], (e, d)
     # The launchers are gone, and so are their namespaces.
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    assert not [n for n in left if n.startswith("eloc") and not netshape._pid_alive(int(n[4:].split("w")[0]))], left
+    assert not [n for n in left if (pid := netshape.owner_pid(n)) is not None and not netshape._pid_alive(pid)], left
 
 
 @pytest.mark.skipif(_WHY_NOT is not None, reason=f"kernel shaping not possible here: {_WHY_NOT}")
@@ -111,3 +119,18 @@ def test_concurrent_links_get_their_own_subnets_and_leave_nothing_behind() -> No
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     assert a.bridge not in links and b.bridge not in links
 
+
+
+@pytest.mark.skipif(_WHY_NOT is not None, reason=f"kernel shaping not possible here: {_WHY_NOT}")
+def test_what_a_killed_launcher_left_is_removed_at_the_next_start() -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid names the leftovers and is no longer alive
+    left = KernelLink(2, 0.5, tag=dead.pid)
+    left.__enter__()  # entered, never exited: what a SIGKILLed launcher leaves
+    try:
+        removed = netshape.remove_stale()
+        assert set(removed) == {left.namespace(0), left.namespace(1), left.bridge}
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        assert not {left.namespace(0), left.namespace(1)} & set(names)
+    finally:
+        left.close()
