@@ -84,6 +84,10 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multi-process (under torchrun or `eagerloco launch`)")
     g.add_argument("--ranks-per-worker", type=int,
                    help="ranks per worker, data-parallel inside it (default: the launcher's, else 1)")
+    g.add_argument("--fsdp", action="store_true", default=None,
+                   help="shard each worker's parameters, gradients and optimizer state over its ranks (FSDP2) "
+                   "instead of replicating them; every rank then exchanges its own shard with the same rank of "
+                   "the other workers, each over 1/R of the worker's link (needs --ranks-per-worker 2 or more)")
     g.add_argument("--backend", choices=("gloo", "nccl"), help="inner backend (default: nccl with CUDA, else gloo)")
     g.add_argument("--dist-timeout", type=float, default=300.0,
                    help="seconds before a silent peer is declared dead (default 300)")
@@ -119,7 +123,7 @@ def build_train_config(args: argparse.Namespace) -> Any:
         data.update(raw)
     train_fields = {f.name for f in fields(TrainConfig)} - {"outer", "link"}
     for key, value in vars(args).items():
-        if value is None or key in ("config", "func", "command", "ranks_per_worker", "backend", "dist_timeout"):
+        if value is None or key in ("config", "func", "command", "ranks_per_worker", "fsdp", "backend", "dist_timeout"):
             continue
         if key in _OUTER_FIELDS:
             outer[key] = value
@@ -146,12 +150,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = build_train_config(args)
     if in_distributed_env():
-        summary = train_distributed(cfg, args.ranks_per_worker, args.backend, args.dist_timeout)
+        summary = train_distributed(cfg, args.ranks_per_worker, args.backend, args.dist_timeout, bool(args.fsdp))
         if summary is None:  # not rank 0: rank 0 prints the table
             return 0
     else:
-        if args.ranks_per_worker != 1:
-            raise ConfigError("--ranks-per-worker needs several processes: use `eagerloco launch` or torchrun")
+        if args.ranks_per_worker != 1 or args.fsdp:
+            flag = "--fsdp" if args.fsdp else "--ranks-per-worker"
+            raise ConfigError(f"{flag} needs several processes: use `eagerloco launch` or torchrun")
         summary = train(cfg)
     print(format_table([summary]))
     print(f"\nwrote {Path(cfg.out) / 'summary.json'} and {Path(cfg.out) / 'metrics.jsonl'}")

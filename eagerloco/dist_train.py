@@ -58,9 +58,14 @@ from eagerloco.train import (
 
 
 def train_distributed(
-    cfg: TrainConfig, ranks_per_worker: int = 1, backend: str | None = None, timeout_s: float = 300.0
+    cfg: TrainConfig, ranks_per_worker: int = 1, backend: str | None = None, timeout_s: float = 300.0,
+    fsdp: bool = False,
 ) -> dict[str, Any] | None:
-    """Run this rank's share of a multi-process run; rank 0 returns the summary, others None."""
+    """Run this rank's share of a multi-process run; rank 0 returns the summary, others None.
+
+    fsdp: shard each worker's model over its ranks (:mod:`eagerloco.fsdp`) instead of replicating
+    it, and have every rank exchange its own shard with the other workers.
+    """
     from eagerloco.data import worker_streams
 
     cfg.validate()
@@ -71,6 +76,11 @@ def train_distributed(
         raise ConfigError(
             f"the launcher started {env[0]} workers x {env[1]} ranks, but --workers {cfg.workers} and "
             f"--ranks-per-worker {ranks_per_worker} were passed to train; pass the same numbers to both"
+        )
+    if fsdp and ranks_per_worker < 2:
+        raise ConfigError(
+            f"--fsdp shards each worker's model over its ranks, but there is {ranks_per_worker} rank per worker: "
+            "pass --ranks-per-worker 2 or more (to the launcher and to train), or drop --fsdp"
         )
     if cfg.elastic:
         if ranks_per_worker != 1:
@@ -83,21 +93,31 @@ def train_distributed(
         set_worker_threads()
         return _train_elastic(cfg, timeout_s)
     set_worker_threads()
-    ctx = init_process_groups(cfg.workers, ranks_per_worker, backend, timeout_s)
+    ctx = init_process_groups(cfg.workers, ranks_per_worker, backend, timeout_s, sharded_outer=fsdp)
     comm = None
     try:
         out = Path(cfg.out)
         root = ckpt.checkpoint_root(out)
         found = resume_checkpoint(cfg)
+        if found is not None:
+            _check_resume_layout(found[1], ranks_per_worker, fsdp)
         # Same corpus, tokenizer (its cache is locked) and seeded initial model on every rank.
         corpus, tok, model, evb = prepare(cfg)
         model = model.to(ctx.device)
+        if fsdp:
+            from eagerloco.fragments import find_blocks
+            from eagerloco.fsdp import shard_model
+
+            shard_model(model, find_blocks(model), ctx.inner_group, ctx.device)
         # One shard per rank; with one rank per worker these are exactly the in-process workers' shards.
         stream = worker_streams(corpus, tok, cfg.workers * ranks_per_worker, cfg.batch_size, cfg.seq_len,
                                 cfg.seed, iid=cfg.iid)[ctx.rank]
-        evb = evb if ctx.rank == 0 else []
+        # Rank 0 evaluates and reports; a sharded model's forward needs all of worker 0's ranks.
+        evaluates = ctx.worker == 0 if fsdp else ctx.rank == 0
+        evb = evb if evaluates else []
         comm = communicator_for(ctx, _emulated_link(cfg), seed=cfg.seed, timeout_s=timeout_s)
-        worker = Worker(model, comm, stream, cfg, inner_group=ctx.inner_group)
+        # FSDP averages the gradients inside the worker itself (reduce-scatter).
+        worker = Worker(model, comm, stream, cfg, inner_group=None if fsdp else ctx.inner_group)
         start_step, real_elapsed = 0, 0.0
         if found is not None:
             path, meta = found
@@ -121,7 +141,7 @@ def train_distributed(
             dist.all_gather_object(entries, entry)
             if ctx.rank == 0:
                 meta = {"config": finite_json(asdict(cfg)), "runtime": "distributed",
-                        "ranks_per_worker": ranks_per_worker,
+                        "ranks_per_worker": ranks_per_worker, "fsdp": fsdp,
                         "real_elapsed": real_elapsed + time.perf_counter() - t_run}
                 ckpt.publish(root, step, entries, meta, keep=cfg.keep_checkpoints)
             dist.barrier()
@@ -144,21 +164,22 @@ def train_distributed(
                 _to_tensorboard(tb, rec)
 
             summary = run_training(cfg, [worker], evb, cfg.workers, log, cfg.progress and ctx.rank == 0,
-                                   start_step, save, real_elapsed, evaluate_on=ctx.rank == 0,
+                                   start_step, save, real_elapsed, evaluate_on=evaluates,
                                    on_step=_fault_injection(ctx.worker),
-                                   final_evals=task_evals(cfg, tok) if ctx.rank == 0 else None)
+                                   final_evals=task_evals(cfg, tok) if evaluates else None)
         finally:
             if mf is not None:
                 mf.close()
         comm.barrier()
-        # Link accounting comes from each worker's first rank (the one that uses the link).
-        mine = {"outer": ctx.is_outer_rank, "stats": comm.stats.as_dict(), "wall": summary["real_wall_s"]}
+        # Link accounting comes from the ranks that use the link: each worker's first, or (sharded) all.
+        mine = {"outer": ctx.is_outer_rank, "worker": ctx.worker, "stats": comm.stats.as_dict(),
+                "wall": summary["real_wall_s"]}
         every: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(every, mine)
         if ctx.rank != 0:
             return None
-        _aggregate(summary, [e for e in every if e["outer"]])
-        summary.update(runtime="distributed", ranks_per_worker=ranks_per_worker, backend=ctx.backend,
+        _aggregate(summary, _per_worker([e for e in every if e["outer"]]))
+        summary.update(runtime="distributed", ranks_per_worker=ranks_per_worker, fsdp=fsdp, backend=ctx.backend,
                        link_shaping="kernel" if kernel_link_from_env() is not None else "emulated",
                        num_params=sum(p.numel() for p in model.parameters()), config=asdict(cfg))
         write_json_atomic(out / "summary.json", summary)
@@ -188,6 +209,47 @@ def _emulated_link(cfg: TrainConfig) -> LinkConfig:
         )
     cfg.link.bandwidth_gbps = kernel
     return LinkConfig(latency_ms=cfg.link.latency_ms, jitter_ms=cfg.link.jitter_ms)
+
+
+def _check_resume_layout(meta: dict[str, Any], ranks_per_worker: int, fsdp: bool) -> None:
+    """A checkpoint holds one file per rank, replicas or (FSDP) shards: resume with the same layout."""
+    saved_r, saved_fsdp = int(meta.get("ranks_per_worker", 1)), bool(meta.get("fsdp", False))
+    if (saved_r, saved_fsdp) != (ranks_per_worker, fsdp):
+        def layout(r: int, f: bool) -> str:
+            return f"--ranks-per-worker {r}" + (" --fsdp" if f else "")
+
+        raise ConfigError(
+            f"--resume: the checkpoint was written by a run with {layout(saved_r, saved_fsdp)}, this one has "
+            f"{layout(ranks_per_worker, fsdp)}; resume with the original layout"
+        )
+
+
+def _per_worker(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One accounting entry per worker from those of its link-using ranks.
+
+    With one such rank per worker that is its entry. With sharded exchanges (FSDP) the worker's
+    ranks each move a shard at the same time: bytes and the peak payload add up; times (the same
+    steps on every rank) are averaged; a step slow on any rank was slow for the worker.
+    """
+    by_worker: dict[int, list[dict[str, Any]]] = {}
+    for e in entries:
+        by_worker.setdefault(e["worker"], []).append(e)
+    merged = []
+    for w in sorted(by_worker):
+        group = by_worker[w]
+        if len(group) == 1:
+            merged.append(group[0])
+            continue
+        stats = [e["stats"] for e in group]
+        one = dict(stats[0])
+        for k in ("bytes_sent", "bytes_received", "peak_sync_bytes"):
+            one[k] = sum(s[k] for s in stats)
+        for k in ("compute_s", "overhead_s", "blocked_s", "drain_s"):
+            one[k] = sum(s[k] for s in stats) / len(stats)
+        one["num_syncs"] = max(s["num_syncs"] for s in stats)
+        one["slow_steps"] = max(int(s.get("slow_steps", 0)) for s in stats)
+        merged.append({"outer": True, "worker": w, "stats": one, "wall": max(e["wall"] for e in group)})
+    return merged
 
 
 def _aggregate(summary: dict[str, Any], per_worker: list[dict[str, Any]]) -> None:

@@ -38,6 +38,7 @@ from eagerloco.codecs import get_codec
 from eagerloco.comm.base import Communicator, Handle, ReadyHandle
 from eagerloco.config import OuterConfig
 from eagerloco.fragments import assign_fragments, find_blocks
+from eagerloco.fsdp import like_param, local_shard
 from eagerloco.schedule import apply_delay, fragment_offsets, fragments_due
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -85,6 +86,9 @@ class OuterSync:
     blocks: the modules to split into fragments (default: found by :func:`find_blocks`).
     outer_optimizer: a factory taking a list of FP32 tensors (default from the config).
     seed: seeds stochastic rounding, per worker.
+
+    Sharded parameters (FSDP's DTensors) are fine: everything the outer algorithm does is
+    elementwise, so it works on this rank's shards (``local_shard``) and exchanges those.
     """
 
     def __init__(
@@ -113,15 +117,21 @@ class OuterSync:
         self.in_flight: list[_InFlight] = []
         self._grad_handle: Handle | None = None
         self._grad_params: list[nn.Parameter] = []
+        #: The model's parameters by fragment, and the tensors the algorithm reads and writes for
+        #: them: the parameters themselves, or this rank's shards of sharded ones (same storage).
+        self.params: list[list[nn.Parameter]]
+        self.local: list[list[torch.Tensor]]
         if self.is_dp:
             self.fragment_names: list[list[str]] = [[n for n, _ in model.named_parameters()]]
-            self.local: list[list[nn.Parameter]] = [list(model.parameters())]
+            self.params = [list(model.parameters())]
+            self.local = [[local_shard(p) for p in self.params[0]]]
             self.outer: list[list[torch.Tensor]] = []
             self.outer_opts: list[torch.optim.Optimizer] = []
             return
         frags = assign_fragments(model, cfg.fragments, cfg.fragment_pattern, block_list)
         self.fragment_names = [[n for n, _ in f] for f in frags]
-        self.local = [[p for _, p in f] for f in frags]
+        self.params = [[p for _, p in f] for f in frags]
+        self.local = [[local_shard(p) for p in f] for f in self.params]
         self.outer = [[p.detach().clone().to(torch.float32) for p in f] for f in self.local]
         factory = outer_optimizer or make_outer_optimizer(cfg)
         self.outer_opts = [factory(params) for params in self.outer]
@@ -139,8 +149,9 @@ class OuterSync:
         if not self.is_dp:
             return
         t0 = time.perf_counter()
-        self._grad_params = [p for p in self.local[0] if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._grad_params]
+        self._grad_params = [p for p in self.params[0] if p.requires_grad]
+        grads = [local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p))
+                 for p in self._grad_params]
         self._grad_handle = self.comm.allreduce_mean(grads, self.codec, self.generator, keep_own=False)
         self.comm.add_overhead(time.perf_counter() - t0)
 
@@ -152,12 +163,12 @@ class OuterSync:
         params = self._grad_params
         if all(p.grad is not None for p in params):
             # The mean lands in the gradients themselves: no allocation every step.
-            _, waited = self._wait(self._grad_handle, out=[p.grad for p in params])  # type: ignore[misc]
+            _, waited = self._wait(self._grad_handle, out=[local_shard(p.grad) for p in params])  # type: ignore[arg-type]
         else:
             mean, waited = self._wait(self._grad_handle)
             with torch.no_grad():
                 for p, g in zip(params, mean, strict=True):
-                    p.grad = g.to(dtype=p.dtype, device=p.device)  # fresh tensors: no copy needed
+                    p.grad = like_param(p, g.to(dtype=p.dtype, device=p.device))  # fresh tensors: no copy needed
         self._grad_handle = None
         self.comm.add_overhead(time.perf_counter() - t0 - waited)
 
@@ -293,11 +304,12 @@ class OuterSync:
         self.comm.add_overhead(time.perf_counter() - t0 - waited)
 
     def outer_parameters(self) -> list[torch.Tensor]:
-        """The outer (global) parameters in model order: what evaluation should use."""
+        """The outer (global) parameters in model order (this rank's shards if sharded): what
+        evaluation should use."""
         if self.is_dp:
-            return [p.detach() for p in self.model.parameters()]
-        by_id = {id(local): outer for fl, fo in zip(self.local, self.outer, strict=True)
-                 for local, outer in zip(fl, fo, strict=True)}
+            return [local_shard(p.detach()) for p in self.model.parameters()]
+        by_id = {id(param): outer for fp, fo in zip(self.params, self.outer, strict=True)
+                 for param, outer in zip(fp, fo, strict=True)}
         return [by_id[id(p)] for p in self.model.parameters()]
 
     @contextmanager

@@ -213,9 +213,11 @@ class Worker:
 
     def state_dict(self) -> dict[str, Any]:
         comm = self.comm
-        return {
-            "model": self.model.state_dict(),
-            "opt": self.opt.state_dict(),
+        from eagerloco.fsdp import local_state
+
+        return {  # a sharded (FSDP) worker: this rank's shards
+            "model": local_state(self.model.state_dict()),
+            "opt": local_state(self.opt.state_dict()),
             "sched": self.sched.state_dict(),
             "sync": self.sync.state_dict(),
             "stream": self.stream.state_dict(),
@@ -226,8 +228,11 @@ class Worker:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        from eagerloco.fsdp import load_model_state, shard_optimizer_state
+
+        load_model_state(self.model, state["model"])
         self.opt.load_state_dict(state["opt"])
+        shard_optimizer_state(self.opt)
         self.sched.load_state_dict(state["sched"])
         self.sync.load_state_dict(state["sync"])
         self.stream.load_state_dict(state["stream"])

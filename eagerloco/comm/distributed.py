@@ -52,7 +52,7 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -138,19 +138,26 @@ class DistContext:
     timeout_s: float
     #: The R ranks of this worker; None when R == 1 (nothing to average inside the worker).
     inner_group: dist.ProcessGroup | None = None
-    #: One rank per worker (each worker's first); None on the other ranks of a worker.
+    #: The group this rank exchanges outer gradients in: one rank per worker (each worker's first),
+    #: None on the other ranks; with ``sharded_outer`` every rank has one (the i-th rank of every worker).
     outer_group: dist.ProcessGroup | None = None
     #: Client of the rendezvous store for heartbeats (None if it could not be reached).
     store: dist.Store | None = field(default=None, repr=False)
+    #: Every rank exchanges its own shard of the outer gradient (FSDP inside the worker): R outer
+    #: groups side by side, each carrying 1/R of the payload.
+    sharded_outer: bool = False
 
     @property
     def is_outer_rank(self) -> bool:
-        """Whether this rank talks to the other workers (the first rank of its worker)."""
-        return self.rank_in_worker == 0
+        """Whether this rank talks to the other workers (the first rank of its worker, or every rank
+        when the exchange is sharded)."""
+        return self.sharded_outer or self.rank_in_worker == 0
 
     @property
     def outer_ranks(self) -> list[int]:
-        return [w * self.ranks_per_worker for w in range(self.workers)]
+        """The global ranks of this rank's outer group."""
+        i = self.rank_in_worker if self.sharded_outer else 0
+        return [w * self.ranks_per_worker + i for w in range(self.workers)]
 
     @property
     def inner_ranks(self) -> list[int]:
@@ -162,7 +169,7 @@ class DistContext:
         r = self.ranks_per_worker
         if r == 1:
             return {w: f"worker {w}" for w in range(self.workers)}
-        return {w: f"worker {w} (global rank {w * r})" for w in range(self.workers)}
+        return {w: f"worker {w} (global rank {g})" for w, g in enumerate(self.outer_ranks)}
 
 
 def _env_int(name: str) -> int | None:
@@ -199,6 +206,7 @@ def init_process_groups(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     outer_backend: str | None = "gloo",
+    sharded_outer: bool = False,
 ) -> DistContext:
     """Join the run started by torchrun or ``eagerloco launch`` and build the inner and outer groups.
 
@@ -207,6 +215,9 @@ def init_process_groups(
     decoded and summed on the CPU anyway, it is small and rare next to inner traffic, and gloo
     reports a dead peer as an exception where NCCL's watchdog would abort the process; pass
     ``outer_backend=None`` to use the main backend.
+
+    sharded_outer: instead of one outer group of the workers' first ranks, R outer groups, the i-th
+    of the i-th rank of every worker, so that every rank exchanges its own shard (FSDP).
 
     Every rank creates every group, in the same order (torch.distributed requires it).
     """
@@ -253,16 +264,18 @@ def init_process_groups(
             g = dist.new_group(list(range(w * r, w * r + r)), timeout=timeout)
             if w == worker:
                 inner = g
-    outer_ranks = [w * r for w in range(workers)]
-    outer = dist.new_group(outer_ranks, timeout=timeout, backend=outer_backend or backend)
-    if rank_in_worker != 0:
-        outer = None
-    return DistContext(
+    outer = None
+    for i in range(r if sharded_outer else 1):  # every rank creates every outer group, in order
+        g = dist.new_group([w * r + i for w in range(workers)], timeout=timeout, backend=outer_backend or backend)
+        if i == rank_in_worker:
+            outer = g
+    ctx = DistContext(
         rank=rank, world_size=world, worker=worker, rank_in_worker=rank_in_worker, workers=workers,
         ranks_per_worker=r, local_rank=local_rank, device=device, backend=backend, timeout_s=timeout_s,
-        inner_group=inner, outer_group=outer,
-        store=_heartbeat_store(timeout_s) if rank_in_worker == 0 else None,
+        inner_group=inner, outer_group=outer, sharded_outer=sharded_outer,
     )
+    ctx.store = _heartbeat_store(timeout_s) if ctx.is_outer_rank else None
+    return ctx
 
 
 def _heartbeat_store(timeout_s: float) -> dist.Store | None:
@@ -363,7 +376,9 @@ class TorchDistCommunicator(Communicator):
     go (None: no heartbeats, errors cannot name the dead worker). seed: jitter RNG, the same on all
     workers so that they agree on the link schedule. elastic: park on a failed collective instead
     of failing (see the module docstring). members: the worker id of each group rank (default:
-    rank r is worker r); ``rank`` is this process's worker id.
+    rank r is worker r); ``rank`` is this process's worker id. channel: which of its worker's outer
+    exchanges this is when each rank exchanges a shard (its rank in the worker); heartbeats are kept
+    per channel, and errors name the same worker whichever channel fails.
     """
 
     def __init__(
@@ -378,6 +393,7 @@ class TorchDistCommunicator(Communicator):
         heartbeat_s: float = HEARTBEAT_S,
         elastic: bool = False,
         members: list[int] | None = None,
+        channel: int = 0,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call init_process_groups first")
@@ -410,6 +426,7 @@ class TorchDistCommunicator(Communicator):
         self._names = dict(names or {})
         self._store = store
         self._heartbeat_s = heartbeat_s
+        self._channel = channel
         self._stale_s = max(3 * heartbeat_s, 2.0)
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._pending: dict[int, TorchDistHandle] = {}  # not finished yet
@@ -855,7 +872,7 @@ class TorchDistCommunicator(Communicator):
         for w in self._members:
             if w == self.rank:
                 continue
-            name, key = self._name(w), f"hb/{w}"
+            name, key = self._name(w), self._hb_key(w)
             try:
                 if not self._store.check([key]):
                     strong.append((w, f"{name} never started its outer communicator"))
@@ -907,10 +924,13 @@ class TorchDistCommunicator(Communicator):
             if state is not None:
                 self._state = state
             try:
-                self._store.set(f"hb/{self.rank}",
+                self._store.set(self._hb_key(self.rank),
                                 f"{time.time():.3f} {self._entered} {self._state} {self.step_hint}")
             except Exception:  # the store host may be gone; a diagnosis will say so
                 pass
+
+    def _hb_key(self, w: int) -> str:
+        return f"hb/{w}" if self._channel == 0 else f"hb/{w}/{self._channel}"
 
     def _heartbeat(self) -> None:
         while not self._hb_stop.is_set():
@@ -1026,7 +1046,17 @@ class _WorkerHandle(Handle):
 
 
 def communicator_for(ctx: DistContext, link: LinkConfig | None = None, **kwargs: Any) -> Communicator:
-    """The communicator every rank of a run uses: the outer one (R = 1) or a worker-wide one (R > 1)."""
+    """The communicator every rank of a run uses: the outer one (R = 1, or every rank exchanging its
+    own shard), or a worker-wide one (R > 1, the first rank exchanging for all).
+
+    With sharded exchanges the worker's link is shared by its R ranks: each rank's emulated link
+    gets 1/R of the bandwidth, so a worker still moves its whole payload at the link's rate.
+    """
+    if ctx.sharded_outer:
+        share = link
+        if link is not None and ctx.ranks_per_worker > 1:
+            share = replace(link, bandwidth_gbps=link.bandwidth_gbps / ctx.ranks_per_worker)
+        return TorchDistCommunicator.from_context(ctx, share, channel=ctx.rank_in_worker, **kwargs)
     outer = TorchDistCommunicator.from_context(ctx, link, **kwargs) if ctx.is_outer_rank else None
     if ctx.ranks_per_worker == 1:
         assert outer is not None
