@@ -115,6 +115,8 @@ class OuterSync:
         self.is_dp = cfg.method == "dp"
         self.eager_like = cfg.method in ("delayed", "eager")
         self.in_flight: list[_InFlight] = []
+        #: Whether the workers agreed on this schedule (:meth:`_agreed`; None: not asked yet).
+        self._agreement: bool | None = None
         self._grad_handle: Handle | None = None
         self._grad_params: list[nn.Parameter] = []
         #: The model's parameters by fragment, and the tensors the algorithm reads and writes for
@@ -152,7 +154,8 @@ class OuterSync:
         self._grad_params = [p for p in self.params[0] if p.requires_grad]
         grads = [local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p))
                  for p in self._grad_params]
-        self._grad_handle = self.comm.allreduce_mean(grads, self.codec, self.generator, keep_own=False)
+        self._grad_handle = self.comm.allreduce_mean(grads, self.codec, self.generator, keep_own=False,
+                                                     **self._agreed())
         self.comm.add_overhead(time.perf_counter() - t0)
 
     def finish_grads(self) -> None:
@@ -189,7 +192,8 @@ class OuterSync:
             with torch.no_grad():
                 delta = [o - l.detach().to(torch.float32) for o, l in zip(self.outer[p], self.local[p], strict=True)]
             # Only eager reads its own share back (handle.own); the others let the runtime reuse it.
-            handle = self.comm.allreduce_mean(delta, self.codec, self.generator, keep_own=cfg.method == "eager")
+            handle = self.comm.allreduce_mean(delta, self.codec, self.generator, keep_own=cfg.method == "eager",
+                                              **self._agreed())
             fresh = delta if cfg.method == "eager" else None
             self.in_flight.append(
                 _InFlight(p, handle, self.step, self.step + self.delay, fresh, self.comm.num_workers)
@@ -218,6 +222,23 @@ class OuterSync:
         """One worker per process: launch and apply what is due after this inner step."""
         self.launch_outer()
         self.finish_outer()
+
+    def _agreed(self) -> dict[str, bool]:
+        """Agree with the other workers, once, on everything that decides which exchanges this object
+        launches when; a runtime may then skip its per-exchange check (a round trip on the link).
+
+        Returns the keyword to launch with: ``agreed=True``, or nothing where the communicator did
+        not agree (one written before ``agreed`` existed need not accept it).
+        """
+        if self._agreement is None:
+            cfg = self.config
+            sizes = [sum(t.numel() for t in frag) for frag in self.local]
+            describe = (f"method {cfg.method}, H {cfg.inner_steps}, {cfg.fragments} fragment(s) of "
+                        f"{sizes} values ({cfg.fragment_pattern}), overlap {cfg.overlap_steps}, "
+                        f"eager rounds {cfg.eager_rounds}, codec {cfg.codec}/{cfg.codec_block}, "
+                        f"at step {self.step} of {self.num_workers} workers")
+            self._agreement = self.comm.agree(describe.encode(), describe)
+        return {"agreed": True} if self._agreement else {}
 
     def _eager_update(self, p: int) -> float:
         """Delayed / eager outer step of fragment p at one of its sync steps; returns seconds waited."""

@@ -54,6 +54,7 @@ def scenario_main(outdir: Path) -> None:
     ctx = init_process_groups(int(os.environ["WORLD_SIZE"]), 1, "gloo", timeout_s=20)
     exact(outdir, ctx)
     timing(outdir, ctx)
+    agreement(outdir, ctx)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -153,6 +154,46 @@ def timing(outdir: Path, ctx: DistContext) -> None:
     r["bandwidth_expected_s"] = LinkConfig(bandwidth_gbps=gbps).transfer_seconds(wire)
     comm.close()
     _write(outdir, f"timing_{ctx.rank}", r)
+
+
+def agreement(outdir: Path, ctx: DistContext) -> None:
+    """OuterSync agrees on its schedule once, then its exchanges skip the header round trip (not on
+    an emulated link, whose schedule needs the header); different schedules are a clear error."""
+    from torch import nn
+
+    from eagerloco.config import OuterConfig
+    from eagerloco.outer import OuterSync
+
+    class Net(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, width) for _ in range(2))
+
+    def run(link: LinkConfig | None, width: int = 8) -> dict:
+        comm = TorchDistCommunicator.from_context(ctx, link)
+        gathers = []
+        gather = comm._gather
+        comm._gather = lambda buf: (gathers.append(buf.numel()), gather(buf))[1]  # type: ignore[method-assign]
+        torch.manual_seed(0)
+        model = Net(width)
+        sync = OuterSync(model, None, comm, OuterConfig(method="diloco", inner_steps=2, codec="fp32"))
+        out: dict = {}
+        try:
+            for _ in range(4):  # an "inner step" that differs by worker, then the outer schedule
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.01 * (comm.rank + 1))
+                sync.after_inner_step()
+        except ScheduleMismatchError as e:
+            out["error"] = str(e)
+        out.update(agreed=sync._agreement, gathers=gathers, syncs=comm.stats.num_syncs,
+                   outer=[float(t.sum()) for frag in sync.outer for t in frag])
+        comm.close(cancel="error" in out)
+        return out
+
+    r = {"plain": run(None), "emulated": run(LinkConfig(latency_ms=1.0)),
+         "mismatch": run(None, width=8 if ctx.rank == 0 else 9)}
+    _write(outdir, f"agreement_{ctx.rank}", r)
 
 
 def scenario_peer(outdir: Path, mode: str) -> None:

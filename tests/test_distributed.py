@@ -172,6 +172,32 @@ def test_mismatched_exchange_is_a_clear_error_on_every_rank(exact: dict[int, dic
         assert "10 values" in msg and "11 values" in msg and "same exchanges" in msg, msg
 
 
+def test_agreed_schedule_skips_the_per_exchange_header(main_run: Path) -> None:
+    """OuterSync's exchanges: one agreement (header + schedule digest), then payloads only; on an
+    emulated link a header per exchange and no agreement; the outer parameters agree either way."""
+    runs = [_read(main_run, "agreement", r) for r in range(3)]
+    header, digest = 5 * 8, 32  # bytes of one header row, of one schedule digest
+    for r in runs:
+        plain, emulated = r["plain"], r["emulated"]
+        assert plain["agreed"] is True and emulated["agreed"] is False, r
+        assert plain["syncs"] == emulated["syncs"] == 2, r
+        assert plain["gathers"] == [header, digest], r  # no header for the 2 exchanges
+        assert emulated["gathers"] == [header, header], r
+    for mode in ("plain", "emulated"):
+        assert len({tuple(r[mode]["outer"]) for r in runs}) == 1, [r[mode]["outer"] for r in runs]
+    assert runs[0]["plain"]["outer"] == runs[0]["emulated"]["outer"]
+
+
+def test_different_schedules_are_a_clear_error_on_every_rank(main_run: Path) -> None:
+    runs = [_read(main_run, "agreement", r) for r in range(3)]
+    for rank, r in enumerate(runs):
+        msg = r["mismatch"].get("error", "no error")
+        assert "different exchange schedule" in msg and "same settings" in msg, msg
+        others = ["worker 1", "worker 2"] if rank == 0 else ["worker 0"]
+        assert all(w in msg.split(" run(s)")[0] for w in others), msg
+        assert ("[144] values" if rank == 0 else "[162] values") in msg, msg  # its own schedule, in words
+
+
 # --------------------------------------------------------------------------------------------------
 # Background exchange, blocking and the emulated link
 

@@ -177,12 +177,14 @@ class Communicator(ABC):
     @abstractmethod
     def allreduce_mean(
         self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
-        *, keep_own: bool = True,
+        *, keep_own: bool = True, agreed: bool = False,
     ) -> Handle:
         """Start averaging tensors over the workers (background); returns at once.
 
         keep_own=False: the caller will not read ``handle.own`` (it is empty), which lets a runtime
         reuse the payload's memory once the exchange is done (data-parallel gradients, every step).
+        agreed=True: :meth:`agree` returned True for the schedule this exchange belongs to, so every
+        worker launches this same exchange now and a runtime may skip its own per-exchange check.
 
         The tensors are encoded before this returns, so the caller may change them afterwards.
         generator drives stochastic rounding, where the codec uses it.
@@ -205,6 +207,17 @@ class Communicator(ABC):
 
     def wait_until(self, t: float) -> None:  # noqa: B027 - only simulated clocks need it
         """Block (on a simulated clock) until time t, counting the wait as blocked time."""
+
+    def agree(self, schedule: bytes, describe: str = "") -> bool:
+        """Check once that every worker runs the same exchange schedule; say whether exchanges of it
+        may then be launched with ``agreed=True``.
+
+        schedule: a digest of everything that decides which exchanges are launched when (method,
+        fragment sizes, codec, step, ...); describe: the same in words, for the error. Workers whose
+        digests differ raise :class:`ScheduleMismatchError`. A runtime without per-exchange checks to
+        skip returns False (the default: nothing to check against here).
+        """
+        return False
 
     def barrier(self) -> None:  # noqa: B027 - optional for implementations without peers
         """Wait for every worker (used at start and end of a run)."""

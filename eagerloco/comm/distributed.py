@@ -45,6 +45,7 @@ else they oversubscribe the cores; :func:`set_worker_threads` does that.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
 import re
@@ -83,6 +84,7 @@ _WAIT_SLACK_S = 10.0
 _POLL_S = 0.25
 _HEADER_FIELDS = 5  # launch wall time, sequence number, numel, payload bytes, codec id
 _BARRIER = -1  # numel marking a barrier in the header
+_AGREE = -2  # numel marking a schedule agreement (its payload: the schedule's digest)
 _PAUSE = object()  # queue marker: park the communication thread (elastic membership change)
 _RECENT = 8  # completed results kept for survivors that did not see them complete
 
@@ -365,6 +367,10 @@ class _Job:
     wire: int = 0
     step: int = 0  # training step at launch (what a lost worker's progress is measured from)
     inplace: bool = False  # the FP32 sum may overwrite the payload (nothing reads it afterwards)
+    #: Agree on the header first. False for the exchanges of a schedule every worker agreed on
+    #: (:meth:`TorchDistCommunicator.agree`): their sizes are known to match, so the payload moves at once.
+    checked: bool = True
+    note: str = ""  # _AGREE: this worker's schedule in words, for the error
 
 
 class TorchDistCommunicator(Communicator):
@@ -429,6 +435,7 @@ class TorchDistCommunicator(Communicator):
         self._channel = channel
         self._stale_s = max(3 * heartbeat_s, 2.0)
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._agreed = False  # agree() succeeded: exchanges launched with agreed=True skip the header
         self._pending: dict[int, TorchDistHandle] = {}  # not finished yet
         self._unwaited: set[int] = set()  # launched exchanges nobody waited on (yet)
         self._pending_lock = threading.Lock()
@@ -474,7 +481,7 @@ class TorchDistCommunicator(Communicator):
 
     def allreduce_mean(
         self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
-        *, keep_own: bool = True,
+        *, keep_own: bool = True, agreed: bool = False,
     ) -> TorchDistHandle:
         self._check_open()
         flat = flatten(tensors)
@@ -495,9 +502,36 @@ class TorchDistCommunicator(Communicator):
         # Without keep_own the payload is the communicator's alone; outside elastic mode a failed
         # collective ends the run, so no rerun needs it intact either.
         job = _Job(handle.seq, numel, time.time(), handle, codec, packed, wire, self.step_hint,
-                   inplace=not keep_own and not self._elastic)
+                   inplace=not keep_own and not self._elastic, checked=not (agreed and self._agreed))
         self._jobs.put(job)
         return handle
+
+    def agree(self, schedule: bytes, describe: str = "") -> bool:
+        """Check with the other workers that they all run the schedule digested in ``schedule``.
+
+        Every exchange normally starts with a header round trip (sizes, codec and sequence agreed
+        before the payload moves: gloo aborts or corrupts on mismatched sizes). On a real link that
+        is one more latency per exchange, on the critical path of every blocking sync. A caller whose
+        exchanges follow from a schedule (OuterSync: method, fragment sizes, codec, step) agrees on
+        it once here; its exchanges launched with ``agreed=True`` then skip the header.
+
+        Returns False, without talking to anyone, where the header is needed anyway: in elastic
+        mode (membership changes rerun exchanges by their sequence) and on an emulated link (the
+        header carries the launch times the link schedule starts from).
+        """
+        self._check_open()
+        if self._elastic or not self.link.trivial:
+            return False
+        digest = torch.frombuffer(bytearray(hashlib.sha256(schedule).digest()), dtype=torch.uint8)
+        handle = self._enqueue(_AGREE, [], torch.device("cpu"), own=[], nbytes=digest.numel())
+        job = _Job(handle.seq, _AGREE, time.time(), handle, payload=digest, step=self.step_hint, note=describe)
+        self._jobs.put(job)
+        self._await(handle, None)
+        handle._waited = True
+        if handle._error is not None:
+            raise handle._error
+        self._agreed = True
+        return True
 
     def barrier(self) -> None:
         """Wait until every worker reached this point (in order with the exchanges launched before)."""
@@ -762,14 +796,21 @@ class TorchDistCommunicator(Communicator):
         self._entered = job.seq
         self._announce()
         codec = job.codec
-        nbytes = 0 if job.payload is None else job.payload.numel()
-        codec_id = CODEC_NAMES.index(codec.name) if codec is not None and codec.name in CODEC_NAMES else -1
-        header = torch.tensor([job.launch_wall, job.seq, job.numel, nbytes, codec_id], dtype=torch.float64)
-        # The header goes first, alone: gloo aborts the process (or silently corrupts) when ranks
-        # all-gather buffers of different sizes, so sizes are agreed before the payload moves.
-        rows = self._gather(header.view(torch.uint8)).view(torch.float64)
-        self._check_headers(job, rows)
+        start = job.launch_wall
+        if job.checked:
+            nbytes = 0 if job.payload is None else job.payload.numel()
+            codec_id = CODEC_NAMES.index(codec.name) if codec is not None and codec.name in CODEC_NAMES else -1
+            header = torch.tensor([job.launch_wall, job.seq, job.numel, nbytes, codec_id], dtype=torch.float64)
+            # The header goes first, alone: gloo aborts the process (or silently corrupts) when ranks
+            # all-gather buffers of different sizes, so sizes are agreed before the payload moves.
+            rows = self._gather(header.view(torch.uint8)).view(torch.float64)
+            self._check_headers(job, rows)
+            start = float(rows[:, 0].max())
         if job.numel == _BARRIER:
+            return None
+        if job.numel == _AGREE:
+            assert job.payload is not None
+            self._check_schedules(job, self._gather(job.payload))
             return None
         assert codec is not None and job.payload is not None
         if codec.summable and self.num_workers > 1:
@@ -780,7 +821,7 @@ class TorchDistCommunicator(Communicator):
         else:
             payloads = list(self._gather(job.payload).unbind(0))
             mean = mean_of_payloads(codec, payloads, job.numel)
-        finish = self.link.schedule(float(rows[:, 0].max()), job.wire)
+        finish = self.link.schedule(start, job.wire)
         if not EmulatedLink.sleep_until(finish, self._cancel):
             raise RuntimeError("the communicator was closed while this exchange was on the link")
         return mean
@@ -794,6 +835,8 @@ class TorchDistCommunicator(Communicator):
             seq, numel, nbytes, cid = (int(v) for v in r[1:])
             if numel == _BARRIER:
                 return f"exchange #{seq}: barrier"
+            if numel == _AGREE:
+                return f"exchange #{seq}: schedule agreement"
             name = CODEC_NAMES[cid] if 0 <= cid < len(CODEC_NAMES) else "?"
             return f"exchange #{seq}: {numel} values as {name} ({nbytes} bytes)"
 
@@ -802,6 +845,18 @@ class TorchDistCommunicator(Communicator):
             f"workers launched different exchanges at the same point: {lines}. Every worker must launch "
             "the same exchanges (same sizes, codec and order); check the fragment schedule and settings"
         )
+
+    def _check_schedules(self, job: _Job, rows: torch.Tensor) -> None:
+        mine = rows[self._pos]
+        differ = [w for i, w in enumerate(self._members) if not torch.equal(rows[i], mine)]
+        if differ:
+            names = ", ".join(self._name(w) for w in differ)
+            raise ScheduleMismatchError(
+                f"{names} run(s) a different exchange schedule from {self._name(self.rank)}'s "
+                f"({job.note or 'see its settings'}). Every worker must run the same method, fragments, "
+                "codec and model and start from the same step: start them all with the same settings "
+                "(and --resume from the same checkpoint)"
+            )
 
     # -- failures and heartbeats --------------------------------------------------------------------
 
@@ -965,10 +1020,10 @@ class WorkerCommunicator(Communicator):
 
     def allreduce_mean(
         self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
-        *, keep_own: bool = True,
+        *, keep_own: bool = True, agreed: bool = False,
     ) -> _WorkerHandle:
         if self.outer is not None:
-            h = self.outer.allreduce_mean(tensors, codec, generator, keep_own=keep_own)
+            h = self.outer.allreduce_mean(tensors, codec, generator, keep_own=keep_own, agreed=agreed)
             return _WorkerHandle(self, h, h.own, h.payload_bytes, h._like, h._device)
         flat = flatten(tensors)
         packed = codec.pack(flat, generator)  # same generator state as the first rank: same `own`
@@ -976,6 +1031,10 @@ class WorkerCommunicator(Communicator):
         own = unflatten(codec.unpack(packed, flat.numel()), like)
         device = tensors[0].device if tensors else torch.device("cpu")
         return _WorkerHandle(self, None, own, packed.numel(), like, device)
+
+    def agree(self, schedule: bytes, describe: str = "") -> bool:
+        """The first rank agrees with the other workers; the others have no exchange to check."""
+        return self.outer.agree(schedule, describe) if self.outer is not None else False
 
     def barrier(self) -> None:
         if self.outer is not None:

@@ -12,6 +12,7 @@ or on machines with synchronized clocks, can be compared.
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -31,6 +32,12 @@ class EmulatedLink:
         self.config = (config or LinkConfig()).validate()
         self._rng = random.Random(seed)
         self._free_at = 0.0  # wall time the previous transfer left the link
+
+    @property
+    def trivial(self) -> bool:
+        """No emulation: unlimited bandwidth, no latency, no jitter (every transfer finishes at once)."""
+        c = self.config
+        return math.isinf(c.bandwidth_gbps) and c.latency_ms == 0 and c.jitter_ms == 0
 
     def schedule(self, start: float, wire_bytes: int) -> float:
         """Reserve the link for a transfer whose last worker launched at `start`; return its finish time."""

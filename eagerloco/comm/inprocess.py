@@ -193,7 +193,7 @@ class InProcessCommunicator(Communicator):
 
     def allreduce_mean(
         self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
-        *, keep_own: bool = True,
+        *, keep_own: bool = True, agreed: bool = False,
     ) -> InProcessHandle:
         return self.group._launch(self, tensors, codec, generator, keep_own)
 
