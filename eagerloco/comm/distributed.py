@@ -4,6 +4,8 @@ Process layout. M workers of R ranks each (``WORLD_SIZE = M * R``, global rank `
 R ranks of worker w form its *inner group* (ordinary data parallelism, fast interconnect); the first
 rank of every worker forms the *outer group*, the slow link the outer algorithm crosses. Only the
 outer ranks own a :class:`TorchDistCommunicator`; they share the outer result with their inner group.
+With sharded workers (FSDP, ``sharded_outer``) there are R outer groups instead, the i-th of the
+i-th rank of every worker, and every rank exchanges its own shard.
 
 Exchange. ``allreduce_mean`` encodes once on the caller's thread, then a single communication thread
 per worker runs the exchanges in launch order: a 40-byte header all-gather (launch time, sequence
@@ -15,7 +17,11 @@ summed by one all-reduce: for M = 2 that is bit for bit the same sum, beyond tha
 in the ring's summation order (last-bit rounding), and it moves 2(M-1)/M payloads per worker
 instead of M-1. So the byte accounting of :func:`base.wire_bytes` (a ring all-reduce for fp32, a
 ring all-gather otherwise) is what the transport moves. The header is bookkeeping of this
-emulation and is not counted.
+emulation and is not counted. On a real (not emulated) link it is also a round trip before every
+payload, so a caller whose exchanges follow a fixed schedule (OuterSync) agrees on that schedule
+once (:meth:`TorchDistCommunicator.agree`: a digest of method, fragment sizes, codec and step) and
+launches its exchanges with ``agreed=True``, which skip the header; elastic mode and an emulated
+link keep it (reruns are matched by sequence number; the link schedule starts from launch times).
 
 Why a thread and not ``async_op=True``: the emulated link delay must also run in the background,
 and one FIFO thread gives the one-transfer-at-a-time link for free. gloo collectives and sleeps
