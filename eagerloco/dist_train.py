@@ -43,6 +43,8 @@ from eagerloco.comm.distributed import (
 from eagerloco.comm.elastic import Membership, outer_digest
 from eagerloco.config import ConfigError, LinkConfig
 from eagerloco.faults import kill_hook, kill_self, rejoining
+from eagerloco.fragments import find_blocks
+from eagerloco.fsdp import shard_model
 from eagerloco.netshape import kernel_link_from_env
 from eagerloco.train import (
     TrainConfig,
@@ -105,9 +107,6 @@ def train_distributed(
         corpus, tok, model, evb = prepare(cfg)
         model = model.to(ctx.device)
         if fsdp:
-            from eagerloco.fragments import find_blocks
-            from eagerloco.fsdp import shard_model
-
             shard_model(model, find_blocks(model), ctx.inner_group, ctx.device)
         # One shard per rank; with one rank per worker these are exactly the in-process workers' shards.
         stream = worker_streams(corpus, tok, cfg.workers * ranks_per_worker, cfg.batch_size, cfg.seq_len,

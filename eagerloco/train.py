@@ -24,6 +24,7 @@ from torch import nn
 from eagerloco.comm.base import Communicator
 from eagerloco.comm.inprocess import InProcessGroup
 from eagerloco.config import ConfigError, LinkConfig, OuterConfig
+from eagerloco.fsdp import load_model_state, local_state, shard_optimizer_state
 from eagerloco.outer import OuterSync, after_inner_step_all, before_inner_step_all
 
 SUMMARY_KEYS = (
@@ -213,8 +214,6 @@ class Worker:
 
     def state_dict(self) -> dict[str, Any]:
         comm = self.comm
-        from eagerloco.fsdp import local_state
-
         return {  # a sharded (FSDP) worker: this rank's shards
             "model": local_state(self.model.state_dict()),
             "opt": local_state(self.opt.state_dict()),
@@ -228,8 +227,6 @@ class Worker:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from eagerloco.fsdp import load_model_state, shard_optimizer_state
-
         load_model_state(self.model, state["model"])
         self.opt.load_state_dict(state["opt"])
         shard_optimizer_state(self.opt)

@@ -529,21 +529,19 @@ class TorchDistCommunicator(Communicator):
         if self._elastic or not self.link.trivial:
             return False
         digest = torch.frombuffer(bytearray(hashlib.sha256(schedule).digest()), dtype=torch.uint8)
-        handle = self._enqueue(_AGREE, [], torch.device("cpu"), own=[], nbytes=digest.numel())
-        job = _Job(handle.seq, _AGREE, time.time(), handle, payload=digest, step=self.step_hint, note=describe)
-        self._jobs.put(job)
-        self._await(handle, None)
-        handle._waited = True
-        if handle._error is not None:
-            raise handle._error
+        self._control(_AGREE, digest, describe)
         self._agreed = True
         return True
 
     def barrier(self) -> None:
         """Wait until every worker reached this point (in order with the exchanges launched before)."""
         self._check_open()
-        handle = self._enqueue(_BARRIER, [], torch.device("cpu"), own=[], nbytes=0)
-        self._jobs.put(_Job(handle.seq, _BARRIER, time.time(), handle, step=self.step_hint))
+        self._control(_BARRIER)
+
+    def _control(self, kind: int, payload: torch.Tensor | None = None, note: str = "") -> None:
+        """Run a barrier or an agreement in order with the exchanges launched before, and wait for it."""
+        handle = self._enqueue(kind, [], torch.device("cpu"), own=[], nbytes=0 if payload is None else payload.numel())
+        self._jobs.put(_Job(handle.seq, kind, time.time(), handle, payload=payload, step=self.step_hint, note=note))
         self._await(handle, None)
         handle._waited = True
         if handle._error is not None:
