@@ -295,6 +295,20 @@ def test_fsdp_shards_each_worker_and_exchanges_shards_with_the_replicated_number
     assert len(sf["per_worker"]) == 2
 
 
+def test_fsdp_ranks_share_the_workers_emulated_link(tmp_path: Path) -> None:
+    """Each of a worker's 2 ranks sends half the payload over half the link's bandwidth, so a DiLoCo
+    round blocks for the whole payload's link time, as with one rank sending it all."""
+    n_bytes = 820_352 * 4  # tiny preset, fp32
+    link_time = 0.3
+    bw = n_bytes * 8 / link_time / 1e9  # M = 2: the ring sends one payload's worth per worker
+    args = ["--method", "diloco", "--inner-steps", "4", "--steps", "8", "--bandwidth-gbps", f"{bw:.6f}", "--fsdp"]
+    r = launch(tmp_path, 2, args, ranks=2)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["bytes_sent_per_worker"] == 2 * n_bytes
+    assert s["blocked_s"] >= 0.95 * 2 * link_time, s["blocked_s"]  # 2 rounds; the full link would halve it
+
+
 def test_fsdp_resume_after_a_killed_worker_gives_the_uninterrupted_numbers(tmp_path: Path) -> None:
     """Sharded checkpoints: every rank writes its shards; after worker 1 dies the others stop naming it,
     and resuming (4-bit eager, two rounds in flight) ends bit for bit where an uninterrupted run ends.
