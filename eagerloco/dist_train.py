@@ -179,7 +179,7 @@ def train_distributed(
             return None
         _aggregate(summary, _per_worker([e for e in every if e["outer"]]))
         summary.update(runtime="distributed", ranks_per_worker=ranks_per_worker, fsdp=fsdp, backend=ctx.backend,
-                       link_shaping="kernel" if kernel_link_from_env() is not None else "emulated",
+                       link_shaping=_link_shaping(),
                        num_params=sum(p.numel() for p in model.parameters()), config=asdict(cfg))
         write_json_atomic(out / "summary.json", summary)
         return summary
@@ -208,6 +208,11 @@ def _emulated_link(cfg: TrainConfig) -> LinkConfig:
         )
     cfg.link.bandwidth_gbps = kernel
     return LinkConfig(latency_ms=cfg.link.latency_ms, jitter_ms=cfg.link.jitter_ms)
+
+
+def _link_shaping() -> str:
+    """What the summary calls the bandwidth limit: the kernel's (``--kernel-link-gbps``) or emulated."""
+    return "kernel" if kernel_link_from_env() is not None else "emulated"
 
 
 def _check_resume_layout(meta: dict[str, Any], ranks_per_worker: int, fsdp: bool) -> None:
@@ -511,7 +516,7 @@ def _train_elastic(cfg: TrainConfig, timeout_s: float) -> dict[str, Any] | None:
         worker_steps = _worker_steps(events, cfg.workers, start_step, cfg.steps)
         summary.update(
             runtime="distributed", ranks_per_worker=1, backend="gloo", elastic=True,
-            link_shaping="kernel" if kernel_link_from_env() is not None else "emulated",
+            link_shaping=_link_shaping(),
             num_params=sum(p.numel() for p in model.parameters()), config=asdict(cfg),
             members=membership.members, epoch=membership.epoch, faults=events,
             lost_inner_steps=_lost_steps(events), worker_steps=worker_steps,
