@@ -1,13 +1,15 @@
-"""Validated settings for the outer algorithm and the link.
+"""Validated settings: the outer algorithm, the link, and a whole training run (with its fault settings).
 
 Every check runs before any training step and raises :class:`ConfigError` with a message that
-names the flag and the values it accepts.
+names the flag and the values it accepts. Each field's docstring says what it means in the papers' terms.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+import os
+import re
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 METHODS = ("dp", "diloco", "streaming", "delayed", "eager")
@@ -37,20 +39,35 @@ class OuterConfig:
     """
 
     method: str = "diloco"
+    """Which member of the family runs (``--method``): dp, diloco, streaming, delayed or eager."""
     inner_steps: int = 50
+    """H: inner steps per outer round. Each fragment is synchronized once every H inner steps."""
     fragments: int = 1
+    """P: fragments of blocks synchronized one at a time, staggered (Streaming DiLoCo). 1 for DiLoCo."""
     fragment_pattern: str = "strided"
+    """How blocks map to fragments: sequential (contiguous) or strided (block b in fragment b mod P)."""
     overlap_steps: int = 0
+    """tau: inner steps an exchange may take before its mean is applied (the overlap of Streaming DiLoCo)."""
     alpha: float = 0.0
+    """Merge weight of the local fragment when an overlapped exchange lands: alpha*local + (1-alpha)*outer."""
     eager_rounds: int = 1
+    """k: outer rounds an exchange may take for delayed and eager (the papers' k-outer-steps overlap)."""
     eager_weighting: str = "nonlocal"
+    """Eager's proxy: nonlocal (every outer gradient applied exactly once) or stale_average."""
     codec: str = "fp32"
+    """Format of the outer gradient on the link (bf16, fp8, e2m1, ...); sums stay FP32."""
     codec_block: int = 32
+    """Values sharing one scale in the block formats (MX uses 32)."""
     stochastic_rounding: bool = False
+    """Round the quantized payload stochastically instead of to nearest."""
     outer_optimizer: str = "sgd"
+    """The outer optimizer applied to the averaged outer gradient: sgd, adam or adamw."""
     outer_lr: float = 0.7
+    """Outer learning rate (the DiLoCo papers: 0.7; the eager paper lowers it to about 0.4)."""
     outer_momentum: float = 0.9
+    """Outer momentum (SGD) or beta1 (Adam); the papers use 0.9."""
     outer_nesterov: bool = True
+    """Nesterov momentum for the outer SGD, as in the papers."""
 
     def validate(self, num_blocks: int | None = None) -> OuterConfig:
         """Raise ConfigError on the first invalid setting; returns self for chaining.
@@ -124,8 +141,11 @@ class LinkConfig:
     """The slow link between workers: bandwidth in Gbit/s (inf: no limit) and one-way latency."""
 
     bandwidth_gbps: float = math.inf
+    """Link bandwidth in Gbit/s between workers (the papers' x-axis); inf: no limit."""
     latency_ms: float = 0.0
+    """One-way latency added to every exchange, in milliseconds."""
     jitter_ms: float = 0.0
+    """Uniform extra latency in [0, jitter_ms] per exchange, in milliseconds."""
 
     def validate(self) -> LinkConfig:
         if math.isnan(self.bandwidth_gbps) or self.bandwidth_gbps <= 0:
@@ -141,6 +161,194 @@ class LinkConfig:
     def transfer_seconds(self, nbytes: int) -> float:
         """Seconds the link needs to carry nbytes, latency included (jitter is applied by the caller)."""
         return self.latency_ms / 1e3 + nbytes * 8 / (self.bandwidth_gbps * 1e9)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; validated before the first step (:meth:`validate`)."""
+
+    model: str = "tiny"
+    """Model preset (``eagerloco.model.PRESETS``): tiny, 35m, 100m, ..."""
+    data: str = "brown"
+    """Text to train on: brown, kjv, austen, a comma list of them, a file or directory, or hf:NAME."""
+    data_dir: str | None = None
+    """Cache of downloaded data and tokenizers (default $EAGERLOCO_DATA_DIR or ~/.cache/eagerloco)."""
+    tokenizer: str = "byte"
+    """byte, bpe (8192 tokens) or bpe:<vocab>, trained on the training split."""
+    iid: bool = True
+    """Whether workers get i.i.d. shards; False gives each worker its own sources or genres (non-i.i.d.)."""
+    eval_tasks: str = ""
+    """Zero-shot tasks scored at the end on the outer parameters: comma list of hellaswag, piqa, arc_easy."""
+    eval_limit: int = 200
+    """Examples per zero-shot task."""
+    tensorboard: bool = False
+    """Also write TensorBoard events to <out>/tensorboard (metrics.jsonl is always written)."""
+    batch_size: int = 8
+    """Sequences per worker per inner step."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    steps: int = 200
+    """Inner steps per worker (T)."""
+    lr: float = 3e-3
+    """Peak learning rate of the inner AdamW."""
+    weight_decay: float = 0.1
+    """Weight decay of the inner AdamW."""
+    warmup_steps: int = 20
+    """Linear warmup of the inner learning rate, then cosine decay to 10% of the peak."""
+    grad_clip: float = 1.0
+    """Clip the inner gradient's norm to this; 0: no clipping."""
+    eval_every: int = 0
+    """Evaluate the outer parameters every N inner steps; 0: only at the end."""
+    eval_batches: int = 8
+    """Held-out batches per evaluation."""
+    log_every: int = 10
+    """A metrics.jsonl line every N inner steps."""
+    seed: int = 0
+    """Seed of initialization, data order and worker shards."""
+    workers: int = 2
+    """M: workers (replicas, datacenters) joined by the slow link."""
+    out: str = "runs/latest"
+    """Run directory: metrics.jsonl, summary.json, checkpoints/."""
+    sim_step_time: float | None = None
+    """Seconds per inner step: simulated in-process, padded with a sleep on processes (an emulated accelerator)."""
+    progress: bool = True
+    """Show a progress bar on a terminal."""
+    tokens: int | None = None
+    """Token budget over all workers; sets steps when given."""
+    checkpoint_every: int = 0
+    """Checkpoint every N inner steps; 0: never."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep."""
+    resume: bool = False
+    """Continue from the newest valid checkpoint under out (the same numbers as an uninterrupted run)."""
+    elastic: bool = False
+    """Multi-process: when a worker dies the survivors go on and admit it when it comes back."""
+    rejoin: bool = False
+    """This process comes back into a running elastic run."""
+    slow_workers: list[str] = field(default_factory=list)
+    """Emulated stragglers, "ID:FACTOR": worker ID takes FACTOR times as long per inner step."""
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    """The outer algorithm."""
+    link: LinkConfig = field(default_factory=LinkConfig)
+    """The link between workers."""
+
+    def validate(self) -> TrainConfig:
+        """Check every setting (and resolve ``tokens`` into ``steps``).
+
+        Returns:
+            self, for chaining.
+
+        Raises:
+            ConfigError: naming the first invalid setting's flag and the values it accepts.
+        """
+        for name in ("batch_size", "seq_len", "steps", "workers", "eval_batches", "log_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if self.tokens is not None:
+            if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
+                raise ConfigError(f"--tokens must be a positive integer token budget, got {self.tokens!r}")
+            per_step = self.batch_size * self.seq_len * self.workers
+            self.steps = -(-self.tokens // per_step)
+        for name in ("warmup_steps", "eval_every", "seed", "checkpoint_every", "keep_checkpoints"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}")
+        for name in ("lr", "weight_decay", "grad_clip"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (name == "lr" and v == 0):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0 (lr > 0), got {v!r}")
+        if self.sim_step_time is not None and not (math.isfinite(self.sim_step_time) and self.sim_step_time > 0):
+            raise ConfigError(f"--sim-step-time must be a positive number of seconds, got {self.sim_step_time}")
+        from eagerloco.model import model_config  # local imports: both import torch
+
+        try:
+            model_config(self.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        if not re.fullmatch(r"byte|bpe(:\d+)?", self.tokenizer):
+            raise ConfigError(f"--tokenizer must be byte, bpe or bpe:<vocab size>, got {self.tokenizer!r}")
+        from eagerloco.evals import TASKS
+
+        unknown = [t for t in self.eval_task_list if t not in TASKS]
+        if unknown:
+            raise ConfigError(f"--eval-tasks: unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
+        if isinstance(self.eval_limit, bool) or not isinstance(self.eval_limit, int) or self.eval_limit < 1:
+            raise ConfigError(f"--eval-limit must be an integer >= 1, got {self.eval_limit!r}")
+        self.outer.validate()
+        self.link.validate()
+        self._validate_faults()
+        return self
+
+    def _validate_faults(self) -> None:
+        for name in ("elastic", "rejoin"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ConfigError(f"--{name} is a switch (true/false), got {v!r}")
+        parse_slow_workers(self.slow_workers, self.workers)
+        distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        if self.rejoin and not self.elastic:
+            raise ConfigError("--rejoin needs --elastic: only an elastic run admits a worker that comes back")
+        if self.elastic and not distributed:
+            raise ConfigError(
+                "--elastic needs the multi-process runtime, where workers can die and come back: "
+                "`eagerloco launch --workers M --elastic -- <train args> --elastic` or torchrun; "
+                "the in-process runtime has nothing to lose"
+            )
+
+    def slowdown(self, worker: int) -> float:
+        """How many times slower than measured this worker's inner steps are (1.0: not a straggler)."""
+        return parse_slow_workers(self.slow_workers).get(worker, 1.0)
+
+    @property
+    def eval_task_list(self) -> list[str]:
+        """The zero-shot tasks of ``eval_tasks`` as a list."""
+        return [t.strip() for t in self.eval_tasks.split(",") if t.strip()]
+
+
+def parse_slow_workers(specs: Any, workers: int | None = None) -> dict[int, float]:
+    """Parse the straggler settings.
+
+    Args:
+        specs: ``["1:1.5", ...]`` (``--slow-worker``, repeatable), one such string, or None.
+        workers: the number of workers, to check the ids against, when known.
+
+    Returns:
+        {worker id: slowdown factor}.
+
+    Raises:
+        ConfigError: naming the bad entry and the fix.
+    """
+    if specs is None:
+        return {}
+    if isinstance(specs, str):
+        specs = [specs]
+    if not isinstance(specs, (list, tuple)):
+        raise ConfigError(f"--slow-worker must be given as ID:FACTOR (repeatable), got {specs!r}")
+    out: dict[int, float] = {}
+    for spec in specs:
+        text = str(spec).strip()
+        wid, sep, fac = text.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            w, f = int(wid), float(fac)
+        except ValueError:
+            raise ConfigError(
+                f"--slow-worker {text!r}: expected ID:FACTOR, e.g. --slow-worker 1:1.5 "
+                "(worker 1 takes 1.5x as long per inner step)"
+            ) from None
+        if w < 0 or (workers is not None and w >= workers):
+            hi = f"0..{workers - 1}" if workers is not None else ">= 0"
+            raise ConfigError(f"--slow-worker {text!r}: worker id must be in {hi} (--workers {workers})")
+        if not math.isfinite(f) or f < 1.0:
+            raise ConfigError(
+                f"--slow-worker {text!r}: FACTOR must be a finite number >= 1 (how many times slower), got {fac}"
+            )
+        if w in out:
+            raise ConfigError(f"--slow-worker: worker {w} is given twice; give each worker once")
+        out[w] = f
+    return out
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -172,6 +380,8 @@ __all__ = [
     "METHODS",
     "OuterConfig",
     "PATTERNS",
+    "TrainConfig",
     "WEIGHTINGS",
     "from_dict",
+    "parse_slow_workers",
 ]

@@ -27,7 +27,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from eagerloco.config import ConfigError
+from eagerloco.config import ConfigError, LinkConfig, TrainConfig
 
 #: Environment of every launched process in this mode: the uplink rate in Gbit/s (the runtime then
 #: emulates only latency and jitter, and records the rate as the run's link bandwidth).
@@ -220,6 +220,32 @@ def kernel_link_from_env() -> float | None:
                           "--kernel-link-gbps; unset it)") from None
     return value
 
+def emulated_link(cfg: TrainConfig) -> LinkConfig:
+    """What the communicator emulates: the whole link, or under ``eagerloco launch --kernel-link-gbps``
+    (the kernel shapes the bandwidth) only its latency and jitter; cfg.link then records the rate.
 
-__all__ = ["KERNEL_LINK_ENV", "KernelLink", "LinkShapingError", "kernel_link_from_env", "owner_pid", "remove_stale",
+    Raises:
+        ConfigError: a bandwidth was given both to the launcher and to train, and they differ.
+    """
+    kernel = kernel_link_from_env()
+    if kernel is None:
+        return cfg.link
+    given = cfg.link.bandwidth_gbps
+    if math.isfinite(given) and given != kernel:
+        raise ConfigError(
+            f"the launcher shapes the link to {kernel:g} Gbit/s in the kernel (--kernel-link-gbps), but train got "
+            f"--bandwidth-gbps {given:g}: pass the bandwidth once, to the launcher"
+        )
+    cfg.link.bandwidth_gbps = kernel
+    return LinkConfig(latency_ms=cfg.link.latency_ms, jitter_ms=cfg.link.jitter_ms)
+
+
+def link_shaping() -> str:
+    """What the summary calls the bandwidth limit: the kernel's (``--kernel-link-gbps``) or emulated."""
+    return "kernel" if kernel_link_from_env() is not None else "emulated"
+
+
+
+__all__ = ["KERNEL_LINK_ENV", "KernelLink", "LinkShapingError", "emulated_link", "kernel_link_from_env", "link_shaping",
+           "owner_pid", "remove_stale",
            "tbf_args"]

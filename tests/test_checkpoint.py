@@ -139,7 +139,8 @@ def test_interrupted_run_resumes_to_the_same_numbers_every_method(
 ) -> None:
     """The methods the SIGKILL test above leaves out, in this process (cheaper): stop the run right
     after the step-12 checkpoint, resume, and compare with a run never interrupted."""
-    from eagerloco.cli import build_train_config, make_parser
+    from eagerloco.cli import make_parser
+    from eagerloco.flags import build_train_config
     from eagerloco.train import train
 
     extra = ["--method", method, "--steps", "18", "--checkpoint-every", "6"]

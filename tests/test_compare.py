@@ -12,8 +12,8 @@ import pytest
 
 import eagerloco.train
 from eagerloco import compare
+from eagerloco.compare.report import EVAL_COLUMNS, PLOTS, SWEEP_PLOT
 from eagerloco.config import ConfigError, OuterConfig
-from eagerloco.report import EVAL_COLUMNS, PLOTS, SWEEP_PLOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEP_S = 0.05  # --sim-step-time: the link clock, and so the tolerated seconds, are exact
@@ -231,7 +231,7 @@ def test_every_grid_entry_is_a_valid_config() -> None:
 
 
 def test_benchmark_columns_show_the_accuracies_a_run_recorded() -> None:
-    from eagerloco.report import grid_table
+    from eagerloco.compare.report import grid_table
 
     base = {"tolerated": "0", "final_eval_loss": 2.5, "bytes_sent_per_worker": 10, "peak_sync_bytes": 5,
             "compute_utilization": 0.5, "wall_s": 1.0}

@@ -346,7 +346,7 @@ def test_fsdp_needs_several_ranks_per_worker(tmp_path: Path) -> None:
 def test_sharded_accounting_adds_a_workers_shards() -> None:
     """Each rank of a sharded worker moves its shard at the same time: bytes and the peak payload add
     up, times are the mean over the worker's ranks, syncs are counted once."""
-    from eagerloco.dist_train import _per_worker
+    from eagerloco.train.outputs import per_worker as _per_worker
 
     def entry(worker: int, sent: int, peak: int, compute: float, slow: int) -> dict:
         stats = {"bytes_sent": sent, "bytes_received": sent, "peak_sync_bytes": peak, "num_syncs": 3,

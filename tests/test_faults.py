@@ -21,8 +21,7 @@ import torch
 from eagerloco import checkpoint as ckpt
 from eagerloco.cli import main
 from eagerloco.comm.base import Communicator, ReadyHandle, WorkerStats, flatten
-from eagerloco.config import OuterConfig
-from eagerloco.faults import parse_slow_workers
+from eagerloco.config import OuterConfig, parse_slow_workers
 from eagerloco.outer import OuterSync
 
 BASE = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "2", "--no-progress",

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from eagerloco.train import finite_json
+from eagerloco.jsonfiles import finite_json
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -141,8 +141,9 @@ def worker_main(plan_path: str) -> int:
     no-op for the duration, so every job's barrier, communicator, emulated link and accounting are
     those of ``eagerloco train`` under ``eagerloco launch``.
     """
-    from eagerloco import dist_train
-    from eagerloco.cli import build_train_config, make_parser
+    from eagerloco.cli import make_parser
+    from eagerloco.flags import build_train_config
+    from eagerloco.train import distributed as dist_train
 
     cached: dict[str, Any] = {}
     real_init, real_shutdown = dist_train.init_process_groups, dist_train.shutdown

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from eagerloco.train import finite_json
+from eagerloco.jsonfiles import finite_json
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -62,9 +62,10 @@ def measure(args: argparse.Namespace) -> Path:
 
 def fragment_wire_bytes(model_name: str, seq_len: int, fragments: int, workers: int) -> list[float]:
     """Wire bytes per fragment of the real model (fragment 0 holds embeddings and head), ring FP32."""
+    from eagerloco.config import TrainConfig
     from eagerloco.data import ByteTokenizer
     from eagerloco.fragments import assign_fragments
-    from eagerloco.train import TrainConfig, build_model
+    from eagerloco.train.loop import build_model
 
     model = build_model(TrainConfig(model=model_name, seq_len=seq_len), ByteTokenizer().vocab_size)
     sizes = [sum(p.numel() for _, p in f) for f in assign_fragments(model, fragments, "strided")]

@@ -34,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from eagerloco.train import finite_json  # noqa: E402
+from eagerloco.jsonfiles import finite_json  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 GOAL_SHARE = 0.02
@@ -78,7 +78,7 @@ def bare_loop(preset: str, steps: int, args: argparse.Namespace) -> dict[str, fl
     import torch
 
     from eagerloco.data import worker_streams
-    from eagerloco.train import prepare
+    from eagerloco.train.loop import prepare
 
     cfg = base_config(preset, steps, args, Path(tempfile.mkdtemp()))
     corpus, tok, model, _ = prepare(cfg)

@@ -1,6 +1,6 @@
 """The comparison report: a Markdown table, the combined summary.json and PNG plots.
 
-Kept apart from :mod:`eagerloco.compare` so a report can be redrawn from finished runs without
+Kept apart from the runner so a report can be redrawn from finished runs without
 training, and so matplotlib is imported only when a report is written.
 """
 
@@ -10,6 +10,10 @@ import json
 import math
 from pathlib import Path
 from typing import Any
+
+from eagerloco.compare.grid import ENTRIES, PAPER_EVAL_LOSS
+from eagerloco.jsonfiles import write_json_atomic
+from eagerloco.units import fmt_bytes
 
 #: Downstream benchmarks (report column, summary keys that may hold the accuracy).
 EVAL_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
@@ -24,16 +28,6 @@ SWEEP_PLOT = "loss_vs_inner_steps.png"
 
 # --------------------------------------------------------------------------------------------------
 # Formatting
-
-
-def fmt_bytes(n: Any) -> str:
-    if not isinstance(n, (int, float)) or not math.isfinite(n):
-        return "n/a"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
 
 
 def _num(v: Any) -> float | None:
@@ -260,7 +254,7 @@ def plot_curves(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) 
         if kind == "bytes":
             from matplotlib.ticker import FuncFormatter
 
-            ax2.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _short_bytes(x)))
+            ax2.xaxis.set_major_formatter(FuncFormatter(lambda x, _: fmt_bytes(x, ".3g")))
             ax2.xaxis.set_minor_formatter(FuncFormatter(_minor_bytes_label))
             notes.append("points before a run's first exchange\n(0 bytes) are not shown")
         ax.text(1.01, 0.0, "\n".join(notes), transform=ax.transAxes, va="bottom", ha="left", fontsize=7,
@@ -273,21 +267,12 @@ def plot_curves(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) 
     return paths
 
 
-def _short_bytes(x: float) -> str:
-    """Tick labels: '5 MB', '1 GB', '20 MB'."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(x) < 1000 or unit == "TB":
-            return f"{x:.3g} {unit}"
-        x /= 1000
-    return f"{x:.3g} TB"
-
-
 def _minor_bytes_label(x: float, _pos: int) -> str:
     """Label the 2x and 5x minor ticks of a log bytes axis (enough when it spans under a decade)."""
     if x <= 0:
         return ""
     lead = x / 10 ** math.floor(math.log10(x))
-    return _short_bytes(x) if round(lead) in (2, 5) and abs(lead - round(lead)) < 1e-6 else ""
+    return fmt_bytes(x, ".3g") if round(lead) in (2, 5) and abs(lead - round(lead)) < 1e-6 else ""
 
 
 def _zoom_y(ax: Any, values: list[float]) -> int:
@@ -383,16 +368,12 @@ def _notes(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     names = {r["name"] for r in results}
     paper = [(n, v) for n, v in _paper_rows() if n in names]
     if paper and meta["kind"] == "grid":
-        from eagerloco.compare import ENTRIES
-
         ref = "; ".join(f"{ENTRIES[n].label} {v:.2f}" for n, v in paper)
         notes.append(f"- For scale, the eager paper reports eval loss for a 500M model at H = 30: {ref}.")
     return notes
 
 
 def _paper_rows() -> list[tuple[str, float]]:
-    from eagerloco.compare import PAPER_EVAL_LOSS
-
     return list(PAPER_EVAL_LOSS.items())
 
 
@@ -429,7 +410,5 @@ def write_report(out: Path, results: list[dict[str, Any]], meta: dict[str, Any])
                      + f": `{r['run_dir']}` ({how})")
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
-    from eagerloco.train import write_json_atomic
-
     write_json_atomic(out / "summary.json", {**meta, "runs": results})
     return {"report": report, "summary": out / "summary.json", "plots": plots, "table": table}

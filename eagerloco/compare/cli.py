@@ -1,0 +1,128 @@
+"""`eagerloco compare`: its flags and the command, from the plan to the report."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import asdict
+
+from eagerloco.compare.grid import DEFAULT_SWEEP_H, ENTRIES, SWEEP_GRID, grid_help, resolve_grid
+from eagerloco.compare.runner import build_base_config, plan_runs, run_plans
+from eagerloco.config import ConfigError
+from eagerloco.flags import add_train_flags
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register the ``compare`` subcommand; its handler is :func:`run`."""
+    p = subparsers.add_parser(
+        "compare",
+        help="run a grid of methods on the same data, model, seed and budget; write a report",
+        description=(
+            "Trains every method of a grid in this process on the same data, model, seed and token "
+            "budget, over the simulated link, and writes <out>/report.md (table), <out>/summary.json "
+            "and plots of eval loss against steps, link wall-clock and bytes. Runs already in "
+            "<out>/runs with the same settings are reused (--force retrains). "
+            f"Grid entries: {grid_help()}."
+        ),
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The compare flags: the training flags of `train` plus the grid, sweep and report options."""
+    add_train_flags(p)
+    g = p.add_argument_group("comparison")
+    g.add_argument("--grid", default=None,
+                   help="'paper' (default: the eager paper's comparison plus data-parallel), 'all', "
+                        f"or a comma list of entries: {', '.join(ENTRIES)}")
+    g.add_argument("--sweep", choices=("inner-steps",), default=None,
+                   help="inner-steps: run each grid entry (default: no-overlap,delayed-1,eager-1) at every H "
+                        "of --inner-steps-list")
+    g.add_argument("--inner-steps-list", default=None,
+                   help=f"comma list of H for --sweep inner-steps (default {DEFAULT_SWEEP_H})")
+    g.add_argument("--lowered-outer-lr", type=float, default=None,
+                   help="outer lr of the 'lowered lr' entries (default: half the outer lr, 0.35)")
+    g.add_argument("--force", action="store_true", help="retrain runs even when <out>/runs has them")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice, one per core); 1 is far faster "
+                        "when other jobs share the cores")
+
+
+def _parse_h_list(text: str) -> list[int]:
+    try:
+        hs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        hs = []
+    if not hs or any(h < 1 for h in hs):
+        raise ConfigError(f"--inner-steps-list must be a comma list of integers >= 1 (e.g. 10,20,50), got {text!r}")
+    return sorted(set(hs))
+
+
+def run(args: argparse.Namespace) -> int:
+    """`eagerloco compare`: plan and check every run, train or reuse them, write the report."""
+    from eagerloco.compare.report import write_report
+
+    if args.sweep is None and args.inner_steps_list is not None:
+        raise ConfigError("--inner-steps-list needs --sweep inner-steps")
+    sweep_h = None
+    if args.sweep == "inner-steps":
+        if args.inner_steps is not None:
+            raise ConfigError("--sweep inner-steps takes H from --inner-steps-list, not --inner-steps")
+        sweep_h = _parse_h_list(args.inner_steps_list or DEFAULT_SWEEP_H)
+    default_grid = "paper" if sweep_h is None else ",".join(SWEEP_GRID)
+    entries = resolve_grid(args.grid if args.grid is not None else default_grid)
+    base, out = build_base_config(args)
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"--threads must be an integer >= 1, got {threads}")
+        import torch
+
+        torch.set_num_threads(threads)
+    lowered = args.lowered_outer_lr if args.lowered_outer_lr is not None else base.outer.outer_lr / 2
+    if not (math.isfinite(lowered) and lowered > 0):
+        raise ConfigError(f"--lowered-outer-lr must be a positive number, got {lowered}")
+    plans = plan_runs(base, entries, out, lowered, sweep_h)
+    link = f"{base.link.bandwidth_gbps:g} Gbit/s + {base.link.latency_ms:g} ms"
+    print(f"compare: {len(plans)} runs of {base.steps} steps x {base.workers} workers ({base.model}, "
+          f"seed {base.seed}, link {link}) -> {out}", flush=True)
+    t0 = time.perf_counter()
+    results = run_plans(plans, force=args.force)
+    meta = {
+        "kind": "sweep-inner-steps" if sweep_h else "grid",
+        "grid": [e.name for e in entries],
+        "sweep_inner_steps": sweep_h,
+        "lowered_outer_lr": lowered,
+        "base_config": asdict(base),
+        "elapsed_s": time.perf_counter() - t0,
+    }
+    paths = write_report(out, results, meta)
+    reused = sum(r["cached"] for r in results)
+    print()
+    print(paths["table"])
+    print(f"\n{len(results) - reused} run(s) trained, {reused} reused, in {meta['elapsed_s']:.0f} s; "
+          f"plots and summary.json beside the report")
+    print(f"report: {paths['report']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m eagerloco.compare``) with the same error handling as the CLI."""
+    import sys
+
+    from eagerloco.data import DataError
+
+    parser = argparse.ArgumentParser(prog="eagerloco")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["compare", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, FileNotFoundError, DataError) as e:
+        print(f"eagerloco: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""The comparison grids as data: entries, named grids, the papers' numbers, the demo's and compare's defaults.
+
+Pure data and the arithmetic of what each entry tolerates; imports no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from eagerloco.config import ConfigError, OuterConfig
+from eagerloco.schedule import apply_delay
+
+
+@dataclass(frozen=True)
+class GridEntry:
+    """One method of a comparison: a short name (CLI, run directory), the report's label, and the
+    OuterConfig fields it sets; every field it does not set comes from the base configuration."""
+
+    name: str
+    label: str
+    outer: dict[str, Any] = field(default_factory=dict)
+    lowered_lr: bool = False  # outer lr <- --lowered-outer-lr
+
+
+# Method-specific fields are always set by the entry, so a base config file written for another
+# method (say streaming with overlap) cannot leak into an entry where it would be invalid.
+METHOD_FIELDS = {"method": "diloco", "fragments": 1, "overlap_steps": 0, "eager_rounds": 1}
+
+ENTRIES: dict[str, GridEntry] = {
+    e.name: e
+    for e in (
+        GridEntry("dp", "data-parallel", {"method": "dp"}),
+        GridEntry("no-overlap", "no overlap", {"method": "diloco"}),
+        GridEntry("overlap-1", "1-inner-step overlap", {"method": "diloco", "overlap_steps": 1}),
+        GridEntry("delayed-1", "1-outer-step naive delayed", {"method": "delayed", "eager_rounds": 1}),
+        GridEntry("delayed-1-lowlr", "1-outer-step naive delayed, lowered lr",
+                  {"method": "delayed", "eager_rounds": 1}, lowered_lr=True),
+        GridEntry("eager-1", "1-outer-step eager", {"method": "eager", "eager_rounds": 1}),
+        GridEntry("eager-2", "2-outer-steps eager", {"method": "eager", "eager_rounds": 2}),
+        # Beyond the eager paper's table: eager with the lowered outer lr too (at this scale the default
+        # 0.7 with Nesterov 0.9 overshoots on the half-stale eager update), streaming, 4-bit exchange,
+        # the other eager weighting.
+        GridEntry("eager-1-lowlr", "1-outer-step eager, lowered lr",
+                  {"method": "eager", "eager_rounds": 1}, lowered_lr=True),
+        GridEntry("eager-2-lowlr", "2-outer-steps eager, lowered lr",
+                  {"method": "eager", "eager_rounds": 2}, lowered_lr=True),
+        GridEntry("delayed-2", "2-outer-steps naive delayed", {"method": "delayed", "eager_rounds": 2}),
+        GridEntry("eager-1-stale-avg", "1-outer-step eager, stale-average weighting",
+                  {"method": "eager", "eager_weighting": "stale_average"}),
+        GridEntry("eager-1-4bit", "1-outer-step eager, 4-bit", {"method": "eager", "codec": "e2m1"}),
+        GridEntry("streaming-2", "streaming P=2", {"method": "streaming", "fragments": 2}),
+        GridEntry("streaming-2-overlap-1", "streaming P=2, 1-inner-step overlap",
+                  {"method": "streaming", "fragments": 2, "overlap_steps": 1}),
+        GridEntry("streaming-2-overlap-1-4bit", "streaming P=2, 1-inner-step overlap, 4-bit",
+                  {"method": "streaming", "fragments": 2, "overlap_steps": 1, "codec": "e2m1"}),
+        GridEntry("streaming-2-eager-1-4bit", "streaming P=2, 1-outer-step eager, 4-bit",
+                  {"method": "eager", "fragments": 2, "codec": "e2m1"}),
+    )
+}
+
+#: The eager paper's comparison (its Table of 500M-model results) plus the data-parallel baseline.
+PAPER_GRID = ["dp", "no-overlap", "overlap-1", "delayed-1", "delayed-1-lowlr", "eager-1", "eager-2"]
+ALL_GRID = list(ENTRIES)
+#: What `--sweep inner-steps` compares at each H unless --grid says otherwise.
+SWEEP_GRID = ["no-overlap", "delayed-1", "eager-1"]
+GRIDS = {"paper": PAPER_GRID, "all": ALL_GRID}
+
+#: Eval loss the eager paper reports for its 500M model at H = 30 (ALGORITHMS.md section 6).
+PAPER_EVAL_LOSS = {"no-overlap": 2.67, "overlap-1": 2.67, "delayed-1": 3.01, "delayed-1-lowlr": 2.73,
+                   "eager-1": 2.69, "eager-2": 2.73}
+
+#: compare's own defaults, used where neither a flag nor the config file sets the field. The link
+#: carries one fp32 exchange of the tiny model between 2 workers in about 1 s: longer than the 1-step
+#: overlap hides, shorter than one round of H = 20 steps (~1.2 s at ~60 ms a step), so the
+#: methods' tolerated windows show up in the compute-utilization column.
+COMPARE_DEFAULTS: dict[str, Any] = {"inner_steps": 20, "bandwidth_gbps": 0.03, "latency_ms": 50.0}
+DEFAULT_OUT = "runs/compare"
+#: `make demo`: the paper grid on the default data, with the zero-shot benchmarks, in well under 10
+#: minutes on 2 cores. One thread: two threads on two cores slow down 2-40x as soon as anything else
+#: runs. --sim-step-time pins the link clock, so the link columns do not depend on machine load either.
+DEMO_ARGV = ["--out", "runs/demo", "--steps", "200", "--sim-step-time", "0.06", "--threads", "1",
+             "--eval-tasks", "hellaswag,piqa,arc_easy", "--eval-limit", "100"]
+DEFAULT_SWEEP_H = "10,20,50"
+
+#: TrainConfig fields that do not change a run's numbers: a cached run is reused across them.
+CACHE_IGNORED = {"out", "progress", "resume", "checkpoint_every", "keep_checkpoints", "tokens"}
+#: Flags that choose the method; in compare the grid entry does.
+PER_ENTRY_FLAGS = ("method", "fragments", "overlap_steps", "eager_rounds")
+
+
+def grid_help(sep: str = "; ") -> str:
+    return sep.join(f"{e.name} ({e.label})" for e in ENTRIES.values())
+
+
+def resolve_grid(spec: str) -> list[GridEntry]:
+    """'paper', 'all', or a comma list of entry names, labels without commas, or those two grids."""
+    by_label = {e.label.lower(): e for e in ENTRIES.values()}
+    chosen: list[GridEntry] = []
+    unknown = []
+    for raw in spec.split(","):
+        name = raw.strip()
+        if name in GRIDS:
+            found = [ENTRIES[n] for n in GRIDS[name]]
+        else:
+            one = ENTRIES.get(name) or by_label.get(name.lower())
+            found = [one] if one is not None else []
+        if not found:
+            unknown.append(name)
+        chosen += [e for e in found if e not in chosen]
+    if unknown or not chosen:
+        bad = ", ".join(repr(u) for u in unknown) or repr(spec)
+        raise ConfigError(
+            f"--grid: unknown entry {bad}; pass 'paper', 'all' or a comma list of these names:\n  "
+            + grid_help("\n  ")
+        )
+    return chosen
+
+
+def tolerated_steps(outer: OuterConfig) -> int:
+    """Inner steps an exchange may take before it is applied: the schedule's own number."""
+    return apply_delay(outer.method, outer.inner_steps, outer.overlap_steps, outer.eager_rounds)
+
+
+def tolerated_text(outer: OuterConfig, step_s: float | None) -> str:
+    """'0', '1 step (0.06 s)', '1 round = 20 steps (1.20 s)': steps from the schedule, seconds on
+    the link's clock (steps x mean measured step time)."""
+    steps = tolerated_steps(outer)
+    if steps == 0:
+        return "0"
+    secs = f" ({steps * step_s:.2f} s)" if step_s is not None and math.isfinite(step_s) else ""
+    if outer.method in ("delayed", "eager"):
+        k = outer.eager_rounds
+        return f"{k} round{'s' if k != 1 else ''} = {steps} steps{secs}"
+    return f"{steps} step{'s' if steps != 1 else ''}{secs}"

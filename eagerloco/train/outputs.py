@@ -1,0 +1,207 @@
+"""What a run writes: metrics.jsonl, TensorBoard events, summary.json; one path for every runtime.
+
+The in-process, multi-process and elastic drivers all log through :class:`RunOutput` and sum up
+their workers with :func:`accounting`, so the files mean the same whatever carried the exchange.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from eagerloco.config import ConfigError, TrainConfig
+from eagerloco.jsonfiles import finite_json
+
+#: Fields every summary.json has (the README lists them).
+SUMMARY_KEYS = (
+    "method", "workers", "inner_steps", "fragments", "overlap_steps", "alpha", "eager_rounds", "codec",
+    "steps", "tokens", "final_eval_loss", "bytes_sent_per_worker", "peak_sync_bytes", "compute_s",
+    "blocked_s", "wall_s", "compute_utilization",
+)
+
+
+def tensorboard_writer(cfg: TrainConfig, out: Path) -> Any:
+    """A TensorBoard writer under <out>/tensorboard when --tensorboard is set, else None."""
+    if not cfg.tensorboard:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'eagerloco[tensorboard]'") from e
+    return SummaryWriter(str(out / "tensorboard"))
+
+
+class RunOutput:
+    """metrics.jsonl (and TensorBoard events) of a run, written by the process that reports.
+
+    The reporter is asked at every line (``is_writer``), as the reporting worker of an elastic run
+    can change. The first writer rewrites the file, keeping the lines up to a resumed ``start_step``;
+    a later one (a new elastic leader) takes over, keeping the lines before its first. Lines that do
+    not parse (a writer that died mid-line) are dropped. The file is opened at the first line, so a
+    run that dies before logging leaves an earlier file as it was.
+    """
+
+    def __init__(self, cfg: TrainConfig, start_step: int, is_writer: Callable[[], bool]) -> None:
+        self.cfg = cfg
+        self.path = Path(cfg.out) / "metrics.jsonl"
+        self.start_step = start_step
+        self.is_writer = is_writer
+        self.f: IO[str] | None = None
+        self.tb: Any = None
+        self.first = is_writer()  # reports from the start: it (re)writes the file
+
+    def log(self, rec: dict[str, Any]) -> None:
+        """Append one metrics record (a dict with "step") if this process reports, else close the file."""
+        if not self.is_writer():
+            self.close()
+            return
+        if self.f is None:
+            self.f = self._open(int(rec["step"]))
+            if self.tb is None:
+                self.tb = tensorboard_writer(self.cfg, Path(self.cfg.out))
+        self.f.write(json.dumps(finite_json(rec)) + "\n")
+        self.f.flush()
+        if self.tb is not None:
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, rec["step"])
+
+    def _open(self, step: int) -> IO[str]:
+        keep_upto = self.start_step if self.first else step - 1
+        fresh = self.first and not self.start_step
+        self.first = False
+        lines: list[str] = []
+        if not fresh and self.path.exists():
+            for ln in self.path.read_text().split("\n"):
+                try:
+                    if ln and json.loads(ln)["step"] <= keep_upto:
+                        lines.append(ln)
+                except (ValueError, KeyError, TypeError):
+                    continue
+        f = open(self.path, "w")  # noqa: SIM115 - closed in close()
+        for ln in lines:
+            f.write(ln + "\n")
+        f.flush()
+        return f
+
+    def close(self) -> None:
+        """Close the metrics file and TensorBoard writer (a later line reopens them)."""
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def accounting(entries: list[tuple[dict[str, Any], float]]) -> dict[str, Any]:
+    """The link and time accounting of a run from its workers: the one summary formula.
+
+    Args:
+        entries: per worker, its ``WorkerStats.as_dict()`` and its wall time in seconds.
+
+    Returns:
+        Means over workers of bytes, syncs and times; the largest peak payload and wall time;
+        compute utilization = total compute / total wall time; and ``per_worker``, the stats.
+    """
+    n = len(entries)
+    stats = [s for s, _ in entries]
+    walls = [w for _, w in entries]
+    compute = sum(s["compute_s"] for s in stats)
+
+    def mean(key: str) -> float:
+        return sum(s[key] for s in stats) / n
+
+    return {
+        "bytes_sent_per_worker": mean("bytes_sent"),
+        "bytes_received_per_worker": mean("bytes_received"),
+        "peak_sync_bytes": max(s["peak_sync_bytes"] for s in stats),
+        "syncs_per_worker": mean("num_syncs"),
+        "compute_s": compute / n,
+        "overhead_s": mean("overhead_s"),
+        "blocked_s": mean("blocked_s"),
+        "drain_s": mean("drain_s"),
+        "wall_s": max(walls),
+        "compute_utilization": compute / sum(walls) if sum(walls) > 0 else 1.0,
+        "per_worker": stats,
+    }
+
+
+def per_worker(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One accounting entry per worker from those of its link-using ranks.
+
+    With one such rank per worker that is its entry. With sharded exchanges (FSDP) the worker's
+    ranks each move a shard at the same time: bytes and the peak payload add up; times (the same
+    steps on every rank) are averaged; a step slow on any rank was slow for the worker.
+    """
+    by_worker: dict[int, list[dict[str, Any]]] = {}
+    for e in entries:
+        by_worker.setdefault(e["worker"], []).append(e)
+    merged = []
+    for w in sorted(by_worker):
+        group = by_worker[w]
+        if len(group) == 1:
+            merged.append(group[0])
+            continue
+        stats = [e["stats"] for e in group]
+        one = dict(stats[0])
+        for k in ("bytes_sent", "bytes_received", "peak_sync_bytes"):
+            one[k] = sum(s[k] for s in stats)
+        for k in ("compute_s", "overhead_s", "blocked_s", "drain_s"):
+            one[k] = sum(s[k] for s in stats) / len(stats)
+        one["num_syncs"] = max(s["num_syncs"] for s in stats)
+        one["slow_steps"] = max(int(s.get("slow_steps", 0)) for s in stats)
+        merged.append({"outer": True, "worker": w, "stats": one, "wall": max(e["wall"] for e in group)})
+    return merged
+
+
+def aggregate(summary: dict[str, Any], workers: list[dict[str, Any]]) -> None:
+    """Replace one process's accounting in ``summary`` by that of every worker (multi-process runs).
+
+    Args:
+        summary: what :func:`~eagerloco.train.loop.run_training` returned on the reporting process.
+        workers: one entry per worker, ``{"stats": WorkerStats.as_dict(), "wall": seconds}``.
+    """
+    stats = [e["stats"] for e in workers]
+    summary.update(accounting([(e["stats"], e["wall"]) for e in workers]))
+    slow = summary["slow_steps"] = sum(int(s.get("slow_steps", 0)) for s in stats)
+    if slow:
+        print(f"eagerloco: warning: {slow} inner step(s) over all workers took longer than --sim-step-time "
+              "to compute; those ran at the machine's speed, not the emulated one. Raise --sim-step-time for "
+              "a fixed pace.", file=sys.stderr, flush=True)
+
+
+def format_table(summaries: list[dict[str, Any]]) -> str:
+    """The table `eagerloco train` prints: method, eval loss, bytes, peak, blocked time, compute utilization."""
+    from eagerloco.units import fmt_bytes
+
+    head = ("method", "eval loss", "bytes sent/worker", "peak sync", "blocked s", "CU (link)")
+    rows = []
+    for s in summaries:
+        rows.append((
+            s.get("label", s["method"]),
+            f"{s['final_eval_loss']:.4f}",
+            fmt_bytes(s["bytes_sent_per_worker"]),
+            fmt_bytes(s["peak_sync_bytes"]),
+            f"{s['blocked_s']:.2f}",
+            f"{s['compute_utilization']:.3f}",
+        ))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    line = "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out)
+
+
+__all__ = [
+    "SUMMARY_KEYS",
+    "RunOutput",
+    "accounting",
+    "aggregate",
+    "format_table",
+    "per_worker",
+    "tensorboard_writer",
+]

@@ -1,0 +1,107 @@
+"""Resuming a run: which checkpoint, whether its settings and layout match, what a checkpoint records."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from eagerloco import checkpoint as ckpt
+from eagerloco.config import ConfigError, TrainConfig
+from eagerloco.jsonfiles import finite_json
+
+#: Settings that may change between a run and its resumption without changing its numbers.
+RESUMABLE_CHANGES = {"progress", "resume", "out", "checkpoint_every", "keep_checkpoints", "eval_every", "log_every",
+                     "elastic", "rejoin", "slow_workers", "eval_tasks", "eval_limit", "tensorboard"}
+
+
+def check_resume_config(saved: dict[str, Any], cfg: TrainConfig) -> None:
+    """Refuse to resume a checkpoint made with settings that change the run's numbers.
+
+    Raises:
+        ConfigError: listing each differing setting, old and new.
+    """
+    now = finite_json(asdict(cfg))
+    diffs = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
+    if diffs:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diffs)
+        raise ConfigError(
+            f"--resume: the checkpoint was made with different settings ({detail}); "
+            "rerun with the original settings or start a fresh run in another --out directory"
+        )
+
+
+def resume_checkpoint(cfg: TrainConfig) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint to continue from.
+
+    Returns:
+        With ``cfg.resume``, the newest valid checkpoint under ``<out>/checkpoints`` and its
+        metadata; None without ``cfg.resume``.
+
+    Raises:
+        ConfigError: there is none, or it was made with other settings.
+    """
+    if not cfg.resume:
+        return None
+    root = ckpt.checkpoint_root(Path(cfg.out))
+    found = ckpt.latest_valid(root)
+    if found is None:
+        raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh")
+    check_resume_config(found[1]["config"], cfg)
+    return found
+
+
+def announce_resume(path: Path, step: int, cfg: TrainConfig) -> None:
+    """The line a resumed run prints once."""
+    print(f"resuming from {path} (step {step} of {cfg.steps})", flush=True)
+
+
+def check_resume_layout(meta: dict[str, Any], ranks_per_worker: int, fsdp: bool) -> None:
+    """A checkpoint holds one file per rank, replicas or (FSDP) shards: resume with the same layout.
+
+    Raises:
+        ConfigError: naming the layout the checkpoint was written with.
+    """
+    saved_r, saved_fsdp = int(meta.get("ranks_per_worker", 1)), bool(meta.get("fsdp", False))
+    if (saved_r, saved_fsdp) != (ranks_per_worker, fsdp):
+        def layout(r: int, f: bool) -> str:
+            return f"--ranks-per-worker {r}" + (" --fsdp" if f else "")
+
+        raise ConfigError(
+            f"--resume: the checkpoint was written by a run with {layout(saved_r, saved_fsdp)}, this one has "
+            f"{layout(ranks_per_worker, fsdp)}; resume with the original layout"
+        )
+
+
+def has_worker(meta: dict[str, Any], worker: int) -> bool:
+    """Whether a checkpoint holds this worker's (rank's) file."""
+    return any(e["file"] == f"worker_{worker}.pt" for e in meta["files"])
+
+
+def own_last_state(root: Path, worker: int) -> dict[str, Any] | None:
+    """This worker's state in the newest valid checkpoint that has one (a returning worker's data position)."""
+    for path in reversed(ckpt.list_checkpoints(root)):
+        try:
+            meta = ckpt.verify(path)
+        except ckpt.CheckpointError:
+            continue
+        if has_worker(meta, worker):
+            return ckpt.load_worker_state(path, worker)
+    return None
+
+
+def checkpoint_meta(cfg: TrainConfig, real_elapsed: float, **extra: Any) -> dict[str, Any]:
+    """What every checkpoint's meta.json records besides its files: the settings and the time spent."""
+    return {"config": finite_json(asdict(cfg)), **extra, "real_elapsed": real_elapsed}
+
+
+__all__ = [
+    "RESUMABLE_CHANGES",
+    "announce_resume",
+    "check_resume_config",
+    "check_resume_layout",
+    "checkpoint_meta",
+    "has_worker",
+    "own_last_state",
+    "resume_checkpoint",
+]

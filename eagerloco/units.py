@@ -1,0 +1,32 @@
+"""Human-readable quantities for tables, progress bars and plot labels (torch-free)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+_BYTE_UNITS = ("B", "KB", "MB", "GB", "TB")
+
+
+def fmt_bytes(n: Any, spec: str = ".2f", sep: str = " ") -> str:
+    """Decimal byte count: ``fmt_bytes(1.5e6) == "1.50 MB"``.
+
+    Args:
+        n: a number of bytes; anything else, or a non-finite number, prints as ``n/a``.
+        spec: format spec of the scaled number (whole bytes drop the decimals of an ``f`` spec).
+        sep: between the number and the unit ("" for progress bars: ``1.5MB``).
+
+    Returns:
+        The text, in B, KB, MB, GB or TB (powers of 1000).
+    """
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n):
+        return "n/a"
+    for unit in _BYTE_UNITS:
+        if abs(n) < 1000 or unit == _BYTE_UNITS[-1]:
+            whole = unit == "B" and spec.endswith("f")
+            return f"{n:{'.0f' if whole else spec}}{sep}{unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+__all__ = ["fmt_bytes"]
