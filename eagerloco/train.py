@@ -439,8 +439,7 @@ def tensorboard_writer(cfg: TrainConfig, out: Path) -> Any:
 
 def prepare(cfg: TrainConfig) -> tuple[Any, Any, nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Corpus, tokenizer (trained on the training split when BPE), the initial model, eval batches."""
-    from eagerloco.data import eval_batches, load_corpus
-    from eagerloco.tokenizer import get_tokenizer
+    from eagerloco.data import eval_batches, get_tokenizer, load_corpus
 
     corpus = load_corpus(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed)
     tok = get_tokenizer(cfg.tokenizer, corpus, cfg.data_dir)
