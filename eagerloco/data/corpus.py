@@ -1,0 +1,230 @@
+"""Corpora: which sources to load, how their documents are split into train and eval, and user text."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagerloco.data.austen import fetch_austen, load_austen
+from eagerloco.data.brown import fetch_brown, load_brown
+from eagerloco.data.cache import BUILTIN_SOURCES, DataError, default_data_dir
+from eagerloco.data.hf import hf_dir, hf_label, load_hf, parse_hf
+from eagerloco.data.kjv import fetch_kjv, load_kjv
+
+SINGLE_FILE_PIECES = 20  # a lone text file is cut into this many documents so some can be held out
+
+
+@dataclass
+class Corpus:
+    """Documents split into train / eval; ``*_groups`` (genre or source) drive non-iid sharding.
+
+    ``data_dir`` is the cache this corpus came from: tokenizers and token ids are cached there too.
+    """
+
+    train_docs: list[str]
+    eval_docs: list[str]
+    name: str
+    train_groups: list[str] = field(default_factory=list)
+    eval_groups: list[str] = field(default_factory=list)
+    train_names: list[str] = field(default_factory=list)
+    eval_names: list[str] = field(default_factory=list)
+    data_dir: Path | None = None
+
+    def summary(self) -> str:
+        chars = sum(map(len, self.train_docs)), sum(map(len, self.eval_docs))
+        return (
+            f"{self.name}: {len(self.train_docs)} train docs ({chars[0]:,} chars), "
+            f"{len(self.eval_docs)} eval docs ({chars[1]:,} chars), {len(set(self.train_groups))} groups"
+        )
+
+    def fingerprint(self) -> str:
+        """sha256 of the train and eval texts in order: the key of cached token ids."""
+        h = hashlib.sha256(b"eagerloco-corpus-v1")
+        for docs in (self.train_docs, self.eval_docs):
+            h.update(len(docs).to_bytes(8, "little"))
+            for d in docs:
+                h.update(hashlib.sha256(d.encode("utf-8")).digest())
+        return h.hexdigest()
+
+
+def _source_list(source: str) -> list[str]:
+    """"brown,kjv" -> ["brown", "kjv"]; an existing path or an hf: name is one source even with commas."""
+    source = source.strip()
+    if source.startswith("hf:") or Path(source).expanduser().exists() or "," not in source:
+        return [source]
+    parts = [p.strip() for p in source.split(",") if p.strip()]
+    if len(set(parts)) != len(parts):
+        raise DataError(f"--data {source!r} names a source twice")
+    return parts
+
+
+def _source_label(spec: str) -> str:
+    if spec.startswith("hf:"):
+        return hf_label(spec)
+    if spec in BUILTIN_SOURCES:
+        return spec
+    return Path(spec).expanduser().name or spec
+
+
+def load_corpus(
+    source: str = "brown",
+    data_dir: str | Path | None = None,
+    eval_fraction: float = 0.05,
+    seed: int = 0,
+) -> Corpus:
+    """Load, cache and split a corpus into whole train / eval documents.
+
+    ``source`` is a builtin ("brown", "kjv", "austen"), a Hugging Face dataset ("hf:NAME[:CONFIG][@DOCS]",
+    needs the ``datasets`` package and network on first use), a .txt file, a directory of .txt files,
+    or a comma-separated mix of those ("brown,kjv,austen"). A mix makes each source one group and
+    holds out ``eval_fraction`` of each source's documents (the same ones as loading it alone).
+
+    A directory's files are documents grouped by their top-level subfolder (or by file, when flat);
+    a single file is cut into up to SINGLE_FILE_PIECES documents at line boundaries.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    root = default_data_dir(data_dir)
+    specs = _source_list(source)
+    if len(specs) == 1:
+        names, docs, groups = _load_source(specs[0], root)
+        corpus = _split(_source_label(specs[0]), names, docs, groups, eval_fraction, seed)
+    else:
+        # Each source of a mix is one group, so non-iid sharding gives workers different sources, and
+        # each source holds out its own documents.
+        parts = []
+        for spec in specs:
+            label = _source_label(spec)
+            names, docs, groups = _load_source(spec, root)
+            part = _split(label, names, docs, groups, eval_fraction, seed)
+            part.train_names = [f"{label}:{n}" for n in part.train_names]
+            part.eval_names = [f"{label}:{n}" for n in part.eval_names]
+            part.train_groups = [label] * len(part.train_docs)
+            part.eval_groups = [label] * len(part.eval_docs)
+            parts.append(part)
+        corpus = Corpus(
+            train_docs=[d for p in parts for d in p.train_docs],
+            eval_docs=[d for p in parts for d in p.eval_docs],
+            name="+".join(p.name for p in parts),
+            train_groups=[g for p in parts for g in p.train_groups],
+            eval_groups=[g for p in parts for g in p.eval_groups],
+            train_names=[n for p in parts for n in p.train_names],
+            eval_names=[n for p in parts for n in p.eval_names],
+        )
+    corpus.data_dir = root
+    return corpus
+
+
+def fetch_source(source: str, data_dir: str | Path | None = None) -> list[Path]:
+    """Fetch and verify the cache of each builtin or hf: source in ``source``; returns their directories."""
+    root = default_data_dir(data_dir)
+    fetchers: dict[str, Callable[[Path], Path]] = {"brown": fetch_brown, "kjv": fetch_kjv, "austen": fetch_austen}
+    out = []
+    for spec in _source_list(source):
+        if spec in fetchers:
+            out.append(fetchers[spec](root))
+        elif spec.startswith("hf:"):
+            load_hf(spec, root)
+            out.append(hf_dir(root, *parse_hf(spec)))
+        else:
+            raise DataError(f"{spec!r} is not a builtin source ({', '.join(BUILTIN_SOURCES)}) or hf:NAME")
+    return out
+
+
+def _load_source(spec: str, root: Path) -> tuple[list[str], list[str], list[str]]:
+    if spec == "brown":
+        return load_brown(root)
+    if spec == "kjv":
+        return load_kjv(root)
+    if spec == "austen":
+        return load_austen(root)
+    if spec.startswith("hf:"):
+        return load_hf(spec, root)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"--data {spec!r}: no such file or directory; pass a .txt file, a directory of .txt files, one of "
+            f"the builtin corpora ({', '.join(BUILTIN_SOURCES)}), hf:NAME[:CONFIG] for a Hugging Face dataset, "
+            "or several of these separated by commas"
+        )
+    return _load_user_text(path)
+
+
+def _split(name: str, names: list[str], docs: list[str], groups: list[str], eval_fraction: float, seed: int) -> Corpus:
+    # Evaluation holds out whole documents (a Brown text, a Bible book, an Austen chapter): windows cut
+    # from the training documents would leak.
+    n_eval = max(1, round(eval_fraction * len(docs))) if eval_fraction > 0 else 0
+    if len(docs) - n_eval < 1:
+        raise DataError(f"{name}: found {len(docs)} document(s); need at least 2 to hold whole documents out for eval")
+    n_eval = min(n_eval, len(docs) - 1)
+    gen = torch.Generator().manual_seed(seed)
+    held = set(torch.randperm(len(docs), generator=gen)[:n_eval].tolist())
+    tr = [i for i in range(len(docs)) if i not in held]
+    ev = sorted(held)
+    return Corpus(
+        train_docs=[docs[i] for i in tr],
+        eval_docs=[docs[i] for i in ev],
+        name=name,
+        train_groups=[groups[i] for i in tr],
+        eval_groups=[groups[i] for i in ev],
+        train_names=[names[i] for i in tr],
+        eval_names=[names[i] for i in ev],
+    )
+
+
+def _read_text(path: Path) -> str:
+    # errors="replace": one stray byte in a user's file should not stop a training run.
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def _load_user_text(path: Path) -> tuple[list[str], list[str], list[str]]:
+    if path.is_file():
+        text = _read_text(path)
+        if not text.strip():
+            raise DataError(f"--data {str(path)!r} is empty")
+        pieces = _cut_text(text, SINGLE_FILE_PIECES)
+        return (
+            [f"{path.name}#{i}" for i in range(len(pieces))],
+            pieces,
+            [f"part{i:02d}" for i in range(len(pieces))],
+        )
+    files = sorted(
+        p for p in path.rglob("*.txt") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
+    )
+    if not files:
+        raise DataError(f"--data {str(path)!r}: directory has no .txt files")
+    names, docs, groups = [], [], []
+    for f in files:
+        text = _read_text(f)
+        if not text.strip():
+            continue
+        rel = f.relative_to(path)
+        names.append(rel.as_posix())
+        docs.append(text)
+        groups.append(rel.parts[0] if len(rel.parts) > 1 else rel.stem)
+    if not docs:
+        raise DataError(f"--data {str(path)!r}: all {len(files)} .txt files are empty")
+    return names, docs, groups
+
+
+def _cut_text(text: str, pieces: int) -> list[str]:
+    """Contiguous pieces of about equal length, cut after a newline when one is near."""
+    target = max(1, len(text) // pieces)
+    out, start = [], 0
+    while start < len(text):
+        end = min(len(text), start + target)
+        if len(text) - end < target // 2:  # no tiny tail piece
+            end = len(text)
+        else:
+            nl = text.find("\n", end)
+            if nl != -1 and nl - end < target // 2:
+                end = nl + 1
+        piece = text[start:end]
+        if piece.strip():
+            out.append(piece)
+        start = end
+    return out

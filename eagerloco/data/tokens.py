@@ -1,0 +1,187 @@
+"""Token ids: per-document arrays, joined on demand, cached as memory-mapped .npy files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from eagerloco.data.cache import DataError, atomic_write, default_data_dir, file_sha256, locked
+from eagerloco.data.corpus import Corpus
+from eagerloco.data.tokenizer import ByteTokenizer, Tokenizer
+
+DOC_SEPARATOR = "\n\n"
+TOKEN_CACHE_VERSION = 1
+
+
+def _np_token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest dtype for the vocabulary: uint8 for bytes, uint16 for a BPE of up to 65536 tokens."""
+    if vocab_size <= 2**8:
+        return np.dtype(np.uint8)
+    if vocab_size <= 2**16:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32) if vocab_size < 2**31 else np.dtype(np.int64)
+
+
+def _encode_many(texts: Sequence[str], tokenizer: Tokenizer) -> list[list[int]] | list[bytes]:
+    if isinstance(tokenizer, ByteTokenizer):
+        return [t.encode("utf-8") for t in texts]
+    batch = getattr(tokenizer, "encode_batch", None)
+    return batch(list(texts)) if batch is not None else [tokenizer.encode(t) for t in texts]
+
+
+@dataclass
+class EncodedDocs:
+    """Token ids of documents back to back, with offsets; memory-mapped when read from the cache.
+
+    Documents are encoded one by one and joined with the separator's ids, so any order of them (the
+    iid shuffle, the non-iid shards) is a cheap concatenation of slices rather than a re-encode.
+    """
+
+    tokens: np.ndarray  # 1-D ids of every document, no separators
+    offsets: np.ndarray  # int64, len(docs) + 1; document i is tokens[offsets[i]:offsets[i + 1]]
+    separator: np.ndarray  # ids of DOC_SEPARATOR
+
+    @classmethod
+    def encode(cls, docs: Sequence[str], tokenizer: Tokenizer) -> EncodedDocs:
+        dtype = _np_token_dtype(tokenizer.vocab_size)
+        pieces = [np.frombuffer(e, np.uint8) if isinstance(e, bytes) else np.asarray(e, dtype=dtype)
+                  for e in _encode_many(docs, tokenizer)]
+        lengths = np.fromiter((p.size for p in pieces), dtype=np.int64, count=len(pieces))
+        offsets = np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])
+        tokens = np.concatenate(pieces).astype(dtype, copy=False) if pieces else np.zeros(0, dtype)
+        sep = np.asarray(tokenizer.encode(DOC_SEPARATOR), dtype=dtype)
+        return cls(tokens, offsets, sep)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def doc(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    def join(self, order: Sequence[int] | None = None) -> torch.Tensor:
+        """Documents in ``order`` (default: all, in order) separated by DOC_SEPARATOR, as one tensor."""
+        order = range(len(self)) if order is None else order
+        parts: list[np.ndarray] = []
+        for k, i in enumerate(order):
+            if k:
+                parts.append(self.separator)
+            parts.append(self.doc(i))
+        joined = np.concatenate(parts) if parts else np.zeros(0, self.tokens.dtype)
+        return torch.from_numpy(np.ascontiguousarray(joined, dtype=self.tokens.dtype))
+
+
+def encode_docs(docs: Sequence[str], tokenizer: Tokenizer) -> torch.Tensor:
+    """Documents separated by a blank line, as one 1-D tensor in the smallest dtype the vocabulary allows.
+
+    For bytes this equals encoding the joined text; a BPE encodes each document on its own.
+    """
+    fast = getattr(tokenizer, "encode_tensor", None)
+    if fast is not None:
+        return fast(DOC_SEPARATOR.join(docs))
+    return EncodedDocs.encode(docs, tokenizer).join()
+
+
+def _save_npy(path: Path, array: np.ndarray) -> dict[str, Any]:
+    """Atomically write ``array`` as .npy; returns its size and sha256 for the manifest."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+        os.chmod(tmp, 0o644)
+        meta = {"size": os.path.getsize(tmp), "sha256": file_sha256(Path(tmp))}
+        os.replace(tmp, path)
+        return meta
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+_TOKEN_FILES = ("train_tokens", "train_offsets", "eval_tokens", "eval_offsets", "separator")
+
+
+def token_cache_dir(corpus: Corpus, tokenizer: Tokenizer) -> Path:
+    """<data_dir>/tokens/<corpus hash>-<tokenizer hash>: where ``encode_corpus`` caches this pair's ids."""
+    # Keyed by (corpus, tokenizer) so a run with a trained BPE starts in seconds instead of re-encoding.
+    root = default_data_dir(corpus.data_dir) / "tokens"
+    tok_fp = hashlib.sha256(tokenizer.fingerprint.encode()).hexdigest()
+    return root / f"{corpus.fingerprint()[:20]}-{tok_fp[:20]}"
+
+
+def _read_token_cache(directory: Path) -> tuple[EncodedDocs, EncodedDocs] | None:
+    """Memory-mapped arrays when every file matches the manifest's size and sha256, else None."""
+    try:
+        manifest = json.loads((directory / "manifest.json").read_text())
+        if manifest.get("version") != TOKEN_CACHE_VERSION:
+            return None
+        arrays = {}
+        for name in _TOKEN_FILES:
+            meta, path = manifest["files"][name], directory / f"{name}.npy"
+            if path.stat().st_size != meta["size"] or file_sha256(path) != meta["sha256"]:
+                return None
+            arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    sep = np.asarray(arrays["separator"])
+    return (
+        EncodedDocs(arrays["train_tokens"], arrays["train_offsets"], sep),
+        EncodedDocs(arrays["eval_tokens"], arrays["eval_offsets"], sep),
+    )
+
+
+def encode_corpus(corpus: Corpus, tokenizer: Tokenizer) -> tuple[EncodedDocs, EncodedDocs]:
+    """(train, eval) token ids; cached under <data_dir>/tokens/<corpus hash>-<tokenizer hash>/.
+
+    The byte tokenizer, and a corpus built by hand (no ``data_dir``), are encoded in memory: reading
+    bytes back from disk would not be faster than encoding them.
+    """
+    if corpus.data_dir is None or isinstance(tokenizer, ByteTokenizer):
+        return EncodedDocs.encode(corpus.train_docs, tokenizer), EncodedDocs.encode(corpus.eval_docs, tokenizer)
+    directory = token_cache_dir(corpus, tokenizer)
+    cached = _read_token_cache(directory)
+    if cached is not None:
+        return cached
+    directory.mkdir(parents=True, exist_ok=True)
+    with locked(directory):
+        cached = _read_token_cache(directory)
+        if cached is not None:
+            return cached
+        t0 = time.perf_counter()
+        train = EncodedDocs.encode(corpus.train_docs, tokenizer)
+        ev = EncodedDocs.encode(corpus.eval_docs, tokenizer)
+        seconds = time.perf_counter() - t0
+        arrays = {
+            "train_tokens": train.tokens, "train_offsets": train.offsets,
+            "eval_tokens": ev.tokens, "eval_offsets": ev.offsets, "separator": train.separator,
+        }
+        files = {name: _save_npy(directory / f"{name}.npy", arrays[name]) for name in _TOKEN_FILES}
+        manifest = {
+            "version": TOKEN_CACHE_VERSION,
+            "corpus": corpus.name,
+            "corpus_fingerprint": corpus.fingerprint(),
+            "tokenizer": getattr(tokenizer, "name", type(tokenizer).__name__),
+            "tokenizer_fingerprint": tokenizer.fingerprint,
+            "vocab_size": tokenizer.vocab_size,
+            "train_tokens": train.num_tokens,
+            "eval_tokens": ev.num_tokens,
+            "encode_seconds": round(seconds, 3),
+            "files": files,
+        }
+        atomic_write(directory / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
+    cached = _read_token_cache(directory)
+    if cached is None:  # pragma: no cover - only if the disk changes under us
+        raise DataError(f"token cache {directory} could not be read back after writing it")
+    return cached
