@@ -9,13 +9,15 @@ from __future__ import annotations
 import math
 import os
 import re
+import types
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 METHODS = ("dp", "diloco", "streaming", "delayed", "eager")
 PATTERNS = ("sequential", "strided")
 WEIGHTINGS = ("nonlocal", "stale_average")
 OUTER_OPTIMIZERS = ("sgd", "adam", "adamw")
+MAX_SEED = 2**63 - 1
 
 
 class ConfigError(ValueError):
@@ -221,6 +223,8 @@ class TrainConfig:
     """How many of the newest checkpoints to keep."""
     resume: bool = False
     """Continue from the newest valid checkpoint under out (the same numbers as an uninterrupted run)."""
+    overwrite: bool = False
+    """Start afresh in an out directory that holds another run, removing that run's files."""
     elastic: bool = False
     """Multi-process: when a worker dies the survivors go on and admit it when it comes back."""
     rejoin: bool = False
@@ -266,8 +270,17 @@ class TrainConfig:
             model_config(self.model)
         except ValueError as e:
             raise ConfigError(str(e)) from e
-        if not re.fullmatch(r"byte|bpe(:\d+)?", self.tokenizer):
+        if not isinstance(self.tokenizer, str) or not re.fullmatch(r"byte|bpe(:\d+)?", self.tokenizer):
             raise ConfigError(f"--tokenizer must be byte, bpe or bpe:<vocab size>, got {self.tokenizer!r}")
+        from eagerloco.data.tokenizer import parse_tokenizer_name
+
+        try:
+            parse_tokenizer_name(self.tokenizer)
+        except ValueError as e:
+            raise ConfigError(f"--tokenizer: {e}") from None
+        if self.seed > MAX_SEED:
+            raise ConfigError(f"--seed must be at most 2**63 - 1 (it seeds torch and numpy generators), "
+                              f"got {self.seed}")
         from eagerloco.evals import TASKS
 
         unknown = [t for t in self.eval_task_list if t not in TASKS]
@@ -281,12 +294,14 @@ class TrainConfig:
         return self
 
     def _validate_faults(self) -> None:
-        for name in ("elastic", "rejoin"):
+        for name in ("elastic", "rejoin", "resume", "overwrite"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ConfigError(f"--{name} is a switch (true/false), got {v!r}")
         parse_slow_workers(self.slow_workers, self.workers)
         distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
         if self.rejoin and not self.elastic:
             raise ConfigError("--rejoin needs --elastic: only an elastic run admits a worker that comes back")
         if self.elastic and not distributed:
@@ -365,12 +380,61 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
-    """Build a dataclass from a mapping, refusing unknown keys with the list of known ones."""
+def _type_name(tp: Any) -> str:
+    args = [a for a in get_args(tp) if a is not type(None)]
+    if get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args) + (" (or absent)" if type(None) in get_args(tp) else "")
+    if get_origin(tp) is list:
+        return f"a list of {_type_name(args[0]).removeprefix('a ').removeprefix('an ')}s"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(tp, f"a [{getattr(tp, '__name__', tp)}] table")
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    """Whether value has the declared type, strictly: a bool is not an int, "no" is not a bool."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return any(_type_ok(value, a) for a in get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is list:
+        return isinstance(value, list) and all(_type_ok(v, get_args(tp)[0]) for v in value)
+    return isinstance(value, tp)
+
+
+def from_dict(cls: type, data: Any, where: str) -> Any:
+    """Build a config dataclass from a mapping, checking every key and value against the field's type.
+
+    The dataclasses' own type hints are the schema: no library needed for a handful of flat types.
+
+    Args:
+        cls: OuterConfig, LinkConfig or TrainConfig (nested tables are built by the caller).
+        data: the mapping, e.g. a TOML table.
+        where: what to name in errors, e.g. ``--config run.toml``.
+
+    Returns:
+        The dataclass (not yet validated for ranges and combinations: call ``validate()``).
+
+    Raises:
+        ConfigError: an unknown key (listing the known ones) or a value of the wrong type, naming
+            the key, ``where`` and the expected type.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a table of settings, got {data!r}")
+    hints = get_type_hints(cls)
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)} in {where}; known: {', '.join(sorted(known))}")
+    for key, value in data.items():
+        if not _type_ok(value, hints[key]):
+            raise ConfigError(f"{key} = {value!r} in {where}: expected {_type_name(hints[key])}")
     return cls(**data)
 
 

@@ -74,6 +74,9 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-checkpoints", type=int, help="how many checkpoints to keep (default 2)")
     g.add_argument("--resume", action="store_true", default=None,
                    help="continue from the newest valid checkpoint in --out")
+    g.add_argument("--overwrite", action="store_true", default=None,
+                   help="start afresh in an --out that holds another run, deleting its checkpoints and metrics "
+                   "(without it such an --out is refused)")
     g.add_argument("--seed", type=int, help="random seed (default 0)")
     g.add_argument("--out", help="output directory (default runs/latest)")
     g.add_argument("--tensorboard", action="store_true", default=None,
@@ -123,11 +126,17 @@ def build_train_config(args: argparse.Namespace) -> Any:
         if not args.config.is_file():
             raise ConfigError(f"--config {args.config}: no such file; pass a TOML file")
         try:
-            raw = tomllib.loads(args.config.read_text())
+            raw = tomllib.loads(args.config.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise ConfigError(f"--config {args.config}: not a text file; pass a TOML file (UTF-8)") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"--config {args.config}: not valid TOML ({e})") from e
-        outer.update(raw.pop("outer", {}))
-        link.update(raw.pop("link", {}))
+        for table, into in (("outer", outer), ("link", link)):
+            value = raw.pop(table, {})
+            if not isinstance(value, dict):
+                raise ConfigError(f"--config {args.config}: [{table}] must be a table of settings "
+                                  f"(a [{table}] section), got {table} = {value!r}")
+            into.update(value)
         data.update(raw)
     train_fields = {f.name for f in fields(TrainConfig)} - {"outer", "link"}
     for key, value in vars(args).items():
@@ -146,6 +155,8 @@ def build_train_config(args: argparse.Namespace) -> Any:
     if getattr(args, "ranks_per_worker", 1) is None:
         args.ranks_per_worker = int(os.environ.get("EAGERLOCO_RANKS_PER_WORKER") or 1)
     where = f"--config {args.config}" if args.config else "the command line"
+    if "tokens" in data and "steps" in data:
+        raise ConfigError(f"pass either steps or tokens (a token budget that sets the steps), not both ({where})")
     cfg = from_dict(TrainConfig, data, where)
     cfg.outer = from_dict(OuterConfig, outer, f"[outer] of {where}")
     cfg.link = from_dict(LinkConfig, link, f"[link] of {where}")

@@ -85,7 +85,7 @@ DEMO_ARGV = ["--out", "runs/demo", "--steps", "200", "--sim-step-time", "0.06", 
 DEFAULT_SWEEP_H = "10,20,50"
 
 #: TrainConfig fields that do not change a run's numbers: a cached run is reused across them.
-CACHE_IGNORED = {"out", "progress", "resume", "checkpoint_every", "keep_checkpoints", "tokens"}
+CACHE_IGNORED = {"out", "progress", "resume", "overwrite", "checkpoint_every", "keep_checkpoints", "tokens"}
 #: Flags that choose the method; in compare the grid entry does.
 PER_ENTRY_FLAGS = ("method", "fragments", "overlap_steps", "eager_rounds")
 

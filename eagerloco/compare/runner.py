@@ -52,7 +52,8 @@ def entry_config(base: Any, entry: GridEntry, run_dir: Path, lowered_lr: float, 
         outer["outer_lr"] = lowered_lr
     if inner_steps is not None:
         outer["inner_steps"] = inner_steps
-    return replace(base, outer=replace(base.outer, **outer), out=str(run_dir))
+    # compare owns <out>/runs: a run it does not reuse is retrained over whatever that directory held.
+    return replace(base, outer=replace(base.outer, **outer), out=str(run_dir), overwrite=True)
 
 
 def plan_runs(

@@ -45,6 +45,7 @@ from eagerloco.train.resume import (
     has_worker,
     resume_checkpoint,
 )
+from eagerloco.train.rundir import guard_run_dir
 
 
 def train_distributed(
@@ -95,6 +96,7 @@ def train_distributed(
         set_worker_threads()
         return train_elastic(cfg, timeout_s)
     set_worker_threads()
+    lock = guard_run_dir(cfg, reporting=os.environ.get("RANK") == "0")
     ctx = init_process_groups(cfg.workers, ranks_per_worker, backend, timeout_s, sharded_outer=fsdp)
     comm = None
     try:
@@ -175,6 +177,8 @@ def train_distributed(
         if comm is not None:
             comm.close()
         shutdown()
+        if lock is not None:
+            lock.release()
 
 
 def in_distributed_env() -> bool:

@@ -40,6 +40,7 @@ from eagerloco.train.resume import (
     own_last_state,
     resume_checkpoint,
 )
+from eagerloco.train.rundir import guard_run_dir
 
 
 def lost_steps(events: list[dict[str, Any]]) -> int:
@@ -90,13 +91,22 @@ def train_elastic(cfg: TrainConfig, timeout_s: float) -> dict[str, Any] | None:
         ConfigError: an invalid setting or environment.
         PeerError: the run's store cannot be reached, or the group cannot go on.
     """
-    from eagerloco.data import worker_streams
-    from eagerloco.schedule import apply_delay
-
     me = _env_int("RANK")
     if me is None or not 0 <= me < cfg.workers:
         raise ConfigError(f"RANK must be a worker id in 0..{cfg.workers - 1} for --elastic, got {me}")
     joining = rejoining(cfg)
+    lock = None if joining else guard_run_dir(cfg, reporting=me == 0)
+    try:
+        return _run(cfg, timeout_s, me, joining)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: TrainConfig, timeout_s: float, me: int, joining: bool) -> dict[str, Any] | None:
+    from eagerloco.data import worker_streams
+    from eagerloco.schedule import apply_delay
+
     client = _store_client(timeout_s)
     oc = cfg.outer
     kw = {"inner_steps": oc.inner_steps, "steps": cfg.steps, "is_dp": oc.method == "dp",

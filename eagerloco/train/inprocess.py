@@ -17,6 +17,7 @@ from eagerloco.jsonfiles import write_json_atomic
 from eagerloco.train.loop import Worker, prepare, run_training, task_evals
 from eagerloco.train.outputs import RunOutput
 from eagerloco.train.resume import announce_resume, checkpoint_meta, resume_checkpoint
+from eagerloco.train.rundir import claim
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -35,9 +36,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         ConfigError: an invalid setting, or a checkpoint that does not fit these settings.
         DataError: the data cannot be fetched or read.
     """
+    cfg.validate()
+    with claim(cfg):
+        return _train(cfg)
+
+
+def _train(cfg: TrainConfig) -> dict[str, Any]:
     from eagerloco.data import worker_streams
 
-    cfg.validate()
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     root = ckpt.checkpoint_root(out)

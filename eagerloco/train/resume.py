@@ -11,8 +11,8 @@ from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.jsonfiles import finite_json
 
 #: Settings that may change between a run and its resumption without changing its numbers.
-RESUMABLE_CHANGES = {"progress", "resume", "out", "checkpoint_every", "keep_checkpoints", "eval_every", "log_every",
-                     "elastic", "rejoin", "slow_workers", "eval_tasks", "eval_limit", "tensorboard"}
+RESUMABLE_CHANGES = {"progress", "resume", "overwrite", "out", "checkpoint_every", "keep_checkpoints", "eval_every",
+                     "log_every", "elastic", "rejoin", "slow_workers", "eval_tasks", "eval_limit", "tensorboard"}
 
 
 def check_resume_config(saved: dict[str, Any], cfg: TrainConfig) -> None:

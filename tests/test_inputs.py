@@ -1,0 +1,131 @@
+"""Bad input gets one clear line and loses nothing: typed config files, bounds, guarded run directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagerloco.cli import main
+from eagerloco.train.rundir import LOCK_NAME
+
+FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress",
+        "--log-every", "1"]
+
+
+def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eagerloco: error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("toml", "needles"),
+    [
+        ("outer = 3\n", ["[outer] must be a table", "outer = 3"]),
+        ("link = [1, 2]\n", ["[link] must be a table"]),
+        ('[link]\nbandwidth_gbps = "fast"\n', ["bandwidth_gbps = 'fast'", "[link] of --config", "expected a number"]),
+        ('sim_step_time = "x"\n', ["sim_step_time = 'x'", "expected a number"]),
+        ("tokenizer = 5\n", ["tokenizer = 5", "expected a string"]),
+        ("eval_tasks = 1\n", ["eval_tasks = 1", "expected a string"]),
+        ("data = 3\n", ["data = 3", "expected a string"]),
+        ('[outer]\nouter_nesterov = "no"\n', ["outer_nesterov = 'no'", "expected true or false"]),
+        ('iid = "false"\n', ["iid = 'false'", "expected true or false"]),
+        ('resume = "no"\n', ["resume = 'no'", "expected true or false"]),
+        ("workers = 2.5\n", ["workers = 2.5", "expected an integer"]),
+        ('slow_workers = [1]\n', ["slow_workers = [1]", "expected a list of strings"]),
+        ("non_iid = false\n", ["unknown setting(s) non_iid", "known:"]),
+    ],
+)
+def test_config_values_of_the_wrong_type_are_named(tmp_path: Path, capsys, toml: str, needles: list[str]) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(toml)
+    err = _error(capsys, ["train", *FAST, "--config", str(cfg), "--out", str(tmp_path / "run")])
+    for needle in needles:
+        assert needle in err
+    assert str(cfg) in err
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_a_binary_config_file_is_named(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_bytes(bytes(range(256)))
+    assert "not a text file" in _error(capsys, ["train", "--config", str(cfg)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--tokenizer", "bpe:10"], "the vocabulary must be an integer >= 256"),
+        (["--seed", str(2**70)], "--seed must be at most 2**63 - 1"),
+        (["--tokens", "1000", "--steps", "3"], "either steps or tokens"),
+        (["--resume", "--overwrite"], "pass one of them"),
+        (["--out", ""], "--out must name a directory"),
+    ],
+)
+def test_values_that_can_only_be_mistakes(tmp_path: Path, capsys, argv: list[str], needle: str) -> None:
+    args = ["train", *FAST, *argv] if "--out" in argv else ["train", *FAST, "--out", str(tmp_path / "r"), *argv]
+    assert needle in _error(capsys, args)
+
+
+def test_out_naming_a_file_or_a_path_under_one(tmp_path: Path, capsys) -> None:
+    f = tmp_path / "file"
+    f.write_text("keep me")
+    assert "is a file, not a directory" in _error(capsys, ["train", *FAST, "--out", str(f)])
+    assert f"is under {f}, which is a file" in _error(capsys, ["train", *FAST, "--out", str(f / "run")])
+    assert f.read_text() == "keep me"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_out_in_a_read_only_directory(tmp_path: Path, capsys) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    assert "is not a writable directory" in _error(capsys, ["train", *FAST, "--out", str(ro / "run")])
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_a_new_run_never_mixes_with_an_earlier_one(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    base = ["train", *FAST, "--out", str(out), "--checkpoint-every", "2", "--method", "diloco", "--inner-steps", "2"]
+    assert main([*base, "--steps", "4"]) == 0
+    before = _files(out)
+    capsys.readouterr()
+    err = _error(capsys, [*base, "--steps", "6", "--seed", "1"])
+    assert "holds an earlier run" in err and "step_00000002 .. step_00000004" in err
+    assert "--resume" in err and "--overwrite" in err
+    assert _files(out) == before  # nothing touched
+    # --overwrite starts afresh: no checkpoint or metrics line of the old run survives
+    assert main([*base, "--steps", "2", "--seed", "1", "--overwrite"]) == 0
+    steps = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert steps == ["step_00000002"]
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    assert json.loads((out / "summary.json").read_text())["config"]["seed"] == 1
+    assert not (out / LOCK_NAME).exists()
+
+
+def test_a_live_lock_keeps_a_second_run_out(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / LOCK_NAME).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname()}))
+        err = _error(capsys, ["train", *FAST, "--out", str(out), "--steps", "1"])
+        assert f"in use by another run (process {holder.pid}" in err
+        assert not (out / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder is gone: its lock is stale and taken over with a message
+    assert main(["train", *FAST, "--out", str(out), "--steps", "1"]) == 0
+    assert f"taking over {out / LOCK_NAME} from process {holder.pid}" in capsys.readouterr().err
+    assert not (out / LOCK_NAME).exists()
