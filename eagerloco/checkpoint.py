@@ -112,6 +112,9 @@ def verify(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{meta_path} is unreadable or corrupt ({e})") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "files" not in meta:
         raise CheckpointError(f"{meta_path} is not an eagerloco checkpoint of format {FORMAT_VERSION}")
+    problem = _meta_problem(meta)
+    if problem:
+        raise CheckpointError(f"{meta_path} is inconsistent: {problem}")
     for entry in meta["files"]:
         f = path / entry["file"]
         try:
@@ -125,12 +128,42 @@ def verify(path: Path) -> dict[str, Any]:
     return meta
 
 
+def _meta_problem(meta: dict[str, Any]) -> str:
+    """What is wrong with a meta.json that parses, or "" (a hand-edited or foreign file must not crash a resume)."""
+    files = meta["files"]
+    if not isinstance(files, list) or not files:
+        return "'files' must be a non-empty list"
+    for entry in files:
+        if not isinstance(entry, dict):
+            return f"a files entry is {entry!r}, not a table"
+        name, size, digest = entry.get("file"), entry.get("size"), entry.get("sha256")
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            return f"a files entry names {name!r}, not a file of the checkpoint"
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            return f"{name}: size {size!r} is not a byte count"
+        if not isinstance(digest, str) or len(digest) != 64:
+            return f"{name}: sha256 {digest!r} is not a SHA-256 digest"
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"step {step!r} is not a step number"
+    if not isinstance(meta.get("config"), dict):
+        return "it records no settings ('config')"
+    return ""
+
+
 def load_worker_state(path: Path, worker: int) -> dict[str, Any]:
+    """One worker's (rank's) saved state.
+
+    Raises:
+        CheckpointError: the checkpoint has no file for this worker, or it cannot be read.
+    """
     f = path / f"worker_{worker}.pt"
     try:
         return torch.load(f, map_location="cpu", weights_only=False)
     except FileNotFoundError as e:
         raise CheckpointError(f"{f} is missing: this checkpoint has no state for worker {worker}") from e
+    except Exception as e:  # a file that passed its checksum but is no torch file: written by something else
+        raise CheckpointError(f"{f} cannot be read as a checkpoint ({type(e).__name__}: {e})") from e
 
 
 def latest_valid(root: Path, log: Any = None) -> tuple[Path, dict[str, Any]] | None:

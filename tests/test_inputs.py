@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -129,3 +130,68 @@ def test_a_live_lock_keeps_a_second_run_out(tmp_path: Path, capsys) -> None:
     assert main(["train", *FAST, "--out", str(out), "--steps", "1"]) == 0
     assert f"taking over {out / LOCK_NAME} from process {holder.pid}" in capsys.readouterr().err
     assert not (out / LOCK_NAME).exists()
+
+
+def _checkpointed_run(tmp_path: Path) -> tuple[Path, list[str]]:
+    out = tmp_path / "run"
+    argv = ["train", *FAST, "--out", str(out), "--method", "diloco", "--inner-steps", "2", "--steps", "6",
+            "--checkpoint-every", "2", "--keep-checkpoints", "3"]
+    assert main(argv) == 0
+    return out, argv
+
+
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        (lambda m: "not json {", "unreadable or corrupt"),
+        (lambda m: json.dumps({**json.loads(m), "files": [{"file": "worker_0.pt"}]}), "size None is not a byte count"),
+        (lambda m: json.dumps({**json.loads(m), "files": "x"}), "'files' must be a non-empty list"),
+        (lambda m: json.dumps({**json.loads(m), "step": "six"}), "step 'six' is not a step number"),
+        (lambda m: json.dumps({k: v for k, v in json.loads(m).items() if k != "config"}), "records no settings"),
+    ],
+)
+def test_resume_skips_a_damaged_meta_for_the_previous_good_checkpoint(tmp_path: Path, capsys, damage, needle) -> None:
+    out, argv = _checkpointed_run(tmp_path)
+    clean = json.loads((out / "summary.json").read_text())
+    meta = out / "checkpoints" / "step_00000006" / "meta.json"
+    meta.write_text(damage(meta.read_text()))
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0
+    captured = capsys.readouterr()
+    assert "skipping checkpoint step_00000006" in captured.err and needle in captured.err
+    assert "resuming from" in captured.out and "step_00000004" in captured.out
+    resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["final_eval_loss"] == clean["final_eval_loss"]
+
+
+def test_a_torn_metrics_line_is_dropped_with_a_message(tmp_path: Path, capsys) -> None:
+    out, argv = _checkpointed_run(tmp_path)
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join(lines[:4]) + "\n" + lines[4][:7])  # a writer killed mid-line at step 5
+    shutil.rmtree(out / "checkpoints" / "step_00000006")  # ... before its step-6 checkpoint
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0
+    assert "dropped 1 unreadable line(s)" in capsys.readouterr().err
+    assert [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_checkpoint_resumes_only_in_the_runtime_that_wrote_it(tmp_path: Path, capsys) -> None:
+    from eagerloco.config import ConfigError
+    from eagerloco.flags import build_train_config
+
+    out, argv = _checkpointed_run(tmp_path)
+    from eagerloco.cli import make_parser
+    from eagerloco.train.resume import resume_checkpoint
+
+    cfg = build_train_config(make_parser().parse_args([*argv, "--resume"]))
+    with pytest.raises(ConfigError, match=r"written by a run in one process .* resume it the same way"):
+        resume_checkpoint(cfg, "distributed")
+    meta = out / "checkpoints" / "step_00000006" / "meta.json"
+    m = json.loads(meta.read_text())
+    m["runtime"] = "distributed"
+    del m["group"]
+    for step in ("step_00000002", "step_00000004", "step_00000006"):
+        (out / "checkpoints" / step / "meta.json").write_text(json.dumps(m))
+    err = _error(capsys, [*argv, "--resume"])
+    assert "written by a run on several processes" in err and "eagerloco launch" in err

@@ -102,7 +102,7 @@ def train_distributed(
     try:
         out = Path(cfg.out)
         root = ckpt.checkpoint_root(out)
-        found = resume_checkpoint(cfg)
+        found = resume_checkpoint(cfg, "distributed")
         if found is not None:
             check_resume_layout(found[1], ranks_per_worker, fsdp)
         # Same corpus, tokenizer (its cache is locked) and seeded initial model on every rank.

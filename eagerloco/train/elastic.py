@@ -113,7 +113,7 @@ def _run(cfg: TrainConfig, timeout_s: float, me: int, joining: bool) -> dict[str
           "delay": apply_delay(oc.method, oc.inner_steps, oc.overlap_steps, oc.eager_rounds)}
     out = Path(cfg.out)
     root = ckpt.checkpoint_root(out)
-    found = resume_checkpoint(cfg) if not joining else None
+    found = resume_checkpoint(cfg, "distributed") if not joining else None
     corpus, tok, model, evb = prepare(cfg)  # every worker keeps eval batches: any of them may lead
     stream = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed, iid=cfg.iid)[me]
     src = -1

@@ -74,13 +74,17 @@ class RunOutput:
         fresh = self.first and not self.start_step
         self.first = False
         lines: list[str] = []
+        torn = 0
         if not fresh and self.path.exists():
-            for ln in self.path.read_text().split("\n"):
+            for ln in self.path.read_text(errors="replace").split("\n"):
                 try:
                     if ln and json.loads(ln)["step"] <= keep_upto:
                         lines.append(ln)
                 except (ValueError, KeyError, TypeError):
-                    continue
+                    torn += 1
+        if torn:
+            print(f"eagerloco: dropped {torn} unreadable line(s) of {self.path} (a run that stopped mid-line)",
+                  file=sys.stderr, flush=True)
         f = open(self.path, "w")  # noqa: SIM115 - closed in close()
         for ln in lines:
             f.write(ln + "\n")

@@ -31,15 +31,22 @@ def check_resume_config(saved: dict[str, Any], cfg: TrainConfig) -> None:
         )
 
 
-def resume_checkpoint(cfg: TrainConfig) -> tuple[Path, dict[str, Any]] | None:
+def resume_checkpoint(cfg: TrainConfig, runtime: str = "inprocess") -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint to continue from.
+
+    Args:
+        cfg: the run's settings.
+        runtime: "inprocess" or "distributed", the runtime that resumes: a checkpoint holds the
+            state of the runtime that wrote it (the in-process group's simulated link, or one file
+            per rank), so it resumes in the same runtime.
 
     Returns:
         With ``cfg.resume``, the newest valid checkpoint under ``<out>/checkpoints`` and its
         metadata; None without ``cfg.resume``.
 
     Raises:
-        ConfigError: there is none, or it was made with other settings.
+        ConfigError: there is none, it was made with other settings, or by the other runtime.
+        CheckpointError: there are checkpoints but none is intact (each problem is listed).
     """
     if not cfg.resume:
         return None
@@ -47,7 +54,16 @@ def resume_checkpoint(cfg: TrainConfig) -> tuple[Path, dict[str, Any]] | None:
     found = ckpt.latest_valid(root)
     if found is None:
         raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh")
-    check_resume_config(found[1]["config"], cfg)
+    path, meta = found
+    written = "distributed" if meta.get("runtime") == "distributed" else "inprocess"
+    if written != runtime or (runtime == "inprocess" and not isinstance(meta.get("group"), dict)):
+        how = {"inprocess": "in one process (`eagerloco train --resume` without a launcher)",
+               "distributed": "on several processes (`eagerloco launch --workers M -- ... --resume` or torchrun)"}
+        raise ConfigError(
+            f"--resume: {path} was written by a run {how[written]}; it holds that runtime's state, "
+            f"so resume it the same way"
+        )
+    check_resume_config(meta["config"], cfg)
     return found
 
 
