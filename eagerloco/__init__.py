@@ -1,24 +1,44 @@
-"""eagerloco: DiLoCo, Streaming DiLoCo and eager outer updates for training across slow links."""
+"""eagerloco: DiLoCo, Streaming DiLoCo and eager outer updates for training across slow links.
 
-from eagerloco.codecs import CODEC_NAMES, get_codec
-from eagerloco.comm.base import Communicator, Handle, WorkerStats
-from eagerloco.comm.inprocess import InProcessGroup
-from eagerloco.config import ConfigError, LinkConfig, OuterConfig
-from eagerloco.outer import OuterSync, after_inner_step_all, before_inner_step_all
+The public names are loaded on first use (PEP 562), so tools that need no torch (the simulator,
+``eagerloco simulate``) start without importing it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CODEC_NAMES",
-    "Communicator",
-    "ConfigError",
-    "Handle",
-    "InProcessGroup",
-    "LinkConfig",
-    "OuterConfig",
-    "OuterSync",
-    "WorkerStats",
-    "after_inner_step_all",
-    "before_inner_step_all",
-    "get_codec",
-]
+#: Public name -> module that defines it.
+_EXPORTS: dict[str, str] = {
+    "CODEC_NAMES": "eagerloco.codecs",
+    "get_codec": "eagerloco.codecs",
+    "Communicator": "eagerloco.comm.base",
+    "Handle": "eagerloco.comm.base",
+    "WorkerStats": "eagerloco.comm.base",
+    "InProcessGroup": "eagerloco.comm.inprocess",
+    "ConfigError": "eagerloco.config",
+    "LinkConfig": "eagerloco.config",
+    "OuterConfig": "eagerloco.config",
+    "OuterSync": "eagerloco.outer",
+    "after_inner_step_all": "eagerloco.outer",
+    "before_inner_step_all": "eagerloco.outer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module defining a public name on first access and cache the name here."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'eagerloco' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

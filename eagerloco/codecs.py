@@ -42,9 +42,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp8", "e2m1", "e3m0", "int8", "int4")
+from eagerloco.codec_sizes import CODEC_NAMES, SCALE_BYTES
 
-SCALE_BYTES = 2  # every block format stores one bfloat16 scale per block
 _CHUNK = 1 << 15  # values encoded per pass of the block codecs
 _BF16_MAX_BITS = 0x7F7F0000  # largest finite bfloat16 as FP32 bits
 _FP32_MAX = torch.finfo(torch.float32).max

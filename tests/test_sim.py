@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eagerloco.codecs import SCALE_BYTES
+from eagerloco.codec_sizes import SCALE_BYTES
 from eagerloco.sim import cli
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.model import (
@@ -62,21 +62,37 @@ def test_infinite_bandwidth_gives_full_utilization(model: ModelSpec, M: int) -> 
 @pytest.mark.parametrize("bw", [0.5, 7.0, 300.0])
 @pytest.mark.parametrize("lat", [0.0, 40.0])
 def test_diloco_closed_form(M: int, bw: float, lat: float) -> None:
-    H, t = 30, ONE_B.step_time
+    """Blocking DiLoCo, link slower than the weight gradients appear (a share takes >= 2 nodes).
+
+    The shares run back to back from the last block's weight gradient (2 nodes into the backward);
+    block 0's share is the last one queued and gates the next forward, so a round loses
+    latency + all shares - (2L - 3) nodes of backward that hid them.
+    """
+    H, t, L = 30, ONE_B.step_time, ONE_B.layers
+    u = t / (3 * L - 1)
     v = Variant("diloco", "DiLoCo", "diloco", 32)
-    sync = lat / 1e3 + 2 * (M - 1) / M * ONE_B.params * 4 * 8 / (bw * 1e9)
-    assert _cu(ONE_B, v, bw, M=M, H=H, lat=lat)[0] == pytest.approx(H * t / (H * t + sync), rel=1e-9)
+    link = 2 * (M - 1) / M * ONE_B.params * 4 * 8 / (bw * 1e9)
+    assert link / L >= 2 * u
+    exposed = lat / 1e3 + link - (2 * L - 3) * u
+    assert _cu(ONE_B, v, bw, M=M, H=H, lat=lat)[0] == pytest.approx(H * t / (H * t + exposed), rel=1e-9)
 
 
 @pytest.mark.parametrize("tau", [0, 1, 3])
 def test_streaming_blocks_for_what_tau_steps_do_not_hide(tau: int) -> None:
-    """Each fragment waits max(0, d - tau*t) when its exchange lands before the next one starts."""
-    model, H, P = PRESETS["10b"], 100, 16
+    """One block per fragment: fragment p's share goes on the link when block p's weight gradient
+    exists, 2p - 1 nodes before the end of the launch step (block 0: at its end), and gates block
+    p's forward tau + 1 steps later, p nodes into that step. It blocks max(0, d - slack) with
+    slack = tau*t + (3p - 1) nodes (tau*t for p = 0), each exchange landing before the next starts.
+    """
+    model, H = ModelSpec("x", 4e9, 4, 0.8), 100
+    P, L = 4, 4
+    u = model.step_time / (3 * L - 1)
     v = Variant("s", "s", "streaming", 32, fragmented=True, overlap_steps=tau)
     d_bytes = traffic(model, v, 2, H, P).peak_bytes
     for d in (0.5 * model.step_time, 2.5 * model.step_time, 5.0 * model.step_time):
         bw = _gbps_for_seconds(d_bytes, d)
-        blocked = P * max(0.0, d - tau * model.step_time)
+        slack = [tau * model.step_time] + [tau * model.step_time + (3 * p - 1) * u for p in range(1, P)]
+        blocked = sum(max(0.0, d - s) for s in slack)
         want = H * model.step_time / (H * model.step_time + blocked)
         assert _cu(model, v, bw, H=H, P=P)[0] == pytest.approx(want, rel=1e-9)
 
@@ -99,18 +115,23 @@ def test_eager_full_when_a_sync_fits_in_a_round(method: str, k: int, fragmented:
 
 
 def test_link_carries_one_transfer_at_a_time() -> None:
-    """H=3, P=2 (offsets 0 and 2), tau=1, t=1 s, each exchange 1.5 s, by hand.
+    """Two blocks in two fragments, H=3 (offsets 0 and 2), tau=1, t=1 s (nodes of 0.2 s), 1.5 s each.
 
-    Per round: fragment 1 launches at 2, lands at 3.5 (0.5 s blocked at step 3); fragment 0
-    launches at step 3 but queues behind it until 3.5, lands at 5.0, blocking step 4 by 0.5 s more:
-    4 s of wall per 3 s of compute. A link carrying both at once would give 3.5 s per round.
+    Fragment 1 (block 1) launches at step 2 when block 1's weight gradient exists, one node before
+    the end of the step; fragment 0 (block 0) launches at the end of step 3 and has to queue
+    behind it: one link carries one transfer at a time.
     """
     model = ModelSpec("x", 2e9, 2, 1.0)
     v = Variant("s", "s", "streaming", 32, fragmented=True, overlap_steps=1)
     tr = traffic(model, v, 2, 3, 2)
-    assert tr.transfers[0] == tr.transfers[1]
     bw = _gbps_for_seconds(tr.transfers[0], 1.5)
-    assert simulate(model, v, tr, bw, 0.0, 3).cu[0] == pytest.approx(3 / 4, rel=1e-9)
+    shared = simulate(model, v, tr, bw, 0.0, 3).cu[0]
+    # Times from the end of step 2. Fragment 1: on the link at -0.2 s, lands at 1.3 s; step 3 is not
+    # gated and ends at 1.0 s. Fragment 0: launched at 1.0 s, queues until 1.3 s, lands at 2.8 s.
+    # Fragment 1 is applied after step 3, so block 1's forward of step 4, due at 1.2 s, waits until
+    # 1.3 s (0.1 s); step 4 ends at 2.1 s; block 0's forward of step 5 waits for fragment 0 until
+    # 2.8 s (0.7 s). Per round of 3 steps: 0.8 s lost.
+    assert shared == pytest.approx(3 / (3 + 0.1 + 0.7), rel=1e-9)
 
 
 def test_dp_overlaps_each_block_with_the_rest_of_the_backward() -> None:
@@ -118,13 +139,14 @@ def test_dp_overlaps_each_block_with_the_rest_of_the_backward() -> None:
     v = Variant("dp", "dp", "dp", 16)
     layer_bytes = traffic(model, v, 2, 100, 1).peak_bytes
     t, L = model.step_time, model.layers
-    bwd_block = 2 * t / 3 / L
-    # Link faster than the backward: only the first block's all-reduce sticks out of the step.
-    d = 0.5 * bwd_block
+    u = t / (3 * L - 1)
+    # Link faster than one node: only block 0's all-reduce (launched last) sticks out of the step.
+    d = 0.5 * u
     assert _cu(model, v, _gbps_for_seconds(layer_bytes, d))[0] == pytest.approx(t / (t + d), rel=1e-9)
-    # Link slower: it runs back to back from the moment the last block's gradient is ready.
-    d = 3 * bwd_block
-    want = t / (t / 3 + bwd_block + L * d)
+    # Link slower than two nodes: back to back from block L-1's weight gradient (2 nodes into the
+    # backward); the next forward waits for block 0's share, the last one.
+    d = 3 * u
+    want = t / (t + L * d - (2 * L - 3) * u)
     assert _cu(model, v, _gbps_for_seconds(layer_bytes, d))[0] == pytest.approx(want, rel=1e-9)
 
 

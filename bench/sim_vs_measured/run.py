@@ -190,6 +190,11 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], source: str) -> s
     lo, hi = min(base, key=lambda r: r["measured_cu"]), max(base, key=lambda r: r["measured_cu"])
     lines += [
         "", "Main sources of disagreement (details and evidence in bench/sim_vs_measured/README.md):", "",
+        "0. Per-block overlap the runtime does not do: the simulator follows the Streaming DiLoCo paper's graph "
+        "(each block's share leaves when its weight gradient exists and blocks only that block's next "
+        "forward); the runtime launches a fragment's exchange after the sync step's optimizer step and "
+        "applies it whole before the next forward, which is what `replay` models. This is why the "
+        "simulator is optimistic for blocking DiLoCo/Streaming at high bandwidth.",
         f"1. Fixed overhead of the machine, not of the link: without emulation the simulator says 1.000, the "
         f"runs {lo['measured_cu']:.3f} ({lo['label']}) to {hi['measured_cu']:.3f} ({hi['label']}). A "
         "blocking exchange waits for the slowest worker and for the exchange's own all-reduce "

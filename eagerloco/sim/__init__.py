@@ -1,9 +1,11 @@
 """Compute-utilization simulator: how much of a run's wall clock each method spends computing.
 
 Shares :mod:`eagerloco.schedule` with training, so the simulated schedule is the one that runs.
-Modules: ``model`` (presets, rows, payload sizes), ``engine`` (event simulation, vectorized over
-bandwidth), ``search`` (least bandwidth per target), ``plot`` (PNG figures), ``cli`` (the
-``simulate`` subcommand: ``add_parser`` and ``run``).
+Modules: ``model`` (presets, rows, payload sizes, fragments), ``engine`` (per-block event
+simulation, vectorized over bandwidth), ``search`` (least bandwidth per target), ``paper`` (the
+papers' accounting and their tables as reference data), ``plan`` (cheapest settings for a target),
+``report`` (text and JSON output), ``plot`` (PNG figures), ``cli`` (the ``simulate`` subcommand:
+``add_parser`` and ``run``). Nothing here imports torch.
 """
 
 from eagerloco.sim.engine import SimResult, simulate

@@ -5,7 +5,11 @@ Entry points for the main console script::
     add_parser(subparsers)  # registers "simulate" and set_defaults(func=run)
     run(args) -> int        # exit code: 0, or 2 with a message naming the bad flag
 
-Everything printed is also in the report dictionary that ``--json`` writes.
+Modes: the default tables (least bandwidth per target, utilization per bandwidth, bytes);
+``--paper`` (the papers' accounting, printed with the table); ``--paper --compare-reference``
+(ours beside the papers' published tables, cell by cell); ``--plan`` (the cheapest settings that
+reach ``--target-cu`` at ``--bandwidth-gbps``). Everything printed is also in the report
+dictionary that ``--json`` writes. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from eagerloco.codecs import SCALE_BYTES
+from eagerloco.codec_sizes import SCALE_BYTES
+from eagerloco.sim import paper
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.model import (
+    PATTERNS,
     PRESETS,
     ModelSpec,
     SimError,
@@ -36,7 +42,10 @@ from eagerloco.sim.model import (
     traffic,
     with_name,
 )
-from eagerloco.sim.search import bandwidth_grid, least_bandwidth, meets
+from eagerloco.sim.report import cell_key, format_text, jsonable
+from eagerloco.sim.search import bandwidth_grid, least_bandwidth
+
+__all__ = ["add_arguments", "add_parser", "compute", "format_text", "jsonable", "main", "run", "settings_from_args"]
 
 DEFAULT_TARGETS = "0.5,0.8,0.9,0.95,0.99"
 
@@ -73,7 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="derive the step time as 6*params*tokens / (TFLOP/s of one worker * --mfu)",
     )
-    m.add_argument("--mfu", type=float, default=0.6, help="model FLOPs utilization for --accel-tflops")
+    m.add_argument(
+        "--mfu",
+        type=float,
+        help="model FLOPs utilization: with --accel-tflops (default 0.6) it sets the step time; for a "
+        "preset it rescales the preset's step time (stated at 0.6) by 0.6 / MFU",
+    )
     m.add_argument(
         "--tokens-per-step",
         type=float,
@@ -85,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--method",
         help="comma list of methods (dp, diloco, streaming, delayed, eager) or row keys; default: all rows",
     )
-    a.add_argument("--workers", "-M", type=int, default=2, help="workers M across the slow link")
+    a.add_argument("--workers", "-M", type=int, help="workers M across the slow link (default 2)")
     a.add_argument("--inner-steps", "-H", type=int, default=100, help="inner steps per round H")
     a.add_argument("--fragment-layers", type=int, default=3, help="blocks per streaming fragment")
     a.add_argument(
@@ -100,12 +114,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="delayed/eager rows exchange the streaming fragments instead of the whole model",
     )
     c = p.add_argument_group("exchange")
-    c.add_argument("--bits", type=int, default=32, help="bits per value of outer gradients")
+    c.add_argument("--bits", type=int, help="bits per value of outer gradients (default 32; 16 with --paper)")
     c.add_argument("--low-bits", type=int, default=4, help="bits of the extra quantized Streaming row")
     c.add_argument("--dp-bits", type=int, default=16, help="bits per gradient value for data-parallel")
+    c.add_argument("--pattern", choices=PATTERNS, default="strided", help="blocks of each streaming fragment")
     c.add_argument("--block", type=int, default=32, help="values per scale block for formats below 16 bits")
-    c.add_argument("--scale-bytes", type=int, default=SCALE_BYTES,
-                   help="bytes per block scale below 16 bits (default: what the codecs store)")
+    c.add_argument("--scale-bytes", type=int,
+                   help=f"bytes per block scale below 16 bits (default: {SCALE_BYTES}, what the codecs "
+                   "store; 0 with --paper)")
     c.add_argument(
         "--transport",
         choices=("ring", "allgather"),
@@ -123,8 +139,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--bw-min", type=float, default=1e-3, help="lowest bandwidth of the grid (Gbit/s)")
     s.add_argument("--bw-max", type=float, default=1e5, help="highest bandwidth of the grid (Gbit/s)")
     s.add_argument("--grid-per-decade", type=int, default=100, help="grid points per factor of 10")
-    s.add_argument("--warmup-rounds", type=int, default=8, help="rounds simulated before measuring")
-    s.add_argument("--rounds", type=int, default=32, help="rounds measured")
+    s.add_argument("--warmup-rounds", type=int, default=8, help="steady state: rounds simulated before measuring")
+    s.add_argument("--measure-rounds", type=int, default=32, help="steady state: rounds measured")
+    s.add_argument(
+        "--rounds",
+        type=int,
+        help="measure a short run of N rounds from a cold start instead of the steady state "
+        "(exchanges still in flight at the end are not waited for)",
+    )
+    s.add_argument("--paper", action="store_true",
+                   help="the papers' accounting: 16-bit outer gradients, FP4 without scale bytes, M=2, "
+                   "ring, no latency, their bandwidth grid (printed with the result)")
+    s.add_argument("--compare-reference", action="store_true",
+                   help="with --paper: ours beside the papers' published tables, ratio per cell")
+    s.add_argument("--plan", action="store_true",
+                   help="the cheapest settings reaching --target-cu at --bandwidth-gbps (one model)")
     s.add_argument("--tokens", type=float, default=25e9, help="training tokens for the total-bytes column")
     s.add_argument("--plot", metavar="DIR", help="write cu_<model>.png per model to DIR")
     s.add_argument("--json", metavar="PATH", help="write every number as JSON to PATH ('-': stdout)")
@@ -157,6 +186,10 @@ class Settings:
     rounds: int
     tokens_per_step: float
     tokens: float
+    pattern: str = "strided"
+    cold_rounds: int | None = None
+    paper: bool = False
+    grid: np.ndarray | None = None  # explicit grid (--paper), else bw_min..bw_max per_decade
     notes: list[str] = field(default_factory=list)
 
     def fragments_for(self, model: ModelSpec) -> int:
@@ -253,9 +286,21 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         else:
             model = with_name(PRESETS[name], **overrides)
         if args.accel_tflops is not None:
-            step = flops_step_time(model.params, args.tokens_per_step, args.accel_tflops, args.mfu)
+            mfu = paper.PRESET_MFU if args.mfu is None else args.mfu
+            step = flops_step_time(model.params, args.tokens_per_step, args.accel_tflops, mfu)
             model = with_name(model, step_time=step)
+        elif args.mfu is not None and name != "custom" and args.step_time is None:
+            if not 0 < args.mfu <= 1:
+                raise SimError(f"--mfu must be in (0, 1], got {args.mfu}")
+            model = with_name(model, step_time=model.step_time * paper.PRESET_MFU / args.mfu)
         models.append(model)
+    if args.compare_reference and not args.paper:
+        raise SimError("--compare-reference compares with the papers' accounting: add --paper")
+    # --paper only changes defaults: a flag given explicitly still wins.
+    bits = args.bits if args.bits is not None else (paper.PAPER_BITS if args.paper else 32)
+    scale_bytes = args.scale_bytes if args.scale_bytes is not None else (0 if args.paper else SCALE_BYTES)
+    workers = args.workers if args.workers is not None else paper.PAPER_WORKERS
+    args = argparse.Namespace(**{**vars(args), "bits": bits, "scale_bytes": scale_bytes, "workers": workers})
 
     _at_least("--workers", args.workers, 1)
     _at_least("--inner-steps", args.inner_steps, 1)
@@ -302,7 +347,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise SimError(f"--bw-min ({args.bw_min}) must be below --bw-max ({args.bw_max})")
     _at_least("--grid-per-decade", args.grid_per_decade, 1)
     _at_least("--warmup-rounds", args.warmup_rounds, 0)
+    _at_least("--measure-rounds", args.measure_rounds, 1)
     _at_least("--rounds", args.rounds, 1)
+    if args.plan and (len(bandwidths) != 1 or len(targets) != 1 or len(models) != 1):
+        raise SimError("--plan needs one --model, one --bandwidth-gbps and one --target-cu")
     _positive("--tokens", args.tokens)
 
     s = Settings(
@@ -323,10 +371,16 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         bw_max=args.bw_max,
         per_decade=args.grid_per_decade,
         warmup_rounds=args.warmup_rounds,
-        rounds=args.rounds,
+        rounds=args.measure_rounds,
         tokens_per_step=args.tokens_per_step,
         tokens=args.tokens,
+        pattern=args.pattern,
+        cold_rounds=args.rounds,
+        paper=args.paper,
+        grid=paper.paper_grid() if args.paper else None,
     )
+    if args.paper:
+        s.notes.extend(f"paper accounting: {a}" for a in paper.PAPER_ASSUMPTIONS)
     for model in models:
         P = s.fragments_for(model)
         for v in variants:
@@ -343,7 +397,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def compute(s: Settings) -> tuple[dict[str, Any], dict[str, list[tuple[str, np.ndarray]]], np.ndarray]:
     """Simulate every (model, row); returns the report, the CU curves per model and the grid."""
-    grid = bandwidth_grid(s.bw_min, s.bw_max, s.per_decade)
+    grid = s.grid if s.grid is not None else bandwidth_grid(s.bw_min, s.bw_max, s.per_decade)
     lanes = np.concatenate([grid, np.asarray(s.bandwidths, dtype=float), [math.inf]])
     curves: dict[str, list[tuple[str, np.ndarray]]] = {}
     out_models = []
@@ -353,8 +407,10 @@ def compute(s: Settings) -> tuple[dict[str, Any], dict[str, list[tuple[str, np.n
         rows = []
         curves[model.name] = []
         for v in s.variants:
-            tr = traffic(model, v, s.workers, s.inner_steps, P, s.block, s.scale_bytes, s.transport)
-            res = simulate(model, v, tr, lanes, s.latency_ms, s.inner_steps, s.warmup_rounds, s.rounds)
+            tr = traffic(model, v, s.workers, s.inner_steps, P, s.block, s.scale_bytes, s.transport, s.pattern)
+            res = simulate(
+                model, v, tr, lanes, s.latency_ms, s.inner_steps, s.warmup_rounds, s.rounds, s.cold_rounds
+            )
             cu_grid = res.cu[: len(grid)]
             cu_bw = res.cu[len(grid) : len(grid) + len(s.bandwidths)]
             cu_inf = float(res.cu[-1])
@@ -365,8 +421,8 @@ def compute(s: Settings) -> tuple[dict[str, Any], dict[str, list[tuple[str, np.n
                 {
                     **v.as_dict(),
                     "fragments": len(tr.transfers) if v.method != "dp" else 1,
-                    "least_bandwidth_gbps": {_key(t): least_bandwidth(grid, cu_grid, t) for t in s.targets},
-                    "cu_at_bandwidth": {_key(b): float(c) for b, c in zip(s.bandwidths, cu_bw, strict=True)},
+                    "least_bandwidth_gbps": {cell_key(t): least_bandwidth(grid, cu_grid, t) for t in s.targets},
+                    "cu_at_bandwidth": {cell_key(b): float(c) for b, c in zip(s.bandwidths, cu_bw, strict=True)},
                     "cu_at_infinite_bandwidth": cu_inf,
                     "bytes_per_step": tr.bytes_per_step,
                     "bytes_per_token": tr.bytes_per_step / s.tokens_per_step,
@@ -402,123 +458,18 @@ def compute(s: Settings) -> tuple[dict[str, Any], dict[str, list[tuple[str, np.n
             "targets": s.targets,
             "warmup_rounds": s.warmup_rounds,
             "rounds": s.rounds,
+            "cold_rounds": s.cold_rounds,
+            "pattern": s.pattern,
+            "paper": s.paper,
             "tokens_per_step": s.tokens_per_step,
             "tokens": s.tokens,
         },
-        "grid": {"min_gbps": s.bw_min, "max_gbps": s.bw_max, "per_decade": s.per_decade, "points": len(grid)},
+        "grid": {"min_gbps": float(grid[0]), "max_gbps": float(grid[-1]),
+                 "per_decade": (len(grid) - 1) / math.log10(grid[-1] / grid[0]), "points": len(grid)},
         "models": out_models,
         "notes": s.notes,
     }
     return report, curves, grid
-
-
-def jsonable(x: Any) -> Any:
-    """The report with infinite floats as the string "inf", so the JSON is strict."""
-    if isinstance(x, float) and math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if isinstance(x, dict):
-        return {k: jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [jsonable(v) for v in x]
-    return x
-
-
-def _key(x: float) -> str:
-    return "inf" if math.isinf(x) else repr(float(x))
-
-
-# ------------------------------------------------------------------------------------------- format
-
-
-def _fmt_bw(x: float | None, cu_inf: float, target: float, bw_max: float) -> str:
-    if x is not None:
-        return f"{x:.3g}"
-    return f">{bw_max:g}" if bool(meets(cu_inf, target)) else "never"
-
-
-def _fmt_count(x: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.4g}{unit}"
-    return f"{x:.4g}"
-
-
-def _fmt_bytes(x: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.3g} {unit}"
-    return f"{x:.3g} B"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = []
-    for n, r in enumerate([header, *rows]):
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def format_text(report: dict[str, Any]) -> str:
-    """The tables a person reads; every number in them is in the report."""
-    st = report["settings"]
-    g = report["grid"]
-    parts = []
-    for m in report["models"]:
-        mod = m["model"]
-        counts = sorted(set(m["fragment_layer_counts"]))
-        parts.append(
-            f"model {mod['name']}: {_fmt_count(mod['params'])} params, {mod['layers']} layers, "
-            f"step {mod['step_time']:.3g} s; M={st['workers']}, H={st['inner_steps']}, "
-            f"P={m['fragments']} fragments of {'/'.join(map(str, counts))} layers, "
-            f"latency {st['latency_ms']:g} ms, {st['transport']} exchange"
-        )
-        if st["targets"]:
-            header = ["Gbit/s to reach CU"] + [f"{100 * t:g}%" for t in st["targets"]]
-            rows = [
-                [r["label"]]
-                + [
-                    _fmt_bw(
-                        r["least_bandwidth_gbps"][_key(t)], r["cu_at_infinite_bandwidth"], t, g["max_gbps"]
-                    )
-                    for t in st["targets"]
-                ]
-                for r in m["rows"]
-            ]
-            parts.append(_table(header, rows))
-        if st["bandwidths_gbps"]:
-            header = ["CU at Gbit/s"] + [f"{b:g}" for b in st["bandwidths_gbps"]]
-            rows = [[r["label"]] + [f"{c:.4f}" for c in r["cu_at_bandwidth"].values()] for r in m["rows"]]
-            parts.append(_table(header, rows))
-        header = [
-            "bytes per worker",
-            "per token",
-            "dp / this",
-            "peak transfer",
-            f"at {st['tokens']:.3g} tokens",
-        ]
-        rows = [
-            [
-                r["label"],
-                f"{r['bytes_per_token']:.4g}",
-                "-" if r["dp_ratio"] is None else f"{r['dp_ratio']:.1f}x",
-                _fmt_bytes(r["peak_transfer_bytes"]),
-                _fmt_bytes(r["total_bytes"]),
-            ]
-            for r in m["rows"]
-        ]
-        parts.append(_table(header, rows))
-        parts.append("")
-    parts.append(
-        f"grid {g['min_gbps']:g}..{g['max_gbps']:g} Gbit/s, {g['per_decade']} points per decade; "
-        f"CU over {st['rounds']} rounds after {st['warmup_rounds']} of warm-up; "
-        f"{st['tokens_per_step']:.4g} tokens per worker per step"
-        + (f"; simulated in {report['seconds']:.2f} s" if "seconds" in report else "")
-    )
-    parts.extend(f"note: {n}" for n in report["notes"])
-    return "\n".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -534,8 +485,14 @@ def run(args: argparse.Namespace) -> int:
     except SimError as e:
         print(f"eagerloco simulate: error: {e}", file=sys.stderr)
         return 2
-    report, curves, grid = compute(settings)
     text_out = sys.stderr if args.json == "-" else sys.stdout
+    if args.compare_reference or args.plan:
+        report, text = special(args, settings)
+        report["seconds"] = time.perf_counter() - started
+        print(text, file=text_out)
+        write_json(args.json, report)
+        return 0
+    report, curves, grid = compute(settings)
     if args.plot is not None:
         from eagerloco.sim.plot import plot_cu
 
@@ -543,7 +500,7 @@ def run(args: argparse.Namespace) -> int:
         for m in report["models"]:
             name = m["model"]["name"]
             title = (
-                f"{name}: {_fmt_count(m['model']['params'])} params, step {m['model']['step_time']:.3g} s, "
+                f"{name}: {m['model']['params']:.3g} params, step {m['model']['step_time']:.3g} s, "
                 f"M={settings.workers}, H={settings.inner_steps}, P={m['fragments']}"
             )
             safe = name.replace("*", "-custom")
@@ -555,14 +512,33 @@ def run(args: argparse.Namespace) -> int:
     print(format_text(report), file=text_out)
     for path in report.get("plots", []):
         print(f"wrote {path}", file=text_out)
-    if args.json is not None:
-        data = json.dumps(jsonable(report), indent=2, allow_nan=False)
-        if args.json == "-":
-            print(data)
-        else:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(data + "\n")
+    write_json(args.json, report)
     return 0
+
+
+def special(args: argparse.Namespace, s: Settings) -> tuple[dict[str, Any], str]:
+    """--compare-reference and --plan: their report and text."""
+    if args.compare_reference:
+        mfu = paper.PRESET_MFU if args.mfu is None else args.mfu
+        report = paper.compare(mfu, s.cold_rounds, s.pattern)
+        return report, paper.format_compare(report)
+    from eagerloco.sim.plan import format_plan, plan
+
+    report = plan(s.models[0], s.bandwidths[0], s.targets[0], s.workers, s.fragment_layers, s.scale_bytes,
+                  s.transport, s.latency_ms, s.pattern, s.dp_bits)
+    return report, format_plan(report) + "".join(f"\nnote: {n}" for n in s.notes)
+
+
+def write_json(path: str | None, report: dict[str, Any]) -> None:
+    """Write the report as strict JSON to path ('-': stdout); nothing when path is None."""
+    if path is None:
+        return
+    data = json.dumps(jsonable(report), indent=2, allow_nan=False)
+    if path == "-":
+        print(data)
+    else:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(data + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

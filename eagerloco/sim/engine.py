@@ -1,137 +1,162 @@
-"""Event simulation of one worker's compute and its link, vectorized over many bandwidths.
+"""Event simulation of one worker's compute and its link, block by block, vectorized over bandwidths.
 
-Model of time (ALGORITHMS.md sections 8 and 9):
-- compute is one sequential stream; an inner step takes ``step_time`` (forward 1/3, backward 2/3,
-  spread evenly over the blocks);
-- the link carries one transfer at a time, first come first served; a transfer takes
-  ``LinkConfig.transfer_seconds(bytes)`` (one latency plus bytes over bandwidth) and starts when it
-  is launched or when the link frees up, whichever is later (queued transfers wait). The latency
-  is charged once per exchange and holds the link, a simplification of a ring's 2(M-1) hops;
-- compute blocks only when an exchange must be applied and has not landed.
+The graph is the one the Streaming DiLoCo paper simulates (arXiv 2501.18512, section 3.1):
 
-Outer methods follow :func:`eagerloco.schedule.sync_events` (fragment offsets, launch and apply
-steps, hence each method's tolerated window), so the simulator and the training loop share one
-schedule. Data-parallel is simulated per block: block l's gradient all-reduce is launched when its
-backward finishes and overlaps the backward of the blocks below; the next step starts once every
-all-reduce has landed and the step's compute is done.
+- one compute stream; each inner step runs, per block, a forward node (first block to last), then
+  the backward from the last block to the first, each block in two parts: activation gradients,
+  then weight gradients (the first block has no activation-gradient node). Every node costs the
+  same (the 6 * params * tokens rule: 2 for the forward, 2 + 2 for the backward), so a node takes
+  ``step_time / (3L - 1)`` and a step's compute is exactly ``step_time``;
+- one link that serves transfers first come, first served; a transfer takes its bytes over the
+  bandwidth, plus ``latency_ms`` once per exchange (charged on its first block's share);
+- every exchange is split by block: a block's share goes on the link when that block's
+  weight-gradient node of the launch step finishes, and it blocks only that block's forward node
+  in the step after the exchange's apply step (:func:`eagerloco.schedule.sync_events`: launch + 0
+  for blocking DiLoCo/Streaming, + tau for overlap, + k * H for naive delayed and eager).
 
-Every quantity is an element-wise max/plus of transfer durations, so each finish time is
-non-decreasing in every duration, and the simulation runs on numpy arrays holding one lane per
-bandwidth: a whole grid costs about as much as one bandwidth.
+Data-parallel is the special case where every block's gradient is its own exchange, launched and
+applied at every step. Each finish time is a max/plus of durations, hence non-decreasing in each
+of them, so the whole simulation runs on numpy arrays with one lane per bandwidth.
+
+Two ways to measure: the steady state (the default: compute utilization over ``rounds`` rounds
+after ``warmup_rounds`` + k rounds of start-up, never above what the link's busy time per round
+allows), or a short run from a cold start (``cold_rounds``: from step 0, exchanges still in flight
+at the end not waited for), which is what a finite run measures.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 
-from eagerloco.config import LinkConfig
 from eagerloco.schedule import apply_delay, sync_events
 from eagerloco.sim.model import ModelSpec, Traffic, Variant
 
 
 @dataclass
 class SimResult:
-    """Compute utilization per bandwidth lane, measured over the steady-state window."""
+    """Compute utilization per bandwidth lane, measured over the steady-state or cold-start window."""
 
     cu: np.ndarray  # compute time / wall time
     wall_per_step: np.ndarray  # seconds of wall clock per inner step
     measured_steps: int
 
 
-def durations(nbytes: float, bandwidths: np.ndarray, latency_ms: float) -> np.ndarray:
-    """Seconds per transfer for every bandwidth lane; a transfer of nothing takes no time."""
-    if nbytes <= 0:
-        return np.zeros_like(bandwidths, dtype=float)
-    link = LinkConfig(bandwidth_gbps=bandwidths, latency_ms=latency_ms)  # type: ignore[arg-type]
-    return np.asarray(link.transfer_seconds(nbytes), dtype=float) + np.zeros_like(bandwidths, dtype=float)
+@dataclass(frozen=True)
+class StepGraph:
+    """The node timing of one inner step: every node (forward, activation or weight gradient) costs one unit."""
+
+    layers: int
+    step_time: float
+
+    @property
+    def unit(self) -> float:
+        """Seconds per node: a step has L forward, L - 1 activation-gradient and L weight-gradient nodes."""
+        return self.step_time / (3 * self.layers - 1)
+
+    @property
+    def backward_time(self) -> float:
+        return (2 * self.layers - 1) * self.unit
+
+    def weight_grad_done(self, layer: int) -> float:
+        """Seconds from the end of the forward until block ``layer``'s weight gradient exists (0-based)."""
+        nodes = 2 * (self.layers - layer) - (1 if layer == 0 else 0)
+        return nodes * self.unit
 
 
-def simulate_dp(
-    model: ModelSpec, traffic: Traffic, bandwidths: np.ndarray, latency_ms: float, steps: int = 3
-) -> SimResult:
-    """Data-parallel at block granularity: each block's all-reduce overlaps the rest of the backward.
+@dataclass(frozen=True)
+class Exchange:
+    """One exchange of the schedule: transfer ``index`` of the period, launched and applied at these steps."""
 
-    Each step ends with the link idle (the next forward needs every block's averaged gradient), so
-    the run is periodic from the first step; the last steps - 1 steps are measured.
-    """
-    t = model.step_time
-    fwd = t / 3.0
-    bwd_block = (2.0 * t / 3.0) / model.layers
-    durs = [durations(b, bandwidths, latency_ms) for b in traffic.transfers]
-    now = np.zeros_like(bandwidths, dtype=float)
-    start_measure = now
-    for step in range(steps):
-        if step == 1:
-            start_measure = now.copy()
-        start = now
-        link_free = start
-        for j, d in enumerate(durs):  # backward runs from the last block to the first
-            grad_ready = start + fwd + (j + 1) * bwd_block
-            link_free = np.maximum(grad_ready, link_free) + d
-        now = np.maximum(start + t, link_free)
-    measured = steps - 1
-    wall = (now - start_measure) / measured
-    return SimResult(t / wall, wall, measured)
+    index: int
+    launch_step: int
+    apply_step: int
 
 
-def simulate_outer(
-    model: ModelSpec,
-    variant: Variant,
+def seconds(nbytes: float, bandwidths: np.ndarray) -> np.ndarray:
+    """Seconds to carry nbytes at each bandwidth (Gbit/s; inf carries in no time)."""
+    with np.errstate(divide="ignore"):
+        return np.where(np.isinf(bandwidths), 0.0, nbytes * 8.0 / (bandwidths * 1e9))
+
+
+def exchanges(variant: Variant, traffic: Traffic, inner_steps: int, total_steps: int) -> list[Exchange]:
+    """Every exchange of a run of total_steps inner steps, in launch order."""
+    if variant.method == "dp":
+        n = len(traffic.transfers)
+        return [Exchange(i, s, s) for s in range(1, total_steps + 1) for i in range(n)]
+    events = sync_events(
+        variant.method,
+        inner_steps,
+        len(traffic.transfers),
+        variant.overlap_steps,
+        variant.eager_rounds,
+        total_steps,
+    )
+    return [Exchange(e.fragment, e.launch_step, e.apply_step) for e in events]
+
+
+def run_schedule(
+    graph: StepGraph,
     traffic: Traffic,
+    schedule: list[Exchange],
     bandwidths: np.ndarray,
-    latency_ms: float,
-    inner_steps: int,
-    warmup_rounds: int = 8,
-    rounds: int = 32,
-) -> SimResult:
-    """DiLoCo, Streaming (with tau overlap), naive delayed and eager: one step at a time in effect.
+    latency_s: float,
+    total_steps: int,
+    mark_step: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Simulate total_steps inner steps; returns the wall clock at the end of mark_step and of the last step.
 
-    At each step that launches exchanges they are queued on the link in fragment order; then the
-    worker waits for every exchange whose apply step (launch + the method's delay) is this step.
-    Compute utilization is measured over the last ``rounds`` rounds, after ``warmup_rounds`` rounds
-    (plus the method's k rounds) of start-up, and never exceeds what the link's busy time per round
-    allows, so a backlog that grows without bound lowers the result instead of hiding in the slack
-    of the first rounds.
+    Steps without a launch or a gate take exactly step_time and are skipped in bulk, so the cost
+    is proportional to the number of block shares exchanged, not to the number of steps.
     """
-    t = model.step_time
-    H = inner_steps
-    P = len(traffic.transfers)
-    warm = warmup_rounds + apply_delay(variant.method, H, variant.overlap_steps, variant.eager_rounds) // H
-    total = (warm + rounds) * H
-    durs = [durations(b, bandwidths, latency_ms) for b in traffic.transfers]
-    events = list(sync_events(variant.method, H, P, variant.overlap_steps, variant.eager_rounds, total))
-    launches: dict[int, list[int]] = defaultdict(list)
-    applies: dict[int, list[int]] = defaultdict(list)
-    for i, e in enumerate(events):
-        launches[e.launch_step].append(i)
-        if e.apply_step <= total:
-            applies[e.apply_step].append(i)
-    mark = warm * H
-    now = np.zeros_like(bandwidths, dtype=float)
-    link_free = now
-    start_measure = now
-    finish: dict[int, np.ndarray] = {}
+    L, u = graph.layers, graph.unit
+    t = graph.step_time
+    share = [seconds(b / len(ls), bandwidths) for b, ls in zip(traffic.transfers, traffic.layers, strict=True)]
+    launch_at: dict[int, list[int]] = defaultdict(list)
+    gate_at: dict[int, list[int]] = defaultdict(list)
+    for n, ex in enumerate(schedule):
+        launch_at[ex.launch_step].append(n)
+        if ex.apply_step + 1 <= total_steps:  # the forward of the step after the apply step waits
+            gate_at[ex.apply_step + 1].append(n)
+    now = np.zeros_like(bandwidths, dtype=float)  # end of the last simulated step
+    link_free = np.zeros_like(now)
+    at_mark = now
+    finish: dict[tuple[int, int], np.ndarray] = {}
     prev = 0
-    for s in sorted(set(launches) | set(applies) | {mark, total}):
-        now = now + (s - prev) * t  # inner steps prev+1 .. s
+    for s in sorted(set(launch_at) | set(gate_at) | {mark_step, total_steps}):
+        if s < 1 or s > total_steps:
+            continue
+        now = now + (s - prev - 1) * t  # plain steps prev+1 .. s-1
+        gates: dict[int, np.ndarray] = {}
+        for n in gate_at.get(s, ()):
+            for layer in traffic.layers[schedule[n].index]:
+                done = finish.pop((n, layer))
+                gates[layer] = np.maximum(gates[layer], done) if layer in gates else done
+        cursor, last = now, -1  # cursor: end of the forward node of block `last`
+        for layer in sorted(gates):
+            cursor = np.maximum(cursor + (layer - last - 1) * u, gates[layer]) + u
+            last = layer
+        forward_end = cursor + (L - 1 - last) * u
+        shares = sorted(
+            ((layer, n) for n in launch_at.get(s, ()) for layer in traffic.layers[schedule[n].index]),
+            key=lambda x: (-x[0], x[1]),
+        )
+        started: set[int] = set()
+        for layer, n in shares:  # in the order their weight gradients finish
+            d = share[schedule[n].index]
+            if n not in started:
+                d = d + latency_s
+                started.add(n)
+            link_free = np.maximum(link_free, forward_end + graph.weight_grad_done(layer)) + d
+            finish[(n, layer)] = link_free
+        now = forward_end + graph.backward_time
+        if s == mark_step:
+            at_mark = now
         prev = s
-        for i in launches.get(s, ()):
-            link_free = np.maximum(now, link_free) + durs[events[i].fragment]
-            finish[i] = link_free
-        for i in applies.get(s, ()):
-            now = np.maximum(now, finish.pop(i))
-        if s == mark:
-            start_measure = now
-    measured = total - mark
-    # The link carries every byte of a round whatever the schedule, so no run can be faster than
-    # its busy time: this is the exact long-run rate once a backlog grows without bound, which a
-    # finite window approaches only slowly (k rounds of slack take many rounds to use up).
-    link_bound = sum(durs) / H
-    wall = np.maximum((now - start_measure) / measured, link_bound)
-    return SimResult(t / wall, wall, measured)
+    return at_mark, now
 
 
 def simulate(
@@ -143,9 +168,47 @@ def simulate(
     inner_steps: int = 100,
     warmup_rounds: int = 8,
     rounds: int = 32,
+    cold_rounds: int | None = None,
 ) -> SimResult:
-    """Compute utilization of one variant at each bandwidth (Gbit/s, inf allowed)."""
+    """Compute utilization of one variant at each bandwidth.
+
+    Args:
+        model: layers, parameters and step time of one worker.
+        variant: the method and its settings.
+        traffic: the transfers of one period and the blocks each carries (:func:`model.traffic`).
+        bandwidths: Gbit/s, one lane each (inf allowed).
+        latency_ms: added once to every exchange.
+        inner_steps: H.
+        warmup_rounds: steady state: rounds simulated before measuring (plus the k rounds of delay).
+        rounds: steady state: rounds measured.
+        cold_rounds: if given, measure instead a run of this many rounds from a cold start (from
+            step 0; exchanges applied after the last step are not waited for).
+
+    Returns:
+        The compute utilization per lane and the wall clock per inner step.
+    """
     bw = np.atleast_1d(np.asarray(bandwidths, dtype=float))
+    graph = StepGraph(model.layers, model.step_time)
+    latency_s = latency_ms / 1e3
+    H = inner_steps
     if variant.method == "dp":
-        return simulate_dp(model, traffic, bw, latency_ms)
-    return simulate_outer(model, variant, traffic, bw, latency_ms, inner_steps, warmup_rounds, rounds)
+        # The forward of block 0 waits for block 0's all-reduce, the last one queued, so every step
+        # starts with an idle link: steps 2, 3, ... are identical. A cold start differs only in step 1.
+        total, mark = 3, 1
+    elif cold_rounds is not None:
+        total, mark = cold_rounds * H, 0
+    else:
+        delay = apply_delay(variant.method, H, variant.overlap_steps, variant.eager_rounds)
+        warm = warmup_rounds + math.ceil(delay / H)
+        total, mark = (warm + rounds) * H, warm * H
+    schedule = exchanges(variant, traffic, H, total)
+    at_mark, end = run_schedule(graph, traffic, schedule, bw, latency_s, total, mark)
+    measured = total - mark
+    wall = (end - at_mark) / measured
+    if cold_rounds is None or variant.method == "dp":
+        # The link carries every byte of a period whatever the schedule, so no steady state is faster
+        # than its busy time: the exact long-run rate once a backlog grows without bound, which a
+        # finite window approaches only slowly (k rounds of slack take many rounds to use up).
+        busy = sum(seconds(b, bw) + latency_s for b in traffic.transfers) / traffic.period_steps
+        wall = np.maximum(wall, busy)
+    return SimResult(model.step_time / wall, wall, measured)

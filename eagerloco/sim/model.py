@@ -1,9 +1,10 @@
 """What is simulated: model presets, step times, the method rows and the bytes they put on the link.
 
 Everything here is arithmetic on sizes; the timing lives in :mod:`eagerloco.sim.engine`.
-This module imports neither torch nor the codecs, so ``eagerloco simulate`` starts instantly;
-payload sizes are computed from bits per value plus per-block scale bytes, the same layout the
-runtime codecs pack (values, then one scale per block for formats below 16 bits).
+This module imports no torch (scale sizes come from :mod:`eagerloco.codec_sizes`), so
+``eagerloco simulate`` starts instantly; payload sizes are computed from bits per value plus
+per-block scale bytes, the same layout the runtime codecs pack (values, then one scale per block
+for formats below 16 bits).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from eagerloco.codecs import SCALE_BYTES
+from eagerloco.codec_sizes import SCALE_BYTES
 from eagerloco.config import METHODS
 
 
@@ -138,6 +139,38 @@ def fragment_count(layers: int, fragment_layers: int) -> int:
     return max(1, math.ceil(layers / fragment_layers))
 
 
+PATTERNS = ("strided", "sequential")
+
+
+def fragment_layers(layers: int, fragments: int, pattern: str = "strided") -> list[tuple[int, ...]]:
+    """Blocks (0-based, first block first) of each fragment.
+
+    Args:
+        layers: transformer blocks L.
+        fragments: fragments P (capped at L).
+        pattern: "strided" (fragment p holds p, p+P, ...) or "sequential" (contiguous runs, the
+            first fragments one block longer when P does not divide L).
+
+    Returns:
+        One tuple of block indices per fragment; every block is in exactly one.
+
+    Raises:
+        SimError: unknown pattern.
+    """
+    fragments = max(1, min(fragments, layers))
+    if pattern == "strided":
+        return [tuple(range(p, layers, fragments)) for p in range(fragments)]
+    if pattern == "sequential":
+        base, extra = divmod(layers, fragments)
+        out, start = [], 0
+        for p in range(fragments):
+            n = base + (1 if p < extra else 0)
+            out.append(tuple(range(start, start + n)))
+            start += n
+        return out
+    raise SimError(f"--pattern must be one of {', '.join(PATTERNS)}, got {pattern!r}")
+
+
 def fragment_layer_counts(layers: int, fragments: int) -> list[int]:
     """Blocks per fragment under the strided pattern (fragment p holds blocks p, p+P, ...).
 
@@ -175,6 +208,9 @@ class Traffic:
 
     transfers: list[float]  # wire bytes of each transfer of one period (a step for dp, a round else)
     period_steps: int  # inner steps in that period
+    #: Blocks whose share each transfer carries (same order as transfers); a block's share of a
+    #: transfer is transfers[i] / len(layers[i]), put on the link when its weight gradient exists.
+    layers: tuple[tuple[int, ...], ...] = ()
 
     @property
     def bytes_per_step(self) -> float:
@@ -194,24 +230,31 @@ def traffic(
     block: int = 32,
     scale_bytes: int = SCALE_BYTES,
     transport: str = "ring",
+    pattern: str = "strided",
 ) -> Traffic:
-    """Sizes of the transfers one period puts on the link.
+    """Sizes of the transfers one period puts on the link, and the blocks each one carries.
 
     dp: one gradient all-reduce per block per step (always a ring). Outer methods: one exchange
-    per fragment per round of H steps (one fragment unless the variant is fragmented).
+    per fragment per round of H steps (one fragment of every block unless the variant is
+    fragmented, then the fragments of the given pattern).
     """
     per_layer = model.params_per_layer
     if variant.method == "dp":
         one = wire_bytes(payload_bytes(per_layer, variant.bits, block, scale_bytes), workers, 32, "ring")
-        return Traffic([one] * model.layers, 1)
-    counts = fragment_layer_counts(model.layers, fragments) if variant.fragmented else [model.layers]
+        return Traffic([one] * model.layers, 1, tuple((i,) for i in range(model.layers)))
+    groups = (
+        fragment_layers(model.layers, fragments, pattern)
+        if variant.fragmented
+        else [tuple(range(model.layers))]
+    )
+    counts = [len(g) for g in groups]
     sizes = [
         wire_bytes(
             payload_bytes(c * per_layer, variant.bits, block, scale_bytes), workers, variant.bits, transport
         )
         for c in counts
     ]
-    return Traffic(sizes, inner_steps)
+    return Traffic(sizes, inner_steps, tuple(groups))
 
 
 def with_name(model: ModelSpec, **changes: Any) -> ModelSpec:

@@ -1,0 +1,119 @@
+"""Text output of ``eagerloco simulate``: the tables a person reads and the strict JSON report."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from eagerloco.sim.search import meets
+
+
+def jsonable(x: Any) -> Any:
+    """The report with infinite floats as the string "inf", so the JSON is strict."""
+    if isinstance(x, float) and math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def cell_key(x: float) -> str:
+    """A float as a JSON key: 'inf' or its repr."""
+    return "inf" if math.isinf(x) else repr(float(x))
+
+
+def _fmt_bw(x: float | None, cu_inf: float, target: float, bw_max: float) -> str:
+    if x is not None:
+        return f"{x:.3g}"
+    return f">{bw_max:g}" if bool(meets(cu_inf, target)) else "never"
+
+
+def _fmt_count(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.4g}{unit}"
+    return f"{x:.4g}"
+
+
+def _fmt_bytes(x: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.3g} B"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for n, r in enumerate([header, *rows]):
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_text(report: dict[str, Any]) -> str:
+    """The tables a person reads; every number in them is in the report."""
+    st = report["settings"]
+    g = report["grid"]
+    parts = []
+    for m in report["models"]:
+        mod = m["model"]
+        counts = sorted(set(m["fragment_layer_counts"]))
+        parts.append(
+            f"model {mod['name']}: {_fmt_count(mod['params'])} params, {mod['layers']} layers, "
+            f"step {mod['step_time']:.3g} s; M={st['workers']}, H={st['inner_steps']}, "
+            f"P={m['fragments']} fragments of {'/'.join(map(str, counts))} layers, "
+            f"latency {st['latency_ms']:g} ms, {st['transport']} exchange"
+        )
+        if st["targets"]:
+            header = ["Gbit/s to reach CU"] + [f"{100 * t:g}%" for t in st["targets"]]
+            rows = [
+                [r["label"]]
+                + [
+                    _fmt_bw(
+                        r["least_bandwidth_gbps"][cell_key(t)], r["cu_at_infinite_bandwidth"], t, g["max_gbps"]
+                    )
+                    for t in st["targets"]
+                ]
+                for r in m["rows"]
+            ]
+            parts.append(_table(header, rows))
+        if st["bandwidths_gbps"]:
+            header = ["CU at Gbit/s"] + [f"{b:g}" for b in st["bandwidths_gbps"]]
+            rows = [[r["label"]] + [f"{c:.4f}" for c in r["cu_at_bandwidth"].values()] for r in m["rows"]]
+            parts.append(_table(header, rows))
+        header = [
+            "bytes per worker",
+            "per token",
+            "dp / this",
+            "peak transfer",
+            f"at {st['tokens']:.3g} tokens",
+        ]
+        rows = [
+            [
+                r["label"],
+                f"{r['bytes_per_token']:.4g}",
+                "-" if r["dp_ratio"] is None else f"{r['dp_ratio']:.1f}x",
+                _fmt_bytes(r["peak_transfer_bytes"]),
+                _fmt_bytes(r["total_bytes"]),
+            ]
+            for r in m["rows"]
+        ]
+        parts.append(_table(header, rows))
+        parts.append("")
+    parts.append(
+        f"grid {g['min_gbps']:g}..{g['max_gbps']:g} Gbit/s, {g['per_decade']:.4g} points per decade; "
+        + (
+            f"CU over a cold start of {st['cold_rounds']} rounds (exchanges in flight at the end not waited for); "
+            if st.get("cold_rounds")
+            else f"CU over {st['rounds']} rounds after {st['warmup_rounds']} of warm-up; "
+        )
+        + f"{st['tokens_per_step']:.4g} tokens per worker per step"
+        + (f"; simulated in {report['seconds']:.2f} s" if "seconds" in report else "")
+    )
+    parts.extend(f"note: {n}" for n in report["notes"])
+    return "\n".join(parts)
