@@ -13,6 +13,8 @@ import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from eagerloco.codec_sizes import CODEC_NAMES
+
 METHODS = ("dp", "diloco", "streaming", "delayed", "eager")
 PATTERNS = ("sequential", "strided")
 WEIGHTINGS = ("nonlocal", "stale_average")
@@ -76,8 +78,6 @@ class OuterConfig:
 
         num_blocks: number of transformer blocks of the model, when known, to check P against.
         """
-        from eagerloco.codecs import CODEC_NAMES  # local import: codecs imports torch
-
         _choice("method", self.method, METHODS)
         _choice("fragment_pattern", self.fragment_pattern, PATTERNS)
         _choice("eager_weighting", self.eager_weighting, WEIGHTINGS)

@@ -12,6 +12,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from eagerloco.codec_sizes import CODEC_NAMES
 from eagerloco.config import METHODS, PATTERNS, WEIGHTINGS, ConfigError, LinkConfig, OuterConfig, TrainConfig, from_dict
 
 # CLI flag -> (section, field). Sections: "train" (TrainConfig), "outer", "link".
@@ -21,8 +22,6 @@ _LINK_FIELDS = {f.name for f in fields(LinkConfig)}
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
     """Add the flags of `eagerloco train` (also used by `eagerloco compare`) to a parser."""
-    from eagerloco.codecs import CODEC_NAMES
-
     g = p.add_argument_group("algorithm")
     g.add_argument("--method", choices=METHODS, help="dp, diloco, streaming, delayed or eager (default diloco)")
     g.add_argument("--workers", type=int, help="number of workers M (default 2)")

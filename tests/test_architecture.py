@@ -18,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "eagerloco"
 
 #: Parts of the package from the bottom up; a part imports only from parts in lower layers.
 LAYERS: list[set[str]] = [
-    {"schedule", "codec_sizes", "codecs", "units", "jsonfiles", "model", "evals", "fsdp", "checkpoint", "data"},
+    {"schedule", "codec_sizes", "units", "jsonfiles"},  # torch-free foundations
+    {"codecs", "model", "evals", "fsdp", "checkpoint", "data"},
     {"config"},
     {"fragments", "faults", "netshape", "flags"},
     {"comm"},
@@ -203,7 +204,21 @@ def test_the_checks_catch_what_they_are_for(planted: Path) -> None:
     graph, private = scan(planted)
     # config -> train.loop (inside a function) -> schedule -> config
     assert cycles(graph) == [["eagerloco.config", "eagerloco.schedule", "eagerloco.train.loop"]]
-    assert "eagerloco.config (layer 1) imports eagerloco.train.loop (layer 5)" in upward(graph)
-    assert "eagerloco.schedule (layer 0) imports eagerloco.config (layer 1)" in upward(graph)
+    assert "eagerloco.config (layer 2) imports eagerloco.train.loop (layer 6)" in upward(graph)
+    assert "eagerloco.schedule (layer 0) imports eagerloco.config (layer 2)" in upward(graph)
     assert sorted(private) == ["eagerloco.schedule uses eagerloco.config._secret",
                                "eagerloco.train.loop imports _hidden from eagerloco.schedule"]
+
+
+def test_the_parser_and_the_simulator_never_import_torch() -> None:
+    """`eagerloco simulate` answers in well under a second because nothing on its path imports torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from eagerloco.cli import main; "
+            "rc = main(['simulate', '--model', '1b', '--paper', '--bandwidth-gbps', '5']); "
+            "assert rc == 0, rc; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
