@@ -195,3 +195,16 @@ def test_a_checkpoint_resumes_only_in_the_runtime_that_wrote_it(tmp_path: Path, 
         (out / "checkpoints" / step / "meta.json").write_text(json.dumps(m))
     err = _error(capsys, [*argv, "--resume"])
     assert "written by a run on several processes" in err and "eagerloco launch" in err
+
+
+def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path: Path, capsys, monkeypatch) -> None:
+    from eagerloco.train import outputs
+
+    monkeypatch.setattr(outputs, "PROGRESS_EVERY_S", 0.0)
+    argv = ["train", "--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1",
+            "--out", str(tmp_path / "run"), "--steps", "3", "--method", "eager", "--inner-steps", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    progress = [ln for ln in out.splitlines() if ln.startswith("eager: step ")]
+    assert [ln.split()[2] for ln in progress] == ["1/3", "2/3", "3/3"]
+    assert all("loss " in ln and "sent " in ln and "steps/s" in ln for ln in progress)

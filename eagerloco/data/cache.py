@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -64,3 +65,8 @@ def locked(directory: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def note(message: str) -> None:
+    """One progress line on stderr for slow one-time work (downloads, tokenizer training, encoding)."""
+    print(f"eagerloco: {message}", file=sys.stderr, flush=True)

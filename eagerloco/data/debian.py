@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagerloco.data.cache import DataError, file_sha256
+from eagerloco.data.cache import DataError, file_sha256, note
 from eagerloco.data.store import Doc
 
 
@@ -44,6 +44,7 @@ def _apt_download(directory: Path, packages: Sequence[str]) -> None:
     """Fetch the .deb files of ``packages`` into ``directory`` (each appears whole or not at all)."""
     if shutil.which("apt-get") is None:
         raise DataError(f"{', '.join(packages)}: not cached and apt-get is not on PATH: {_apt_hint(packages)}")
+    note(f"fetching {', '.join(packages)} with apt-get download into {directory} (once)")
     work = Path(tempfile.mkdtemp(dir=directory, prefix=".apt-download-"))
     try:
         cmd = ["apt-get", "download", *packages]

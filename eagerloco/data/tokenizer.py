@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from eagerloco.data.cache import DataError, atomic_write, default_data_dir, file_sha256, locked
+from eagerloco.data.cache import DataError, atomic_write, default_data_dir, file_sha256, locked, note
 
 if TYPE_CHECKING:
     from eagerloco.data.corpus import Corpus
@@ -183,6 +183,7 @@ def load_or_train_bpe(corpus: Corpus, vocab_size: int, data_dir: str | Path | No
         if cached is not None:
             return cached
         t0 = time.perf_counter()
+        note(f"training a {vocab_size}-token BPE on the training split of {corpus.name} (once; cached in {root})")
         tok = train_bpe(corpus.train_docs, vocab_size)
         seconds = time.perf_counter() - t0
         blob = tok.to_str().encode()

@@ -19,7 +19,7 @@ from eagerloco.comm.base import Communicator
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.fsdp import load_model_state, local_state, shard_optimizer_state
 from eagerloco.outer import OuterSync, after_inner_step_all, before_inner_step_all
-from eagerloco.train.outputs import accounting
+from eagerloco.train.outputs import ProgressLines, accounting
 from eagerloco.units import fmt_bytes
 
 
@@ -199,12 +199,15 @@ def run_training(
     syncs = [w.sync for w in workers]
     tokens_per_step = cfg.batch_size * cfg.seq_len * num_workers
     bar = None
+    lines = None
     if show_progress:
         from tqdm import tqdm
 
-        # disable=None: a bar on a terminal, nothing in a pipe (the metrics lines say enough there).
+        # disable=None: a bar on a terminal; in a pipe (a log, `eagerloco launch`) a line now and then.
         bar = tqdm(total=cfg.steps, initial=start_step, desc=cfg.outer.method, unit="step",
                    dynamic_ncols=True, leave=False, disable=None)
+        if bar.disable:
+            bar, lines = None, ProgressLines(cfg.outer.method, cfg.steps, start_step)
     real_t0 = time.perf_counter() - real_elapsed
     eval_loss = float("nan")
     for step in range(start_step + 1, cfg.steps + 1):
@@ -242,6 +245,8 @@ def run_training(
                                 blocked=f"{st.blocked_s:.2f}s")
         if bar is not None:
             bar.update(1)
+        elif lines is not None:
+            lines.update(step, sum(w.last_loss for w in workers) / len(workers), workers[0].comm.stats)
         if checkpoint is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             checkpoint(step)
     # Training is over: what is still in flight is waited on (every handle is), but that wait is

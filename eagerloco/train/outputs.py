@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.jsonfiles import finite_json
+from eagerloco.units import fmt_bytes
+
+#: Seconds between progress lines when stdout is not a terminal.
+PROGRESS_EVERY_S = 30.0
 
 #: Fields every summary.json has (the README lists them).
 SUMMARY_KEYS = (
@@ -101,6 +106,30 @@ class RunOutput:
             self.tb = None
 
 
+class ProgressLines:
+    """Progress where there is no terminal for a bar (a pipe, a log file, a launched rank).
+
+    One line every ``every_s`` seconds of wall time: step, loss, bytes sent, time blocked, pace.
+    """
+
+    def __init__(self, method: str, steps: int, start_step: int, every_s: float | None = None) -> None:
+        self.method, self.steps = method, steps
+        self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
+        self.t0 = self.last = time.perf_counter()
+        self.start_step = start_step
+
+    def update(self, step: int, loss: float, stats: Any) -> None:
+        """Called after every inner step; prints when the interval has passed."""
+        now = time.perf_counter()
+        if now - self.last < self.every_s:
+            return
+        self.last = now
+        pace = (step - self.start_step) / (now - self.t0)
+        left = (self.steps - step) / pace if pace > 0 else float("inf")
+        print(f"{self.method}: step {step}/{self.steps}  loss {loss:.3f}  sent {fmt_bytes(stats.bytes_sent)}  "
+              f"blocked {stats.blocked_s:.2f}s  {pace:.2f} steps/s, about {left:.0f} s left", flush=True)
+
+
 def accounting(entries: list[tuple[dict[str, Any], float]]) -> dict[str, Any]:
     """The link and time accounting of a run from its workers: the one summary formula.
 
@@ -180,8 +209,6 @@ def aggregate(summary: dict[str, Any], workers: list[dict[str, Any]]) -> None:
 
 def format_table(summaries: list[dict[str, Any]]) -> str:
     """The table `eagerloco train` prints: method, eval loss, bytes, peak, blocked time, compute utilization."""
-    from eagerloco.units import fmt_bytes
-
     head = ("method", "eval loss", "bytes sent/worker", "peak sync", "blocked s", "CU (link)")
     rows = []
     for s in summaries:
@@ -202,6 +229,7 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
 
 __all__ = [
     "SUMMARY_KEYS",
+    "ProgressLines",
     "RunOutput",
     "accounting",
     "aggregate",
