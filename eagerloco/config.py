@@ -20,6 +20,9 @@ PATTERNS = ("sequential", "strided")
 WEIGHTINGS = ("nonlocal", "stale_average")
 OUTER_OPTIMIZERS = ("sgd", "adam", "adamw")
 MAX_SEED = 2**63 - 1
+MAX_ROUNDS_IN_FLIGHT = 64
+#: Slower than this (1 kbit/s) no link carries a model's outer gradient in any useful time.
+MIN_BANDWIDTH_GBPS = 1e-6
 
 
 class ConfigError(ValueError):
@@ -86,6 +89,11 @@ class OuterConfig:
         _int_at_least("inner_steps", self.inner_steps, 1)
         _int_at_least("fragments", self.fragments, 1)
         _int_at_least("eager_rounds", self.eager_rounds, 1)
+        if self.eager_rounds > MAX_ROUNDS_IN_FLIGHT:
+            raise ConfigError(
+                f"{_flag('eager_rounds')} must be at most {MAX_ROUNDS_IN_FLIGHT}: each round in flight keeps a "
+                f"copy of the outer gradient (the papers use 1 and 2), got {self.eager_rounds}"
+            )
         _int_at_least("overlap_steps", self.overlap_steps, 0)
         _int_at_least("codec_block", self.codec_block, 1)
         if not _finite(self.alpha) or not 0.0 <= self.alpha <= 1.0:
@@ -153,6 +161,11 @@ class LinkConfig:
         if math.isnan(self.bandwidth_gbps) or self.bandwidth_gbps <= 0:
             raise ConfigError(
                 f"--bandwidth-gbps must be a positive number of Gbit/s (inf for no limit), got {self.bandwidth_gbps}"
+            )
+        if self.bandwidth_gbps < MIN_BANDWIDTH_GBPS:
+            raise ConfigError(
+                f"--bandwidth-gbps {self.bandwidth_gbps:g} is below {MIN_BANDWIDTH_GBPS:g} Gbit/s (1 kbit/s), where "
+                "one exchange would outlast any run; did you mean a larger value?"
             )
         for name in ("latency_ms", "jitter_ms"):
             v = getattr(self, name)

@@ -246,6 +246,40 @@ def link_shaping() -> str:
 
 
 
-__all__ = ["KERNEL_LINK_ENV", "KernelLink", "LinkShapingError", "emulated_link", "kernel_link_from_env", "link_shaping",
-           "owner_pid", "remove_stale",
-           "tbf_args"]
+def check_exchange_fits(link: LinkConfig, cfg: TrainConfig, num_params: int, timeout_s: float) -> None:
+    """Refuse a link on which one exchange would outlast ``--dist-timeout`` (peers would be declared dead).
+
+    Args:
+        link: the link the run's communicator emulates.
+        cfg: the run's settings (codec, fragments, workers).
+        num_params: parameters of the model.
+        timeout_s: seconds a process waits for a silent peer.
+
+    Raises:
+        ConfigError: naming the exchange's size and time, and the two ways out.
+    """
+    from eagerloco.codec_sizes import packed_nbytes
+
+    oc = cfg.outer
+    payload = packed_nbytes(oc.codec, -(-num_params // oc.fragments), oc.codec_block)
+    seconds = link.transfer_seconds(payload * max(1, cfg.workers - 1))
+    if seconds > timeout_s:
+        raise ConfigError(
+            f"one exchange ({payload / 1e6:.3g} MB per worker, {cfg.workers} workers) takes {seconds:.3g} s on a "
+            f"{link.bandwidth_gbps:g} Gbit/s link, longer than --dist-timeout {timeout_s:g} s, after which peers "
+            "are declared dead: raise --bandwidth-gbps or --dist-timeout"
+        )
+
+
+__all__ = [
+    "KERNEL_LINK_ENV",
+    "KernelLink",
+    "LinkShapingError",
+    "check_exchange_fits",
+    "emulated_link",
+    "kernel_link_from_env",
+    "link_shaping",
+    "owner_pid",
+    "remove_stale",
+    "tbf_args",
+]

@@ -22,7 +22,7 @@ FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batch
 def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("eagerloco: error: ") and err.count("\n") == 1, err
+    assert err.startswith(("eagerloco: error: ", "eagerloco simulate: error: ")) and err.count("\n") == 1, err
     return err
 
 
@@ -208,3 +208,32 @@ def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path: Path, capsys, mo
     progress = [ln for ln in out.splitlines() if ln.startswith("eager: step ")]
     assert [ln.split()[2] for ln in progress] == ["1/3", "2/3", "3/3"]
     assert all("loss " in ln and "sent " in ln and "steps/s" in ln for ln in progress)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--bandwidth-gbps", "1e-300"], "below 1e-06 Gbit/s"),
+        (["--eager-rounds", "1000000000"], "--eager-rounds must be at most 64"),
+    ],
+)
+def test_bounds_with_their_reason(tmp_path: Path, capsys, argv: list[str], needle: str) -> None:
+    assert needle in _error(capsys, ["train", *FAST, "--out", str(tmp_path / "r"), "--method", "eager", *argv])
+
+
+def test_simulate_refuses_what_would_never_finish_or_write_where_asked(tmp_path: Path, capsys) -> None:
+    assert "--inner-steps must be at most 100,000" in _error(capsys, ["simulate", "--inner-steps", "1000000000"])
+    assert "--eager-rounds values must be at most 64" in _error(capsys, ["simulate", "--eager-rounds", "1000000"])
+    missing = tmp_path / "no" / "such" / "dir" / "x.json"
+    assert "does not exist" in _error(capsys, ["simulate", "--model", "1b", "--json", str(missing)])
+    assert not (tmp_path / "no").exists()
+
+
+def test_a_link_slower_than_the_timeout_is_refused_on_processes(tmp_path: Path) -> None:
+    from eagerloco.config import ConfigError, LinkConfig, TrainConfig
+    from eagerloco.netshape import check_exchange_fits
+
+    cfg = TrainConfig(workers=3)
+    with pytest.raises(ConfigError, match=r"takes 1.6e\+03 s on a 1e-05 Gbit/s link, longer than --dist-timeout 300"):
+        check_exchange_fits(LinkConfig(bandwidth_gbps=1e-5), cfg, num_params=250_000, timeout_s=300.0)
+    check_exchange_fits(LinkConfig(bandwidth_gbps=1e-3), cfg, num_params=250_000, timeout_s=300.0)

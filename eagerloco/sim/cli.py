@@ -48,6 +48,8 @@ from eagerloco.sim.search import bandwidth_grid, least_bandwidth
 __all__ = ["add_arguments", "add_parser", "compute", "format_text", "jsonable", "main", "run", "settings_from_args"]
 
 DEFAULT_TARGETS = "0.5,0.8,0.9,0.95,0.99"
+MAX_INNER_STEPS = 100_000
+MAX_ROUNDS_IN_FLIGHT = 64
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -304,6 +306,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
     _at_least("--workers", args.workers, 1)
     _at_least("--inner-steps", args.inner_steps, 1)
+    if args.inner_steps > MAX_INNER_STEPS:
+        raise SimError(f"--inner-steps must be at most {MAX_INNER_STEPS:,} (the papers use 30 to 500; the "
+                       f"simulator walks whole rounds), got {args.inner_steps:,}")
     _at_least("--fragment-layers", args.fragment_layers, 1)
     _at_least("--fragments", args.fragments, 1)
     for model in models:
@@ -318,6 +323,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     taus = _ints("--tau", args.tau, 0)
     eager_ks = _ints("--eager-rounds", args.eager_rounds, 1)
     delayed_ks = _ints("--delayed-rounds", args.delayed_rounds, 1)
+    for flag, ks in (("--eager-rounds", eager_ks), ("--delayed-rounds", delayed_ks)):
+        if max(ks) > MAX_ROUNDS_IN_FLIGHT:
+            raise SimError(f"{flag} values must be at most {MAX_ROUNDS_IN_FLIGHT} (rounds an exchange may take; "
+                           f"the papers use 1 and 2), got {max(ks):,}")
     rows = default_variants(
         bits=args.bits,
         dp_bits=args.dp_bits,
@@ -537,7 +546,9 @@ def write_json(path: str | None, report: dict[str, Any]) -> None:
     if path == "-":
         print(data)
     else:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        parent = Path(path).parent
+        if not parent.is_dir():
+            raise SimError(f"--json {path}: the directory {parent} does not exist; create it or pick another path")
         Path(path).write_text(data + "\n")
 
 

@@ -34,7 +34,7 @@ from eagerloco.faults import fault_injection
 from eagerloco.fragments import find_blocks
 from eagerloco.fsdp import shard_model
 from eagerloco.jsonfiles import write_json_atomic
-from eagerloco.netshape import emulated_link, link_shaping
+from eagerloco.netshape import check_exchange_fits, emulated_link, link_shaping
 from eagerloco.train.elastic import train_elastic
 from eagerloco.train.loop import Worker, prepare, run_training, task_evals
 from eagerloco.train.outputs import RunOutput, aggregate, per_worker
@@ -116,7 +116,9 @@ def train_distributed(
         # Rank 0 evaluates and reports; a sharded model's forward needs all of worker 0's ranks.
         evaluates = ctx.worker == 0 if fsdp else ctx.rank == 0
         evb = evb if evaluates else []
-        comm = communicator_for(ctx, emulated_link(cfg), seed=cfg.seed, timeout_s=timeout_s)
+        link = emulated_link(cfg)
+        check_exchange_fits(link, cfg, sum(p.numel() for p in model.parameters()), timeout_s)
+        comm = communicator_for(ctx, link, seed=cfg.seed, timeout_s=timeout_s)
         # FSDP averages the gradients inside the worker itself (reduce-scatter).
         worker = Worker(model, comm, stream, cfg, inner_group=None if fsdp else ctx.inner_group)
         start_step, real_elapsed = 0, 0.0

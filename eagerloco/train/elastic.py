@@ -30,7 +30,7 @@ from eagerloco.comm.elastic import Membership, outer_digest
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.faults import fault_injection, rejoining
 from eagerloco.jsonfiles import write_json_atomic
-from eagerloco.netshape import emulated_link, link_shaping
+from eagerloco.netshape import check_exchange_fits, emulated_link, link_shaping
 from eagerloco.train.loop import Worker, prepare, run_training, task_evals
 from eagerloco.train.outputs import RunOutput, aggregate
 from eagerloco.train.resume import (
@@ -130,7 +130,9 @@ def _run(cfg: TrainConfig, timeout_s: float, me: int, joining: bool) -> dict[str
     else:
         ctx = init_process_groups(cfg.workers, 1, "gloo", timeout_s)
         membership, outer, start_step = Membership(client, me, cfg.workers, timeout_s, **kw), ctx.outer_group, 0
-    comm = TorchDistCommunicator(outer, emulated_link(cfg), timeout_s, membership.names,
+    link = emulated_link(cfg)
+    check_exchange_fits(link, cfg, sum(p.numel() for p in model.parameters()), timeout_s)
+    comm = TorchDistCommunicator(outer, link, timeout_s, membership.names,
                                  store=_heartbeat_store(timeout_s), seed=cfg.seed, elastic=True,
                                  members=membership.members)
     outer = ctx = None  # the communicator holds the group alone: a membership change must free it
