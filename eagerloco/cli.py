@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from eagerloco.checkpoint import CheckpointError
-from eagerloco.comm.distributed import PeerError
+from eagerloco.comm.errors import PeerError
 from eagerloco.config import METHODS, PATTERNS, WEIGHTINGS, ConfigError, LinkConfig, OuterConfig, from_dict
 from eagerloco.data import DataError
 

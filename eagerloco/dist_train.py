@@ -21,7 +21,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
@@ -29,18 +28,19 @@ import torch
 import torch.distributed as dist
 
 from eagerloco import checkpoint as ckpt
-from eagerloco.comm.distributed import (
-    PeerError,
-    TorchDistCommunicator,
-    _env_int,
-    _heartbeat_store,
-    communicator_for,
+from eagerloco.comm.distributed import TorchDistCommunicator
+from eagerloco.comm.elastic import Membership, outer_digest
+from eagerloco.comm.errors import PeerError
+from eagerloco.comm.groups import (
+    env_int,
+    heartbeat_store,
     init_process_groups,
     set_worker_threads,
     shutdown,
+    store_client,
     workers_from_env,
 )
-from eagerloco.comm.elastic import Membership, outer_digest
+from eagerloco.comm.worker import communicator_for
 from eagerloco.config import ConfigError, LinkConfig
 from eagerloco.faults import kill_hook, kill_self, rejoining
 from eagerloco.fragments import find_blocks
@@ -348,18 +348,6 @@ class _Metrics:
             self.f = None
 
 
-def _store_client(timeout_s: float) -> dist.Store:
-    host, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT")
-    if not host or port is None:
-        raise ConfigError("--elastic needs MASTER_ADDR and MASTER_PORT (the launcher's store); start the run with "
-                          "`eagerloco launch --elastic` or torchrun")
-    try:
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=min(timeout_s, 60.0)),
-                             wait_for_workers=False)
-    except Exception as e:
-        raise PeerError(f"cannot reach the run's store at {host}:{port} ({e}); is the launcher still running?") from e
-
-
 def _own_last_state(root: Path, worker: int) -> dict[str, Any] | None:
     """This worker's state in the newest valid checkpoint that has one (a returning worker's data position)."""
     for path in reversed(ckpt.list_checkpoints(root)):
@@ -399,11 +387,11 @@ def _train_elastic(cfg: TrainConfig, timeout_s: float) -> dict[str, Any] | None:
     from eagerloco.data import worker_streams
     from eagerloco.schedule import apply_delay
 
-    me = _env_int("RANK")
+    me = env_int("RANK")
     if me is None or not 0 <= me < cfg.workers:
         raise ConfigError(f"RANK must be a worker id in 0..{cfg.workers - 1} for --elastic, got {me}")
     joining = rejoining(cfg)
-    client = _store_client(timeout_s)
+    client = store_client(min(timeout_s, 60.0))
     oc = cfg.outer
     kw = {"inner_steps": oc.inner_steps, "steps": cfg.steps, "is_dp": oc.method == "dp",
           "delay": apply_delay(oc.method, oc.inner_steps, oc.overlap_steps, oc.eager_rounds)}
@@ -427,7 +415,7 @@ def _train_elastic(cfg: TrainConfig, timeout_s: float) -> dict[str, Any] | None:
         ctx = init_process_groups(cfg.workers, 1, "gloo", timeout_s)
         membership, outer, start_step = Membership(client, me, cfg.workers, timeout_s, **kw), ctx.outer_group, 0
     comm = TorchDistCommunicator(outer, _emulated_link(cfg), timeout_s, membership.names,
-                                 store=_heartbeat_store(timeout_s), seed=cfg.seed, elastic=True,
+                                 store=heartbeat_store(timeout_s), seed=cfg.seed, elastic=True,
                                  members=membership.members)
     outer = ctx = None  # the communicator holds the group alone: a membership change must free it
     try:
