@@ -60,9 +60,11 @@ class WorkerCommunicator(Communicator):
         if self.ctx.inner_group is not None:
             dist.barrier(group=self.ctx.inner_group)
 
-    def close(self) -> None:
+    def close(self, cancel: bool = False) -> None:
+        """Close the first rank's outer communicator (cancel: drop what is still queued; see
+        :meth:`TorchDistCommunicator.close`); the other ranks hold nothing to release."""
         if self.outer is not None:
-            self.outer.close()
+            self.outer.close(cancel=cancel)
 
 
 class _WorkerHandle(Handle):
