@@ -83,7 +83,7 @@ def _exit_code(e: BaseException) -> int | None:
     that never loads torch does not load it to name the errors it cannot raise.
     """
     from eagerloco.checkpoint import CheckpointError
-    from eagerloco.comm.distributed import PeerError
+    from eagerloco.comm.errors import PeerError
     from eagerloco.data import DataError
 
     if isinstance(e, (ConfigError, FileNotFoundError, DataError, CheckpointError)):

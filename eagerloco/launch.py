@@ -6,7 +6,7 @@ code is the same under ``torchrun --standalone`` and here.
 
 Why not torch.distributed.run: its elastic agent restarts or tears down every rank at the first
 failure, while here the others get a grace period to notice the dead peer and exit with a message
-that names it (see :class:`eagerloco.comm.distributed.PeerError`); it also cannot run an arbitrary
+that names it (see :class:`eagerloco.comm.errors.PeerError`); it also cannot run an arbitrary
 command (tests) and prefixes output only through extra flags. What we keep from torchrun is its
 store arrangement: the launcher hosts the rendezvous TCPStore and sets TORCHELASTIC_USE_AGENT_STORE,
 so every rank connects as a client and the store (with the heartbeats) outlives any rank, rank 0
@@ -155,7 +155,7 @@ def _launch(
     old_term = _install_sigterm(terminated)
     try:
         # Exits are recorded by worker, under the workers' heartbeat prefix
-        # (eagerloco.comm.distributed._heartbeat_store): errors name a dead worker at once.
+        # (eagerloco.comm.groups.heartbeat_store): errors name a dead worker at once.
         exits = _ExitBoard(dist.PrefixStore("eagerloco/outer/", store), ranks_per_worker)
         if elastic:
             code = _supervise_elastic(procs, timeout_s, say, terminated, spawn, max_restarts, exits)

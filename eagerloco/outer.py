@@ -80,15 +80,21 @@ class _InFlight:
 class OuterSync:
     """Wraps a model and its inner optimizer with the configured outer algorithm.
 
-    model: any nn.Module; its parameters are updated in place.
-    inner_optimizer: kept for checkpointing and for the user's loop (the user calls its step()).
-    comm: this worker's communicator.
-    blocks: the modules to split into fragments (default: found by :func:`find_blocks`).
-    outer_optimizer: a factory taking a list of FP32 tensors (default from the config).
-    seed: seeds stochastic rounding, per worker.
-
     Sharded parameters (FSDP's DTensors) are fine: everything the outer algorithm does is
     elementwise, so it works on this rank's shards (``local_shard``) and exchanges those.
+
+    Args:
+        model: any nn.Module; its parameters are updated in place.
+        inner_optimizer: kept for checkpointing and for the user's loop (the user calls its step()).
+        comm: this worker's communicator.
+        config: the method and its settings (default: ``OuterConfig()``, DiLoCo).
+        blocks: the modules to split into fragments (default: found by :func:`find_blocks`).
+        outer_optimizer: a factory taking a list of FP32 tensors (default from the config).
+        seed: seeds stochastic rounding, per worker (mixed with ``comm.rank``).
+
+    Raises:
+        ConfigError: an invalid setting, or fragments that do not fit the model's blocks (more
+            fragments than blocks, a fragment without parameters).
     """
 
     def __init__(
@@ -147,7 +153,11 @@ class OuterSync:
 
     # ------------------------------------------------------------------ data-parallel gradients
     def launch_grads(self) -> None:
-        """dp: start averaging the gradients (call after backward)."""
+        """dp: start averaging the gradients (call after backward); other methods: nothing.
+
+        Raises:
+            PeerError: the communicator's group already failed.
+        """
         if not self.is_dp:
             return
         t0 = time.perf_counter()
@@ -159,7 +169,11 @@ class OuterSync:
         self.comm.add_overhead(time.perf_counter() - t0)
 
     def finish_grads(self) -> None:
-        """dp: write the mean gradient into .grad (call before the inner optimizer step)."""
+        """dp: write the mean gradient into .grad (call before the inner optimizer step).
+
+        Raises:
+            PeerError: another worker died, hung or left before the gradients were averaged.
+        """
         if self._grad_handle is None:
             return
         t0 = time.perf_counter()
@@ -176,13 +190,26 @@ class OuterSync:
         self.comm.add_overhead(time.perf_counter() - t0 - waited)
 
     def before_inner_step(self) -> None:
-        """One worker per process: average gradients if the method says so."""
+        """One worker per process: average gradients if the method says so.
+
+        Call after backward and before the inner optimizer's step(), every inner step (it does
+        nothing except for dp). Same as :meth:`launch_grads` then :meth:`finish_grads`.
+
+        Raises:
+            PeerError: another worker died, hung or left (dp: the gradient exchange failed).
+            ScheduleMismatchError: the workers run different settings (checked at the first exchange).
+        """
         self.launch_grads()
         self.finish_grads()
 
     # ------------------------------------------------------------------ outer exchange
     def launch_outer(self) -> None:
-        """Count the inner step just taken and launch the exchanges due at it."""
+        """Count the inner step just taken and launch the exchanges due at it (no waiting).
+
+        Raises:
+            PeerError: the communicator's group already failed.
+            ScheduleMismatchError: the workers run different settings (checked at the first exchange).
+        """
         self.step += 1
         if self.is_dp:
             return
@@ -201,7 +228,13 @@ class OuterSync:
         self.comm.add_overhead(time.perf_counter() - t0)
 
     def finish_outer(self) -> None:
-        """Apply the exchanges due at this step."""
+        """Wait for and apply the exchanges due at this step (outer step, then merge into the model).
+
+        Raises:
+            PeerError: an exchange due now failed. Nothing of it is applied: the outer copies and
+                outer-optimizer state stay those of the last exchange that landed, the failed
+                exchange is dropped from ``in_flight``, and the run must restart from a checkpoint.
+        """
         if self.is_dp:
             return
         t0 = time.perf_counter()
@@ -219,7 +252,18 @@ class OuterSync:
         self.comm.add_overhead(time.perf_counter() - t0 - waited)
 
     def after_inner_step(self) -> None:
-        """One worker per process: launch and apply what is due after this inner step."""
+        """One worker per process: launch and apply what is due after this inner step.
+
+        Call after the inner optimizer's step(), every inner step: it counts the step, launches
+        the exchanges due at it and applies those due (a blocking method waits for its own; an
+        overlapped one applies what was launched ``delay`` steps ago). Same as
+        :meth:`launch_outer` then :meth:`finish_outer`.
+
+        Raises:
+            PeerError: another worker died, hung or left before an exchange due now landed (see
+                :meth:`finish_outer` for the state left behind).
+            ScheduleMismatchError: the workers run different settings (checked at the first exchange).
+        """
         self.launch_outer()
         self.finish_outer()
 
@@ -300,11 +344,16 @@ class OuterSync:
 
     # ------------------------------------------------------------------ run end and evaluation
     def drain(self, apply: bool = False) -> None:
-        """Wait on every exchange still in flight (end of a run).
+        """Wait on every exchange still in flight (end of a run); ``in_flight`` is empty afterwards.
 
-        apply=False leaves the parameters as the schedule has them. apply=True applies what was
-        still in flight, so that every outer gradient of the run counts once: eager adds the
-        others' share (the mean less its own, already applied), delayed adds the mean.
+        Args:
+            apply: False leaves the parameters as the schedule has them. True applies what was
+                still in flight, so that every outer gradient of the run counts once: eager adds
+                the others' share (the mean less its own, already applied, with the M of its
+                round), delayed and overlapped Streaming add the mean.
+
+        Raises:
+            PeerError: an exchange in flight failed.
         """
         t0 = time.perf_counter()
         waited = 0.0
@@ -353,12 +402,18 @@ class OuterSync:
                         local.copy_(s)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: outer copies, outer-optimizer state, step,
-        stochastic-rounding generator, and the exchanges in flight with their results.
+        """Everything needed to continue exactly.
 
         In-flight exchanges are resolved (on a real link this waits for them) and replaced by
         ready handles in this run too, so the run that continues and the run that resumes from
         this state apply the very same numbers.
+
+        Returns:
+            method, step, outer copies, outer-optimizer states, stochastic-rounding generator
+            state, and the exchanges in flight with their results (``in_flight``).
+
+        Raises:
+            PeerError: an exchange in flight failed while being resolved.
         """
         in_flight = []
         for item in self.in_flight:
@@ -380,6 +435,15 @@ class OuterSync:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` (the model and inner optimizer are restored separately).
+
+        Args:
+            state: what :meth:`state_dict` returned, possibly from an older checkpoint.
+
+        Raises:
+            ValueError: the state is for another method, or its fragments do not match this model
+                and fragment setting.
+        """
         if state.get("method") != self.config.method:
             raise ValueError(f"state is for method {state.get('method')!r}, this run uses {self.config.method!r}")
         if len(state["outer"]) != len(self.outer) or any(
@@ -409,7 +473,17 @@ class OuterSync:
 
 
 def before_inner_step_all(syncs: Sequence[OuterSync]) -> None:
-    """Lockstep for M workers in one process: every launch before any wait."""
+    """:meth:`OuterSync.before_inner_step` for M workers in one process, in lockstep.
+
+    Every worker launches before any waits (a worker waiting first would wait for a launch that
+    never comes).
+
+    Args:
+        syncs: one OuterSync per worker, on communicators of the same in-process group.
+
+    Raises:
+        PeerError: as :meth:`OuterSync.before_inner_step`.
+    """
     for s in syncs:
         s.launch_grads()
     for s in syncs:
@@ -417,7 +491,17 @@ def before_inner_step_all(syncs: Sequence[OuterSync]) -> None:
 
 
 def after_inner_step_all(syncs: Sequence[OuterSync]) -> None:
-    """Lockstep for M workers in one process: every launch before any wait."""
+    """:meth:`OuterSync.after_inner_step` for M workers in one process, in lockstep.
+
+    Every worker launches before any waits (a worker waiting first would wait for a launch that
+    never comes).
+
+    Args:
+        syncs: one OuterSync per worker, on communicators of the same in-process group.
+
+    Raises:
+        PeerError: as :meth:`OuterSync.after_inner_step`.
+    """
     for s in syncs:
         s.launch_outer()
     for s in syncs:

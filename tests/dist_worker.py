@@ -17,14 +17,10 @@ import torch
 import torch.distributed as dist
 
 from eagerloco.codecs import get_codec
-from eagerloco.comm.distributed import (
-    DistContext,
-    PeerError,
-    ScheduleMismatchError,
-    TorchDistCommunicator,
-    communicator_for,
-    init_process_groups,
-)
+from eagerloco.comm.distributed import TorchDistCommunicator
+from eagerloco.comm.errors import PeerError, ScheduleMismatchError
+from eagerloco.comm.groups import DistContext, init_process_groups
+from eagerloco.comm.worker import communicator_for
 from eagerloco.config import ConfigError, LinkConfig
 
 CODECS = ("fp32", "int8", "e2m1")

@@ -95,7 +95,8 @@ def run_ours(method: str, fragments: int, replica: int, steps: int, h: int, over
     """
     import eagerloco.comm.distributed as dmod
     from eagerloco.comm import base as comm_base
-    from eagerloco.comm.distributed import TorchDistCommunicator, init_process_groups
+    from eagerloco.comm.distributed import TorchDistCommunicator
+    from eagerloco.comm.groups import init_process_groups
     from eagerloco.config import OuterConfig
     from eagerloco.outer import OuterSync
 
@@ -118,7 +119,7 @@ def run_ours(method: str, fragments: int, replica: int, steps: int, h: int, over
     comm._gather = prof.wrap("thread_gather", comm._gather)  # type: ignore[method-assign]
     comm._sum = prof.wrap("thread_allreduce", comm._sum)  # type: ignore[method-assign]
     comm._execute = prof.wrap("thread_execute", comm._execute)  # type: ignore[method-assign]
-    publish = comm._publish
+    publish = comm.heartbeat.publish
 
     def publish_timed(*args: Any) -> None:  # heartbeat publishes, most of them prompted by an exchange
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -126,7 +127,7 @@ def run_ours(method: str, fragments: int, replica: int, steps: int, h: int, over
         prof.cpu["hb_publish"] = prof.cpu.get("hb_publish", 0.0) + time.thread_time() - c0
         prof.add("hb_publish", time.perf_counter() - t0)
 
-    comm._publish = publish_timed  # type: ignore[method-assign]
+    comm.heartbeat.publish = publish_timed  # type: ignore[method-assign]
     dmod.mean_of_payloads = prof.wrap("thread_mean", comm_base.mean_of_payloads)  # type: ignore[assignment]
     batches = wl.train_batches(steps, replica)
     wl.warm_up(model, opt, batches[0])

@@ -124,14 +124,31 @@ class Handle(ABC):
         """Block until the exchange has landed; return the FP32 mean, shaped like the input.
 
         The tensors are the caller's: fresh memory that nothing else holds, so the caller may write
-        into them (an optimizer given them as gradients does). With out (tensors shaped like the
-        input, any float dtype), the mean is copied into them and out is returned: no allocation,
+        into them (an optimizer given them as gradients does). Passing out avoids the allocation,
         which matters for an exchange every step (data-parallel gradients).
+
+        Args:
+            out: tensors shaped like the input (any float dtype) to copy the mean into.
+
+        Returns:
+            The mean over the workers, one tensor per input tensor: out itself when given.
+
+        Raises:
+            PeerError: another worker died, hung or left before the exchange completed (real
+                transports); the run cannot go on without re-forming the group.
+            ScheduleMismatchError: the workers launched different exchanges at this position.
+            RuntimeError: the handle was already waited on (wait exactly once).
+            ValueError: out holds a different number of tensors than the input.
         """
 
     @abstractmethod
     def done(self) -> bool:
-        """Whether wait() would return without blocking."""
+        """Whether :meth:`wait` would return without blocking.
+
+        Returns:
+            True once the result is there (or the exchange has failed: wait then raises). It is
+            advisory: algorithms must not branch on it, since workers may see different answers.
+        """
 
     def checkpoint_result(self) -> tuple[list[torch.Tensor], float | None]:
         """The mean, for a checkpoint, and the clock time it lands at (None: already landed).
@@ -181,13 +198,28 @@ class Communicator(ABC):
     ) -> Handle:
         """Start averaging tensors over the workers (background); returns at once.
 
-        keep_own=False: the caller will not read ``handle.own`` (it is empty), which lets a runtime
-        reuse the payload's memory once the exchange is done (data-parallel gradients, every step).
-        agreed=True: :meth:`agree` returned True for the schedule this exchange belongs to, so every
-        worker launches this same exchange now and a runtime may skip its own per-exchange check.
-
         The tensors are encoded before this returns, so the caller may change them afterwards.
-        generator drives stochastic rounding, where the codec uses it.
+        Every worker must launch the same exchanges (same sizes and codec) in the same order.
+
+        Args:
+            tensors: this worker's contribution (any shapes and float dtypes; summed in FP32).
+            codec: how the payload is encoded on the link (its byte size is what is accounted).
+            generator: drives stochastic rounding, where the codec uses it.
+            keep_own: False when the caller will not read ``handle.own`` (it is then empty), which
+                lets a runtime reuse the payload's memory once the exchange is done (data-parallel
+                gradients, every step).
+            agreed: :meth:`agree` returned True for the schedule this exchange belongs to, so every
+                worker launches this same exchange now and a runtime may skip its own per-exchange
+                check.
+
+        Returns:
+            A :class:`Handle` to wait on exactly once; ``handle.own`` is this worker's contribution
+            as the others decode it.
+
+        Raises:
+            PeerError: the group already failed (a real transport raises on every call after a
+                failure); failures of this exchange itself surface at :meth:`Handle.wait`.
+            RuntimeError: the communicator is closed.
         """
 
     def clock(self) -> float:
@@ -212,15 +244,39 @@ class Communicator(ABC):
         """Check once that every worker runs the same exchange schedule; say whether exchanges of it
         may then be launched with ``agreed=True``.
 
-        schedule: a digest of everything that decides which exchanges are launched when (method,
-        fragment sizes, codec, step, ...); describe: the same in words, for the error. Workers whose
-        digests differ raise :class:`ScheduleMismatchError`. A runtime without per-exchange checks to
-        skip returns False (the default: nothing to check against here).
+        Every worker must call it at the same point of its exchange sequence (it is an exchange).
+
+        Args:
+            schedule: a digest of everything that decides which exchanges are launched when
+                (method, fragment sizes, codec, step, ...).
+            describe: the same in words, for the error message.
+
+        Returns:
+            True when the workers agreed and this runtime will skip its per-exchange check for
+            exchanges launched with ``agreed=True``; False where there is nothing to skip (the
+            default, and a runtime that keeps its checks anyway).
+
+        Raises:
+            ScheduleMismatchError: the workers' digests differ.
+            PeerError: another worker died, hung or left during the agreement.
         """
         return False
 
     def barrier(self) -> None:  # noqa: B027 - optional for implementations without peers
-        """Wait for every worker (used at start and end of a run)."""
+        """Wait for every worker (used at start and end of a run), in order with the exchanges
+        launched before it.
 
-    def close(self) -> None:  # noqa: B027
-        """Release resources."""
+        Raises:
+            PeerError: another worker died, hung or left before reaching the barrier.
+        """
+
+    def close(self, cancel: bool = False) -> None:  # noqa: B027 - nothing to release by default
+        """Release resources (threads, connections); closing twice is harmless.
+
+        Every implementation takes the same arguments: the trainer closes whichever one it has
+        with ``close(cancel=True)`` after a peer failure.
+
+        Args:
+            cancel: drop exchanges still queued instead of running them first (after a failure,
+                when the peers no longer expect them). Implementations without a queue ignore it.
+        """

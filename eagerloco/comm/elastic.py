@@ -7,8 +7,9 @@ stable (they name data shards, seeds and checkpoint files); a worker's rank in a
 its position among the sorted member ids. One worker per process (``--ranks-per-worker 1``).
 
 A worker dies (epoch E -> E+1). Its peers' collectives fail; each survivor's communicator parks
-(:class:`~eagerloco.comm.distributed.TorchDistCommunicator` in elastic mode) and the survivor,
-at its next wait or step boundary, runs :meth:`Membership.recover`:
+(:class:`~eagerloco.comm.distributed.TorchDistCommunicator` in elastic mode, see
+:mod:`eagerloco.comm.regroup`) and the survivor, at its next wait or step boundary, runs
+:meth:`Membership.recover`:
 
 1. it flags ``ep<E+1>/recovering`` (peers that have not hit a failed collective yet see it at
    their next step) and announces ``ep<E+1>/alive/<id>``;
@@ -64,7 +65,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from eagerloco.comm.distributed import _BARRIER, PeerError, TorchDistCommunicator, _short
+from eagerloco.comm.distributed import TorchDistCommunicator
+from eagerloco.comm.errors import PeerError, describe_exception
+from eagerloco.comm.groups import HEARTBEAT_PREFIX
+from eagerloco.comm.jobs import BARRIER
 
 T = TypeVar("T")
 _POLL_S = 0.05
@@ -111,7 +115,7 @@ class Membership:
     ) -> None:
         self.client = client
         self.kv = dist.PrefixStore("eagerloco/elastic/", client)
-        self.hb = dist.PrefixStore("eagerloco/outer/", client)
+        self.hb = dist.PrefixStore(HEARTBEAT_PREFIX, client)
         self.worker, self.workers, self.timeout_s = worker, workers, float(timeout_s)
         self.members = list(members) if members is not None else list(range(workers))
         self.epoch = epoch
@@ -178,7 +182,7 @@ class Membership:
         comm = self.comm
         assert comm is not None
         comm.step_hint = step + 1  # the step now under way: what it launches belongs to it
-        comm._announce()  # heartbeat now: a lost worker's last step is known to the step
+        comm.heartbeat.announce()  # heartbeat now: a lost worker's last step is known to the step
         if comm.broken or self.kv.check([f"ep{self.epoch + 1}/recovering"]):
             self.recover()
         if self.is_dp or step % self.inner_steps == 0:
@@ -193,7 +197,7 @@ class Membership:
             except RuntimeError as e:
                 if isinstance(e, PeerError):
                     raise
-                cause = _short(e)  # text only: the traceback would keep the broken group alive
+                cause = describe_exception(e)  # text only: the traceback would keep the broken group alive
             if self.epoch == epoch:
                 self.recover(cause=cause)
         raise PeerError(f"worker {self.worker}: a collective kept failing across membership changes; "
@@ -308,7 +312,7 @@ class Membership:
         comm = self.comm
         assert comm is not None
         mine = comm.done_upto
-        step = comm._recent[mine][2] if mine in comm._recent else 0
+        step = comm.done_upto_step()
         every: list[Any] = [None] * len(self.members)
         dist.all_gather_object(every, (mine, step))
         dones = [d for d, _ in every]
@@ -322,7 +326,7 @@ class Membership:
                     raise PeerError(f"worker {self.worker} never launched exchange #{seq} that its peers completed")
                 numel, mean = job.numel, None
             buf = None
-            if numel != _BARRIER:
+            if numel != BARRIER:
                 buf = mean.clone() if mean is not None else torch.empty(numel, dtype=torch.float32)
                 dist.broadcast(buf, src=holders[0])
             if self.pos not in holders:
@@ -402,7 +406,7 @@ class Membership:
             torch.save({
                 "model": trainer.model.state_dict(), "opt": trainer.opt.state_dict(),
                 "sched": trainer.sched.state_dict(), "sync": trainer.sync.state_dict(),
-                "last_loss": trainer.last_loss, "launched": comm._launched,
+                "last_loss": trainer.last_loss, "launched": comm.launched,
             }, buf)
             data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
             for r in receivers:

@@ -21,14 +21,9 @@ from typing import Any
 import torch.distributed as dist
 
 from eagerloco import checkpoint as ckpt
-from eagerloco.comm.distributed import (
-    PeerError,
-    communicator_for,
-    init_process_groups,
-    set_worker_threads,
-    shutdown,
-    workers_from_env,
-)
+from eagerloco.comm.errors import PeerError
+from eagerloco.comm.groups import init_process_groups, set_worker_threads, shutdown, workers_from_env
+from eagerloco.comm.worker import communicator_for
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.faults import fault_injection
 from eagerloco.fragments import find_blocks

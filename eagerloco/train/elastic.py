@@ -18,15 +18,10 @@ import torch
 import torch.distributed as dist
 
 from eagerloco import checkpoint as ckpt
-from eagerloco.comm.distributed import (
-    PeerError,
-    TorchDistCommunicator,
-    _env_int,
-    _heartbeat_store,
-    init_process_groups,
-    shutdown,
-)
+from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.elastic import Membership, outer_digest
+from eagerloco.comm.errors import PeerError
+from eagerloco.comm.groups import env_int, heartbeat_store, init_process_groups, shutdown, store_client
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.faults import fault_injection, rejoining
 from eagerloco.jsonfiles import write_json_atomic
@@ -65,21 +60,6 @@ def worker_steps(events: list[dict[str, Any]], workers: int, start: int, steps: 
     return total + count * max(0, steps - at)
 
 
-def _store_client(timeout_s: float) -> dist.Store:
-    import os
-    from datetime import timedelta
-
-    host, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT")
-    if not host or port is None:
-        raise ConfigError("--elastic needs MASTER_ADDR and MASTER_PORT (the launcher's store); start the run with "
-                          "`eagerloco launch --elastic` or torchrun")
-    try:
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=min(timeout_s, 60.0)),
-                             wait_for_workers=False)
-    except Exception as e:
-        raise PeerError(f"cannot reach the run's store at {host}:{port} ({e}); is the launcher still running?") from e
-
-
 def train_elastic(cfg: TrainConfig, timeout_s: float) -> dict[str, Any] | None:
     """One worker of an elastic run (its process's share of :func:`~eagerloco.train.distributed.train_distributed`).
 
@@ -91,7 +71,7 @@ def train_elastic(cfg: TrainConfig, timeout_s: float) -> dict[str, Any] | None:
         ConfigError: an invalid setting or environment.
         PeerError: the run's store cannot be reached, or the group cannot go on.
     """
-    me = _env_int("RANK")
+    me = env_int("RANK")
     if me is None or not 0 <= me < cfg.workers:
         raise ConfigError(f"RANK must be a worker id in 0..{cfg.workers - 1} for --elastic, got {me}")
     joining = rejoining(cfg)
@@ -107,7 +87,7 @@ def _run(cfg: TrainConfig, timeout_s: float, me: int, joining: bool) -> dict[str
     from eagerloco.data import worker_streams
     from eagerloco.schedule import apply_delay
 
-    client = _store_client(timeout_s)
+    client = store_client(min(timeout_s, 60.0))
     oc = cfg.outer
     kw = {"inner_steps": oc.inner_steps, "steps": cfg.steps, "is_dp": oc.method == "dp",
           "delay": apply_delay(oc.method, oc.inner_steps, oc.overlap_steps, oc.eager_rounds)}
@@ -133,7 +113,7 @@ def _run(cfg: TrainConfig, timeout_s: float, me: int, joining: bool) -> dict[str
     link = emulated_link(cfg)
     check_exchange_fits(link, cfg, sum(p.numel() for p in model.parameters()), timeout_s)
     comm = TorchDistCommunicator(outer, link, timeout_s, membership.names,
-                                 store=_heartbeat_store(timeout_s), seed=cfg.seed, elastic=True,
+                                 store=heartbeat_store(timeout_s), seed=cfg.seed, elastic=True,
                                  members=membership.members)
     outer = ctx = None  # the communicator holds the group alone: a membership change must free it
     try:

@@ -1,0 +1,157 @@
+"""Heartbeats of the outer ranks in the run's store, and the diagnosis read from them on a failure.
+
+Every outer rank's heartbeat thread writes ``hb/<worker>`` (``hb/<worker>/<channel>`` for the other
+shards of a sharded worker) = "wall time, last exchange entered, state, step" under
+:data:`~eagerloco.comm.groups.HEARTBEAT_PREFIX`. When a collective fails, the survivors read the
+others' heartbeats to name the workers whose heartbeat went stale, that closed their communicator,
+or (failing that) that never reached the failed exchange. ``eagerloco launch`` adds ``exited/<worker>``
+when it sees a process end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import torch.distributed as dist
+
+#: How often each outer rank refreshes its heartbeat in the store (seconds).
+HEARTBEAT_S = 1.0
+
+Suspects = list[tuple[int, str]]
+
+
+class Heartbeat:
+    """One outer rank's heartbeat: a thread that publishes it, and a reader of the others'.
+
+    store: the heartbeat store (None: no heartbeats; diagnosis then names nobody). worker: this
+    worker's id; channel: which of its worker's outer exchanges this is (its rank in the worker
+    when each rank exchanges a shard). progress: returns (last exchange entered, training step),
+    read on every publish. The communication thread never talks to the store itself: a slow or
+    unreachable store must not delay exchanges; it calls :meth:`announce` instead.
+    """
+
+    def __init__(self, store: dist.Store | None, worker: int, channel: int = 0, interval_s: float = HEARTBEAT_S,
+                 progress: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+        self.store, self.worker, self.channel = store, worker, channel
+        self.interval_s = interval_s
+        #: A heartbeat older than this marks its worker gone or frozen.
+        self.stale_s = max(3 * interval_s, 2.0)
+        self.state = "up"
+        self._progress = progress
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        if store is not None:
+            self.publish()
+            self._thread = threading.Thread(target=self._loop, name="eagerloco-hb", daemon=True)
+            self._thread.start()
+
+    def key(self, w: int) -> str:
+        """The store key of worker w's heartbeat on this channel."""
+        return f"hb/{w}" if self.channel == 0 else f"hb/{w}/{self.channel}"
+
+    def announce(self, state: str | None = None) -> None:
+        """Have the heartbeat thread publish now (a new exchange entered, or a new state)."""
+        if state is not None:
+            self.state = state
+        self._wake.set()
+
+    def publish(self, state: str | None = None) -> None:
+        """Write this worker's heartbeat: time, last exchange entered, state (up, failed, closed), step."""
+        if self.store is None:
+            return
+        with self._lock:
+            if state is not None:
+                self.state = state
+            entered, step = self._progress()
+            try:
+                self.store.set(self.key(self.worker), f"{time.time():.3f} {entered} {self.state} {step}")
+            except Exception:  # the store host may be gone; a diagnosis will say so
+                pass
+
+    def stop(self, state: str) -> None:
+        """Stop the thread and publish a last heartbeat with this state ("failed" or "closed")."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=2.0)
+        self.publish(state)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if not self._stop.is_set():
+                self.publish()
+
+    # -- diagnosis ----------------------------------------------------------------------------------
+
+    def diagnose(self, seq: int, members: list[int], names: Mapping[int, str],
+                 cancel: threading.Event) -> tuple[list[int], list[str]]:
+        """Which workers look responsible for the failure of exchange seq, with a note each.
+
+        Strong evidence (a stale heartbeat, a closed or never started communicator) wins over weak
+        (alive but not at this exchange yet: it may just be slower). A worker that died a moment
+        ago still has a fresh heartbeat, so weak evidence is only reported after waiting long
+        enough for a death to show (or until cancel is set).
+        """
+        if self.store is None:
+            return [], ["no heartbeat store, so the failed worker is unknown"]
+        deadline = time.monotonic() + self.stale_s + self.interval_s
+        while True:
+            found = self._read_peers(seq, members, names)
+            if isinstance(found, str):
+                return [], [found]
+            strong, weak = found
+            final = time.monotonic() >= deadline or cancel.is_set()
+            if strong or final:
+                chosen = strong or weak
+                return [w for w, _ in chosen], [note for _, note in chosen]
+            time.sleep(min(0.2, self.interval_s))
+
+    def _read_peers(self, seq: int, members: list[int], names: Mapping[int, str]) -> tuple[Suspects, Suspects] | str:
+        """(strong, weak) suspects with a note each, or why the store could not be read."""
+        assert self.store is not None
+        strong: Suspects = []
+        weak: Suspects = []
+        now = time.time()
+        for w in members:
+            if w == self.worker:
+                continue
+            name, key = names.get(w, f"worker {w}"), self.key(w)
+            try:
+                if not self.store.check([key]):
+                    strong.append((w, f"{name} never started its outer communicator"))
+                    continue
+                stamp, entered, state = self.store.get(key).decode().split()[:3]
+            except Exception as e:
+                return f"the rendezvous store is unreachable ({str(e).splitlines()[0][:120]})"
+            age, last = now - float(stamp), int(entered)
+            if state == "failed":  # a fellow survivor that already gave up: not a cause
+                continue
+            exit_note = self._exit_note(w)
+            if exit_note:  # the launcher saw its process end: no need to wait for a stale heartbeat
+                strong.append((w, f"{name} is gone: its process {exit_note} (after exchange #{last})"))
+            elif state == "closed":
+                strong.append((w, f"{name} closed its communicator after exchange #{last} (done or quit)"))
+            elif age > self.stale_s:
+                note = f"{name} is gone or frozen (last heartbeat {age:.1f} s ago, at exchange #{last})"
+                strong.append((w, note))
+            elif last < seq:
+                weak.append((w, f"{name} has not reached exchange #{seq} (alive, last entered #{last})"))
+        return strong, weak
+
+    def _exit_note(self, w: int) -> str:
+        """How worker w's process ended, if ``eagerloco launch`` recorded it ('' if not)."""
+        assert self.store is not None
+        try:
+            if not self.store.check([f"exited/{w}"]):
+                return ""
+            rc = int(self.store.get(f"exited/{w}").decode())
+        except Exception:
+            return ""
+        return f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"

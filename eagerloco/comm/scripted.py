@@ -1,0 +1,191 @@
+"""A scripted Communicator for tests: preset results, simulated durations, failures on cue, a record of calls.
+
+It stands in for the other workers at the one seam the outer algorithm talks through, so that
+:class:`~eagerloco.outer.OuterSync` can be unit-tested in one process without peers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from eagerloco.codecs import Codec
+from eagerloco.comm.base import Communicator, Handle, WorkerStats, encode, flatten, hand_over, unflatten, wire_bytes
+from eagerloco.comm.errors import PeerError
+
+#: Gives, for exchange i, the other workers' contributions (each a list shaped like the caller's tensors).
+PeersFn = Callable[[int], Sequence[Sequence[torch.Tensor]]]
+
+
+@dataclass
+class ScriptedCall:
+    """One :meth:`ScriptedCommunicator.allreduce_mean` call, as recorded for assertions."""
+
+    index: int  # 0, 1, 2, ... in launch order
+    tensors: list[torch.Tensor]  # FP32 copies of what was passed
+    codec: Codec
+    numel: int
+    payload_bytes: int  # the encoded payload's size
+    keep_own: bool
+    agreed: bool
+    num_workers: int  # the communicator's num_workers at launch
+    launched_at: float  # simulated clock at launch
+    ready_at: float  # simulated clock at which wait() returns
+    mean: list[torch.Tensor] = field(default_factory=list)  # what wait() hands out (empty if it fails)
+    waited: bool = False
+
+
+class ScriptedHandle(Handle):
+    """The handle of one scripted exchange."""
+
+    def __init__(self, comm: ScriptedCommunicator, call: ScriptedCall, own: list[torch.Tensor],
+                 error: BaseException | None) -> None:
+        self._comm, self.call, self._error = comm, call, error
+        self.own = own
+        self.payload_bytes = call.payload_bytes
+
+    def done(self) -> bool:
+        return self.call.ready_at <= self._comm.clock()
+
+    def wait(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Move the simulated clock to the exchange's ready time, then return its mean or raise its error."""
+        if self.call.waited:
+            raise RuntimeError("this exchange was already waited on; wait on each handle exactly once")
+        self.call.waited = True
+        self._comm.waits.append(self.call.index)
+        self._comm.wait_until(self.call.ready_at)
+        if self._error is not None:
+            raise self._error
+        return hand_over(self.call.mean, out)
+
+    def checkpoint_result(self) -> tuple[list[torch.Tensor], float | None]:
+        if self._error is not None:
+            raise self._error
+        return self.call.mean, self.call.ready_at
+
+
+class ScriptedCommunicator(Communicator):
+    """One worker's communicator whose peers are a script.
+
+    Results, by priority: ``means[i]`` (the mean exchange i returns, as given); else the true mean
+    of this worker's contribution and ``peers(i)``'s (the other workers' contributions), summed in
+    FP32 and divided by their count; else (no peers) this worker's contribution as the others
+    decode it, which is the mean when every worker passes the same tensors.
+
+    Args:
+        num_workers: the M the algorithm sees (a test may change it between calls: elastic membership).
+        rank: this worker's id.
+        means: preset results by exchange index.
+        peers: the other workers' contributions by exchange index.
+        durations: simulated seconds each exchange takes on the link (one value for all, or by index).
+        fail: exchange indices whose wait() raises; a mapping gives the exception, else a PeerError.
+        agree_result: what :meth:`agree` returns.
+    """
+
+    simulated_clock = True
+
+    def __init__(
+        self,
+        num_workers: int = 1,
+        rank: int = 0,
+        *,
+        means: Mapping[int, Sequence[torch.Tensor]] | None = None,
+        peers: PeersFn | None = None,
+        durations: float | Mapping[int, float] = 0.0,
+        fail: Iterable[int] | Mapping[int, BaseException] = (),
+        agree_result: bool = False,
+    ) -> None:
+        self.num_workers, self.rank = num_workers, rank
+        self.stats = WorkerStats()
+        self.means = dict(means or {})
+        self.peers = peers
+        self.durations = durations
+        self.fail: dict[int, BaseException] = (
+            dict(fail) if isinstance(fail, Mapping)
+            else {i: PeerError(f"scripted failure of exchange #{i}", []) for i in fail}
+        )
+        self.agree_result = agree_result
+        self.now = 0.0
+        #: Every allreduce_mean call, in launch order.
+        self.calls: list[ScriptedCall] = []
+        #: The exchange index of every wait() call, in the order they were made.
+        self.waits: list[int] = []
+        #: (schedule, describe) of every agree() call.
+        self.agreements: list[tuple[bytes, str]] = []
+        self.barriers = 0
+        #: The cancel argument of every close() call.
+        self.closes: list[bool] = []
+
+    # -- the Communicator interface ----------------------------------------------------------------
+
+    def allreduce_mean(
+        self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
+        *, keep_own: bool = True, agreed: bool = False,
+    ) -> ScriptedHandle:
+        i = len(self.calls)
+        flat = flatten(tensors)
+        payload, own_flat = encode(codec, flat.clone(), generator)
+        like = [torch.empty(t.shape, device="meta") for t in tensors]
+        own = unflatten(own_flat.clone(), like)
+        duration = self.durations.get(i, 0.0) if isinstance(self.durations, Mapping) else self.durations
+        call = ScriptedCall(
+            index=i, tensors=[t.detach().to(torch.float32).clone() for t in tensors], codec=codec,
+            numel=flat.numel(), payload_bytes=payload.numel(), keep_own=keep_own, agreed=agreed,
+            num_workers=self.num_workers, launched_at=self.now, ready_at=self.now + float(duration),
+        )
+        error = self.fail.get(i)
+        if error is None:
+            call.mean = self._mean(i, own_flat, like)
+        self.calls.append(call)
+        wire = wire_bytes(call.payload_bytes, self.num_workers, codec.summable)
+        self.stats.bytes_sent += wire
+        self.stats.bytes_received += wire
+        self.stats.peak_sync_bytes = max(self.stats.peak_sync_bytes, call.payload_bytes)
+        self.stats.num_syncs += 1
+        return ScriptedHandle(self, call, own if keep_own else [], error)
+
+    def _mean(self, i: int, own_flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        if i in self.means:
+            return [torch.as_tensor(t, dtype=torch.float32).reshape(s.shape).clone()
+                    for t, s in zip(self.means[i], like, strict=True)]
+        others = list(self.peers(i)) if self.peers is not None else []
+        total = own_flat.clone()
+        for contribution in others:
+            total += flatten(list(contribution))
+        return [t.clone() for t in unflatten(total / (1 + len(others)), like)]
+
+    def agree(self, schedule: bytes, describe: str = "") -> bool:
+        self.agreements.append((schedule, describe))
+        return self.agree_result
+
+    def barrier(self) -> None:
+        self.barriers += 1
+
+    def close(self, cancel: bool = False) -> None:
+        self.closes.append(cancel)
+
+    # -- the simulated clock -------------------------------------------------------------------------
+
+    def clock(self) -> float:
+        return self.now
+
+    def add_compute(self, seconds: float) -> None:
+        self.stats.compute_s += seconds
+        self.now += seconds
+
+    def add_overhead(self, seconds: float) -> None:
+        """Counted, but the clock only moves with compute and waits (so durations stay exact)."""
+        self.stats.overhead_s += seconds
+
+    def set_clock(self, t: float) -> None:
+        self.now = t
+
+    def wait_until(self, t: float) -> None:
+        if t > self.now:
+            self.stats.blocked_s += t - self.now
+            self.now = t
+
+
+__all__ = ["PeersFn", "ScriptedCall", "ScriptedCommunicator", "ScriptedHandle"]
