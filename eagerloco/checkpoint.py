@@ -101,8 +101,16 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
 
 
-def verify(path: Path) -> dict[str, Any]:
-    """Meta of a checkpoint whose every file matches its size and checksum; raises CheckpointError."""
+def verify(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Meta of a checkpoint whose every file matches its size and checksum.
+
+    Args:
+        path: the checkpoint directory.
+        required: meta keys that must hold a table (the caller's own records, e.g. "config").
+
+    Raises:
+        CheckpointError: naming the first problem found.
+    """
     meta_path = path / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
@@ -112,7 +120,8 @@ def verify(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{meta_path} is unreadable or corrupt ({e})") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "files" not in meta:
         raise CheckpointError(f"{meta_path} is not an eagerloco checkpoint of format {FORMAT_VERSION}")
-    problem = _meta_problem(meta)
+    problem = _meta_problem(meta) or next(
+        (f"it records no {key!r} table" for key in required if not isinstance(meta.get(key), dict)), "")
     if problem:
         raise CheckpointError(f"{meta_path} is inconsistent: {problem}")
     for entry in meta["files"]:
@@ -146,8 +155,6 @@ def _meta_problem(meta: dict[str, Any]) -> str:
     step = meta.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         return f"step {step!r} is not a step number"
-    if not isinstance(meta.get("config"), dict):
-        return "it records no settings ('config')"
     return ""
 
 
@@ -166,12 +173,19 @@ def load_worker_state(path: Path, worker: int) -> dict[str, Any]:
         raise CheckpointError(f"{f} cannot be read as a checkpoint ({type(e).__name__}: {e})") from e
 
 
-def latest_valid(root: Path, log: Any = None) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that verifies, skipping (and reporting) corrupt ones; None if none exist."""
+def latest_valid(root: Path, log: Any = None, required: tuple[str, ...] = ()) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that verifies (see :func:`verify`), skipping (and reporting) corrupt ones.
+
+    Returns:
+        Its path and meta, or None when there is no checkpoint at all.
+
+    Raises:
+        CheckpointError: there are checkpoints but none verifies; each problem is listed.
+    """
     problems = []
     for path in reversed(list_checkpoints(root)):
         try:
-            return path, verify(path)
+            return path, verify(path, required)
         except CheckpointError as e:
             problems.append(str(e))
             print(f"eagerloco: skipping checkpoint {path.name}: {e}", file=log or sys.stderr)

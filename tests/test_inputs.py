@@ -147,7 +147,7 @@ def _checkpointed_run(tmp_path: Path) -> tuple[Path, list[str]]:
         (lambda m: json.dumps({**json.loads(m), "files": [{"file": "worker_0.pt"}]}), "size None is not a byte count"),
         (lambda m: json.dumps({**json.loads(m), "files": "x"}), "'files' must be a non-empty list"),
         (lambda m: json.dumps({**json.loads(m), "step": "six"}), "step 'six' is not a step number"),
-        (lambda m: json.dumps({k: v for k, v in json.loads(m).items() if k != "config"}), "records no settings"),
+        (lambda m: json.dumps({k: v for k, v in json.loads(m).items() if k != "config"}), "records no 'config' table"),
     ],
 )
 def test_resume_skips_a_damaged_meta_for_the_previous_good_checkpoint(tmp_path: Path, capsys, damage, needle) -> None:

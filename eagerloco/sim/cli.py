@@ -491,6 +491,9 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
         if args.plot is not None and Path(args.plot).exists() and not Path(args.plot).is_dir():
             raise SimError(f"--plot must name a directory, {args.plot!r} is a file")
+        if args.json not in (None, "-") and not Path(args.json).parent.is_dir():
+            raise SimError(f"--json {args.json}: the directory {Path(args.json).parent} does not exist; "
+                           "create it or pick another path")
     except SimError as e:
         print(f"eagerloco simulate: error: {e}", file=sys.stderr)
         return 2
@@ -546,10 +549,7 @@ def write_json(path: str | None, report: dict[str, Any]) -> None:
     if path == "-":
         print(data)
     else:
-        parent = Path(path).parent
-        if not parent.is_dir():
-            raise SimError(f"--json {path}: the directory {parent} does not exist; create it or pick another path")
-        Path(path).write_text(data + "\n")
+        Path(path).write_text(data + "\n")  # its directory was checked before simulating
 
 
 def main(argv: list[str] | None = None) -> int:

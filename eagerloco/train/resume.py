@@ -51,7 +51,7 @@ def resume_checkpoint(cfg: TrainConfig, runtime: str = "inprocess") -> tuple[Pat
     if not cfg.resume:
         return None
     root = ckpt.checkpoint_root(Path(cfg.out))
-    found = ckpt.latest_valid(root)
+    found = ckpt.latest_valid(root, required=("config",))
     if found is None:
         raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh")
     path, meta = found
