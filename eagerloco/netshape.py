@@ -1,22 +1,6 @@
 """A slow link shaped by the kernel: one network namespace per worker, each worker's uplink limited.
 
-The default link of the multi-process runtime is emulated in user space (:mod:`eagerloco.comm.
-emulated_link`): the payload crosses loopback at full speed and the communicator then waits for
-the time the link would have taken. This module is the second mode, ``eagerloco launch
---kernel-link-gbps B``: the bytes really cross a link that carries B Gbit/s, so everything on it
-(the gloo collective's own chunks and round trips, the header exchange, TCP's behaviour under a
-rate limit) takes the time it would.
-
-Topology (Linux, root): a bridge in the launcher's namespace holds the rendezvous store's address;
-each worker's processes run in their own namespace, joined to the bridge by a veth pair whose
-worker-side end sends through a token-bucket filter (``tc qdisc ... tbf rate B``). The ranks of one
-worker share its namespace and reach each other over its loopback, unshaped: only traffic between
-workers crosses a shaped uplink, as between datacenters. Latency and jitter stay emulated by the
-communicator: the kernels this runs on often lack ``sch_netem`` (this one does), and a delay on
-every packet would also slow the rendezvous and heartbeats, which the emulated latency does not.
-
-Why ``ip``/``tc`` through subprocess and not a netlink library: these two commands are on every
-Linux machine that can do this at all (iproute2), and the setup is a dozen fixed commands.
+See :class:`KernelLink` for how it works.
 """
 
 from __future__ import annotations
@@ -72,6 +56,24 @@ def tbf_args(bandwidth_gbps: float) -> list[str]:
 
 class KernelLink:
     """Namespaces, bridge and shaped uplinks for one launch; a context manager that removes them.
+
+    The default link of the multi-process runtime is emulated in user space (:mod:`eagerloco.comm.
+    emulated_link`): the payload crosses loopback at full speed and the communicator then waits for
+    the time the link would have taken. This module is the second mode, ``eagerloco launch
+    --kernel-link-gbps B``: the bytes really cross a link that carries B Gbit/s, so everything on it
+    (the gloo collective's own chunks and round trips, the header exchange, TCP's behaviour under a
+    rate limit) takes the time it would.
+
+    Topology (Linux, root): a bridge in the launcher's namespace holds the rendezvous store's address;
+    each worker's processes run in their own namespace, joined to the bridge by a veth pair whose
+    worker-side end sends through a token-bucket filter (``tc qdisc ... tbf rate B``). The ranks of one
+    worker share its namespace and reach each other over its loopback, unshaped: only traffic between
+    workers crosses a shaped uplink, as between datacenters. Latency and jitter stay emulated by the
+    communicator: the kernels this runs on often lack ``sch_netem`` (this one does), and a delay on
+    every packet would also slow the rendezvous and heartbeats, which the emulated latency does not.
+
+    Why ``ip``/``tc`` through subprocess and not a netlink library: these two commands are on every
+    Linux machine that can do this at all (iproute2), and the setup is a dozen fixed commands.
 
     workers: M; bandwidth_gbps: each worker's uplink rate. Use ``command(cmd, worker)`` to run a
     process in worker's namespace, ``master_addr`` as the rendezvous address and ``env()`` for the

@@ -1,27 +1,6 @@
 """Event simulation of one worker's compute and its link, block by block, vectorized over bandwidths.
 
-The graph is the one the Streaming DiLoCo paper simulates (arXiv 2501.18512, section 3.1):
-
-- one compute stream; each inner step runs, per block, a forward node (first block to last), then
-  the backward from the last block to the first, each block in two parts: activation gradients,
-  then weight gradients (the first block has no activation-gradient node). Every node costs the
-  same (the 6 * params * tokens rule: 2 for the forward, 2 + 2 for the backward), so a node takes
-  ``step_time / (3L - 1)`` and a step's compute is exactly ``step_time``;
-- one link that serves transfers first come, first served; a transfer takes its bytes over the
-  bandwidth, plus ``latency_ms`` once per exchange (charged on its first block's share);
-- every exchange is split by block: a block's share goes on the link when that block's
-  weight-gradient node of the launch step finishes, and it blocks only that block's forward node
-  in the step after the exchange's apply step (:func:`eagerloco.schedule.sync_events`: launch + 0
-  for blocking DiLoCo/Streaming, + tau for overlap, + k * H for naive delayed and eager).
-
-Data-parallel is the special case where every block's gradient is its own exchange, launched and
-applied at every step. Each finish time is a max/plus of durations, hence non-decreasing in each
-of them, so the whole simulation runs on numpy arrays with one lane per bandwidth.
-
-Two ways to measure: the steady state (the default: compute utilization over ``rounds`` rounds
-after ``warmup_rounds`` + k rounds of start-up, never above what the link's busy time per round
-allows), or a short run from a cold start (``cold_rounds``: from step 0, exchanges still in flight
-at the end not waited for), which is what a finite run measures.
+See :func:`run_schedule` for how it works.
 """
 
 from __future__ import annotations
@@ -108,6 +87,29 @@ def run_schedule(
     mark_step: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Simulate total_steps inner steps; returns the wall clock at the end of mark_step and of the last step.
+
+    The graph is the one the Streaming DiLoCo paper simulates (arXiv 2501.18512, section 3.1):
+
+    - one compute stream; each inner step runs, per block, a forward node (first block to last), then
+      the backward from the last block to the first, each block in two parts: activation gradients,
+      then weight gradients (the first block has no activation-gradient node). Every node costs the
+      same (the 6 * params * tokens rule: 2 for the forward, 2 + 2 for the backward), so a node takes
+      ``step_time / (3L - 1)`` and a step's compute is exactly ``step_time``;
+    - one link that serves transfers first come, first served; a transfer takes its bytes over the
+      bandwidth, plus ``latency_ms`` once per exchange (charged on its first block's share);
+    - every exchange is split by block: a block's share goes on the link when that block's
+      weight-gradient node of the launch step finishes, and it blocks only that block's forward node
+      in the step after the exchange's apply step (:func:`eagerloco.schedule.sync_events`: launch + 0
+      for blocking DiLoCo/Streaming, + tau for overlap, + k * H for naive delayed and eager).
+
+    Data-parallel is the special case where every block's gradient is its own exchange, launched and
+    applied at every step. Each finish time is a max/plus of durations, hence non-decreasing in each
+    of them, so the whole simulation runs on numpy arrays with one lane per bandwidth.
+
+    Two ways to measure: the steady state (the default: compute utilization over ``rounds`` rounds
+    after ``warmup_rounds`` + k rounds of start-up, never above what the link's busy time per round
+    allows), or a short run from a cold start (``cold_rounds``: from step 0, exchanges still in flight
+    at the end not waited for), which is what a finite run measures.
 
     Steps without a launch or a gate take exactly step_time and are skipped in bulk, so the cost
     is proportional to the number of block shares exchanged, not to the number of steps.
