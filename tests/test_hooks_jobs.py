@@ -105,3 +105,18 @@ def test_a_killed_worker_stops_the_other_with_an_error_naming_it(tmp_path: Path)
     report = json.loads((tmp_path / "kill_0.json").read_text())
     assert report["type"] == "PeerError", report["trace"]
     assert "worker 1" in report["message"], report["message"]
+
+
+def test_the_plain_loop_example_runs_as_two_jobs(tmp_path: Path) -> None:
+    port = free_ports(1)[0]
+    example = HERE.parent / "examples" / "plain_loop.py"
+    procs = [subprocess.Popen([sys.executable, str(example), "--outer-addr", f"127.0.0.1:{port}", "--worker-id",
+                               str(w), "--workers", "2", "--steps", "10", "--save", str(tmp_path / f"w{w}.pt")],
+                              env=job_env(), cwd=HERE.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for w in range(2)]
+    for w, p in enumerate(procs):
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out[-3000:]
+        assert f"worker {w} step 10 loss" in out
+        state = torch.load(tmp_path / f"w{w}.pt", weights_only=False)["outer"]
+        assert state["workers"] == 2 and state["sync"]["step"] == 10 and state["stats"]["bytes_sent"] > 0
