@@ -6,6 +6,8 @@ Usage: python tests/hooks_job.py SCENARIO OUTDIR WORKER WORKERS PORT [PORT ...]
   first port of the pair) and the same loop with explicit OuterSync calls (the second port); writes
   both results to OUTDIR/methods_<worker>.pt.
 - ``kill``: DiLoCo through the hooks; worker 1 dies at step 5, worker 0 reports what it raised.
+- ``world``: one WORLD of two ranks, each a worker (started by ``eagerloco launch``, no rendezvous):
+  eager with explicit calls, then through the hooks; writes OUTDIR/world_<rank>.pt.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from conftest import Toy
 from test_hooks import METHODS
 
 import eagerloco
-from eagerloco.comm.groups import OuterRendezvous, join_outer_group
+from eagerloco.comm.groups import OuterRendezvous, init_process_groups, join_outer_group
 from eagerloco.comm.worker import communicator_for
 from eagerloco.config import OuterConfig
 from eagerloco.outer import OuterSync
@@ -74,7 +76,41 @@ def explicit(settings: dict, port: int, worker: int, workers: int) -> dict:
             "bytes_sent": comm.stats.bytes_sent}
 
 
+def world(out: Path) -> None:
+    """Under one WORLD (RANK, WORLD_SIZE set by the launcher), outer_loop makes each rank a worker."""
+    settings = METHODS["eager"]
+    ctx = init_process_groups(int(os.environ["WORLD_SIZE"]), 1, "gloo", timeout_s=30)
+    model = _init()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    comm = communicator_for(ctx, None, seed=0, timeout_s=30)
+    sync = OuterSync(model, opt, comm, OuterConfig(**settings))
+    for step in range(1, STEPS + 1):
+        opt.zero_grad()
+        _loss(model, ctx.worker, step).backward()
+        sync.before_inner_step()
+        opt.step()
+        sync.after_inner_step()
+    sync.drain()
+    comm.barrier()
+    comm.close()
+    explicit_params = [p.detach().clone() for p in model.parameters()]
+    model = _init()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with eagerloco.outer_loop(model, opt, timeout_s=30, **settings) as outer:
+        assert outer.num_workers == 2 and outer.worker == ctx.worker
+        for step in range(1, STEPS + 1):
+            opt.zero_grad()
+            _loss(model, ctx.worker, step).backward()
+            opt.step()
+    torch.save({"explicit": explicit_params, "hooked": [p.detach().clone() for p in model.parameters()]},
+               out / f"world_{ctx.rank}.pt")
+
+
 def main() -> None:
+    if sys.argv[1] == "world":
+        torch.set_num_threads(1)
+        world(Path(sys.argv[2]))
+        return
     scenario, outdir, worker, workers, *ports = sys.argv[1:]
     w, m, ports_i = int(worker), int(workers), [int(p) for p in ports]
     torch.set_num_threads(1)

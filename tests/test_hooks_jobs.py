@@ -120,3 +120,15 @@ def test_the_plain_loop_example_runs_as_two_jobs(tmp_path: Path) -> None:
         assert f"worker {w} step 10 loss" in out
         state = torch.load(tmp_path / f"w{w}.pt", weights_only=False)["outer"]
         assert state["workers"] == 2 and state["sync"]["step"] == 10 and state["stats"]["bytes_sent"] > 0
+
+
+def test_under_one_world_the_ranks_are_the_workers_bit_for_bit(tmp_path: Path) -> None:
+    from eagerloco.launch import launch
+
+    log = tmp_path / "log.txt"
+    with log.open("w") as f:
+        rc = launch([], 2, command=[sys.executable, str(HERE / "hooks_job.py"), "world", str(tmp_path)], out=f)
+    assert rc == 0, log.read_text()[-3000:]
+    for rank in range(2):
+        got = torch.load(tmp_path / f"world_{rank}.pt")
+        assert all(torch.equal(a, b) for a, b in zip(got["hooked"], got["explicit"], strict=True))
