@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(PY) -m eagerloco demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check eagerloco tests bench
+	$(PY) -m ruff check eagerloco tests bench examples
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q

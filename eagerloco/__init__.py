@@ -22,9 +22,11 @@ _EXPORTS: dict[str, str] = {
     "ConfigError": "eagerloco.config",
     "LinkConfig": "eagerloco.config",
     "OuterConfig": "eagerloco.config",
+    "OuterLoop": "eagerloco.hooks",
     "OuterSync": "eagerloco.outer",
     "after_inner_step_all": "eagerloco.outer",
     "before_inner_step_all": "eagerloco.outer",
+    "outer_loop": "eagerloco.hooks",
 }
 
 __all__ = sorted(_EXPORTS)

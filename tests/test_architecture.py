@@ -24,8 +24,8 @@ LAYERS: list[set[str]] = [
     {"fragments", "faults", "netshape", "flags"},
     {"comm"},
     {"outer"},
-    {"train", "integrations"},
-    {"launch", "sim", "compare"},
+    {"train", "hooks"},
+    {"launch", "sim", "compare", "integrations"},
     {"cli"},
     {"__main__"},
 ]

@@ -34,7 +34,7 @@ from eagerloco.comm.base import (
 )
 from eagerloco.comm.emulated_link import EmulatedLink
 from eagerloco.comm.errors import PeerError, TransportError, describe_exception
-from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext
+from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext, outer_rank
 from eagerloco.comm.heartbeat import HEARTBEAT_S, Heartbeat
 from eagerloco.comm.jobs import AGREE, BARRIER, PAUSE, Job, check_headers, check_schedules, header
 from eagerloco.comm.regroup import ElasticExchanges
@@ -128,13 +128,13 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         members: list[int] | None = None,
         channel: int = 0,
     ) -> None:
-        if not dist.is_initialized():
+        if group is None and not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call init_process_groups first")
         if group is dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError("this rank is not in the outer group: only the first rank of each worker "
                              "exchanges with the other workers")
         self.group = group
-        pos, size = dist.get_rank(group), dist.get_world_size(group)
+        pos, size = outer_rank(group)  # a subgroup of WORLD, or a group across jobs (join_outer_group)
         self._members = list(members) if members is not None else list(range(size))
         if len(self._members) != size:
             raise ValueError(f"members {self._members} do not match the group's size {size}")

@@ -51,6 +51,9 @@ class DistContext:
     #: Every rank exchanges its own shard of the outer gradient (FSDP inside the worker): R outer
     #: groups side by side, each carrying 1/R of the payload.
     sharded_outer: bool = False
+    #: Each worker is its own job with its own WORLD (:func:`join_outer_group`): global ranks are
+    #: ranks of this worker's job, and the outer group spans the jobs.
+    separate_jobs: bool = False
 
     @property
     def is_outer_rank(self) -> bool:
@@ -62,17 +65,19 @@ class DistContext:
     def outer_ranks(self) -> list[int]:
         """The global ranks of this rank's outer group."""
         i = self.rank_in_worker if self.sharded_outer else 0
+        if self.separate_jobs:
+            return [i] * self.workers  # rank i of every worker's job
         return [w * self.ranks_per_worker + i for w in range(self.workers)]
 
     @property
     def inner_ranks(self) -> list[int]:
-        first = self.worker * self.ranks_per_worker
+        first = 0 if self.separate_jobs else self.worker * self.ranks_per_worker
         return list(range(first, first + self.ranks_per_worker))
 
     def worker_names(self) -> dict[int, str]:
         """How errors name each worker (with the global rank whose log to read)."""
         r = self.ranks_per_worker
-        if r == 1:
+        if r == 1 or self.separate_jobs:
             return {w: f"worker {w}" for w in range(self.workers)}
         return {w: f"worker {w} (global rank {g})" for w, g in enumerate(self.outer_ranks)}
 
@@ -183,6 +188,131 @@ def init_process_groups(
     ctx.store = heartbeat_store(timeout_s) if ctx.is_outer_rank else None
     return ctx
 
+
+
+#: Environment variables of an outer rendezvous across jobs (what ``--outer-addr``, ``--worker-id``
+#: and ``--workers`` set).
+OUTER_ADDR_ENV, WORKER_ID_ENV, WORKERS_ENV = "EAGERLOCO_OUTER_ADDR", "EAGERLOCO_WORKER_ID", "EAGERLOCO_WORKERS"
+#: Where the outer group's gloo rendezvous keeps its keys in the store worker 0 hosts.
+OUTER_PG_PREFIX = "eagerloco/outer-pg/"
+
+
+@dataclass(frozen=True)
+class OuterRendezvous:
+    """Where the workers of a run find each other when each is its own job: worker 0 hosts a
+    TCPStore at host:port, every worker's first rank connects to it."""
+
+    host: str
+    port: int
+    worker: int
+    workers: int
+
+    @classmethod
+    def parse(cls, addr: str, worker: int | None, workers: int | None) -> OuterRendezvous:
+        """From ``host:port``, this worker's id and the number of workers; ConfigError if invalid."""
+        host, sep, port = str(addr).rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ConfigError(f"--outer-addr must be host:port with a port in 1..65535, got {addr!r}")
+        if workers is None or isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"--workers must be an integer >= 1 with --outer-addr, got {workers!r}")
+        if worker is None or isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < workers:
+            raise ConfigError(f"--worker-id must be an integer in 0..{workers - 1} (one per job), got {worker!r}")
+        return cls(host.strip("[]"), int(port), worker, workers)
+
+    @classmethod
+    def from_env(cls) -> OuterRendezvous | None:
+        """The rendezvous in EAGERLOCO_OUTER_ADDR / EAGERLOCO_WORKER_ID / EAGERLOCO_WORKERS, or None."""
+        addr = os.environ.get(OUTER_ADDR_ENV)
+        if not addr:
+            return None
+        return cls.parse(addr, env_int(WORKER_ID_ENV), env_int(WORKERS_ENV))
+
+
+def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo process group over ``store`` that is not part of this process's WORLD.
+
+    torch.distributed's ``new_group`` only makes subgroups of WORLD; a group across jobs is built
+    the way ``init_process_group`` builds WORLD (a ProcessGroup with a gloo backend), without
+    registering it as WORLD, so it works whether or not (and however) the job initialized its own.
+    The collectives (``dist.all_reduce(..., group=g)``) accept it; ``dist.get_rank(g)`` does not:
+    use ``g.rank()`` and ``g.size()``.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    group = dist.ProcessGroup(store, rank, size)
+    backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return group
+
+
+def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
+    """Join the other workers as one job of several: this job's WORLD is the worker's inner group.
+
+    The job's WORLD (torchrun's, or one process alone) is left as it is: its ranks are the worker's
+    data-parallel (or FSDP) ranks, and a framework may wrap the model in DDP over it. If RANK and
+    WORLD_SIZE say the job has several processes and nobody initialized WORLD yet, it is initialized
+    here (env://). The job's rank 0 connects to the TCPStore worker 0 hosts at ``host:port`` (worker
+    0's first rank starts it) and forms the outer gloo group of the M workers under its own key
+    prefix, so the job's own store and groups never see it. Heartbeats go to the same store.
+
+    Raises:
+        ConfigError: an invalid setting, two jobs with the same worker id, or workers that disagree on M.
+        PeerError: the rendezvous did not complete within timeout_s (a worker did not start, or the
+            address is wrong).
+    """
+    if not (timeout_s > 0):
+        raise ConfigError(f"--dist-timeout must be a positive number of seconds, got {timeout_s}")
+    rank, world = env_int("RANK") or 0, env_int("WORLD_SIZE") or 1
+    if not dist.is_initialized() and world > 1:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        backend = str(dist.get_backend())
+    else:
+        backend = "gloo"
+    local_rank = env_int("LOCAL_RANK") or 0
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
+    ctx = DistContext(
+        rank=rank, world_size=world, worker=rdzv.worker, rank_in_worker=rank, workers=rdzv.workers,
+        ranks_per_worker=world, local_rank=local_rank, device=device, backend=backend, timeout_s=timeout_s,
+        separate_jobs=True,
+    )
+    if rank != 0:
+        return ctx
+    where = f"{rdzv.host}:{rdzv.port}"
+    try:
+        store = dist.TCPStore(rdzv.host, rdzv.port, is_master=rdzv.worker == 0, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout_s))
+    except Exception as e:
+        what = "start the outer store at" if rdzv.worker == 0 else "reach worker 0's outer store at"
+        raise PeerError(f"worker {rdzv.worker} cannot {what} {where} ({e}); check --outer-addr and that "
+                        "worker 0 runs", [0]) from e
+    claimed = store.add(f"eagerloco/join/{rdzv.worker}", 1)
+    if claimed != 1:
+        raise ConfigError(f"two jobs joined {where} as worker {rdzv.worker}: give each job its own --worker-id "
+                          f"in 0..{rdzv.workers - 1} (or use a fresh --outer-addr port for a new run)")
+    try:
+        group = gloo_group(dist.PrefixStore(OUTER_PG_PREFIX, store), rdzv.worker, rdzv.workers, timeout_s)
+        sizes = torch.zeros(rdzv.workers, dtype=torch.int64)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(sizes, torch.tensor([rdzv.workers]), group=group)
+    except Exception as e:
+        raise PeerError(f"worker {rdzv.worker}: the outer rendezvous at {where} did not complete within "
+                        f"{timeout_s:g} s ({e}); start all {rdzv.workers} workers with the same --outer-addr "
+                        "and --workers", []) from e
+    if bool((sizes != rdzv.workers).any()):
+        raise ConfigError(f"the workers at {where} were started with different --workers: {sizes.tolist()}")
+    ctx.outer_group = group
+    ctx.store = dist.PrefixStore(HEARTBEAT_PREFIX, store)
+    return ctx
+
+
+def outer_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, size) of this process in an outer group, whether a subgroup of WORLD or one across jobs."""
+    if group is None:
+        return dist.get_rank(), dist.get_world_size()
+    return group.rank(), group.size()
 
 
 def store_client(timeout_s: float) -> dist.TCPStore:

@@ -57,7 +57,7 @@ class WorkerCommunicator(Communicator):
     def barrier(self) -> None:
         if self.outer is not None:
             self.outer.barrier()
-        if self.ctx.inner_group is not None:
+        if self.ctx.ranks_per_worker > 1:  # the inner group (separate jobs: the job's WORLD, None)
             dist.barrier(group=self.ctx.inner_group)
 
     def close(self, cancel: bool = False) -> None:

@@ -1,0 +1,355 @@
+"""Bring your own loop: the outer algorithm as step hooks on the user's inner optimizer.
+
+    with eagerloco.outer_loop(model, inner_optimizer, method="eager", inner_steps=50) as outer:
+        for x, y in batches:                 # the loop stays as it was
+            loss_fn(model(x), y).backward()
+            inner_optimizer.step()           # + the outer algorithm, in the optimizer's hooks
+            inner_optimizer.zero_grad()
+
+A pre-step hook runs :meth:`OuterSync.before_inner_step` (the gradient mean of ``dp``; nothing for
+the other methods) and a post-step hook :meth:`OuterSync.after_inner_step`, so the parameters are
+bit for bit those of the explicit per-step calls. Where the workers are:
+
+- ``outer_addr`` / ``worker_id`` / ``workers`` (or EAGERLOCO_OUTER_ADDR / EAGERLOCO_WORKER_ID /
+  EAGERLOCO_WORKERS): every worker is its own job (its own torchrun WORLD, its own DDP or FSDP);
+  the job's rank 0 joins an outer gloo group across the jobs through a TCPStore worker 0 hosts
+  (:func:`eagerloco.comm.groups.join_outer_group`);
+- else under torchrun (RANK and WORLD_SIZE, WORLD_SIZE > 1): one WORLD of M workers x R ranks,
+  as ``eagerloco launch`` runs them;
+- else one worker alone (M = 1): handy for debugging a script before launching it twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import fields, replace
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from eagerloco.comm.base import Communicator
+from eagerloco.comm.groups import (
+    DEFAULT_TIMEOUT_S,
+    OuterRendezvous,
+    env_int,
+    init_process_groups,
+    join_outer_group,
+)
+from eagerloco.config import ConfigError, LinkConfig, OuterConfig
+from eagerloco.outer import OuterOptimizerFactory, OuterSync
+
+#: torchft's ``DiLoCo`` argument names and the OuterConfig field each means.
+TORCHFT_NAMES = {"sync_every": "inner_steps", "fragment_sync_delay": "overlap_steps",
+                 "fragment_update_alpha": "alpha"}
+#: What ``state_dict()`` writes; a load of another layout is refused.
+STATE_VERSION = 1
+
+
+def outer_config(config: OuterConfig | None = None, **settings: Any) -> OuterConfig:
+    """An OuterConfig from one (copied) and/or settings by field name, torchft's names accepted.
+
+    Without a method, P > 1 fragments mean ``streaming`` and one fragment ``diloco``.
+
+    Raises:
+        ConfigError: an unknown setting, a setting given under both names, or an invalid value.
+    """
+    names = {f.name for f in fields(OuterConfig)}
+    given: dict[str, Any] = {}
+    for key, value in settings.items():
+        field = TORCHFT_NAMES.get(key, key)
+        if field not in names:
+            raise ConfigError(f"unknown outer setting {key!r}; OuterConfig takes {', '.join(sorted(names))} "
+                              f"(and torchft's {', '.join(TORCHFT_NAMES)})")
+        if field in given:
+            raise ConfigError(f"{field} given twice (as {field} and as its torchft name); pass one")
+        given[field] = value
+    if config is None and "method" not in given:
+        given["method"] = "streaming" if int(given.get("fragments", 1)) > 1 else "diloco"
+    return replace(config or OuterConfig(), **given)
+
+
+def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under a framework's wrapper (accelerate's, Lightning's): the one whose
+    step() really runs, and so the one to hook."""
+    seen = 0
+    while hasattr(optimizer, "optimizer") and isinstance(optimizer.optimizer, torch.optim.Optimizer) and seen < 8:
+        optimizer, seen = optimizer.optimizer, seen + 1
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return optimizer
+
+
+class OuterLoop:
+    """The outer algorithm attached to an inner optimizer by step hooks; see :func:`outer_loop`.
+
+    ``with`` calls :meth:`start` and :meth:`finish` (or ``close(cancel=True)`` on an exception);
+    framework callbacks call them at the framework's train start and end.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: Any,
+        config: OuterConfig | None = None,
+        *,
+        fragments: int | Sequence[nn.Module] | None = None,
+        blocks: Sequence[nn.Module] | None = None,
+        comm: Communicator | None = None,
+        outer_addr: str | None = None,
+        worker_id: int | None = None,
+        workers: int | None = None,
+        ranks_per_worker: int | None = None,
+        link: LinkConfig | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        seed: int = 0,
+        outer_optimizer: str | OuterOptimizerFactory | None = None,
+        apply_in_flight: bool = False,
+        **settings: Any,
+    ) -> None:
+        if fragments is not None and not isinstance(fragments, int):
+            # A list of modules (torchft's model fragments): each is one fragment, in that order.
+            if blocks is not None:
+                raise ConfigError("pass the fragments as modules or blocks=, not both")
+            blocks = list(fragments)
+            if not blocks or not all(isinstance(b, nn.Module) for b in blocks):
+                raise ConfigError("fragments must be a number of fragments or a non-empty list of nn.Modules")
+            settings.update(fragments=len(blocks), fragment_pattern="sequential")
+        elif fragments is not None:
+            settings["fragments"] = fragments
+        factory: OuterOptimizerFactory | None = None
+        if callable(outer_optimizer):
+            factory = outer_optimizer
+        elif outer_optimizer is not None:
+            settings["outer_optimizer"] = outer_optimizer
+        self.config = outer_config(config, **settings)
+        self.model = model
+        self.inner_optimizer = innermost_optimizer(inner_optimizer)
+        self.apply_in_flight = apply_in_flight
+        self._owns_comm = comm is None
+        self._owns_world = False
+        self.ctx = None
+        if comm is None:
+            comm = self._connect(outer_addr, worker_id, workers, ranks_per_worker, link, timeout_s, seed)
+        self.comm = comm
+        try:
+            self.sync = OuterSync(model, self.inner_optimizer, comm, self.config, blocks=blocks,
+                                  outer_optimizer=factory, seed=seed)
+        except BaseException:
+            self._release(cancel=True)
+            raise
+        self._hooks: list[Any] = []
+        self._mark: float | None = None
+        self._wall0 = 0.0
+        self.finished = False
+
+    # ------------------------------------------------------------------ where the workers are
+    def _connect(self, outer_addr: str | None, worker_id: int | None, workers: int | None,
+                 ranks_per_worker: int | None, link: LinkConfig | None, timeout_s: float,
+                 seed: int) -> Communicator:
+        import torch.distributed as dist
+
+        from eagerloco.comm.inprocess import InProcessGroup
+        from eagerloco.comm.worker import communicator_for
+
+        rdzv = (OuterRendezvous.parse(outer_addr, worker_id, workers) if outer_addr
+                else OuterRendezvous.from_env())
+        if rdzv is not None:
+            self.ctx = join_outer_group(rdzv, timeout_s)
+            return communicator_for(self.ctx, link, seed=seed, timeout_s=timeout_s)
+        world = env_int("WORLD_SIZE") or 1
+        if world > 1 and env_int("RANK") is not None:  # one WORLD of M workers x R ranks
+            r = ranks_per_worker or env_int("EAGERLOCO_RANKS_PER_WORKER") or 1
+            m = workers or world // r
+            self._owns_world = not dist.is_initialized()
+            self.ctx = init_process_groups(m, r, timeout_s=timeout_s)
+            return communicator_for(self.ctx, link, seed=seed, timeout_s=timeout_s)
+        if workers not in (None, 1):
+            raise ConfigError(f"workers={workers} needs the other workers: pass outer_addr='host:port' and "
+                              "worker_id (each worker its own job), or start the workers with torchrun")
+        return InProcessGroup(1, link, seed=seed).communicator(0)
+
+    @property
+    def worker(self) -> int:
+        """This worker's id (0..M-1)."""
+        return self.comm.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self.comm.num_workers
+
+    @property
+    def is_reporting_rank(self) -> bool:
+        """Whether this process writes the worker's files and logs (rank 0 of its worker)."""
+        return self.ctx is None or self.ctx.rank_in_worker == 0
+
+    # ------------------------------------------------------------------ the hooks
+    def start(self) -> OuterLoop:
+        """Attach the hooks to the inner optimizer (idempotent)."""
+        if not self._hooks:
+            opt = self.inner_optimizer
+            self._hooks = [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
+            self._wall0 = time.perf_counter()
+            self._mark = self._wall0
+        return self
+
+    def _count_compute(self) -> None:
+        now = time.perf_counter()
+        if self._mark is not None:  # real seconds (on a simulated clock they advance it too)
+            self.comm.add_compute(now - self._mark)
+        self._mark = now
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        self._count_compute()  # the user's forward and backward
+        # args: step()'s own, the optimizer first.
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if self.sync.is_dp and closure is not None:
+            # The closure computes the gradients inside step() (Lightning, LBFGS): average after it.
+            def averaged() -> Any:
+                loss = closure()
+                self.sync.before_inner_step()
+                return loss
+
+            kwargs = dict(kwargs)
+            if "closure" in kwargs:
+                kwargs["closure"] = averaged
+            else:
+                args = (args[0], averaged, *args[2:])
+            self._mark = time.perf_counter()
+            return args, kwargs
+        self.sync.before_inner_step()
+        self._mark = time.perf_counter()
+        return None
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._count_compute()  # the inner step itself
+        self.sync.after_inner_step()
+        if hasattr(self.comm, "step_hint"):
+            self.comm.step_hint = self.sync.step  # published with the heartbeat
+        self._mark = time.perf_counter()
+
+    # ------------------------------------------------------------------ the end
+    def finish(self) -> None:
+        """Detach the hooks, wait for what is in flight (drain), meet the other workers, release
+        the connection. The drain's wait counts as ``drain_s``, not as blocked training time."""
+        if self.finished:
+            return
+        self._remove_hooks()
+        stats = self.comm.stats
+        before = stats.blocked_s
+        try:
+            self.sync.drain(apply=self.apply_in_flight)
+            stats.drain_s += stats.blocked_s - before
+            stats.blocked_s = before
+            if self._owns_comm:
+                self.comm.barrier()
+        except BaseException:
+            self._release(cancel=True)
+            raise
+        self._release(cancel=False)
+
+    def close(self, cancel: bool = True) -> None:
+        """Detach the hooks and drop the connection without draining (after an error)."""
+        self._remove_hooks()
+        self._release(cancel=cancel)
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _release(self, cancel: bool) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if self._owns_comm and hasattr(self, "comm"):
+            self.comm.close(cancel=cancel)
+        if self._owns_world:
+            from eagerloco.comm.groups import shutdown
+
+            shutdown()
+
+    def __enter__(self) -> OuterLoop:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is None:
+            self.finish()
+        else:
+            self.close(cancel=True)
+
+    # ------------------------------------------------------------------ state and numbers
+    def state_dict(self) -> dict[str, Any]:
+        """Outer copies, outer-optimizer state, exchanges in flight (resolved: on a real link this
+        waits for them) and the link accounting, for the user's own checkpoint. The model and inner
+        optimizer are the user's to save."""
+        return {"version": STATE_VERSION, "worker": self.worker, "workers": self.num_workers,
+                "sync": self.sync.state_dict(), "stats": self.comm.stats.as_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (after the model and inner optimizer were restored).
+
+        Raises:
+            ValueError: another layout, or a state for another method or model.
+        """
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"not an eagerloco outer state of version {STATE_VERSION}: {state.get('version')!r}")
+        self.sync.load_state_dict(state["sync"])
+        for key, value in state["stats"].items():
+            if hasattr(self.comm.stats, key):
+                setattr(self.comm.stats, key, value)
+
+    def metrics(self) -> dict[str, float]:
+        """This worker's link and time accounting so far: bytes sent and received, exchanges,
+        seconds blocked on the link and in outer machinery, and compute utilization (compute over
+        compute + blocked + overhead)."""
+        st = self.comm.stats
+        busy = st.compute_s + st.blocked_s + st.overhead_s
+        return {"outer_bytes_sent": float(st.bytes_sent), "outer_bytes_received": float(st.bytes_received),
+                "outer_syncs": float(st.num_syncs), "outer_blocked_s": st.blocked_s,
+                "outer_overhead_s": st.overhead_s,
+                "compute_utilization": st.compute_s / busy if busy > 0 else 1.0}
+
+    def outer_parameters(self) -> list[torch.Tensor]:
+        """The outer (global) parameters in model order: what evaluation should use."""
+        return self.sync.outer_parameters()
+
+    def outer_weights(self) -> Any:
+        """Context manager: the outer parameters loaded into the model for the block (evaluation)."""
+        return self.sync.outer_weights()
+
+
+def outer_loop(model: nn.Module, inner_optimizer: Any, config: OuterConfig | None = None,
+               **kwargs: Any) -> OuterLoop:
+    """Run the outer algorithm around an unchanged training loop: ``with outer_loop(...) as outer:``.
+
+    Args:
+        model: the module whose parameters the inner optimizer updates (unwrapped: not the DDP wrapper).
+        inner_optimizer: a torch optimizer (or a framework's wrapper of one); its step() gets the hooks.
+        config: an OuterConfig; any of its fields may also be given by name (method, inner_steps,
+            fragments, overlap_steps, alpha, eager_rounds, codec, outer_lr, outer_momentum, ...), and
+            torchft's sync_every, fragment_sync_delay and fragment_update_alpha.
+        fragments: a number P (the model's blocks are found: ``blocks``, ``transformer.h``,
+            Hugging Face's ``model.layers``, ...) or a list of modules, each one fragment.
+        blocks: the modules to split into P fragments (default: found automatically).
+        outer_addr, worker_id, workers: an outer rendezvous, each worker its own job (see the module).
+        ranks_per_worker: R, under one torchrun WORLD of M * R ranks.
+        link: an emulated slow link (bandwidth, latency) between the workers.
+        timeout_s: seconds before a silent worker is declared dead.
+        seed: seeds stochastic rounding (mixed with the worker id).
+        outer_optimizer: "sgd", "adam", "adamw", or a factory taking the list of FP32 outer tensors.
+        apply_in_flight: at the end, apply what is still in flight (every outer gradient counted
+            once) instead of only waiting for it.
+
+    Raises:
+        ConfigError: an invalid setting or launch.
+        PeerError: another worker died or never joined; the message names it.
+    """
+    return OuterLoop(model, inner_optimizer, config, **kwargs)
+
+
+__all__ = ["OuterLoop", "TORCHFT_NAMES", "innermost_optimizer", "outer_config", "outer_loop"]

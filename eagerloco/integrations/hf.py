@@ -1,0 +1,88 @@
+"""Hugging Face ``transformers``: a TrainerCallback that runs the outer algorithm around ``Trainer.train``.
+
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[OuterLoopCallback(method="eager", inner_steps=50,
+                                                   outer_addr="10.0.0.1:29600", worker_id=0, workers=2)])
+    trainer.train()                      # or trainer.train(resume_from_checkpoint=True)
+
+At train begin the hooks go on the Trainer's optimizer (under accelerate's wrapper). Each checkpoint
+``checkpoint-<step>/`` gets the worker's outer state (``eagerloco_outer_worker<w>.pt``), read back
+when the Trainer resumes from it. Every log line gets the worker's ``outer_bytes_sent``,
+``outer_blocked_s`` and ``compute_utilization``. The Trainer's own DDP (a job of several ranks)
+stays inside the worker: the outer group spans the jobs (``outer_addr``), not the job's WORLD.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from eagerloco.config import OuterConfig
+from eagerloco.hooks import OuterLoop
+from eagerloco.integrations import save_atomic
+
+#: The file each checkpoint folder gets per worker (the same folder may hold several workers' files).
+STATE_FILE = "eagerloco_outer_worker{worker}.pt"
+
+
+class OuterLoopCallback(TrainerCallback):
+    """Run ``eagerloco.outer_loop`` inside a Trainer; takes everything :func:`~eagerloco.hooks.outer_loop` takes.
+
+    Args:
+        config: an OuterConfig; or its fields by name (method, inner_steps, fragments, ...), with
+            the rendezvous and link settings of :func:`~eagerloco.hooks.outer_loop`, as keywords.
+        resume_from: the checkpoint folder to read the outer state from when the Trainer resumes
+            (default: ``<output_dir>/checkpoint-<global_step>``, the one the Trainer resumed from).
+    """
+
+    def __init__(self, config: OuterConfig | None = None, *, resume_from: str | Path | None = None,
+                 **settings: Any) -> None:
+        self.config, self.settings, self.resume_from = config, settings, resume_from
+        self.outer: OuterLoop | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> None:
+        if optimizer is None or model is None:
+            raise RuntimeError("the Trainer gave the callback no model or optimizer at train begin")
+        model = getattr(model, "module", model)  # the bare model under a DDP wrapper
+        self.outer = OuterLoop(model, optimizer, self.config, **self.settings)
+        if state.global_step > 0:  # resumed: the outer state of the checkpoint it resumed from
+            folder = Path(self.resume_from or Path(args.output_dir) / f"checkpoint-{state.global_step}")
+            path = folder / STATE_FILE.format(worker=self.outer.worker)
+            if not path.exists():
+                self.outer.close()
+                raise FileNotFoundError(
+                    f"the Trainer resumed at step {state.global_step} but {path} holds no eagerloco outer state "
+                    "(was the checkpoint written with OuterLoopCallback, by this worker?); pass resume_from= "
+                    "the checkpoint folder")
+            import torch
+
+            self.outer.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        self.outer.start()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self.outer is not None
+        outer_state = self.outer.state_dict()  # every rank: in-flight exchanges resolve together
+        if self.outer.is_reporting_rank:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            folder.mkdir(parents=True, exist_ok=True)
+            save_atomic(outer_state, folder / STATE_FILE.format(worker=self.outer.worker))
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        if self.outer is None or logs is None:
+            return
+        metrics = self.outer.metrics()
+        logs.update(metrics)
+        # The Trainer copied the line into its history before calling back: complete that copy too.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.outer is not None:
+            self.outer.finish()
+
+
+__all__ = ["STATE_FILE", "OuterLoopCallback"]

@@ -1,0 +1,70 @@
+"""PyTorch Lightning: a Callback that runs the outer algorithm around ``Trainer.fit``.
+
+    trainer = pl.Trainer(max_epochs=3, callbacks=[OuterLoopCallback(method="eager", inner_steps=50,
+                                                                    outer_addr="10.0.0.1:29600",
+                                                                    worker_id=0, workers=2)])
+    trainer.fit(module)                  # or trainer.fit(module, ckpt_path="last.ckpt")
+
+At train start the hooks go on the module's (single) optimizer; Lightning's closure (forward and
+backward inside ``optimizer.step``) is handled. The outer state is the callback's state in every
+Lightning checkpoint (saved on every rank at the same point, as its in-flight exchanges resolve
+collectively) and is restored from it on ``fit(ckpt_path=...)``. The worker's link accounting is
+logged every step (``outer/bytes_sent``, ``outer/blocked_s``, ``outer/compute_utilization``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytorch_lightning import Callback
+
+from eagerloco.config import OuterConfig
+from eagerloco.hooks import OuterLoop
+
+
+class OuterLoopCallback(Callback):
+    """Run ``eagerloco.outer_loop`` inside a Lightning Trainer; takes what
+    :func:`~eagerloco.hooks.outer_loop` takes (an OuterConfig, its fields, the rendezvous, the link)."""
+
+    def __init__(self, config: OuterConfig | None = None, *, log_every: int = 1, **settings: Any) -> None:
+        self.config, self.settings, self.log_every = config, settings, log_every
+        self.outer: OuterLoop | None = None
+        self._restored: dict[str, Any] | None = None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"OuterLoopCallback needs exactly one optimizer, the module has {len(trainer.optimizers)}")
+        self.outer = OuterLoop(pl_module, trainer.optimizers[0], self.config, **self.settings)
+        if self._restored is not None:  # fit(ckpt_path=...): Lightning restored the callbacks first
+            self.outer.load_state_dict(self._restored)
+            self._restored = None
+        self.outer.start()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.outer is None or trainer.global_step % self.log_every:
+            return
+        m = self.outer.metrics()
+        pl_module.log_dict({"outer/bytes_sent": m["outer_bytes_sent"], "outer/blocked_s": m["outer_blocked_s"],
+                            "outer/compute_utilization": m["compute_utilization"]},
+                           on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.outer is not None:
+            self.outer.finish()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.outer is not None:
+            self.outer.close(cancel=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The outer state (every rank calls this when Lightning checkpoints)."""
+        if self.outer is None:
+            return dict(self._restored or {})
+        return self.outer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict:
+            self._restored = state_dict
+
+
+__all__ = ["OuterLoopCallback"]

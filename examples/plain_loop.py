@@ -1,0 +1,48 @@
+"""A plain PyTorch training loop with eagerloco: the loop is unchanged, the outer algorithm runs in
+the inner optimizer's step hooks.
+
+Alone (one worker, handy for debugging):   python examples/plain_loop.py
+Two workers, each its own job (worker 0 hosts the rendezvous; on two machines use worker 0's address):
+
+    python examples/plain_loop.py --outer-addr 127.0.0.1:29600 --worker-id 0 --workers 2 &
+    python examples/plain_loop.py --outer-addr 127.0.0.1:29600 --worker-id 1 --workers 2
+
+(or set EAGERLOCO_OUTER_ADDR, EAGERLOCO_WORKER_ID and EAGERLOCO_WORKERS). A worker may be a torchrun
+job of several ranks with its own DDP: only its rank 0 talks to the other workers.
+"""
+
+import argparse
+
+import torch
+
+import eagerloco
+from eagerloco.data import get_tokenizer, load_corpus, worker_streams
+from eagerloco.model import GPT, GPTConfig
+
+p = argparse.ArgumentParser()
+p.add_argument("--outer-addr")
+p.add_argument("--worker-id", type=int)
+p.add_argument("--workers", type=int)
+p.add_argument("--method", default="eager")
+p.add_argument("--steps", type=int, default=40)
+p.add_argument("--save", help="write the outer state to this file at the end (for your own checkpoints)")
+a = p.parse_args()
+
+torch.manual_seed(0)  # every worker starts from the same model
+model = GPT(GPTConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=4, d_mlp=256, max_seq_len=64))
+inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+worker, workers = a.worker_id or 0, a.workers or 1
+data = worker_streams(load_corpus("brown"), get_tokenizer("byte"), workers, 8, 64, seed=0)[worker]
+
+with eagerloco.outer_loop(model, inner, method=a.method, inner_steps=10, fragments=2, outer_lr=0.4,
+                          outer_addr=a.outer_addr, worker_id=a.worker_id, workers=a.workers) as outer:
+    for step in range(1, a.steps + 1):
+        x, y = data.next_batch()
+        _, loss = model(x, y)
+        loss.backward()
+        inner.step()  # the outer algorithm runs here, in the optimizer's hooks
+        inner.zero_grad()
+        if step % 10 == 0:
+            print(f"worker {worker} step {step} loss {loss.item():.3f} {outer.metrics()}")
+    if a.save:  # outer copies, outer-optimizer state, exchanges in flight: load_state_dict() resumes them
+        torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "outer": outer.state_dict()}, a.save)

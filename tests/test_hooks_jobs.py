@@ -1,0 +1,134 @@
+"""The hook API with real processes: two workers, each its own job, joined by an outer rendezvous.
+
+Each worker is a separate ``python`` process with its own (one-process) WORLD; they meet through
+the TCPStore worker 0 hosts (``outer_addr``) and exchange on a gloo group of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_hooks import METHODS
+
+from eagerloco.comm.base import wire_bytes
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def job_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "EAGERLOCO_OUTER_ADDR",
+                "EAGERLOCO_WORKERS", "EAGERLOCO_WORKER_ID"):
+        env.pop(var, None)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def run_jobs(scenario: str, outdir: Path, ports: list[int], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    procs = [subprocess.Popen([sys.executable, str(HERE / "hooks_job.py"), scenario, str(outdir), str(w), "2",
+                               *map(str, ports)], env=job_env(), cwd=HERE.parent,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for w in range(2)]
+    done = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, ""))
+    return done
+
+
+@pytest.fixture(scope="module")
+def methods(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("hooks_jobs")
+    done = run_jobs("methods", out, free_ports(2 * len(METHODS)))
+    for w, d in enumerate(done):
+        assert d.returncode == 0, f"worker {w}:\n{d.stdout[-4000:]}"
+    return [torch.load(out / f"methods_{w}.pt") for w in range(2)]
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_hooks_are_bit_for_bit_the_explicit_calls_across_jobs(methods: list[dict], name: str) -> None:
+    for w in range(2):
+        h, e = methods[w][name]["hooked"], methods[w][name]["explicit"]
+        for a, b in zip(h["params"] + h["outer"], e["params"] + e["outer"], strict=True):
+            assert torch.equal(a, b), f"worker {w}, {name}"
+        assert h["bytes_sent"] == e["bytes_sent"] > 0
+
+
+@pytest.mark.parametrize("name", ["diloco", "dp", "streaming"])
+def test_blocking_methods_keep_identical_outer_parameters_and_count_the_wire_bytes(methods: list[dict],
+                                                                                  name: str) -> None:
+    from hooks_job import STEPS
+
+    h0, h1 = methods[0][name]["hooked"], methods[1][name]["hooked"]
+    if name != "streaming":  # streaming overlaps (tau = 1, alpha 0.5): its local fragments differ
+        for a, b in zip(h0["outer"], h1["outer"], strict=True):
+            assert torch.equal(a, b)
+    cfg = METHODS[name]
+    n = sum(h0["sizes"])
+    if name == "dp":
+        expected = STEPS * wire_bytes(4 * n, 2, True)
+    elif name == "diloco":
+        expected = (STEPS // cfg["inner_steps"]) * wire_bytes(4 * n, 2, True)
+    else:  # fragment p syncs at the steps t with t mod H == offset_p (offset 0 means t = H, 2H, ...)
+        h, p = cfg["inner_steps"], cfg["fragments"]
+        offsets = [round(i * h / p) for i in range(p)]
+        expected = sum(wire_bytes(4 * size, 2, True) * sum(1 for t in range(1, STEPS + 1) if t % h == off)
+                       for size, off in zip(h0["sizes"], offsets, strict=True))
+    assert h0["bytes_sent"] == h1["bytes_sent"] == expected
+
+
+def test_a_killed_worker_stops_the_other_with_an_error_naming_it(tmp_path: Path) -> None:
+    done = run_jobs("kill", tmp_path, free_ports(1), timeout=120)
+    assert done[1].returncode == 3
+    assert done[0].returncode == 1, done[0].stdout[-3000:]
+    report = json.loads((tmp_path / "kill_0.json").read_text())
+    assert report["type"] == "PeerError", report["trace"]
+    assert "worker 1" in report["message"], report["message"]
+
+
+def test_the_plain_loop_example_runs_as_two_jobs(tmp_path: Path) -> None:
+    port = free_ports(1)[0]
+    example = HERE.parent / "examples" / "plain_loop.py"
+    procs = [subprocess.Popen([sys.executable, str(example), "--outer-addr", f"127.0.0.1:{port}", "--worker-id",
+                               str(w), "--workers", "2", "--steps", "10", "--save", str(tmp_path / f"w{w}.pt")],
+                              env=job_env(), cwd=HERE.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for w in range(2)]
+    for w, p in enumerate(procs):
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out[-3000:]
+        assert f"worker {w} step 10 loss" in out
+        state = torch.load(tmp_path / f"w{w}.pt", weights_only=False)["outer"]
+        assert state["workers"] == 2 and state["sync"]["step"] == 10 and state["stats"]["bytes_sent"] > 0
+
+
+def test_under_one_world_the_ranks_are_the_workers_bit_for_bit(tmp_path: Path) -> None:
+    from eagerloco.launch import launch
+
+    log = tmp_path / "log.txt"
+    with log.open("w") as f:
+        rc = launch([], 2, command=[sys.executable, str(HERE / "hooks_job.py"), "world", str(tmp_path)], out=f)
+    assert rc == 0, log.read_text()[-3000:]
+    for rank in range(2):
+        got = torch.load(tmp_path / f"world_{rank}.pt")
+        assert all(torch.equal(a, b) for a, b in zip(got["hooked"], got["explicit"], strict=True))
