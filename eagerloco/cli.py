@@ -19,7 +19,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = build_train_config(args)
     if in_distributed_env():
-        summary = train_distributed(cfg, args.ranks_per_worker, args.backend, args.dist_timeout, bool(args.fsdp))
+        summary = train_distributed(cfg, args.ranks_per_worker, args.backend, args.dist_timeout, bool(args.fsdp),
+                                    args.outer_backend)
         if summary is None:  # not rank 0: rank 0 prints the table
             return 0
     else:

@@ -26,6 +26,10 @@ magnitude, rounded *up* to bfloat16 and stored as 2 bytes. Why:
 
 Inputs must be finite: infinities saturate to the block's top value, NaN is not supported.
 
+Encoding and decoding run on the device the tensors are on (the parameters' device: a GPU encodes
+its own outer gradient), with the same layout; only stochastic rounding's noise differs between
+devices (each device has its own random generator).
+
 An all-zero block stores scale 0 and decodes to exact zeros. Codes for the 4-bit formats are packed
 two per byte, the first value in the low nibble; the stream is not padded per block, only the last
 byte may hold a single code.
@@ -217,6 +221,15 @@ class _BlockCodec(Codec):
         if self.bits == 4:  # one lookup per byte decodes both nibbles
             b = torch.arange(256)
             self._pair_table = torch.stack((table[b & 15], table[b >> 4]), dim=1).contiguous()
+        self._tables: dict[torch.device, torch.Tensor] = {}  # the decode table on each device, copied once
+
+    def _decode_table(self, device: torch.device) -> torch.Tensor:
+        """The decode table on device (copied there once: a copy per decode would make a GPU's host
+        wait for its queue every time)."""
+        table = self._tables.get(device)
+        if table is None:
+            table = self._tables[device] = (self._pair_table if self.bits == 4 else self._table).to(device)
+        return table
 
     @abstractmethod
     def _encode(self, q: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
@@ -247,8 +260,11 @@ class _BlockCodec(Codec):
         bits = torch.where((amax > 0) & (bits == 0), 0x10000, bits)
         return (bits >> 16).to(torch.int16), bits.view(torch.float32)
 
-    def _chunk_blocks(self) -> int:
-        """Blocks per chunk: about _CHUNK values (cache-sized), an even number of values."""
+    def _chunk_blocks(self, device: torch.device, num_blocks: int) -> int:
+        """Blocks per chunk: about _CHUNK values (cache-sized), an even number of values; on a GPU,
+        which has no cache to fit and pays a kernel launch per pass, every block at once."""
+        if device.type != "cpu":
+            return max(1, num_blocks + num_blocks % 2)
         k = max(1, _CHUNK // self.block_size)
         return k + (k * self.block_size) % 2
 
@@ -258,7 +274,7 @@ class _BlockCodec(Codec):
         nb = self.num_blocks(n)
         out = torch.empty(self.packed_nbytes(n), dtype=torch.uint8, device=v.device)
         scale_out, code_out = out[: nb * SCALE_BYTES], out[nb * SCALE_BYTES :]
-        step = self._chunk_blocks()
+        step = self._chunk_blocks(v.device, nb)
         # Work chunk by chunk so the dozen elementwise passes stay in cache (several times faster
         # than whole-vector passes on 10M values); noise is drawn in chunk order, so a seeded
         # generator still gives the same bytes.
@@ -296,9 +312,9 @@ class _BlockCodec(Codec):
         scales = self.block_scales(buf, numel)
         nb, bs = scales.numel(), self.block_size
         code_in = buf[nb * SCALE_BYTES :]
-        table = (self._pair_table if self.bits == 4 else self._table).to(buf.device)
+        table = self._decode_table(buf.device)
         out = torch.empty(numel, dtype=torch.float32, device=buf.device)
-        step = self._chunk_blocks()
+        step = self._chunk_blocks(buf.device, nb)
         for b0 in range(0, nb, step):
             b1 = min(nb, b0 + step)
             i0, i1 = b0 * bs, min(numel, b1 * bs)

@@ -228,6 +228,17 @@ class TrainConfig:
     """Seconds per inner step: simulated in-process, padded with a sleep on processes (an emulated accelerator)."""
     progress: bool = True
     """Show a progress bar on a terminal."""
+    device: str = "auto"
+    """Where the workers' models run: auto (cuda when available, else cpu), cpu, cuda or cuda:N."""
+    precision: str = "auto"
+    """Inner-step arithmetic: fp32, or bf16 autocast over FP32 master weights; auto is bf16 on CUDA and fp32
+    on CPU. The outer copies, the outer optimizer and the exchange's sums stay FP32 either way."""
+    compile: bool = False
+    """torch.compile the model for the inner steps; the outer algorithm, evaluation and checkpoints see the
+    plain module."""
+    peak_tflops: float | None = None
+    """The device's peak TFLOP/s that MFU is measured against; default from the table of known GPUs at the
+    run's precision (H100, H200, A100), none on a CPU (then the summary has no MFU)."""
     tokens: int | None = None
     """Token budget over all workers; sets steps when given."""
     checkpoint_every: int = 0
@@ -275,6 +286,7 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (name == "lr" and v == 0):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0 (lr > 0), got {v!r}")
+        self._validate_device()
         if self.sim_step_time is not None and not (math.isfinite(self.sim_step_time) and self.sim_step_time > 0):
             raise ConfigError(f"--sim-step-time must be a positive number of seconds, got {self.sim_step_time}")
         from eagerloco.model import model_config  # local imports: both import torch
@@ -305,6 +317,22 @@ class TrainConfig:
         self.link.validate()
         self._validate_faults()
         return self
+
+    def _validate_device(self) -> None:
+        from eagerloco.device import DEVICE_PATTERN, PRECISIONS, DeviceError, resolve_device  # imports torch
+
+        if not isinstance(self.device, str) or not re.fullmatch(DEVICE_PATTERN, self.device):
+            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        try:
+            resolve_device(self.device)
+        except DeviceError as e:
+            raise ConfigError(str(e)) from None
+        _choice("precision", self.precision, PRECISIONS)
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"--compile is a switch (true/false), got {self.compile!r}")
+        p = self.peak_tflops
+        if p is not None and (not _finite(p) or p <= 0):
+            raise ConfigError(f"--peak-tflops must be a positive number of TFLOP/s, got {p!r}")
 
     def _validate_faults(self) -> None:
         for name in ("elastic", "rejoin", "resume", "overwrite"):

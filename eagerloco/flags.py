@@ -18,6 +18,8 @@ from eagerloco.config import METHODS, PATTERNS, WEIGHTINGS, ConfigError, LinkCon
 # CLI flag -> (section, field). Sections: "train" (TrainConfig), "outer", "link".
 _OUTER_FIELDS = {f.name for f in fields(OuterConfig)}
 _LINK_FIELDS = {f.name for f in fields(LinkConfig)}
+#: Arguments that are not settings of the run: the parser's own and those of the process layout.
+PROCESS_FLAGS = ("config", "func", "command", "ranks_per_worker", "fsdp", "backend", "outer_backend", "dist_timeout")
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -81,6 +83,16 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard", action="store_true", default=None,
                    help="also write TensorBoard events to <out>/tensorboard")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    g = p.add_argument_group("device")
+    g.add_argument("--device", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N (default auto)")
+    g.add_argument("--precision", choices=("auto", "fp32", "bf16"),
+                   help="inner steps in fp32, or bf16 autocast over FP32 master weights; auto: bf16 on CUDA, fp32 "
+                   "on CPU (default auto). Outer copies, outer optimizer and the exchange's sums stay FP32")
+    g.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile the model for the inner steps (the first steps pay the compilation)")
+    g.add_argument("--peak-tflops", type=float,
+                   help="the device's peak TFLOP/s for MFU (default: known H100/H200/A100 figures at the run's "
+                   "precision; none on CPU)")
     p.add_argument("--config", type=Path, help="TOML file: top-level training keys, [outer] and [link] tables")
     g = p.add_argument_group("multi-process (under torchrun or `eagerloco launch`)")
     g.add_argument("--ranks-per-worker", type=int,
@@ -90,6 +102,9 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                    "instead of replicating them; every rank then exchanges its own shard with the same rank of "
                    "the other workers, each over 1/R of the worker's link (needs --ranks-per-worker 2 or more)")
     g.add_argument("--backend", choices=("gloo", "nccl"), help="inner backend (default: nccl with CUDA, else gloo)")
+    g.add_argument("--outer-backend", choices=("gloo", "nccl"),
+                   help="backend of the outer group between workers (default gloo: payloads move through pinned "
+                   "host memory and a dead peer is an exception; nccl keeps them on the GPU)")
     g.add_argument("--dist-timeout", type=float, default=300.0,
                    help="seconds before a silent peer is declared dead (default 300)")
     g = p.add_argument_group("faults")
@@ -139,7 +154,7 @@ def build_train_config(args: argparse.Namespace) -> Any:
         data.update(raw)
     train_fields = {f.name for f in fields(TrainConfig)} - {"outer", "link"}
     for key, value in vars(args).items():
-        if value is None or key in ("config", "func", "command", "ranks_per_worker", "fsdp", "backend", "dist_timeout"):
+        if value is None or key in PROCESS_FLAGS:
             continue
         if key in _OUTER_FIELDS:
             outer[key] = value

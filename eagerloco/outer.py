@@ -116,7 +116,10 @@ class OuterSync:
         self.inner_optimizer = inner_optimizer
         self.comm = comm
         self.codec = get_codec(cfg.codec, block_size=cfg.codec_block, stochastic=cfg.stochastic_rounding)
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + comm.rank)
+        # On the parameters' device: the codecs draw their rounding noise where they encode.
+        first = next(iter(model.parameters()), None)
+        where = local_shard(first).device if first is not None else torch.device("cpu")
+        self.generator = torch.Generator(device=where).manual_seed(seed * 1_000_003 + comm.rank)
         self.step = 0  # inner steps completed
         self.is_dp = cfg.method == "dp"
         self.eager_like = cfg.method in ("delayed", "eager")

@@ -38,6 +38,7 @@ from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext, outer_rank
 from eagerloco.comm.heartbeat import HEARTBEAT_S, Heartbeat
 from eagerloco.comm.jobs import AGREE, BARRIER, PAUSE, Job, check_headers, check_schedules, header
 from eagerloco.comm.regroup import ElasticExchanges
+from eagerloco.comm.staging import Staging
 from eagerloco.config import LinkConfig
 
 #: Extra time the waiting thread grants beyond the collective timeout before it gives up on its own
@@ -62,6 +63,7 @@ class TorchDistHandle(Handle):
         self._like, self._device = like, device
         self._event = threading.Event()
         self._mean: torch.Tensor | None = None
+        self._done_event: Any = None  # NCCL: the CUDA event the mean is ready after
         self._error: BaseException | None = None
         self._waited = False
 
@@ -88,15 +90,17 @@ class TorchDistHandle(Handle):
             raise self._error
         assert self._mean is not None
         mean, self._mean = self._mean, None
+        if self._comm.staging.cuda:
+            mean = self._comm.staging.deliver(mean, self._done_event, self._device)
         if out is not None:
             return hand_over(unflatten(mean, self._like), out)
         # The caller owns what it gets (an optimizer may write into it). In elastic mode the
         # communicator also keeps the mean for survivors of a membership change: hand out a copy.
         return unflatten(mean.to(self._device, copy=self._comm._elastic), self._like)
 
-    def _finish(self, mean: torch.Tensor | None = None, error: BaseException | None = None) -> None:
+    def _finish(self, mean: torch.Tensor | None = None, error: BaseException | None = None, done: Any = None) -> None:
         if not self._event.is_set():
-            self._mean, self._error = mean, error
+            self._mean, self._error, self._done_event = mean, error, done
             self._event.set()
 
 
@@ -111,7 +115,8 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
     of failing (see :mod:`eagerloco.comm.regroup`). members: the worker id of each group rank (default:
     rank r is worker r); ``rank`` is this process's worker id. channel: which of its worker's outer
     exchanges this is when each rank exchanges a shard (its rank in the worker); heartbeats are kept
-    per channel, and errors name the same worker whichever channel fails.
+    per channel, and errors name the same worker whichever channel fails. device: where the
+    parameters are; on a GPU payloads leave and return through :mod:`~eagerloco.comm.staging`.
     """
 
     def __init__(
@@ -127,6 +132,7 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         elastic: bool = False,
         members: list[int] | None = None,
         channel: int = 0,
+        device: torch.device | str | None = None,
     ) -> None:
         if group is None and not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call init_process_groups first")
@@ -142,6 +148,8 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         self.rank = self._members[pos]  # worker id: stable across membership changes
         self.num_workers = size
         self.stats = WorkerStats()
+        #: How payloads move between the parameters' device and the group's transport.
+        self.staging = Staging(device, on_device=dist.get_backend(group) == "nccl")
         self._link_cfg, self._seed = link, seed
         self.link = EmulatedLink(link, seed)
         self._elastic = elastic
@@ -203,9 +211,9 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         self._check_open()
         flat = flatten(tensors)
         numel = flat.numel()
-        packed, own_flat = encode(codec, flat, generator)
+        packed, own_flat = encode(codec, flat, generator)  # on the parameters' device
         nbytes = packed.numel()
-        packed = packed.cpu()  # gloo and mean_of_payloads work on the CPU
+        packed, ready = self.staging.send(packed)  # gloo: to (pinned) host memory, without waiting
         wire = wire_bytes(nbytes, self.num_workers, codec.summable)
         st = self.stats
         st.bytes_sent += wire  # ring all-reduce / all-gather: as many bytes in as out
@@ -219,7 +227,7 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         # Without keep_own the payload is the communicator's alone; outside elastic mode a failed
         # collective ends the run, so no rerun needs it intact either.
         job = Job(handle.seq, numel, time.time(), handle, codec, packed, wire, self.step_hint,
-                  inplace=not keep_own and not self._elastic, checked=not (agreed and self._agreed))
+                  inplace=not keep_own and not self._elastic, checked=not (agreed and self._agreed), ready=ready)
         self._jobs.put(job)
         return handle
 
@@ -326,6 +334,7 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         background, and one FIFO thread gives the one-transfer-at-a-time link for free. gloo
         collectives and sleeps release the GIL, so compute on the main thread continues.
         """
+        self.staging.enter_thread()
         while True:
             job = self._jobs.get()
             if job is None:
@@ -340,6 +349,9 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
                 if self._cancel.is_set():
                     raise RuntimeError("the communicator was closed before this exchange ran")
                 mean = self._execute(job)
+                done = None
+                if mean is not None:
+                    mean, done = self.staging.received(mean)
             except TransportError as e:  # a peer is gone or hung
                 self._in_collective_since = None
                 if self._elastic and not self._cancel.is_set():
@@ -359,7 +371,7 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
                 # shared, so wait() hands out copies. Otherwise the mean is the handle's alone.
                 self._recent[job.seq] = (job.numel, mean if self._elastic else None, job.step)
                 self._recent.pop(job.seq - _RECENT, None)
-                job.handle._finish(mean=mean)
+                job.handle._finish(mean=mean, done=done)
             if broken:
                 self._park(job)  # the caller re-forms the group and hands the job back
                 continue
@@ -375,15 +387,19 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         self._resume_ev.clear()
 
     def _gather(self, buf: torch.Tensor) -> torch.Tensor:
-        """All-gather equal-size uint8 buffers; rows in worker order."""
-        out = torch.empty(self.num_workers * buf.numel(), dtype=torch.uint8)
+        """All-gather equal-size uint8 buffers; rows in worker order, on the buffer's device (a host
+        buffer, such as a header, makes a round trip through the device for NCCL)."""
+        home = buf.device
+        if self.staging.on_device and home.type == "cpu":
+            buf = buf.to(self.staging.device)
+        out = torch.empty(self.num_workers * buf.numel(), dtype=torch.uint8, device=buf.device)
         self._in_collective_since = time.monotonic()
         try:
             _all_gather(out, buf, group=self.group)
         except Exception as e:
             raise TransportError(str(e)) from e
         self._in_collective_since = None
-        return out.view(self.num_workers, buf.numel())
+        return out.view(self.num_workers, buf.numel()).to(home)
 
     def _sum(self, buf: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) an FP32 buffer in place: half the bytes of an all-gather beyond M = 2."""
@@ -424,6 +440,7 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
             check_schedules(self._gather(job.payload), self._pos, self._members, self._name, job.note)
             return None
         assert codec is not None and job.payload is not None
+        self.staging.before_collective(job.ready)
         if codec.summable and self.num_workers > 1:
             # FP32: one all-reduce; on a copy where the payload must stay intact (the caller's own
             # share, or a rerun among the survivors of a failed collective in elastic mode).

@@ -47,6 +47,8 @@ class Job:
     #: (:meth:`TorchDistCommunicator.agree`): their sizes are known to match, so the payload moves at once.
     checked: bool = True
     note: str = ""  # AGREE: this worker's schedule in words, for the error
+    #: A CUDA event the payload is ready after (encode or copy to pinned memory); None on a CPU.
+    ready: object = None
 
 
 def header(job: Job) -> torch.Tensor:

@@ -101,18 +101,31 @@ def _wall(r: dict[str, Any]) -> str:
     return f"{v:.1f} s" if v is not None else "n/a"
 
 
+def fmt_rate(r: dict[str, Any]) -> str:
+    """Real tokens/s of a run (every worker's tokens over the training loop's wall time)."""
+    v = _num(r.get("tokens_per_s"))
+    return f"{v:,.0f}" if v is not None and math.isfinite(v) else "n/a"
+
+
+def fmt_mfu(r: dict[str, Any]) -> str:
+    """A run's MFU (n/a where the device's peak is unknown: a CPU without --peak-tflops)."""
+    v = _num(r.get("mfu"))
+    return f"{100 * v:.1f}%" if v is not None and math.isfinite(v) else "n/a"
+
+
 def grid_table(results: list[dict[str, Any]]) -> str:
     ref = next((r for r in results if r["name"] == REFERENCE), None)
     headers = ["method", "tolerated latency", "eval loss"] + (["Δ vs no overlap"] if ref else [])
     headers += [c for c, _ in EVAL_COLUMNS]
-    headers += ["bytes exchanged / worker", "peak bytes", "CU (link)", "wall (link)"]
+    headers += ["bytes exchanged / worker", "peak bytes", "CU (link)", "wall (link)", "tokens/s", "MFU"]
     rows = []
     for r in results:
         row = [r["label"], r["tolerated"], fmt_loss(r.get("final_eval_loss"))]
         if ref:
             row.append(_delta(r, ref))
         row += [fmt_score(benchmark_score(r, keys)) for _, keys in EVAL_COLUMNS]
-        row += [fmt_bytes(r.get("bytes_sent_per_worker")), fmt_bytes(r.get("peak_sync_bytes")), _cu(r), _wall(r)]
+        row += [fmt_bytes(r.get("bytes_sent_per_worker")), fmt_bytes(r.get("peak_sync_bytes")), _cu(r), _wall(r),
+                fmt_rate(r), fmt_mfu(r)]
         rows.append(row)
     return markdown_table(headers, rows)
 
@@ -120,14 +133,16 @@ def grid_table(results: list[dict[str, Any]]) -> str:
 def sweep_table(results: list[dict[str, Any]]) -> str:
     refs = {r["inner_steps"]: r for r in results if r["name"] == REFERENCE}
     headers = ["H", "method", "tolerated latency", "eval loss"] + (["Δ vs no overlap"] if refs else [])
-    headers += [c for c, _ in EVAL_COLUMNS] + ["bytes exchanged / worker", "peak bytes", "CU (link)", "wall (link)"]
+    headers += [c for c, _ in EVAL_COLUMNS]
+    headers += ["bytes exchanged / worker", "peak bytes", "CU (link)", "wall (link)", "tokens/s", "MFU"]
     rows = []
     for r in sorted(results, key=lambda r: r["inner_steps"]):
         row = [str(r["inner_steps"]), r["label"], r["tolerated"], fmt_loss(r.get("final_eval_loss"))]
         if refs:
             row.append(_delta(r, refs.get(r["inner_steps"])))
         row += [fmt_score(benchmark_score(r, keys)) for _, keys in EVAL_COLUMNS]
-        row += [fmt_bytes(r.get("bytes_sent_per_worker")), fmt_bytes(r.get("peak_sync_bytes")), _cu(r), _wall(r)]
+        row += [fmt_bytes(r.get("bytes_sent_per_worker")), fmt_bytes(r.get("peak_sync_bytes")), _cu(r), _wall(r),
+                fmt_rate(r), fmt_mfu(r)]
         rows.append(row)
     return markdown_table(headers, rows)
 
@@ -353,6 +368,9 @@ def _notes(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
         "the largest single payload.",
         f"- **CU (link)**: compute time / wall-clock on the emulated link ({link['bandwidth_gbps']:g} Gbit/s, "
         f"{link['latency_ms']:g} ms latency, one transfer at a time); **wall (link)**: that wall-clock.",
+        "- **tokens/s**: every worker's tokens over the real wall time of the training loop on this machine; "
+        "**MFU**: those tokens' model FLOPs (6N + 12 L d T per token) over the device's peak "
+        f"({_device_line(results)}); n/a on a CPU without `--peak-tflops`.",
         f"- Shared by every run: outer {outer['outer_optimizer']} lr {outer['outer_lr']:g} "
         f"momentum {outer['outer_momentum']:g}{' Nesterov' if outer['outer_nesterov'] else ''}, "
         f"exchange codec {outer['codec']}{' unless the row says 4-bit' if any_4bit else ''}, "
@@ -371,6 +389,13 @@ def _notes(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
         ref = "; ".join(f"{ENTRIES[n].label} {v:.2f}" for n, v in paper)
         notes.append(f"- For scale, the eager paper reports eval loss for a 500M model at H = 30: {ref}.")
     return notes
+
+
+def _device_line(results: list[dict[str, Any]]) -> str:
+    seen = sorted({f"{r.get('device', '?')}, {r.get('precision', 'fp32')}"
+                   + (f", {r['peak_tflops']:g} TFLOP/s" if _num(r.get("peak_tflops")) else "")
+                   + (", compiled" if r.get("compile") else "") for r in results})
+    return "; ".join(seen) if seen else "n/a"
 
 
 def _paper_rows() -> list[tuple[str, float]]:

@@ -104,7 +104,8 @@ def cached_summary(plan: PlannedRun) -> dict[str, Any] | None:
         return None
     if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
         return None
-    if _cache_view(saved["config"]) != _cache_view(asdict(plan.cfg)):
+    # A setting added since that run was made had its default then.
+    if _cache_view({**asdict(TrainConfig()), **saved["config"]}) != _cache_view(asdict(plan.cfg)):
         return None
     return saved
 

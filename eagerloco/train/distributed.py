@@ -13,11 +13,13 @@ one to resume from. With ``--elastic`` see :mod:`eagerloco.train.elastic`.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from eagerloco import checkpoint as ckpt
@@ -25,6 +27,7 @@ from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import init_process_groups, set_worker_threads, shutdown, workers_from_env
 from eagerloco.comm.worker import communicator_for
 from eagerloco.config import ConfigError, TrainConfig
+from eagerloco.device import DeviceError, resolve_device
 from eagerloco.faults import fault_injection
 from eagerloco.fragments import find_blocks
 from eagerloco.fsdp import shard_model
@@ -32,7 +35,7 @@ from eagerloco.jsonfiles import write_json_atomic
 from eagerloco.netshape import check_exchange_fits, emulated_link, link_shaping
 from eagerloco.train.elastic import train_elastic
 from eagerloco.train.loop import Worker, prepare, run_training, task_evals
-from eagerloco.train.outputs import RunOutput, aggregate, per_worker
+from eagerloco.train.outputs import RunOutput, add_throughput, aggregate, per_worker
 from eagerloco.train.resume import (
     announce_resume,
     check_resume_layout,
@@ -45,7 +48,7 @@ from eagerloco.train.rundir import guard_run_dir
 
 def train_distributed(
     cfg: TrainConfig, ranks_per_worker: int = 1, backend: str | None = None, timeout_s: float = 300.0,
-    fsdp: bool = False,
+    fsdp: bool = False, outer_backend: str | None = None,
 ) -> dict[str, Any] | None:
     """Run this rank's share of a multi-process run.
 
@@ -56,6 +59,8 @@ def train_distributed(
         timeout_s: seconds before a silent peer is declared dead.
         fsdp: shard each worker's model over its ranks (:mod:`eagerloco.fsdp`) instead of replicating
             it, and have every rank exchange its own shard with the other workers.
+        outer_backend: the outer group's backend: gloo (default; payloads from a GPU go through pinned
+            host memory on a copy stream) or nccl (payloads stay on the GPU; needs CUDA).
 
     Returns:
         The summary on the reporting rank (also written to ``<out>/summary.json``); None elsewhere.
@@ -86,13 +91,17 @@ def train_distributed(
                 "--elastic supports one rank per worker (--ranks-per-worker 1): a worker of several ranks "
                 "would need its inner group re-formed as well"
             )
-        if backend == "nccl":
-            raise ConfigError("--elastic re-forms gloo groups on the CPU; drop --backend nccl")
+        if backend == "nccl" or outer_backend == "nccl" or cfg.device.startswith("cuda"):
+            raise ConfigError("--elastic re-forms gloo groups on the CPU; drop --backend nccl, --outer-backend nccl "
+                              "and --device cuda")
         set_worker_threads()
         return train_elastic(cfg, timeout_s)
+    if outer_backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("--outer-backend nccl needs CUDA, which is not available here; use --outer-backend gloo")
     set_worker_threads()
     lock = guard_run_dir(cfg, reporting=os.environ.get("RANK") == "0")
-    ctx = init_process_groups(cfg.workers, ranks_per_worker, backend, timeout_s, sharded_outer=fsdp)
+    ctx = init_process_groups(cfg.workers, ranks_per_worker, backend, timeout_s, outer_backend=outer_backend or "gloo",
+                              sharded_outer=fsdp)
     comm = None
     try:
         out = Path(cfg.out)
@@ -102,7 +111,8 @@ def train_distributed(
             check_resume_layout(found[1], ranks_per_worker, fsdp)
         # Same corpus, tokenizer (its cache is locked) and seeded initial model on every rank.
         corpus, tok, model, evb = prepare(cfg)
-        model = model.to(ctx.device)
+        device = run_device(cfg, ctx)
+        model = model.to(device)
         if fsdp:
             shard_model(model, find_blocks(model), ctx.inner_group, ctx.device)
         # One shard per rank; with one rank per worker these are exactly the in-process workers' shards.
@@ -113,7 +123,7 @@ def train_distributed(
         evb = evb if evaluates else []
         link = emulated_link(cfg)
         check_exchange_fits(link, cfg, sum(p.numel() for p in model.parameters()), timeout_s)
-        comm = communicator_for(ctx, link, seed=cfg.seed, timeout_s=timeout_s)
+        comm = communicator_for(ctx, link, seed=cfg.seed, timeout_s=timeout_s, device=device)
         # FSDP averages the gradients inside the worker itself (reduce-scatter).
         worker = Worker(model, comm, stream, cfg, inner_group=None if fsdp else ctx.inner_group)
         start_step, real_elapsed = 0, 0.0
@@ -144,23 +154,27 @@ def train_distributed(
             dist.barrier()
 
         output = RunOutput(cfg, start_step, lambda: ctx.rank == 0)
+        devices = min(ctx.world_size, torch.cuda.device_count()) if device.type == "cuda" else 1
         try:
             summary = run_training(cfg, [worker], evb, cfg.workers, output.log, cfg.progress and ctx.rank == 0,
                                    start_step, save, real_elapsed, evaluate_on=evaluates,
                                    on_step=fault_injection(ctx.worker),
-                                   final_evals=task_evals(cfg, tok) if evaluates else None)
+                                   final_evals=task_evals(cfg, tok) if evaluates else None,
+                                   devices=devices)
         finally:
             output.close()
         comm.barrier()
         # Link accounting comes from the ranks that use the link: each worker's first, or (sharded) all.
         mine = {"outer": ctx.is_outer_rank, "worker": ctx.worker, "stats": comm.stats.as_dict(),
-                "wall": summary["real_wall_s"]}
+                "wall": summary["real_wall_s"], "device": f"{socket.gethostname()}/{device}"}
         every: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(every, mine)
         if ctx.rank != 0:
             return None
         aggregate(summary, per_worker([e for e in every if e["outer"]]))
+        add_throughput(summary, len({e["device"] for e in every}))
         summary.update(runtime="distributed", ranks_per_worker=ranks_per_worker, fsdp=fsdp, backend=ctx.backend,
+                       outer_backend=outer_backend or "gloo",
                        link_shaping=link_shaping(),
                        num_params=sum(p.numel() for p in model.parameters()), config=asdict(cfg))
         write_json_atomic(out / "summary.json", summary)
@@ -176,6 +190,19 @@ def train_distributed(
         shutdown()
         if lock is not None:
             lock.release()
+
+
+def run_device(cfg: TrainConfig, ctx: Any) -> torch.device:
+    """This rank's device: the inner group's GPU under NCCL, else what --device says (auto: the local
+    rank's GPU when there is one)."""
+    if ctx.device.type == "cuda":
+        if cfg.device == "cpu":
+            raise ConfigError("--device cpu with the nccl inner backend: pass --backend gloo to train on the CPU")
+        return ctx.device
+    try:
+        return resolve_device(cfg.device, ctx.local_rank)
+    except DeviceError as e:
+        raise ConfigError(str(e)) from None
 
 
 def in_distributed_env() -> bool:

@@ -27,7 +27,7 @@ from eagerloco.faults import fault_injection, rejoining
 from eagerloco.jsonfiles import write_json_atomic
 from eagerloco.netshape import check_exchange_fits, emulated_link, link_shaping
 from eagerloco.train.loop import Worker, prepare, run_training, task_evals
-from eagerloco.train.outputs import RunOutput, aggregate
+from eagerloco.train.outputs import RunOutput, add_throughput, aggregate
 from eagerloco.train.resume import (
     announce_resume,
     checkpoint_meta,
@@ -191,6 +191,7 @@ def _run(cfg: TrainConfig, timeout_s: float, me: int, joining: bool) -> dict[str
             return None
         every = list(membership.collect("final").values())
         aggregate(summary, every)
+        add_throughput(summary)
         events = membership.events()
         done_steps = worker_steps(events, cfg.workers, start_step, cfg.steps)
         summary.update(

@@ -13,6 +13,7 @@ import torch
 from eagerloco import checkpoint as ckpt
 from eagerloco.comm.inprocess import InProcessGroup
 from eagerloco.config import TrainConfig
+from eagerloco.device import resolve_device
 from eagerloco.jsonfiles import write_json_atomic
 from eagerloco.train.loop import Worker, prepare, run_training, task_evals
 from eagerloco.train.outputs import RunOutput
@@ -49,6 +50,9 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     root = ckpt.checkpoint_root(out)
     found = resume_checkpoint(cfg)
     corpus, tok, base, evb = prepare(cfg)
+    device = resolve_device(cfg.device)
+    if device.type != "cpu":  # every worker on the one device, taking turns as on the CPU
+        base = base.to(device)
     streams = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed, iid=cfg.iid)
     group = InProcessGroup(cfg.workers, cfg.link, seed=cfg.seed, count_overhead=cfg.sim_step_time is None)
     workers = [

@@ -17,9 +17,19 @@ from torch import nn
 
 from eagerloco.comm.base import Communicator
 from eagerloco.config import ConfigError, TrainConfig
+from eagerloco.device import (
+    autocast,
+    compile_model,
+    device_name,
+    inner_optimizer,
+    peak_tflops,
+    resolve_precision,
+    synchronize,
+)
+from eagerloco.flops import flops_per_token, mfu
 from eagerloco.fsdp import load_model_state, local_state, shard_optimizer_state
 from eagerloco.outer import OuterSync, after_inner_step_all, before_inner_step_all
-from eagerloco.train.outputs import ProgressLines, accounting
+from eagerloco.train.outputs import ProgressLines, accounting, add_throughput
 from eagerloco.units import fmt_bytes
 
 
@@ -36,7 +46,13 @@ def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
 
 
 class Worker:
-    """One replica: model, inner optimizer with its schedule, outer algorithm, data stream."""
+    """One replica: model, inner optimizer with its schedule, outer algorithm, data stream.
+
+    The model runs where its parameters are (the driver places it); batches follow it there. On
+    CUDA the step's two halves end with a device synchronization, so that the compute time the
+    accounting (and a simulated clock) uses is the kernels' and not their launch's; the loss is read
+    back only when something reports it.
+    """
 
     def __init__(
         self, model: nn.Module, comm: Communicator, stream: Any, cfg: TrainConfig, inner_group: Any = None
@@ -48,12 +64,32 @@ class Worker:
         self.comm = comm
         self.stream = stream
         self.cfg = cfg
-        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.device = next(model.parameters()).device
+        self.precision = resolve_precision(cfg.precision, self.device)
+        #: What the inner steps call: the compiled model with --compile (same parameters), else the model.
+        self.forward = compile_model(model) if cfg.compile else model
+        self.opt = inner_optimizer(model.parameters(), self.device, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                   betas=(0.9, 0.95))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps, cfg.steps))
         self.sync = OuterSync(model, self.opt, comm, cfg.outer, seed=cfg.seed)
-        self.last_loss = float("nan")
+        self._loss: torch.Tensor | float = float("nan")
         self.slowdown = cfg.slowdown(comm.rank)  # --slow-worker: an emulated straggler
         self._step_real = 0.0  # real compute of the current step so far (fixed step time on a real clock)
+
+    @property
+    def last_loss(self) -> float:
+        """The loss of the last inner step (read back from the device on first use)."""
+        if isinstance(self._loss, torch.Tensor):
+            self._loss = float(self._loss)
+        return self._loss
+
+    @last_loss.setter
+    def last_loss(self, value: float) -> None:
+        self._loss = value
+
+    def autocast(self) -> Any:
+        """The context of this worker's forward passes (bf16 autocast, or nothing for fp32)."""
+        return autocast(self.device, self.precision)
 
     def _compute(self, seconds: float, share: float) -> None:
         fixed = self.cfg.sim_step_time
@@ -91,12 +127,18 @@ class Worker:
     def forward_backward(self) -> None:
         t0 = time.perf_counter()
         x, y = self.stream.next_batch()
+        if self.device.type != "cpu":
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         self.opt.zero_grad(set_to_none=True)
-        _, loss = self.model(x, y)
+        with self.autocast():
+            _, loss = self.forward(x, y)
         loss.backward()
         if self.inner_group is not None:
             self._average_inner_grads()
-        self.last_loss = float(loss.detach())
+        self._loss = loss.detach()
+        if self.device.type == "cpu":
+            self._loss = float(self._loss)  # the CPU path as it always was: no tensor kept alive
+        synchronize(self.device)
         self._compute(time.perf_counter() - t0, 1.0)
 
     def _average_inner_grads(self) -> None:
@@ -148,16 +190,20 @@ class Worker:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.opt.step()
         self.sched.step()
+        synchronize(self.device)
         self._compute(time.perf_counter() - t0, 0.0)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str = "fp32") -> float:
+    """Mean loss over held-out batches, on the model's device and in the inner steps' precision."""
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     total = 0.0
     for x, y in batches:
-        _, loss = model(x, y)
+        with autocast(device, precision):
+            _, loss = model(x.to(device), y.to(device))
         total += float(loss)
     model.train(was_training)
     return total / max(1, len(batches))
@@ -187,6 +233,7 @@ def run_training(
     evaluate_on: bool | Callable[[], bool] = True,
     on_step: Callable[[int], None] | None = None,
     final_evals: Callable[[nn.Module], dict[str, float]] | None = None,
+    devices: int = 1,
 ) -> dict[str, Any]:
     """Drive the local workers from start_step to cfg.steps inner steps; returns the summary.
 
@@ -194,10 +241,13 @@ def run_training(
     evaluate_on: whether this process evaluates (a callable: asked each time, as the evaluating
     worker of an elastic run can change). on_step(step): called once each inner step is complete,
     before evaluation, logging and checkpointing (elastic membership changes, fault injection).
+    devices: the accelerators all workers of the run use together (MFU is measured against their
+    peak): 1 in-process, where the workers take turns on one device.
     """
     evaluating = evaluate_on if callable(evaluate_on) else (lambda: bool(evaluate_on))
     syncs = [w.sync for w in workers]
     tokens_per_step = cfg.batch_size * cfg.seq_len * num_workers
+    perf = model_flops(workers[0], cfg)
     bar = None
     lines = None
     if show_progress:
@@ -222,7 +272,7 @@ def run_training(
         do_eval = evaluating() and cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps
         if do_eval:
             with syncs[0].outer_weights() as m:
-                eval_loss = evaluate(m, eval_batches)
+                eval_loss = evaluate(m, eval_batches, workers[0].precision)
         if step % cfg.log_every == 0 or step == cfg.steps or do_eval:
             st = workers[0].comm.stats
             clock = workers[0].comm.clock() if workers[0].comm.simulated_clock else time.perf_counter() - real_t0
@@ -237,16 +287,25 @@ def run_training(
                 "wall_s": clock,
                 "compute_utilization": st.compute_s / clock if clock > 0 else 1.0,
             }
+            real = time.perf_counter() - real_t0
+            rate = step * tokens_per_step / real if real > 0 else float("nan")
+            rec["tokens_per_s"] = rate
+            run_mfu = mfu(rate, perf["flops_per_token"], perf["peak_tflops"], devices)
+            if run_mfu is not None:
+                rec["mfu"] = run_mfu
             if do_eval:
                 rec["eval_loss"] = eval_loss
             log(rec)
             if bar is not None:
+                shown = {"mfu": f"{run_mfu:.1%}"} if run_mfu is not None else {}
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", sent=fmt_bytes(st.bytes_sent, ".1f", ""),
-                                blocked=f"{st.blocked_s:.2f}s")
+                                blocked=f"{st.blocked_s:.2f}s", tok_s=f"{rate:,.0f}", **shown)
         if bar is not None:
             bar.update(1)
         elif lines is not None:
-            lines.update(step, sum(w.last_loss for w in workers) / len(workers), workers[0].comm.stats)
+            lines.update(step, lambda: sum(w.last_loss for w in workers) / len(workers), workers[0].comm.stats,
+                         tokens=step * tokens_per_step, per_token=perf["flops_per_token"],
+                         peak=perf["peak_tflops"], devices=devices)
         if checkpoint is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             checkpoint(step)
     # Training is over: what is still in flight is waited on (every handle is), but that wait is
@@ -266,7 +325,7 @@ def run_training(
     extra: dict[str, float] = {}
     if evaluating():
         with syncs[0].outer_weights() as m:
-            final_eval = evaluate(m, eval_batches)
+            final_eval = evaluate(m, eval_batches, workers[0].precision)
             if final_evals is not None:
                 extra = final_evals(m)
     walls = [w.comm.clock() if w.comm.simulated_clock else real_wall for w in workers]
@@ -291,9 +350,29 @@ def run_training(
         "bandwidth_gbps": cfg.link.bandwidth_gbps,
         "latency_ms": cfg.link.latency_ms,
         "per_worker": per_worker,
+        **perf,
         **extra,
     }
+    add_throughput(summary, devices)
     return summary
+
+
+def model_flops(worker: Worker, cfg: TrainConfig) -> dict[str, Any]:
+    """What MFU is computed from: the model's FLOPs per token and the device's peak, with the device,
+    precision and compile setting they belong to."""
+    model = worker.model
+    shape = getattr(model, "cfg", None)
+    n = sum(p.numel() for p in model.parameters())
+    per_token = (flops_per_token(n, shape.n_layers, shape.d_model, cfg.seq_len) if shape is not None
+                 else 6.0 * n)
+    return {
+        "device": device_name(worker.device),
+        "device_type": worker.device.type,
+        "precision": worker.precision,
+        "compile": cfg.compile,
+        "flops_per_token": per_token,
+        "peak_tflops": peak_tflops(worker.device, worker.precision, cfg.peak_tflops),
+    }
 
 
 def prepare(cfg: TrainConfig) -> tuple[Any, Any, nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:

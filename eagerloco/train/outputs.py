@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from eagerloco.config import ConfigError, TrainConfig
+from eagerloco.flops import mfu
 from eagerloco.jsonfiles import finite_json
 from eagerloco.units import fmt_bytes
 
@@ -24,7 +25,8 @@ PROGRESS_EVERY_S = 30.0
 SUMMARY_KEYS = (
     "method", "workers", "inner_steps", "fragments", "overlap_steps", "alpha", "eager_rounds", "codec",
     "steps", "tokens", "final_eval_loss", "bytes_sent_per_worker", "peak_sync_bytes", "compute_s",
-    "blocked_s", "wall_s", "compute_utilization",
+    "blocked_s", "wall_s", "compute_utilization", "tokens_per_s", "inner_tokens_per_s", "flops_per_token",
+    "peak_tflops", "mfu", "inner_mfu", "device", "precision",
 )
 
 
@@ -109,7 +111,8 @@ class RunOutput:
 class ProgressLines:
     """Progress where there is no terminal for a bar (a pipe, a log file, a launched rank).
 
-    One line every ``every_s`` seconds of wall time: step, loss, bytes sent, time blocked, pace.
+    One line every ``every_s`` seconds of wall time: step, loss, bytes sent, time blocked, pace,
+    tokens/s and, where the device's peak is known, MFU.
     """
 
     def __init__(self, method: str, steps: int, start_step: int, every_s: float | None = None) -> None:
@@ -118,16 +121,29 @@ class ProgressLines:
         self.t0 = self.last = time.perf_counter()
         self.start_step = start_step
 
-    def update(self, step: int, loss: float, stats: Any) -> None:
-        """Called after every inner step; prints when the interval has passed."""
+    def update(self, step: int, loss: float | Callable[[], float], stats: Any, tokens: int | None = None,
+               per_token: float = 0.0, peak: float | None = None, devices: int = 1) -> None:
+        """Called after every inner step; prints when the interval has passed.
+
+        loss: the value, or a function giving it (read only when a line is printed: on a GPU reading
+        it waits for the device). tokens: trained so far (all workers), for tokens/s and MFU.
+        """
         now = time.perf_counter()
         if now - self.last < self.every_s:
             return
         self.last = now
+        value = loss() if callable(loss) else loss
         pace = (step - self.start_step) / (now - self.t0)
         left = (self.steps - step) / pace if pace > 0 else float("inf")
-        print(f"{self.method}: step {step}/{self.steps}  loss {loss:.3f}  sent {fmt_bytes(stats.bytes_sent)}  "
-              f"blocked {stats.blocked_s:.2f}s  {pace:.2f} steps/s, about {left:.0f} s left", flush=True)
+        rate = ""
+        if tokens is not None and self.start_step < step:
+            per_s = tokens * (step - self.start_step) / step / (now - self.t0)
+            rate = f"  {per_s:,.0f} tokens/s"
+            run_mfu = mfu(per_s, per_token, peak, devices)
+            if run_mfu is not None:
+                rate += f"  MFU {run_mfu:.1%}"
+        print(f"{self.method}: step {step}/{self.steps}  loss {value:.3f}  sent {fmt_bytes(stats.bytes_sent)}  "
+              f"blocked {stats.blocked_s:.2f}s  {pace:.2f} steps/s{rate}, about {left:.0f} s left", flush=True)
 
 
 def accounting(entries: list[tuple[dict[str, Any], float]]) -> dict[str, Any]:
@@ -161,6 +177,27 @@ def accounting(entries: list[tuple[dict[str, Any], float]]) -> dict[str, Any]:
         "compute_utilization": compute / sum(walls) if sum(walls) > 0 else 1.0,
         "per_worker": stats,
     }
+
+
+def add_throughput(summary: dict[str, Any], devices: int = 1) -> None:
+    """Add tokens/s and MFU to a summary that has its accounting, ``flops_per_token`` and ``peak_tflops``.
+
+    - ``tokens_per_s``: every worker's tokens over the training loop's real wall time;
+    - ``inner_tokens_per_s``: one worker's tokens over its inner compute seconds (forward, backward,
+      inner optimizer step): the speed of the inner loop alone;
+    - ``mfu``: ``tokens_per_s`` in model FLOPs over the peak of the run's ``devices`` accelerators;
+    - ``inner_mfu``: the same for ``inner_tokens_per_s`` on one device.
+
+    Both MFUs are None (null) where the peak is unknown (a CPU without ``--peak-tflops``).
+    """
+    per_token, peak = summary["flops_per_token"], summary["peak_tflops"]
+    wall, compute = summary["real_wall_s"], summary["compute_s"]
+    rate = summary["tokens"] / wall if wall > 0 else float("nan")
+    inner = summary["tokens"] / summary["workers"] / compute if compute > 0 else float("nan")
+    summary.update(
+        devices=devices, tokens_per_s=rate, inner_tokens_per_s=inner,
+        mfu=mfu(rate, per_token, peak, devices), inner_mfu=mfu(inner, per_token, peak, 1),
+    )
 
 
 def per_worker(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -208,8 +245,9 @@ def aggregate(summary: dict[str, Any], workers: list[dict[str, Any]]) -> None:
 
 
 def format_table(summaries: list[dict[str, Any]]) -> str:
-    """The table `eagerloco train` prints: method, eval loss, bytes, peak, blocked time, compute utilization."""
-    head = ("method", "eval loss", "bytes sent/worker", "peak sync", "blocked s", "CU (link)")
+    """The table `eagerloco train` prints: method, eval loss, bytes, peak, blocked time, compute utilization,
+    tokens/s and MFU."""
+    head = ("method", "eval loss", "bytes sent/worker", "peak sync", "blocked s", "CU (link)", "tokens/s", "MFU")
     rows = []
     for s in summaries:
         rows.append((
@@ -219,6 +257,8 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
             fmt_bytes(s["peak_sync_bytes"]),
             f"{s['blocked_s']:.2f}",
             f"{s['compute_utilization']:.3f}",
+            f"{s['tokens_per_s']:,.0f}" if s.get("tokens_per_s") is not None else "n/a",
+            f"{s['mfu']:.1%}" if s.get("mfu") is not None else "n/a",
         ))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     line = "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))
@@ -232,6 +272,7 @@ __all__ = [
     "ProgressLines",
     "RunOutput",
     "accounting",
+    "add_throughput",
     "aggregate",
     "format_table",
     "per_worker",

@@ -12,7 +12,8 @@ from eagerloco.jsonfiles import finite_json
 
 #: Settings that may change between a run and its resumption without changing its numbers.
 RESUMABLE_CHANGES = {"progress", "resume", "overwrite", "out", "checkpoint_every", "keep_checkpoints", "eval_every",
-                     "log_every", "elastic", "rejoin", "slow_workers", "eval_tasks", "eval_limit", "tensorboard"}
+                     "log_every", "elastic", "rejoin", "slow_workers", "eval_tasks", "eval_limit", "tensorboard",
+                     "device", "peak_tflops"}
 
 
 def check_resume_config(saved: dict[str, Any], cfg: TrainConfig) -> None:
@@ -22,6 +23,8 @@ def check_resume_config(saved: dict[str, Any], cfg: TrainConfig) -> None:
         ConfigError: listing each differing setting, old and new.
     """
     now = finite_json(asdict(cfg))
+    # A setting added since the checkpoint was made had its default then.
+    saved = {**finite_json(asdict(TrainConfig())), **saved}
     diffs = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
     if diffs:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diffs)
