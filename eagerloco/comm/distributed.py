@@ -149,7 +149,9 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         self.num_workers = size
         self.stats = WorkerStats()
         #: How payloads move between the parameters' device and the group's transport.
-        self.staging = Staging(device, on_device=dist.get_backend(group) == "nccl")
+        # A group's name() is its backend; dist.get_backend() knows only WORLD's groups (see gloo_group).
+        backend = (group if group is not None else dist.group.WORLD).name()
+        self.staging = Staging(device, on_device=backend == "nccl")
         self._link_cfg, self._seed = link, seed
         self.link = EmulatedLink(link, seed)
         self._elastic = elastic
