@@ -6,6 +6,7 @@ up during a checkpoint, a read-only data cache.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,28 @@ def test_a_few_latin1_bytes_train_with_a_warning(tmp_path: Path, capsys: pytest.
     clean.write_text(_text(400) + "\ufffd\n", encoding="utf-8")
     load_corpus(str(clean), data_dir=tmp_path / "cache")
     assert capsys.readouterr().err == ""
+
+
+def test_a_new_reporter_writes_the_lines_the_old_one_never_wrote(tmp_path: Path) -> None:
+    """An elastic leader killed between a step and its line: the next leader, which did not report
+    that step, kept its own record of it and fills the gap when it takes over the file."""
+    from eagerloco.config import TrainConfig
+    from eagerloco.train.outputs import RunOutput
+
+    cfg = TrainConfig(out=str(tmp_path))
+    leader = {"now": 0}
+    old = RunOutput(cfg, 0, lambda: leader["now"] == 0)
+    new = RunOutput(cfg, 0, lambda: leader["now"] == 1)
+    for step in (2, 4):
+        for out in (old, new):
+            out.log({"step": step, "loss": 1.0 / step})
+    new.log({"step": 6, "loss": 0.5})  # the old leader died after step 6, before its line
+    leader["now"] = 1
+    for step in (8, 10):
+        for out in (old, new):
+            out.log({"step": step, "loss": 1.0 / step})
+    old.close()
+    new.close()
+    lines = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [2, 4, 6, 8, 10]
+    assert lines[2]["loss"] == 0.5
