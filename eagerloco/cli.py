@@ -6,10 +6,12 @@ Each subcommand's module is imported only when it runs, so `eagerloco simulate` 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 from eagerloco.config import ConfigError
+from eagerloco.faults import RunStopped, die_with_launcher, signal_name, stop_on_signals
 from eagerloco.flags import add_train_flags, build_train_config
 
 
@@ -18,18 +20,49 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from eagerloco.train.outputs import format_table
 
     cfg = build_train_config(args)
-    if in_distributed_env():
-        summary = train_distributed(cfg, args.ranks_per_worker, args.backend, args.dist_timeout, bool(args.fsdp))
-        if summary is None:  # not rank 0: rank 0 prints the table
-            return 0
-    else:
-        if args.ranks_per_worker != 1 or args.fsdp:
-            flag = "--fsdp" if args.fsdp else "--ranks-per-worker"
-            raise ConfigError(f"{flag} needs several processes: use `eagerloco launch` or torchrun")
-        summary = train(cfg)
+    try:
+        with stop_on_signals():
+            if in_distributed_env():
+                die_with_launcher()
+                summary = train_distributed(cfg, args.ranks_per_worker, args.backend, args.dist_timeout,
+                                            bool(args.fsdp))
+                if summary is None:  # not rank 0: rank 0 prints the table
+                    return 0
+            else:
+                if args.ranks_per_worker != 1 or args.fsdp:
+                    flag = "--fsdp" if args.fsdp else "--ranks-per-worker"
+                    raise ConfigError(f"{flag} needs several processes: use `eagerloco launch` or torchrun")
+                summary = train(cfg)
+    except (KeyboardInterrupt, RunStopped) as e:
+        signum = e.signum if isinstance(e, RunStopped) else int(signal.SIGINT)
+        print(f"eagerloco: {stopped_line(signum, Path(cfg.out))}", file=sys.stderr, flush=True)
+        return 128 + signum
     print(format_table([summary]))
     print(f"\nwrote {Path(cfg.out) / 'summary.json'} and {Path(cfg.out) / 'metrics.jsonl'}")
     return 0
+
+
+def stopped_line(signum: int, out: Path) -> str:
+    """What a run stopped by a signal says: the signal and the newest intact checkpoint to resume from.
+
+    Args:
+        signum: the signal that stopped it.
+        out: the run directory.
+
+    Returns:
+        One line, without the program prefix.
+    """
+    from eagerloco import checkpoint as ckpt
+
+    for path in reversed(ckpt.list_checkpoints(ckpt.checkpoint_root(out))):
+        try:
+            step = ckpt.verify(path)["step"]
+        except ckpt.CheckpointError:
+            continue
+        return (f"stopped by {signal_name(signum)}; the newest good checkpoint is {path} (step {step}): "
+                "run the same command with --resume to continue from it")
+    return (f"stopped by {signal_name(signum)} before any checkpoint of {out} was written; nothing to resume "
+            "(--checkpoint-every N saves one every N steps)")
 
 
 def _cmd_data(args: argparse.Namespace) -> int:

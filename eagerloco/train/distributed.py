@@ -21,7 +21,6 @@ from typing import Any
 import torch.distributed as dist
 
 from eagerloco import checkpoint as ckpt
-from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import init_process_groups, set_worker_threads, shutdown, workers_from_env
 from eagerloco.comm.worker import communicator_for
 from eagerloco.config import ConfigError, TrainConfig
@@ -165,7 +164,7 @@ def train_distributed(
                        num_params=sum(p.numel() for p in model.parameters()), config=asdict(cfg))
         write_json_atomic(out / "summary.json", summary)
         return summary
-    except PeerError:
+    except BaseException:  # a dead peer, a signal (RunStopped, Ctrl-C): drop what is queued, do not wait
         if comm is not None:
             comm.close(cancel=True)
         comm = None

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from eagerloco import checkpoint as ckpt
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.elastic import Membership, outer_digest
-from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import env_int, heartbeat_store, init_process_groups, shutdown, store_client
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.faults import fault_injection, rejoining
@@ -205,7 +204,7 @@ def _run(cfg: TrainConfig, timeout_s: float, me: int, joining: bool) -> dict[str
         )
         write_json_atomic(out / "summary.json", summary)
         return summary
-    except PeerError:
+    except BaseException:  # a dead peer, a signal (RunStopped, Ctrl-C): drop what is queued, do not wait
         comm.close(cancel=True)
         raise
     finally:
