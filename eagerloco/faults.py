@@ -22,12 +22,16 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from eagerloco.config import ConfigError, TrainConfig
 
 FAULT_KILL_ENV = "EAGERLOCO_FAULT_KILL"
+#: Seconds the evaluating process spends on each evaluation on top of the real work (tests of an
+#: evaluation that outlasts --dist-timeout).
+FAULT_EVAL_DELAY_ENV = "EAGERLOCO_FAULT_EVAL_DELAY"
 #: Set by ``eagerloco launch --elastic`` on a process it restarts: join the live workers.
 REJOIN_ENV = "EAGERLOCO_REJOIN"
 #: Set by ``eagerloco launch`` on every process it starts: the launcher's process id.
@@ -139,6 +143,22 @@ def kill_self(delay_s: float) -> None:
     t.start()
 
 
+def eval_delay() -> None:
+    """Sleep EAGERLOCO_FAULT_EVAL_DELAY seconds (none when unset): an evaluation that takes long.
+
+    Raises:
+        ConfigError: the variable is set but not a number of seconds.
+    """
+    spec = os.environ.get(FAULT_EVAL_DELAY_ENV, "")
+    if not spec:
+        return
+    try:
+        seconds = float(spec)
+    except ValueError:
+        raise ConfigError(f"{FAULT_EVAL_DELAY_ENV}={spec!r}: expected seconds") from None
+    time.sleep(max(0.0, seconds))
+
+
 def fault_injection(worker: int) -> Callable[[int], None] | None:
     """The per-step EAGERLOCO_FAULT_KILL hook for this worker, or None when the environment asks for none."""
     kill = kill_hook(worker)
@@ -152,5 +172,19 @@ def fault_injection(worker: int) -> Callable[[int], None] | None:
     return on_step
 
 
-__all__ = ["FAULT_KILL_ENV", "LAUNCHER_PID_ENV", "REJOIN_ENV", "STOP_SIGNALS", "RunStopped", "die_with_launcher",
-           "fault_injection", "kill_hook", "kill_self", "rejoining", "signal_name", "stop_on_signals"]
+__all__ = [
+    "FAULT_EVAL_DELAY_ENV",
+    "FAULT_KILL_ENV",
+    "LAUNCHER_PID_ENV",
+    "REJOIN_ENV",
+    "RunStopped",
+    "STOP_SIGNALS",
+    "die_with_launcher",
+    "eval_delay",
+    "fault_injection",
+    "kill_hook",
+    "kill_self",
+    "rejoining",
+    "signal_name",
+    "stop_on_signals",
+]

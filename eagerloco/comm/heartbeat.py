@@ -155,3 +155,52 @@ class Heartbeat:
         except Exception:
             return ""
         return f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+
+
+def wait_for_key(store: dist.Store, key: str, worker: int, name: str, patience_s: float,
+                 poll_s: float = 0.2) -> float:
+    """Wait, with no deadline, for ``worker`` to set ``key``, as long as that worker shows signs of life.
+
+    What one rank does alone for a long time (evaluation, which can outlast the collective timeout)
+    must not make the others declare it dead: they wait here instead of inside a collective, and
+    give up only when the worker's process ended (the launcher's ``exited/<worker>``) or its
+    heartbeat (``hb/<worker>``, refreshed by a thread while it works) is older than ``patience_s``.
+
+    Args:
+        store: the heartbeat store (:func:`~eagerloco.comm.groups.heartbeat_store`).
+        key: the key the worker sets when done.
+        worker: the worker waited on; name: how messages call it.
+        patience_s: how old its heartbeat may get before it counts as frozen (the run's --dist-timeout).
+        poll_s: seconds between looks.
+
+    Returns:
+        The seconds waited.
+
+    Raises:
+        PeerError: the worker's process ended or froze, or the store is gone; the message names it.
+    """
+    from eagerloco.comm.errors import PeerError
+
+    t0 = time.monotonic()
+    hb = f"hb/{worker}"
+    while True:
+        try:
+            if store.check([key]):
+                return time.monotonic() - t0
+            if store.check([f"exited/{worker}"]):
+                rc = int(store.get(f"exited/{worker}").decode())
+                how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+                raise PeerError(f"{name} is gone while the others waited for it ({key}): its process {how}. "
+                                "Check its log, then resume from the last checkpoint.", [worker])
+            age = time.time() - float(store.get(hb).decode().split()[0]) if store.check([hb]) else 0.0
+        except PeerError:
+            raise
+        except Exception as e:
+            raise PeerError(f"the run's store became unreachable while waiting for {name} ({key}: "
+                            f"{str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); is the launcher "
+                            "still running?", []) from e
+        if age > patience_s:
+            raise PeerError(f"{name} is frozen or gone while the others waited for it ({key}): its last heartbeat "
+                            f"is {age:.1f} s old (--dist-timeout {patience_s:g} s). Check its log, then resume "
+                            "from the last checkpoint.", [worker])
+        time.sleep(poll_s)

@@ -21,10 +21,17 @@ from typing import Any
 import torch.distributed as dist
 
 from eagerloco import checkpoint as ckpt
-from eagerloco.comm.groups import init_process_groups, set_worker_threads, shutdown, workers_from_env
+from eagerloco.comm.groups import (
+    heartbeat_store,
+    init_process_groups,
+    set_worker_threads,
+    shutdown,
+    workers_from_env,
+)
+from eagerloco.comm.heartbeat import wait_for_key
 from eagerloco.comm.worker import communicator_for
 from eagerloco.config import ConfigError, TrainConfig
-from eagerloco.faults import fault_injection
+from eagerloco.faults import eval_delay, fault_injection
 from eagerloco.fragments import find_blocks
 from eagerloco.fsdp import shard_model
 from eagerloco.jsonfiles import write_json_atomic
@@ -142,12 +149,28 @@ def train_distributed(
                 ckpt.publish(root, step, entries, meta, keep=cfg.keep_checkpoints)
             dist.barrier()
 
+        gate = heartbeat_store(timeout_s)
+
+        def after_eval(step: int) -> None:
+            # Rank 0 evaluates alone, for as long as it takes: the others wait here, outside any
+            # collective timeout, for as long as its heartbeat says it is alive.
+            if ctx.rank == 0:
+                eval_delay()
+            if gate is None:
+                return
+            key = f"evaluated/{step}"
+            if ctx.rank == 0:
+                gate.set(key, "1")
+            else:
+                wait_for_key(gate, key, 0, "worker 0 (global rank 0, which evaluates)", timeout_s)
+
         output = RunOutput(cfg, start_step, lambda: ctx.rank == 0)
         try:
             summary = run_training(cfg, [worker], evb, cfg.workers, output.log, cfg.progress and ctx.rank == 0,
                                    start_step, save, real_elapsed, evaluate_on=evaluates,
                                    on_step=fault_injection(ctx.worker),
-                                   final_evals=task_evals(cfg, tok) if evaluates else None)
+                                   final_evals=task_evals(cfg, tok) if evaluates else None,
+                                   after_eval=after_eval)
         finally:
             output.close()
         comm.barrier()
