@@ -37,6 +37,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         signum = e.signum if isinstance(e, RunStopped) else int(signal.SIGINT)
         print(f"eagerloco: {stopped_line(signum, Path(cfg.out))}", file=sys.stderr, flush=True)
         return 128 + signum
+    except OSError as e:
+        from eagerloco.checkpoint import NO_ROOM_ERRNOS
+
+        if e.errno not in NO_ROOM_ERRNOS:
+            raise
+        print(f"eagerloco: error: {no_room_line(e, Path(cfg.out))}", file=sys.stderr, flush=True)
+        return 2
     print(format_table([summary]))
     print(f"\nwrote {Path(cfg.out) / 'summary.json'} and {Path(cfg.out) / 'metrics.jsonl'}")
     return 0
@@ -54,15 +61,29 @@ def stopped_line(signum: int, out: Path) -> str:
     """
     from eagerloco import checkpoint as ckpt
 
-    for path in reversed(ckpt.list_checkpoints(ckpt.checkpoint_root(out))):
-        try:
-            step = ckpt.verify(path)["step"]
-        except ckpt.CheckpointError:
-            continue
-        return (f"stopped by {signal_name(signum)}; the newest good checkpoint is {path} (step {step}): "
+    found = ckpt.newest_intact(ckpt.checkpoint_root(out))
+    if found is not None:
+        return (f"stopped by {signal_name(signum)}; the newest good checkpoint is {found[0]} (step {found[1]}): "
                 "run the same command with --resume to continue from it")
     return (f"stopped by {signal_name(signum)} before any checkpoint of {out} was written; nothing to resume "
             "(--checkpoint-every N saves one every N steps)")
+
+
+def no_room_line(e: OSError, out: Path) -> str:
+    """What a run says when a file of it cannot be written for lack of room (a full disk, a quota).
+
+    Args:
+        e: the write error (its errno one of ``checkpoint.NO_ROOM_ERRNOS``).
+        out: the run directory.
+
+    Returns:
+        One line naming the file, the reason, the directory to free and the checkpoint to resume from.
+    """
+    from eagerloco import checkpoint as ckpt
+
+    where = e.filename or out
+    return (f"cannot write {where}: {e.strerror or e}; free space on the disk of {out} (or make it writable), "
+            f"then continue: {ckpt.resume_hint(ckpt.checkpoint_root(out))}")
 
 
 def _cmd_data(args: argparse.Namespace) -> int:

@@ -7,6 +7,8 @@ up during a checkpoint, a read-only data cache.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,54 @@ def test_a_new_reporter_writes_the_lines_the_old_one_never_wrote(tmp_path: Path)
     lines = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [2, 4, 6, 8, 10]
     assert lines[2]["loss"] == 0.5
+
+
+FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress",
+        "--log-every", "2", "--seed", "4", "--workers", "2", "--steps", "8", "--checkpoint-every", "2"]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A 48 MiB tmpfs: room for one checkpoint of the tiny model (2 x 16 MiB), not for two."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _train(argv: list[str]) -> subprocess.CompletedProcess:
+    code = "import torch, sys; torch.set_num_threads(1); from eagerloco.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, "train", *FAST, *argv], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_a_full_disk_is_named_cleaned_up_and_the_run_resumes_once_there_is_room(tmp_path: Path,
+                                                                                   small_disk: Path) -> None:
+    out = small_disk / "run"
+    root = out / "checkpoints"
+    for attempt in ("run", "resume on the still full disk"):
+        r = _train(["--out", str(out)] + (["--resume"] if attempt != "run" else []))
+        assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
+        err = [ln for ln in r.stderr.splitlines() if ln.startswith("eagerloco: error:")]
+        assert len(err) == 1, r.stderr
+        assert "No space left on device" in err[0] and f"free space on the disk of {root}" in err[0], err[0]
+        assert f"the newest good checkpoint is {root / 'step_00000002'} (step 2)" in err[0], err[0]
+        assert "--resume" in err[0]
+        # The previous good checkpoint survives; what the failed one staged is gone.
+        assert [p.name for p in root.iterdir()] == ["step_00000002"]
+        assert not (out / "summary.json.tmp").exists() and not (out / ".eagerloco.lock").exists()
+    subprocess.run(["mount", "-o", "remount,size=256m", str(small_disk)], check=True)
+    r = _train(["--out", str(out), "--resume"])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    clean = _train(["--out", str(tmp_path / "clean")])
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    resumed, uninterrupted = (json.loads((d / "summary.json").read_text()) for d in (out, tmp_path / "clean"))
+    assert resumed["final_eval_loss"] == uninterrupted["final_eval_loss"]  # nothing lost
+    steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4, 6, 8]

@@ -13,6 +13,7 @@ one to resume from. With ``--elastic`` see :mod:`eagerloco.train.elastic`.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -140,14 +141,28 @@ def train_distributed(
         t_run = time.perf_counter()
 
         def save(step: int) -> None:
-            entry = ckpt.write_worker_state(ckpt.staging_dir(root, step), ctx.rank, worker.state_dict())
+            # A rank that cannot write (a full disk) tells the others, so that every rank stops with
+            # the same message instead of the others failing in the next collective.
+            try:
+                entry: Any = ckpt.write_worker_state(ckpt.staging_dir(root, step), ctx.rank, worker.state_dict())
+            except ckpt.CheckpointError as e:
+                entry = {"error": str(e)}
             entries: list[Any] = [None] * ctx.world_size
             dist.all_gather_object(entries, entry)
-            if ctx.rank == 0:
+            problem = next((e["error"] for e in entries if "error" in e), None)
+            if ctx.rank == 0 and problem is None:
                 meta = checkpoint_meta(cfg, real_elapsed + time.perf_counter() - t_run, runtime="distributed",
                                        ranks_per_worker=ranks_per_worker, fsdp=fsdp)
-                ckpt.publish(root, step, entries, meta, keep=cfg.keep_checkpoints)
-            dist.barrier()
+                try:
+                    ckpt.publish(root, step, entries, meta, keep=cfg.keep_checkpoints)
+                except ckpt.CheckpointError as e:
+                    problem = str(e)
+            elif ctx.rank == 0:
+                shutil.rmtree(ckpt.staging_dir(root, step), ignore_errors=True)
+            verdict: list[Any] = [problem]
+            dist.broadcast_object_list(verdict, src=0)
+            if verdict[0] is not None:
+                raise ckpt.CheckpointError(verdict[0])
 
         gate = heartbeat_store(timeout_s)
 
