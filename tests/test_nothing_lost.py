@@ -120,3 +120,43 @@ def test_a_full_disk_is_named_cleaned_up_and_the_run_resumes_once_there_is_room(
     assert resumed["final_eval_loss"] == uninterrupted["final_eval_loss"]  # nothing lost
     steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2, 4, 6, 8]
+
+
+def test_a_read_only_cache_is_read_and_what_it_lacks_is_named(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A data cache on a read-only mount (a lab's shared copy): what it holds is read as is, token
+    ids it lacks are encoded in memory, a tokenizer it lacks is named with the fix."""
+    from eagerloco.cli import main
+    from eagerloco.data import encode_corpus, get_tokenizer
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(cache)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.decode().strip()}")
+    try:
+        text = tmp_path / "text.txt"
+        text.write_text(_text(600))
+        corpus = load_corpus(str(text), data_dir=cache)
+        tok = get_tokenizer("bpe:300", corpus)
+        train, _ = encode_corpus(corpus, tok)
+        subprocess.run(["mount", "-o", "remount,ro", str(cache)], check=True)
+        with pytest.raises(OSError):
+            (cache / "probe").write_text("")  # really read-only, even to root
+        capsys.readouterr()
+        again = get_tokenizer("bpe:300", corpus)  # intact: read, nothing written, nothing said
+        assert again.fingerprint == tok.fingerprint
+        assert encode_corpus(corpus, again)[0].num_tokens == train.num_tokens
+        assert capsys.readouterr().err == ""
+        other = load_corpus(str(text), data_dir=cache, eval_fraction=0.1)  # other token ids: not cached
+        assert encode_corpus(other, again)[0].num_tokens > 0
+        assert "cannot be written: encoding" in capsys.readouterr().err
+        argv = ["train", *FAST[:-4], "--steps", "1", "--data", str(text), "--data-dir", str(cache),
+                "--tokenizer", "bpe:280", "--out", str(tmp_path / "run")]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("eagerloco: error: "), err
+        assert f"the data cache {cache / 'tokenizers'} cannot be written" in err and "bpe:280" in err, err
+        assert "--data-dir" in err
+    finally:
+        subprocess.run(["umount", "-l", str(cache)], capture_output=True)
