@@ -191,7 +191,8 @@ def _launch(
 
 
 class _ExitBoard:
-    """Records in the store how each worker's process ended (``exited/<worker>``), once per exit."""
+    """Records in the store how each worker's process ended (``exited/<worker>``, with the global rank
+    that ended in ``exited-rank/<worker>``) and each rank's (``rank/exited/<rank>``), once per exit."""
 
     def __init__(self, store: Any, ranks_per_worker: int) -> None:
         self.store, self.r = store, ranks_per_worker
@@ -203,6 +204,8 @@ class _ExitBoard:
         self.seen.add((rank, pid))
         try:
             self.store.set(f"exited/{rank // self.r}", str(rc))
+            self.store.set(f"exited-rank/{rank // self.r}", str(rank))  # which of the worker's ranks
+            self.store.set(f"rank/exited/{rank}", str(rc))
         except Exception:  # only speeds up diagnosis
             pass
 

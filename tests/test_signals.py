@@ -168,3 +168,42 @@ def test_an_evaluation_longer_than_the_dist_timeout_loses_nothing(tmp_path: Path
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [ln["step"] for ln in lines] == [2, 4, 6, 8] and "eval_loss" in lines[1]
     assert tagged(tag) == []
+
+
+def _pid_of_rank(tag: str, rank: int) -> int | None:
+    for pid in tagged(tag):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"EAGERLOCO_LAUNCHER_PID=" + str(os.getppid()).encode() not in env:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"train" in cmdline:
+                return pid
+    return None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_dead_or_frozen_inner_rank_is_named_by_its_global_rank(tmp_path: Path, sig: signal.Signals) -> None:
+    """2 workers x 2 ranks, checkpoints every step: global rank 1 (worker 0's second rank, no link
+    of its own) is killed or frozen. Its worker's first rank names it, nobody prints a traceback,
+    every process ends, and the newest checkpoint is intact."""
+    out, tag = tmp_path / "run", uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "eagerloco", "launch", "--workers", "2", "--ranks-per-worker", "2", "--grace-s", "60",
+           "--", *BASE, "--ranks-per-worker", "2", "--checkpoint-every", "1", "--steps", "400",
+           "--dist-timeout", "15", "--out", str(out)]
+    log = tmp_path / "run.log"
+    p = _start(cmd, tag, log)
+    _wait_for_checkpoint(p, out, 2, log)
+    pid = _pid_of_rank(tag, 1)
+    assert pid is not None
+    os.kill(pid, sig)
+    text = _stopped(p, log, timeout=240)
+    assert p.returncode != 0
+    assert "global rank 1 (worker 0)" in text and ("killed by signal 9" in text or "frozen" in text), text[-4000:]
+    assert "global rank 0 " not in text.replace("global rank 0 stopped", ""), text[-4000:]  # no misattribution
+    deadline = time.monotonic() + 30
+    while tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert tagged(tag) == []
+    ckpt.verify(ckpt.list_checkpoints(ckpt.checkpoint_root(out))[-1])

@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from eagerloco import checkpoint as ckpt
+from eagerloco.comm.errors import describe_exception, is_transport_failure
 from eagerloco.comm.groups import (
     heartbeat_store,
     init_process_groups,
@@ -29,7 +30,7 @@ from eagerloco.comm.groups import (
     shutdown,
     workers_from_env,
 )
-from eagerloco.comm.heartbeat import wait_for_key
+from eagerloco.comm.heartbeat import Heartbeat, blame_ranks, wait_for_key
 from eagerloco.comm.worker import communicator_for
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.faults import eval_delay, fault_injection
@@ -101,6 +102,11 @@ def train_distributed(
     lock = guard_run_dir(cfg, reporting=os.environ.get("RANK") == "0")
     ctx = init_process_groups(cfg.workers, ranks_per_worker, backend, timeout_s, sharded_outer=fsdp)
     comm = None
+    # Every rank's heartbeat (rank/hb/<rank>): a collective of the main thread that fails (a
+    # checkpoint, the inner group) names the rank that died or froze, not only the worker.
+    gate = heartbeat_store(timeout_s)
+    beat = Heartbeat(dist.PrefixStore("rank", gate), ctx.rank) if gate is not None else None  # rank/hb/<rank>
+    doing = ["training"]
     try:
         out = Path(cfg.out)
         root = ckpt.checkpoint_root(out)
@@ -141,6 +147,11 @@ def train_distributed(
         t_run = time.perf_counter()
 
         def save(step: int) -> None:
+            doing[0] = f"the checkpoint of step {step}"
+            _save(step)
+            doing[0] = "training"
+
+        def _save(step: int) -> None:
             # A rank that cannot write (a full disk) tells the others, so that every rank stops with
             # the same message instead of the others failing in the next collective.
             try:
@@ -164,8 +175,6 @@ def train_distributed(
             if verdict[0] is not None:
                 raise ckpt.CheckpointError(verdict[0])
 
-        gate = heartbeat_store(timeout_s)
-
         def after_eval(step: int) -> None:
             # Rank 0 evaluates alone, for as long as it takes: the others wait here, outside any
             # collective timeout, for as long as its heartbeat says it is alive.
@@ -188,6 +197,7 @@ def train_distributed(
                                    after_eval=after_eval)
         finally:
             output.close()
+        doing[0] = "gathering the results"
         comm.barrier()
         # Link accounting comes from the ranks that use the link: each worker's first, or (sharded) all.
         mine = {"outer": ctx.is_outer_rank, "worker": ctx.worker, "stats": comm.stats.as_dict(),
@@ -202,12 +212,17 @@ def train_distributed(
                        num_params=sum(p.numel() for p in model.parameters()), config=asdict(cfg))
         write_json_atomic(out / "summary.json", summary)
         return summary
-    except BaseException:  # a dead peer, a signal (RunStopped, Ctrl-C): drop what is queued, do not wait
+    except BaseException as e:  # a dead peer, a signal (RunStopped, Ctrl-C): drop what is queued, do not wait
         if comm is not None:
             comm.close(cancel=True)
         comm = None
+        if gate is not None and is_transport_failure(e):  # a raw backend error: name the rank responsible
+            raise blame_ranks(gate, ctx.rank, ctx.world_size, ranks_per_worker,
+                              f"{doing[0]} ({describe_exception(e)})") from e
         raise
     finally:
+        if beat is not None:
+            beat.stop("closed")
         if comm is not None:
             comm.close()
         shutdown()
