@@ -16,6 +16,7 @@ from eagerloco.flags import add_train_flags, build_train_config
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from eagerloco.comm.errors import PeerError
     from eagerloco.train import in_distributed_env, train, train_distributed
     from eagerloco.train.outputs import format_table
 
@@ -37,6 +38,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         signum = e.signum if isinstance(e, RunStopped) else int(signal.SIGINT)
         print(f"eagerloco: {stopped_line(signum, Path(cfg.out))}", file=sys.stderr, flush=True)
         return 128 + signum
+    except PeerError as e:  # a dead or frozen peer: name the checkpoint that the restart resumes from
+        from eagerloco.checkpoint import checkpoint_root, resume_hint
+
+        print(f"eagerloco: error: {e} ({resume_hint(checkpoint_root(Path(cfg.out)))})", file=sys.stderr, flush=True)
+        return 3
     except OSError as e:
         from eagerloco.checkpoint import NO_ROOM_ERRNOS
 

@@ -257,6 +257,7 @@ def blame_ranks(store: dist.Store, me: int, world: int, ranks_per_worker: int, w
         if notes or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    found = "; ".join(notes) if notes else "no other rank looks dead or frozen; check every rank's log"
-    return PeerError(f"global rank {me} stopped: {what} failed: {found}. Then restart all workers and resume "
-                     "from the last checkpoint.", sorted(set(workers)))
+    found = "; ".join(notes) if notes else "no other rank looks dead or frozen"
+    advice = "Check its log" if len(notes) == 1 else "Check the logs" if notes else "Check every rank's log"
+    return PeerError(f"global rank {me} stopped: {what} failed: {found}. {advice}, then restart all workers and "
+                     "resume from the last checkpoint.", sorted(set(workers)))
