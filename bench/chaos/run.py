@@ -145,10 +145,10 @@ def one_attempt(args: argparse.Namespace, out: Path, tag: str, resume: bool, fau
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--faults-per-run", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--checkpoint-every", type=int, default=2)
     ap.add_argument("--dist-timeout", type=float, default=10)
     ap.add_argument("--max-delay", type=float, default=2.0, help="seconds after a new checkpoint, at most")
@@ -156,6 +156,10 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300, help="per attempt")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
+    # Started from nohup or a background job, this process may ignore SIGHUP or SIGINT, and its
+    # children would inherit that (a signal ignored at start stays ignored): give them the defaults.
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     seed = args.seed if args.seed is not None else random.randrange(10**6)
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix="eagerloco-chaos-"))
@@ -164,12 +168,16 @@ def main() -> None:
     ref = one_attempt(args, work / "reference", ref_tag, False, None, rng, work / "reference.log")
     reference = json.loads((work / "reference" / "summary.json").read_text())
     print(f"  reference: eval loss {reference['final_eval_loss']:.6f} ({ref['seconds']} s)", flush=True)
+    # Every kind of fault before any twice: a shuffled deck of them, dealt in order.
+    deck: list[tuple[str, int]] = []
+    while len(deck) < args.runs * args.faults_per_run:
+        deck += rng.sample(FAULTS, len(FAULTS))
     runs = []
     for i in range(args.runs):
         out, tag = work / f"run{i}", uuid.uuid4().hex
         attempts = []
         for k in range(args.faults_per_run + 1):
-            fault = rng.choice(FAULTS) if k < args.faults_per_run else None
+            fault = deck.pop(0) if k < args.faults_per_run else None
             a = one_attempt(args, out, tag, k > 0, fault, rng, work / f"run{i}-{k}.log")
             attempts.append(a)
             print(f"  run {i} attempt {k}: fault {a['fault']}, exit {a['rc']}, tracebacks {a['tracebacks']}, "
@@ -222,7 +230,8 @@ def main() -> None:
     md = ["# Chaos: random kills, freezes and signals against multi-process runs", "",
           f"{args.runs} runs of {args.workers} workers (one process each, gloo on loopback), tiny GPT, DiLoCo H = 2, "
           f"{args.steps} steps, a checkpoint every {args.checkpoint_every}, --dist-timeout {args.dist_timeout:g} s; "
-          f"{args.faults_per_run} random faults per run, each within {args.max_delay:g} s of a new checkpoint, "
+          f"{args.faults_per_run} faults per run (every kind before any twice, in random order), "
+          f"each within {args.max_delay:g} s of a new checkpoint, "
           f"then --resume to the end (seed {seed}).", "",
           "| what | count | note |", "|---|---|---|"]
     md += [f"| {a} | {b} | {c} |" for a, b, c in rows]
