@@ -160,3 +160,28 @@ def test_a_read_only_cache_is_read_and_what_it_lacks_is_named(tmp_path: Path,
         assert "--data-dir" in err
     finally:
         subprocess.run(["umount", "-l", str(cache)], capture_output=True)
+
+
+def test_a_full_disk_stops_every_rank_with_the_same_line(tmp_path: Path, small_disk: Path) -> None:
+    """Two processes share the full disk: the rank that cannot write its file tells the other, both
+    end with the same line, the staging directory is removed, and the run resumes once there is room."""
+    import os
+
+    out = small_disk / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "eagerloco", "launch", "--workers", "2", "--", *FAST, "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "Traceback" not in r.stdout + r.stderr, r.stdout[-4000:]
+    lines = {ln.split("] ", 1)[0]: ln.split("] ", 1)[1] for ln in r.stdout.splitlines()
+             if "eagerloco: error:" in ln and ln.startswith("[rank ")}
+    assert sorted(lines) == ["[rank 0", "[rank 1"] and len(set(lines.values())) == 1, r.stdout[-3000:]
+    message = lines["[rank 0"]
+    assert "No space left on device" in message and "step_00000002 (step 2)" in message, message
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]
+    subprocess.run(["mount", "-o", "remount,size=256m", str(small_disk)], check=True)
+    r = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4, 6, 8]
