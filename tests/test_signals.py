@@ -153,12 +153,15 @@ def test_a_rendezvous_port_in_use_is_named_with_the_fix(capsys: pytest.CaptureFi
     assert err.count("\n") == 1, err
 
 
-def test_an_evaluation_longer_than_the_dist_timeout_loses_nothing(tmp_path: Path) -> None:
-    """Rank 0 evaluates (mid-run and final) for longer than --dist-timeout: the others wait for it
-    outside the collective timeout, and the run ends with its summary and every eval line."""
+@pytest.mark.parametrize("elastic", [False, True])
+def test_an_evaluation_longer_than_the_dist_timeout_loses_nothing(tmp_path: Path, elastic: bool) -> None:
+    """Rank 0 (the elastic leader) evaluates, mid-run and final, for longer than --dist-timeout: the
+    others wait for it outside the collective timeout, and the run ends with its summary and every
+    eval line (elastic: with nobody declared dead)."""
     out, tag = tmp_path / "run", uuid.uuid4().hex
-    cmd = [sys.executable, "-m", "eagerloco", "launch", "--workers", "2", "--", *BASE, "--steps", "8",
-           "--method", "diloco", "--inner-steps", "2", "--eval-every", "4", "--dist-timeout", "4", "--out", str(out)]
+    cmd = [sys.executable, "-m", "eagerloco", "launch", "--workers", "2", *(["--elastic"] if elastic else []), "--",
+           *BASE, "--steps", "8", "--method", "diloco", "--inner-steps", "2", "--eval-every", "4",
+           "--dist-timeout", "4", "--out", str(out)]
     env = {**_env(tag), "EAGERLOCO_FAULT_EVAL_DELAY": "9"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
@@ -167,6 +170,8 @@ def test_an_evaluation_longer_than_the_dist_timeout_loses_nothing(tmp_path: Path
     assert s["steps"] == 8 and s["final_eval_loss"] == s["final_eval_loss"]  # written, and a number
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [ln["step"] for ln in lines] == [2, 4, 6, 8] and "eval_loss" in lines[1]
+    if elastic:
+        assert s["faults"] == [] and s["members"] == [0, 1], s["faults"]
     assert tagged(tag) == []
 
 
