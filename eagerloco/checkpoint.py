@@ -9,6 +9,7 @@ checkpoint is refused with a message naming the file, and the previous one is us
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -24,8 +25,52 @@ FORMAT_VERSION = 1
 _PREFIX = "step_"
 
 
+#: Write errors that mean "no room here" (a full disk, a quota, a file size limit) or "no writing here".
+NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
 class CheckpointError(RuntimeError):
-    """No usable checkpoint; the message says which file is wrong and what to do."""
+    """No usable checkpoint, or one that cannot be written; the message says which file or directory
+    is wrong and what to do."""
+
+
+def newest_intact(root: Path) -> tuple[Path, int] | None:
+    """The newest checkpoint under root that verifies, and its step, without reporting the others."""
+    for path in reversed(list_checkpoints(root)):
+        try:
+            return path, int(verify(path)["step"])
+        except CheckpointError:
+            continue
+    return None
+
+
+def resume_hint(root: Path) -> str:
+    """Which checkpoint a run continues from with --resume (or that there is none yet)."""
+    found = newest_intact(root)
+    if found is None:
+        return f"there is no intact checkpoint under {root} yet, so a rerun starts afresh"
+    return f"the newest good checkpoint is {found[0]} (step {found[1]}): run the same command with --resume"
+
+
+def write_failure(root: Path, step: int, e: OSError) -> CheckpointError:
+    """The error for a checkpoint that could not be written, its staging directory removed.
+
+    Args:
+        root: the checkpoints directory; step: the checkpoint's step; e: the write error.
+
+    Returns:
+        A CheckpointError naming the directory, the reason, and the checkpoint to resume from.
+    """
+    shutil.rmtree(staging_dir(root, step), ignore_errors=True)
+    why = e.strerror or str(e)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = f"free space on the disk of {root} (or pass an --out on a bigger one)"
+    elif e.errno == errno.EFBIG:
+        fix = f"raise the file size limit (ulimit -f) for {root}"
+    else:
+        fix = f"make {root} writable"
+    return CheckpointError(f"cannot write the checkpoint of step {step} under {root}: {why}; {fix}, then "
+                           f"continue: {resume_hint(root)}")
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -58,21 +103,39 @@ def staging_dir(root: Path, step: int) -> Path:
 
 
 def write_worker_state(stage: Path, worker: int, state: dict[str, Any]) -> dict[str, Any]:
-    """Serialize one worker's state into the staging directory; returns its manifest entry."""
-    stage.mkdir(parents=True, exist_ok=True)
+    """Serialize one worker's state into the staging directory; returns its manifest entry.
+
+    Raises:
+        CheckpointError: the file cannot be written (a full disk...); the staging directory is removed.
+    """
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getvalue()
     name = f"worker_{worker}.pt"
-    _write_bytes(stage / name, data)
+    try:
+        stage.mkdir(parents=True, exist_ok=True)
+        _write_bytes(stage / name, data)
+    except OSError as e:
+        raise write_failure(stage.parent, _stage_step(stage), e) from None
     return {"file": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def _stage_step(stage: Path) -> int:
+    return int(stage.name.rsplit("_", 1)[1])
+
+
 def publish(root: Path, step: int, entries: list[dict[str, Any]], meta: dict[str, Any], keep: int = 2) -> Path:
-    """Write meta.json last, rename the staging directory into place, prune old checkpoints."""
+    """Write meta.json last, rename the staging directory into place, prune old checkpoints.
+
+    Raises:
+        CheckpointError: meta.json cannot be written (a full disk...); the staging directory is removed.
+    """
     stage = staging_dir(root, step)
     full = {"format": FORMAT_VERSION, "step": step, "files": entries, **meta}
-    _write_bytes(stage / "meta.json", (json.dumps(full, indent=1, default=str) + "\n").encode())
+    try:
+        _write_bytes(stage / "meta.json", (json.dumps(full, indent=1, default=str) + "\n").encode())
+    except OSError as e:
+        raise write_failure(root, step, e) from None
     _fsync_dir(stage)
     final = root / f"{_PREFIX}{step:08d}"
     if final.exists():
@@ -92,6 +155,17 @@ def save(root: Path, step: int, states: dict[int, dict[str, Any]], meta: dict[st
         shutil.rmtree(stage)
     entries = [write_worker_state(stage, m, s) for m, s in sorted(states.items())]
     return publish(root, step, entries, meta, keep)
+
+
+def remove_staging(root: Path) -> list[Path]:
+    """Remove what checkpoints that were never completed left under root (a crash, a full disk).
+
+    Call only while no process of the run writes checkpoints. Returns the directories removed.
+    """
+    gone = sorted(root.glob(f".partial-{_PREFIX}*")) if root.is_dir() else []
+    for stage in gone:
+        shutil.rmtree(stage, ignore_errors=True)
+    return gone
 
 
 def list_checkpoints(root: Path) -> list[Path]:

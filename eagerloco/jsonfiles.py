@@ -23,11 +23,15 @@ def finite_json(obj: Any) -> Any:
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write obj as JSON to path through a temporary file and a rename: readers see old or new, never half."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(finite_json(obj), f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(finite_json(obj), f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a signal: no half-written .tmp left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 __all__ = ["finite_json", "write_json_atomic"]

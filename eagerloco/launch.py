@@ -32,10 +32,13 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import IO, Any
 
+from eagerloco.faults import LAUNCHER_PID_ENV, STOP_SIGNALS, signal_name
+
 #: Seconds the other processes get to exit on their own after one fails (they notice a dead peer
 #: at once, or within their collective timeout if it hangs) before they are terminated.
 DEFAULT_GRACE_S = 30.0
 _KILL_AFTER_S = 5.0  # between SIGTERM and SIGKILL
+_STOP_GRACE_S = 10.0  # after a forwarded stop signal (Ctrl-C, SIGTERM, SIGHUP), before SIGTERM / SIGKILL
 
 
 def _default_command() -> list[str]:
@@ -107,9 +110,17 @@ def _launch(
     import torch.distributed as dist  # here, not at module level: `eagerloco --help` stays fast
 
     nproc = workers * ranks_per_worker
-    store = dist.TCPStore(
-        "127.0.0.1", master_port or 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1", master_port or 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
+    except (RuntimeError, OSError) as e:  # DistNetworkError (a RuntimeError): the port is taken
+        if not master_port:
+            raise
+        raise ValueError(
+            f"--master-port {master_port} cannot be used for the rendezvous ({_first_line(e)}); another run or "
+            f"program has it: pass another port, or leave --master-port out and a free one is picked"
+        ) from None
     port = store.port
     out = out or sys.stdout
     lock = threading.Lock()
@@ -125,7 +136,7 @@ def _launch(
             WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
             EAGERLOCO_WORKERS=str(workers), EAGERLOCO_RANKS_PER_WORKER=str(ranks_per_worker),
-            PYTHONUNBUFFERED="1",
+            PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())},  # it dies with us (die_with_launcher)
         )
         if incarnation:
             env.update(EAGERLOCO_REJOIN="1", EAGERLOCO_INCARNATION=str(incarnation))
@@ -151,8 +162,8 @@ def _launch(
             out.write(f"[launch] {msg}\n")
             out.flush()
 
-    terminated = threading.Event()
-    old_term = _install_sigterm(terminated)
+    terminated = _Stop()
+    old_handlers = _install_stop_signals(terminated)
     try:
         # Exits are recorded by worker, under the workers' heartbeat prefix
         # (eagerloco.comm.groups.heartbeat_store): errors name a dead worker at once.
@@ -165,14 +176,14 @@ def _launch(
         say("interrupted: forwarding Ctrl-C to every process")
         _signal_all(procs, signal.SIGINT)
         try:
-            _wait_all(procs, min(timeout_s, 10.0))
+            _wait_all(procs, _STOP_GRACE_S)
         except KeyboardInterrupt:
             pass
         _stop(procs, say)
         code = 130
     finally:
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
         for t in readers:
             t.join(timeout=5.0)
         del store
@@ -180,7 +191,8 @@ def _launch(
 
 
 class _ExitBoard:
-    """Records in the store how each worker's process ended (``exited/<worker>``), once per exit."""
+    """Records in the store how each worker's process ended (``exited/<worker>``, with the global rank
+    that ended in ``exited-rank/<worker>``) and each rank's (``rank/exited/<rank>``), once per exit."""
 
     def __init__(self, store: Any, ranks_per_worker: int) -> None:
         self.store, self.r = store, ranks_per_worker
@@ -192,6 +204,8 @@ class _ExitBoard:
         self.seen.add((rank, pid))
         try:
             self.store.set(f"exited/{rank // self.r}", str(rc))
+            self.store.set(f"exited-rank/{rank // self.r}", str(rank))  # which of the worker's ranks
+            self.store.set(f"rank/exited/{rank}", str(rc))
         except Exception:  # only speeds up diagnosis
             pass
 
@@ -218,9 +232,7 @@ def _supervise(
         if all(c is not None for c in codes):
             break
         if terminated.is_set():
-            say("launcher got SIGTERM: stopping every process")
-            _stop(procs, say)
-            return 143
+            return _stop_on_signal(procs, say, terminated.signum)
         if deadline is not None and time.monotonic() >= deadline:
             say(f"stopping the processes still running {grace_s:g} s after rank {first[0]} failed")
             _stop(procs, say)
@@ -266,9 +278,7 @@ def _supervise_elastic(
         if all(c is not None for c in final):
             break
         if terminated.is_set():
-            say("launcher got SIGTERM: stopping every process")
-            _stop(procs, say)
-            return 143
+            return _stop_on_signal(procs, say, terminated.signum)
         if deadline is not None and time.monotonic() >= deadline and any(p.poll() is None for p in procs):
             say(f"stopping the processes still running {grace_s:g} s after the run finished")
             _stop(procs, say)
@@ -280,6 +290,11 @@ def _supervise_elastic(
         return 0
     rc = first_fail if first_fail is not None else 1
     return rc if rc > 0 else 128 - rc
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[-1] if text else type(e).__name__)[:200]
 
 
 def _pump(p: subprocess.Popen[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
@@ -324,11 +339,37 @@ def _stop(procs: list[subprocess.Popen[bytes]], say: Any) -> None:
         p.wait()
 
 
-def _install_sigterm(flag: threading.Event) -> Any:
-    """Turn SIGTERM into a flag the supervisor loop sees (only possible on the main thread)."""
+class _Stop(threading.Event):
+    """Set by a stop signal (SIGTERM, SIGHUP) the launcher got; ``signum`` says which."""
+
+    signum = int(signal.SIGTERM)
+
+
+def _install_stop_signals(flag: _Stop) -> dict[int, Any]:
+    """Turn SIGTERM and SIGHUP into a flag the supervisor loop sees (only possible on the main thread).
+
+    Returns the handlers replaced, to restore afterwards. SIGHUP (the terminal closed) must not kill
+    the launcher alone: the training processes run in sessions of their own and would be left behind.
+    """
     if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, lambda signum, frame: flag.set())
+        return {}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        flag.signum = signum
+        flag.set()
+
+    # A signal ignored from the start (nohup's SIGHUP) stays ignored, here and in the processes.
+    return {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS if signal.getsignal(sig) != signal.SIG_IGN}
+
+
+def _stop_on_signal(procs: list[subprocess.Popen[bytes]], say: Any, signum: int) -> int:
+    """Pass the launcher's stop signal on to every process, give them time to save and say so, then
+    kill what still runs; returns 128 + signum."""
+    say(f"launcher got {signal_name(signum)}: stopping every process")
+    _signal_all(procs, signum)
+    _wait_all(procs, _STOP_GRACE_S)
+    _stop(procs, say)
+    return 128 + signum
 
 
 # --------------------------------------------------------------------------------------------------

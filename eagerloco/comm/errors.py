@@ -30,3 +30,14 @@ def describe_exception(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text)
     return text.split(". ")[0].rstrip(".")[:200]
+
+
+def is_transport_failure(e: BaseException) -> bool:
+    """Whether e is a raw error of the collective backend (a peer gone, a timeout), not one of ours."""
+    if isinstance(e, (PeerError, ScheduleMismatchError)) or not isinstance(e, Exception):
+        return False
+    if type(e).__name__ in ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError"):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("gloo" in text or "Connection reset by peer" in text
+                                            or "Connection closed by peer" in text)

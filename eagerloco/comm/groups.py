@@ -75,11 +75,11 @@ class DistContext:
         return list(range(first, first + self.ranks_per_worker))
 
     def worker_names(self) -> dict[int, str]:
-        """How errors name each worker (with the global rank whose log to read)."""
+        """How errors name each worker (with the global ranks whose logs to read)."""
         r = self.ranks_per_worker
         if r == 1 or self.separate_jobs:
             return {w: f"worker {w}" for w in range(self.workers)}
-        return {w: f"worker {w} (global rank {g})" for w, g in enumerate(self.outer_ranks)}
+        return {w: f"worker {w} (global ranks {w * r}..{w * r + r - 1})" for w in range(self.workers)}
 
 
 def env_int(name: str) -> int | None:

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 
 import torch.distributed as dist
 
+from eagerloco.comm.errors import PeerError
+
 #: How often each outer rank refreshes its heartbeat in the store (seconds).
 HEARTBEAT_S = 1.0
 
@@ -135,7 +137,7 @@ class Heartbeat:
                 continue
             exit_note = self._exit_note(w)
             if exit_note:  # the launcher saw its process end: no need to wait for a stale heartbeat
-                strong.append((w, f"{name} is gone: its process {exit_note} (after exchange #{last})"))
+                strong.append((w, f"{name} is gone: {exit_note} (after exchange #{last})"))
             elif state == "closed":
                 strong.append((w, f"{name} closed its communicator after exchange #{last} (done or quit)"))
             elif age > self.stale_s:
@@ -148,10 +150,114 @@ class Heartbeat:
     def _exit_note(self, w: int) -> str:
         """How worker w's process ended, if ``eagerloco launch`` recorded it ('' if not)."""
         assert self.store is not None
-        try:
-            if not self.store.check([f"exited/{w}"]):
-                return ""
-            rc = int(self.store.get(f"exited/{w}").decode())
-        except Exception:
+        return exit_note(self.store, w)
+
+
+def exit_note(store: dist.Store, w: int) -> str:
+    """How worker w's process ended ("its process was killed by signal 9", "its global rank 1 exited
+    with code 3"), as ``eagerloco launch`` recorded it; '' when it did not (or under torchrun)."""
+    try:
+        if not store.check([f"exited/{w}"]):
             return ""
-        return f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        rc = int(store.get(f"exited/{w}").decode())
+        rank = store.get(f"exited-rank/{w}").decode() if store.check([f"exited-rank/{w}"]) else ""
+    except Exception:
+        return ""
+    how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+    return f"its global rank {rank} {how}" if rank else f"its process {how}"
+
+
+def wait_for_key(store: dist.Store, key: str, worker: int, name: str, patience_s: float,
+                 poll_s: float = 0.2) -> float:
+    """Wait, with no deadline, for ``worker`` to set ``key``, as long as that worker shows signs of life.
+
+    What one rank does alone for a long time (evaluation, which can outlast the collective timeout)
+    must not make the others declare it dead: they wait here instead of inside a collective, and
+    give up only when the worker's process ended (the launcher's ``exited/<worker>``) or its
+    heartbeat (``hb/<worker>``, refreshed by a thread while it works) is older than ``patience_s``.
+
+    Args:
+        store: the heartbeat store (:func:`~eagerloco.comm.groups.heartbeat_store`).
+        key: the key the worker sets when done.
+        worker: the worker waited on; name: how messages call it.
+        patience_s: how old its heartbeat may get before it counts as frozen (the run's --dist-timeout).
+        poll_s: seconds between looks.
+
+    Returns:
+        The seconds waited.
+
+    Raises:
+        PeerError: the worker's process ended or froze, or the store is gone; the message names it.
+    """
+    t0 = time.monotonic()
+    hb = f"hb/{worker}"
+    while True:
+        try:
+            if store.check([key]):
+                return time.monotonic() - t0
+            gone = exit_note(store, worker)
+            if gone:
+                raise PeerError(f"{name} is gone while the others waited for it ({key}): {gone}. "
+                                "Check its log, then resume from the last checkpoint.", [worker])
+            age = time.time() - float(store.get(hb).decode().split()[0]) if store.check([hb]) else 0.0
+        except PeerError:
+            raise
+        except Exception as e:
+            raise PeerError(f"the run's store became unreachable while waiting for {name} ({key}: "
+                            f"{str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); is the launcher "
+                            "still running?", []) from e
+        if age > patience_s:
+            raise PeerError(f"{name} is frozen or gone while the others waited for it ({key}): its last heartbeat "
+                            f"is {age:.1f} s old (--dist-timeout {patience_s:g} s). Check its log, then resume "
+                            "from the last checkpoint.", [worker])
+        time.sleep(poll_s)
+
+
+def blame_ranks(store: dist.Store, me: int, world: int, ranks_per_worker: int, what: str,
+                wait_s: float = 5 * HEARTBEAT_S) -> PeerError:
+    """The error for a collective of this process's own (a checkpoint, the inner group) that failed.
+
+    Every rank of a multi-process run publishes a heartbeat under ``rank/`` in the heartbeat store
+    (``rank/hb/<rank>``) and the launcher records ``rank/exited/<rank>``: the ranks whose process
+    ended, or whose heartbeat is older than the staleness limit, are named. A rank that died a
+    moment ago may still look alive: evidence is awaited for up to ``wait_s``.
+
+    Args:
+        store: the heartbeat store; me: this global rank; world: the number of ranks;
+        ranks_per_worker: R (to name each rank's worker); what: what failed, for the message.
+        wait_s: how long to wait for evidence.
+
+    Returns:
+        A PeerError naming the ranks found (their workers in ``workers``), or saying none was found.
+    """
+    stale_s = max(3 * HEARTBEAT_S, 2.0)
+    deadline = time.monotonic() + wait_s
+    while True:
+        notes, workers = [], []
+        for g in range(world):
+            if g == me:
+                continue
+            who = f"global rank {g} (worker {g // ranks_per_worker})"
+            try:
+                if store.check([f"rank/exited/{g}"]):
+                    rc = int(store.get(f"rank/exited/{g}").decode())
+                    how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+                    notes.append(f"{who} {how}")
+                elif store.check([f"rank/hb/{g}"]):
+                    age = time.time() - float(store.get(f"rank/hb/{g}").decode().split()[0])
+                    if age > stale_s:
+                        notes.append(f"{who} is frozen or gone (last heartbeat {age:.1f} s ago)")
+                    else:
+                        continue
+                else:
+                    continue
+            except Exception:
+                break
+            workers.append(g // ranks_per_worker)
+        if notes or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    found = "; ".join(notes) if notes else "no other rank looks dead or frozen"
+    advice = "Check its log" if len(notes) == 1 else "Check the logs" if notes else "Check every rank's log"
+    return PeerError(f"global rank {me} stopped: {what} failed: {found}. {advice}, then restart all workers and "
+                     "resume from the last checkpoint.", sorted(set(workers)))

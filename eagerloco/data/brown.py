@@ -179,10 +179,9 @@ def _brown_ok(directory: Path) -> dict[str, Any] | None:
 def fetch_brown(data_dir: str | Path | None = None) -> Path:
     """Make <data_dir>/brown hold the plain-text Brown Corpus with a verified manifest; returns that dir."""
     directory = default_data_dir(data_dir) / "brown"
-    directory.mkdir(parents=True, exist_ok=True)
     if _brown_ok(directory) is not None:
         return directory
-    with locked(directory):
+    with locked(directory, "the Brown Corpus"):
         if _brown_ok(directory) is not None:  # another process finished while we waited
             return directory
         tarball = _tarball(directory)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import sys
@@ -17,8 +18,16 @@ MANIFEST_VERSION = 1
 BUILTIN_SOURCES = ("brown", "kjv", "austen")  # named in the error messages of every source
 
 
+#: Errors of a cache that cannot be written: a read-only mount, or a directory of another user.
+READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
 class DataError(RuntimeError):
     """The corpus cannot be produced; the message says what to run or pass instead."""
+
+
+class ReadOnlyCacheError(DataError):
+    """The cache lacks something and cannot be written (read-only, or another user's)."""
 
 
 def default_data_dir(data_dir: str | Path | None = None) -> Path:
@@ -52,14 +61,37 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 @contextmanager
-def locked(directory: Path) -> Iterator[None]:
-    """Serialize fetches by processes sharing one cache (e.g. torchrun ranks); no-op without fcntl."""
+def locked(directory: Path, what: str = "what this run needs") -> Iterator[None]:
+    """Serialize fetches by processes sharing one cache (e.g. torchrun ranks); no-op without fcntl.
+
+    Creates the directory. Only taken when something must be written: a complete cache is read
+    without it, so a read-only cache that holds everything works.
+
+    Args:
+        directory: the cache directory to write in.
+        what: what is missing there, for the message when it cannot be written.
+
+    Raises:
+        ReadOnlyCacheError: the directory cannot be written (read-only, not ours); the message names
+            it, what is missing, and the fix.
+    """
     try:
         import fcntl
     except ImportError:  # pragma: no cover - non-POSIX
         yield
         return
-    with (directory / ".lock").open("w") as f:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        f = (directory / ".lock").open("w")
+    except OSError as e:
+        if e.errno not in READ_ONLY_ERRNOS:
+            raise
+        raise ReadOnlyCacheError(
+            f"the data cache {directory} cannot be written ({e.strerror}) and lacks {what}: make it writable, "
+            f"or pass --data-dir (or set EAGERLOCO_DATA_DIR) with a writable directory; copy the cache there "
+            "to keep what it holds"
+        ) from None
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

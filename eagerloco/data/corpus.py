@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,9 @@ from eagerloco.data.hf import hf_dir, hf_label, load_hf, parse_hf
 from eagerloco.data.kjv import fetch_kjv, load_kjv
 
 SINGLE_FILE_PIECES = 20  # a lone text file is cut into this many documents so some can be held out
+#: The share of a user's --data bytes that may be other than UTF-8 (trained on as U+FFFD, with a
+#: warning); beyond it the file is refused as binary or in another encoding.
+MAX_UNDECODABLE = 0.01
 
 
 @dataclass
@@ -176,14 +180,47 @@ def _split(name: str, names: list[str], docs: list[str], groups: list[str], eval
     )
 
 
-def _read_text(path: Path) -> str:
-    # errors="replace": one stray byte in a user's file should not stop a training run.
-    return path.read_text(encoding="utf-8", errors="replace")
+def _read_text(path: Path) -> tuple[str, int, int]:
+    """A user file as UTF-8: (text, bytes that are not UTF-8, total bytes).
+
+    errors="replace": a stray byte should not stop a run, but it is counted so that the caller
+    can warn about it, or refuse a file that is mostly not UTF-8 (binary, or Latin-1 and the like).
+    """
+    data = path.read_bytes()
+    text = data.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - data.count("\ufffd".encode())  # replacements, not U+FFFD in the file
+    return text, bad, len(data)
+
+
+def check_encoding(spec: str, bad: int, total: int, first: Path | None = None) -> None:
+    """Warn about bytes of --data that are not UTF-8; refuse when they are more than MAX_UNDECODABLE.
+
+    Args:
+        spec: the --data path, for the message.
+        bad: undecodable bytes (each trained on as U+FFFD), total: bytes read.
+        first: the first file with such bytes (a directory's), named in the message.
+
+    Raises:
+        DataError: more than MAX_UNDECODABLE of the bytes are not UTF-8.
+    """
+    if not bad:
+        return
+    share = bad / max(1, total)
+    where = f" (first in {first})" if first is not None and str(first) != spec else ""
+    what = f"{bad:,} of its {total:,} bytes ({share:.1%}) are not UTF-8{where}"
+    if share > MAX_UNDECODABLE:
+        raise DataError(
+            f"--data {spec!r}: {what}: binary, or text in another encoding (Latin-1, UTF-16, ...); "
+            f"convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE > FILE.txt) or pass a text file"
+        )
+    print(f"eagerloco: warning: --data {spec!r}: {what}; they are trained on as U+FFFD (replacement "
+          "characters): convert the text to UTF-8 to train on the real characters", file=sys.stderr, flush=True)
 
 
 def _load_user_text(path: Path) -> tuple[list[str], list[str], list[str]]:
     if path.is_file():
-        text = _read_text(path)
+        text, bad, total = _read_text(path)
+        check_encoding(str(path), bad, total)
         if not text.strip():
             raise DataError(f"--data {str(path)!r} is empty")
         pieces = _cut_text(text, SINGLE_FILE_PIECES)
@@ -198,8 +235,12 @@ def _load_user_text(path: Path) -> tuple[list[str], list[str], list[str]]:
     if not files:
         raise DataError(f"--data {str(path)!r}: directory has no .txt files")
     names, docs, groups = [], [], []
+    bad_all, total_all, first_bad = 0, 0, None
     for f in files:
-        text = _read_text(f)
+        text, bad, total = _read_text(f)
+        bad_all, total_all = bad_all + bad, total_all + total
+        if bad and first_bad is None:
+            first_bad = f
         if not text.strip():
             continue
         rel = f.relative_to(path)
@@ -208,6 +249,7 @@ def _load_user_text(path: Path) -> tuple[list[str], list[str], list[str]]:
         groups.append(rel.parts[0] if len(rel.parts) > 1 else rel.stem)
     if not docs:
         raise DataError(f"--data {str(path)!r}: all {len(files)} .txt files are empty")
+    check_encoding(str(path), bad_all, total_all, first_bad)
     return names, docs, groups
 
 

@@ -76,5 +76,4 @@ def load_hf(spec: str, root: Path) -> tuple[list[str], list[str], list[str]]:
             raise DataError(f"--data {spec!r}: the dataset gave {len(docs)} non-empty document(s), need >= 2")
         return docs, {"dataset": path, "config": config, "split": "train", "requested_docs": n}
 
-    directory.parent.mkdir(parents=True, exist_ok=True)
     return unzip_docs(stored(directory.name, directory.parent, build))

@@ -60,11 +60,10 @@ def _write_store(directory: Path, source: str, docs: list[Doc], extra: dict[str,
 def stored(source: str, root: Path, build: Callable[[Path], tuple[list[Doc], dict[str, Any]]]) -> list[Doc]:
     """The verified documents of ``source`` under root/source, built (once, under a lock) when missing."""
     directory = root / source
-    directory.mkdir(parents=True, exist_ok=True)
     docs = _read_store(directory, source)
     if docs is not None:
         return docs
-    with locked(directory):
+    with locked(directory, f"the documents of {source}"):
         docs = _read_store(directory, source)  # another process finished while we waited
         if docs is not None:
             return docs

@@ -170,7 +170,6 @@ def load_or_train_bpe(corpus: Corpus, vocab_size: int, data_dir: str | Path | No
     if not corpus.train_docs:
         raise DataError(f"{corpus.name}: no training documents to learn a BPE from")
     root = default_data_dir(data_dir if data_dir is not None else corpus.data_dir) / "tokenizers"
-    root.mkdir(parents=True, exist_ok=True)
     key = bpe_key(corpus.train_docs, vocab_size)
     name = f"bpe:{vocab_size}"
     path = root / f"bpe-{vocab_size}-{key[:24]}.json"
@@ -178,7 +177,7 @@ def load_or_train_bpe(corpus: Corpus, vocab_size: int, data_dir: str | Path | No
     cached = _cached_bpe(path, meta_path)
     if cached is not None:
         return cached
-    with locked(root):
+    with locked(root, f"the {name} tokenizer of {corpus.name} ({path.name})"):
         cached = _cached_bpe(path, meta_path)  # another process may have trained it meanwhile
         if cached is not None:
             return cached

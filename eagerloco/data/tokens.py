@@ -15,7 +15,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagerloco.data.cache import DataError, atomic_write, default_data_dir, file_sha256, locked
+from eagerloco.data.cache import (
+    DataError,
+    ReadOnlyCacheError,
+    atomic_write,
+    default_data_dir,
+    file_sha256,
+    locked,
+    note,
+)
 from eagerloco.data.corpus import Corpus
 from eagerloco.data.tokenizer import ByteTokenizer, Tokenizer
 
@@ -154,34 +162,42 @@ def encode_corpus(corpus: Corpus, tokenizer: Tokenizer) -> tuple[EncodedDocs, En
     cached = _read_token_cache(directory)
     if cached is not None:
         return cached
-    directory.mkdir(parents=True, exist_ok=True)
-    with locked(directory):
-        cached = _read_token_cache(directory)
-        if cached is not None:
-            return cached
-        t0 = time.perf_counter()
-        train = EncodedDocs.encode(corpus.train_docs, tokenizer)
-        ev = EncodedDocs.encode(corpus.eval_docs, tokenizer)
-        seconds = time.perf_counter() - t0
-        arrays = {
-            "train_tokens": train.tokens, "train_offsets": train.offsets,
-            "eval_tokens": ev.tokens, "eval_offsets": ev.offsets, "separator": train.separator,
-        }
-        files = {name: _save_npy(directory / f"{name}.npy", arrays[name]) for name in _TOKEN_FILES}
-        manifest = {
-            "version": TOKEN_CACHE_VERSION,
-            "corpus": corpus.name,
-            "corpus_fingerprint": corpus.fingerprint(),
-            "tokenizer": getattr(tokenizer, "name", type(tokenizer).__name__),
-            "tokenizer_fingerprint": tokenizer.fingerprint,
-            "vocab_size": tokenizer.vocab_size,
-            "train_tokens": train.num_tokens,
-            "eval_tokens": ev.num_tokens,
-            "encode_seconds": round(seconds, 3),
-            "files": files,
-        }
-        atomic_write(directory / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
+    try:
+        with locked(directory, "these token ids"):
+            cached = _read_token_cache(directory)
+            if cached is not None:
+                return cached
+            _write_token_cache(directory, corpus, tokenizer)
+    except ReadOnlyCacheError:  # token ids are only a cache: a read-only one costs an encoding in memory
+        note(f"the token cache {directory.parent} cannot be written: encoding {corpus.name} in memory")
+        return EncodedDocs.encode(corpus.train_docs, tokenizer), EncodedDocs.encode(corpus.eval_docs, tokenizer)
     cached = _read_token_cache(directory)
     if cached is None:  # pragma: no cover - only if the disk changes under us
         raise DataError(f"token cache {directory} could not be read back after writing it")
     return cached
+
+
+def _write_token_cache(directory: Path, corpus: Corpus, tokenizer: Tokenizer) -> None:
+    """Encode the corpus and write its token ids and manifest (the manifest last)."""
+    t0 = time.perf_counter()
+    train = EncodedDocs.encode(corpus.train_docs, tokenizer)
+    ev = EncodedDocs.encode(corpus.eval_docs, tokenizer)
+    seconds = time.perf_counter() - t0
+    arrays = {
+        "train_tokens": train.tokens, "train_offsets": train.offsets,
+        "eval_tokens": ev.tokens, "eval_offsets": ev.offsets, "separator": train.separator,
+    }
+    files = {name: _save_npy(directory / f"{name}.npy", arrays[name]) for name in _TOKEN_FILES}
+    manifest = {
+        "version": TOKEN_CACHE_VERSION,
+        "corpus": corpus.name,
+        "corpus_fingerprint": corpus.fingerprint(),
+        "tokenizer": getattr(tokenizer, "name", type(tokenizer).__name__),
+        "tokenizer_fingerprint": tokenizer.fingerprint,
+        "vocab_size": tokenizer.vocab_size,
+        "train_tokens": train.num_tokens,
+        "eval_tokens": ev.num_tokens,
+        "encode_seconds": round(seconds, 3),
+        "files": files,
+    }
+    atomic_write(directory / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())

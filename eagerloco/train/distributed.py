@@ -13,6 +13,7 @@ one to resume from. With ``--elastic`` see :mod:`eagerloco.train.elastic`.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
 from dataclasses import asdict
@@ -23,12 +24,19 @@ import torch
 import torch.distributed as dist
 
 from eagerloco import checkpoint as ckpt
-from eagerloco.comm.errors import PeerError
-from eagerloco.comm.groups import init_process_groups, set_worker_threads, shutdown, workers_from_env
+from eagerloco.comm.errors import describe_exception, is_transport_failure
+from eagerloco.comm.groups import (
+    heartbeat_store,
+    init_process_groups,
+    set_worker_threads,
+    shutdown,
+    workers_from_env,
+)
+from eagerloco.comm.heartbeat import Heartbeat, blame_ranks, wait_for_key
 from eagerloco.comm.worker import communicator_for
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.device import DeviceError, resolve_device
-from eagerloco.faults import fault_injection
+from eagerloco.faults import eval_delay, fault_injection
 from eagerloco.fragments import find_blocks
 from eagerloco.fsdp import shard_model
 from eagerloco.jsonfiles import write_json_atomic
@@ -103,6 +111,11 @@ def train_distributed(
     ctx = init_process_groups(cfg.workers, ranks_per_worker, backend, timeout_s, outer_backend=outer_backend or "gloo",
                               sharded_outer=fsdp)
     comm = None
+    # Every rank's heartbeat (rank/hb/<rank>): a collective of the main thread that fails (a
+    # checkpoint, the inner group) names the rank that died or froze, not only the worker.
+    gate = heartbeat_store(timeout_s)
+    beat = Heartbeat(dist.PrefixStore("rank", gate), ctx.rank) if gate is not None else None  # rank/hb/<rank>
+    doing = ["training"]
     try:
         out = Path(cfg.out)
         root = ckpt.checkpoint_root(out)
@@ -144,14 +157,46 @@ def train_distributed(
         t_run = time.perf_counter()
 
         def save(step: int) -> None:
-            entry = ckpt.write_worker_state(ckpt.staging_dir(root, step), ctx.rank, worker.state_dict())
+            doing[0] = f"the checkpoint of step {step}"
+            _save(step)
+            doing[0] = "training"
+
+        def _save(step: int) -> None:
+            # A rank that cannot write (a full disk) tells the others, so that every rank stops with
+            # the same message instead of the others failing in the next collective.
+            try:
+                entry: Any = ckpt.write_worker_state(ckpt.staging_dir(root, step), ctx.rank, worker.state_dict())
+            except ckpt.CheckpointError as e:
+                entry = {"error": str(e)}
             entries: list[Any] = [None] * ctx.world_size
             dist.all_gather_object(entries, entry)
-            if ctx.rank == 0:
+            problem = next((e["error"] for e in entries if "error" in e), None)
+            if ctx.rank == 0 and problem is None:
                 meta = checkpoint_meta(cfg, real_elapsed + time.perf_counter() - t_run, runtime="distributed",
                                        ranks_per_worker=ranks_per_worker, fsdp=fsdp)
-                ckpt.publish(root, step, entries, meta, keep=cfg.keep_checkpoints)
-            dist.barrier()
+                try:
+                    ckpt.publish(root, step, entries, meta, keep=cfg.keep_checkpoints)
+                except ckpt.CheckpointError as e:
+                    problem = str(e)
+            elif ctx.rank == 0:
+                shutil.rmtree(ckpt.staging_dir(root, step), ignore_errors=True)
+            verdict: list[Any] = [problem]
+            dist.broadcast_object_list(verdict, src=0)
+            if verdict[0] is not None:
+                raise ckpt.CheckpointError(verdict[0])
+
+        def after_eval(step: int) -> None:
+            # Rank 0 evaluates alone, for as long as it takes: the others wait here, outside any
+            # collective timeout, for as long as its heartbeat says it is alive.
+            if ctx.rank == 0:
+                eval_delay()
+            if gate is None:
+                return
+            key = f"evaluated/{step}"
+            if ctx.rank == 0:
+                gate.set(key, "1")
+            else:
+                wait_for_key(gate, key, 0, "worker 0 (global rank 0, which evaluates)", timeout_s)
 
         output = RunOutput(cfg, start_step, lambda: ctx.rank == 0)
         devices = min(ctx.world_size, torch.cuda.device_count()) if device.type == "cuda" else 1
@@ -160,9 +205,10 @@ def train_distributed(
                                    start_step, save, real_elapsed, evaluate_on=evaluates,
                                    on_step=fault_injection(ctx.worker),
                                    final_evals=task_evals(cfg, tok) if evaluates else None,
-                                   devices=devices)
+                                   devices=devices, after_eval=after_eval)
         finally:
             output.close()
+        doing[0] = "gathering the results"
         comm.barrier()
         # Link accounting comes from the ranks that use the link: each worker's first, or (sharded) all.
         mine = {"outer": ctx.is_outer_rank, "worker": ctx.worker, "stats": comm.stats.as_dict(),
@@ -179,12 +225,17 @@ def train_distributed(
                        num_params=sum(p.numel() for p in model.parameters()), config=asdict(cfg))
         write_json_atomic(out / "summary.json", summary)
         return summary
-    except PeerError:
+    except BaseException as e:  # a dead peer, a signal (RunStopped, Ctrl-C): drop what is queued, do not wait
         if comm is not None:
             comm.close(cancel=True)
         comm = None
+        if gate is not None and is_transport_failure(e):  # a raw backend error: name the rank responsible
+            raise blame_ranks(gate, ctx.rank, ctx.world_size, ranks_per_worker,
+                              f"{doing[0]} ({describe_exception(e)})") from e
         raise
     finally:
+        if beat is not None:
+            beat.stop("closed")
         if comm is not None:
             comm.close()
         shutdown()

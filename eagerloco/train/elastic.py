@@ -22,8 +22,9 @@ from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.elastic import Membership, outer_digest
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import env_int, heartbeat_store, init_process_groups, shutdown, store_client
+from eagerloco.comm.heartbeat import wait_for_key
 from eagerloco.config import ConfigError, TrainConfig
-from eagerloco.faults import fault_injection, rejoining
+from eagerloco.faults import eval_delay, fault_injection, rejoining
 from eagerloco.jsonfiles import write_json_atomic
 from eagerloco.netshape import check_exchange_fits, emulated_link, link_shaping
 from eagerloco.train.loop import Worker, prepare, run_training, task_evals
@@ -170,6 +171,24 @@ def _run(cfg: TrainConfig, timeout_s: float, me: int, joining: bool) -> dict[str
             if injected is not None:
                 injected(step)
 
+        gate = heartbeat_store(timeout_s)
+
+        def after_eval(step: int) -> None:
+            # The leader evaluates alone, for as long as it takes: the others wait here, outside any
+            # collective timeout, while its heartbeat is fresh. A leader that dies meanwhile is left
+            # to the membership change that follows (the next exchange fails without it).
+            if membership.is_leader():
+                eval_delay()
+                if gate is not None:
+                    gate.set(f"evaluated/{step}", "1")
+            elif gate is not None:
+                leader = membership.leader
+                try:
+                    wait_for_key(gate, f"evaluated/{step}", leader, f"worker {leader} (the leader, evaluating)",
+                                 timeout_s)
+                except PeerError:
+                    pass
+
         output = RunOutput(cfg, start_step, membership.is_leader)
 
         def log(rec: dict[str, Any]) -> None:
@@ -178,7 +197,7 @@ def _run(cfg: TrainConfig, timeout_s: float, me: int, joining: bool) -> dict[str
         try:
             summary = run_training(cfg, [worker], evb, cfg.workers, log, cfg.progress and membership.is_leader(),
                                    start_step, save, real_elapsed, evaluate_on=membership.is_leader,
-                                   on_step=on_step, final_evals=task_evals(cfg, tok))
+                                   on_step=on_step, final_evals=task_evals(cfg, tok), after_eval=after_eval)
         finally:
             output.close()
         membership.finish()
@@ -206,7 +225,7 @@ def _run(cfg: TrainConfig, timeout_s: float, me: int, joining: bool) -> dict[str
         )
         write_json_atomic(out / "summary.json", summary)
         return summary
-    except PeerError:
+    except BaseException:  # a dead peer, a signal (RunStopped, Ctrl-C): drop what is queued, do not wait
         comm.close(cancel=True)
         raise
     finally:

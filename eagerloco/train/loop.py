@@ -234,6 +234,7 @@ def run_training(
     on_step: Callable[[int], None] | None = None,
     final_evals: Callable[[nn.Module], dict[str, float]] | None = None,
     devices: int = 1,
+    after_eval: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Drive the local workers from start_step to cfg.steps inner steps; returns the summary.
 
@@ -243,6 +244,9 @@ def run_training(
     before evaluation, logging and checkpointing (elastic membership changes, fault injection).
     devices: the accelerators all workers of the run use together (MFU is measured against their
     peak): 1 in-process, where the workers take turns on one device.
+    after_eval(step): called on every process at each evaluation point (cfg.eval_every, and the final
+    evaluation with step = cfg.steps), once the evaluating process is done: there the others wait
+    for it outside any collective timeout.
     """
     evaluating = evaluate_on if callable(evaluate_on) else (lambda: bool(evaluate_on))
     syncs = [w.sync for w in workers]
@@ -273,6 +277,8 @@ def run_training(
         if do_eval:
             with syncs[0].outer_weights() as m:
                 eval_loss = evaluate(m, eval_batches, workers[0].precision)
+        if after_eval is not None and cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            after_eval(step)
         if step % cfg.log_every == 0 or step == cfg.steps or do_eval:
             st = workers[0].comm.stats
             clock = workers[0].comm.clock() if workers[0].comm.simulated_clock else time.perf_counter() - real_t0
@@ -328,6 +334,8 @@ def run_training(
             final_eval = evaluate(m, eval_batches, workers[0].precision)
             if final_evals is not None:
                 extra = final_evals(m)
+    if after_eval is not None:
+        after_eval(cfg.steps)
     walls = [w.comm.clock() if w.comm.simulated_clock else real_wall for w in workers]
     acc = accounting([(w.comm.stats.as_dict(), wall) for w, wall in zip(workers, walls, strict=True)])
     per_worker = acc.pop("per_worker")

@@ -46,10 +46,15 @@ class RunOutput:
 
     The reporter is asked at every line (``is_writer``), as the reporting worker of an elastic run
     can change. The first writer rewrites the file, keeping the lines up to a resumed ``start_step``;
-    a later one (a new elastic leader) takes over, keeping the lines before its first. Lines that do
-    not parse (a writer that died mid-line) are dropped. The file is opened at the first line, so a
-    run that dies before logging leaves an earlier file as it was.
+    a later one (a new elastic leader) takes over, keeping the lines before its first and adding,
+    from the records it kept while it did not report, those of the steps the file lacks (the old
+    reporter died between a step and its line). Lines that do not parse (a writer that died
+    mid-line) are dropped. The file is opened at the first line, so a run that dies before logging
+    leaves an earlier file as it was.
     """
+
+    #: Records a process that does not report keeps for a takeover (the newest ones).
+    KEEP_PENDING = 10_000
 
     def __init__(self, cfg: TrainConfig, start_step: int, is_writer: Callable[[], bool]) -> None:
         self.cfg = cfg
@@ -59,11 +64,14 @@ class RunOutput:
         self.f: IO[str] | None = None
         self.tb: Any = None
         self.first = is_writer()  # reports from the start: it (re)writes the file
+        self.pending: list[dict[str, Any]] = []  # lines kept while another process reports
 
     def log(self, rec: dict[str, Any]) -> None:
         """Append one metrics record (a dict with "step") if this process reports, else close the file."""
         if not self.is_writer():
             self.close()
+            self.pending.append(finite_json(rec))
+            del self.pending[:-self.KEEP_PENDING]
             return
         if self.f is None:
             self.f = self._open(int(rec["step"]))
@@ -80,21 +88,27 @@ class RunOutput:
         keep_upto = self.start_step if self.first else step - 1
         fresh = self.first and not self.start_step
         self.first = False
-        lines: list[str] = []
+        kept: dict[int, str] = {}
         torn = 0
         if not fresh and self.path.exists():
             for ln in self.path.read_text(errors="replace").split("\n"):
                 try:
-                    if ln and json.loads(ln)["step"] <= keep_upto:
-                        lines.append(ln)
+                    at = json.loads(ln)["step"] if ln else None
+                    if at is not None and at <= keep_upto:
+                        kept[int(at)] = ln
                 except (ValueError, KeyError, TypeError):
                     torn += 1
         if torn:
             print(f"eagerloco: dropped {torn} unreadable line(s) of {self.path} (a run that stopped mid-line)",
                   file=sys.stderr, flush=True)
+        for rec in self.pending:  # steps whose line the previous reporter never wrote
+            at = int(rec["step"])
+            if self.start_step < at <= keep_upto and at not in kept:
+                kept[at] = json.dumps(rec)
+        self.pending = []
         f = open(self.path, "w")  # noqa: SIM115 - closed in close()
-        for ln in lines:
-            f.write(ln + "\n")
+        for at in sorted(kept):
+            f.write(kept[at] + "\n")
         f.flush()
         return f
 

@@ -93,6 +93,21 @@ def clear_earlier_run(path: Path) -> None:
             target.unlink()
 
 
+def remove_leftovers(path: Path) -> None:
+    """Remove what a run that stopped mid-write left in ``path`` (unfinished checkpoints, a summary.json.tmp),
+    with a line saying so. Call while no process of the run writes."""
+    from eagerloco.checkpoint import checkpoint_root, remove_staging
+
+    gone = [str(p.name) for p in remove_staging(checkpoint_root(path))]
+    tmp = path / "summary.json.tmp"
+    if tmp.exists():
+        tmp.unlink()
+        gone.append(tmp.name)
+    if gone:
+        print(f"eagerloco: removed what an earlier run left unfinished in {path}: {', '.join(gone)}",
+              file=sys.stderr, flush=True)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -138,8 +153,12 @@ class RunLock:
                       "runs", file=sys.stderr, flush=True)
                 self.path.unlink(missing_ok=True)
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(me, f)
+            except OSError:  # a full disk: leave no empty lock behind
+                self.path.unlink(missing_ok=True)
+                raise
             self.held = True
             return self
         raise ConfigError(f"--out {self.path.parent}: could not take the run lock {self.path}; "
@@ -181,6 +200,7 @@ def claim(cfg: TrainConfig) -> RunLock:
         check_fresh_start(cfg, path)
         if cfg.overwrite and not cfg.resume:
             clear_earlier_run(path)
+        remove_leftovers(path)
     except BaseException:
         lock.release()
         raise
@@ -205,4 +225,4 @@ def guard_run_dir(cfg: TrainConfig, reporting: bool) -> RunLock | None:
 
 
 __all__ = ["LOCK_NAME", "guard_run_dir", "RunLock", "check_fresh_start", "check_out_dir", "claim", "clear_earlier_run",
-           "earlier_run"]
+           "earlier_run", "remove_leftovers"]
