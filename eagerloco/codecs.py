@@ -1,43 +1,6 @@
 """Low-precision codecs for exchanging outer gradients, with real packed payloads.
 
-Every codec turns a 1-D FP32 vector into one contiguous ``uint8`` tensor (codes and scales) whose
-length is exactly :meth:`Codec.packed_nbytes`, so the bytes a transport moves are the bytes the
-format costs. Sums always happen in FP32 after decoding; only :class:`Fp32Codec` is summable as is.
-
-Layout of a block-scaled payload (fp8, e2m1, e3m0, int8, int4)::
-
-    [ scales: 2 bytes per block ][ codes: ceil(numel * bits / 8) bytes ]
-
-Scales come first so that they are 2-byte aligned. Multi-byte fields use the machine's native byte
-order (little-endian on every platform PyTorch supports here).
-
-Scale encoding (one choice for every block format): the block absmax divided by the format's largest
-magnitude, rounded *up* to bfloat16 and stored as 2 bytes. Why:
-
-* an absmax scale uses the whole grid; a power-of-two E8M0 scale (as in the OCP MX formats) wastes up
-  to half a binade. Measured for e2m1 with blocks of 32, relative RMS error is 0.101 (bf16 absmax)
-  against 0.115 (E8M0) on normal data and 0.095 against 0.135 on Student-t(3) data;
-* bfloat16 has FP32's exponent range, so tiny outer gradients (1e-10 and below) keep a nonzero scale,
-  where FP16 would underflow;
-* rounding up means the block absmax never maps beyond the grid (no saturation of the largest
-  element); the scale is at most 2^-7 above absmax / max, indistinguishable from an FP32 scale
-  (0.1013 against 0.1012 above) at half the bytes. Block absmaxes below about 1e-36 fall into
-  bfloat16's subnormal range and lose scale precision (never to zero).
-
-Inputs must be finite: infinities saturate to the block's top value, NaN is not supported.
-
-Encoding and decoding run on the device the tensors are on (the parameters' device: a GPU encodes
-its own outer gradient), with the same layout; only stochastic rounding's noise differs between
-devices (each device has its own random generator).
-
-An all-zero block stores scale 0 and decodes to exact zeros. Codes for the 4-bit formats are packed
-two per byte, the first value in the low nibble; the stream is not padded per block, only the last
-byte may hold a single code.
-
-Rounding is round-to-nearest, ties to the even significand (for e3m0, which has no mantissa bits,
-a tie between two powers of two goes to the larger one, a tie between 0 and 2^-6 to 0) or, with
-``stochastic=True``, unbiased stochastic rounding to one of the two neighbouring grid points, driven
-by the given ``torch.Generator``.
+See :class:`Codec` for how it works.
 """
 
 from __future__ import annotations
@@ -90,6 +53,45 @@ def _stochastic_floor(t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 class Codec(ABC):
     """A number format for the exchange: pack FP32 values into bytes and back.
+
+    Every codec turns a 1-D FP32 vector into one contiguous ``uint8`` tensor (codes and scales) whose
+    length is exactly :meth:`Codec.packed_nbytes`, so the bytes a transport moves are the bytes the
+    format costs. Sums always happen in FP32 after decoding; only :class:`Fp32Codec` is summable as is.
+
+    Layout of a block-scaled payload (fp8, e2m1, e3m0, int8, int4)::
+
+        [ scales: 2 bytes per block ][ codes: ceil(numel * bits / 8) bytes ]
+
+    Scales come first so that they are 2-byte aligned. Multi-byte fields use the machine's native byte
+    order (little-endian on every platform PyTorch supports here).
+
+    Scale encoding (one choice for every block format): the block absmax divided by the format's largest
+    magnitude, rounded *up* to bfloat16 and stored as 2 bytes. Why:
+
+    * an absmax scale uses the whole grid; a power-of-two E8M0 scale (as in the OCP MX formats) wastes up
+      to half a binade. Measured for e2m1 with blocks of 32, relative RMS error is 0.101 (bf16 absmax)
+      against 0.115 (E8M0) on normal data and 0.095 against 0.135 on Student-t(3) data;
+    * bfloat16 has FP32's exponent range, so tiny outer gradients (1e-10 and below) keep a nonzero scale,
+      where FP16 would underflow;
+    * rounding up means the block absmax never maps beyond the grid (no saturation of the largest
+      element); the scale is at most 2^-7 above absmax / max, indistinguishable from an FP32 scale
+      (0.1013 against 0.1012 above) at half the bytes. Block absmaxes below about 1e-36 fall into
+      bfloat16's subnormal range and lose scale precision (never to zero).
+
+    Inputs must be finite: infinities saturate to the block's top value, NaN is not supported.
+
+    Encoding and decoding run on the device the tensors are on (the parameters' device: a GPU encodes
+    its own outer gradient), with the same layout; only stochastic rounding's noise differs between
+    devices (each device has its own random generator).
+
+    An all-zero block stores scale 0 and decodes to exact zeros. Codes for the 4-bit formats are packed
+    two per byte, the first value in the low nibble; the stream is not padded per block, only the last
+    byte may hold a single code.
+
+    Rounding is round-to-nearest, ties to the even significand (for e3m0, which has no mantissa bits,
+    a tie between two powers of two goes to the larger one, a tie between 0 and 2^-6 to 0) or, with
+    ``stochastic=True``, unbiased stochastic rounding to one of the two neighbouring grid points, driven
+    by the given ``torch.Generator``.
 
     Attributes:
         name: one of :data:`CODEC_NAMES`.

@@ -1,22 +1,6 @@
 """Start a multi-process run on this machine: M workers x R ranks of ``python -m eagerloco train``.
 
-Each process gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT) plus EAGERLOCO_WORKERS and EAGERLOCO_RANKS_PER_WORKER, so the trainer
-code is the same under ``torchrun --standalone`` and here.
-
-Why not torch.distributed.run: its elastic agent restarts or tears down every rank at the first
-failure, while here the others get a grace period to notice the dead peer and exit with a message
-that names it (see :class:`eagerloco.comm.errors.PeerError`); it also cannot run an arbitrary
-command (tests) and prefixes output only through extra flags. What we keep from torchrun is its
-store arrangement: the launcher hosts the rendezvous TCPStore and sets TORCHELASTIC_USE_AGENT_STORE,
-so every rank connects as a client and the store (with the heartbeats) outlives any rank, rank 0
-included, and the port is taken by the store itself (no race on a "free" port).
-
-Elastic runs (``--elastic``, see :mod:`eagerloco.comm.elastic`): a rank that fails does not stop
-the others; the launcher records its exit in the store (``eagerloco/outer/exited/<rank>``, so the
-survivors need not wait for its heartbeat to go stale) and, with ``--max-restarts N``, starts it
-again (at most N times per rank) as a returning worker (EAGERLOCO_REJOIN=1) that the others admit
-at a round boundary. The run succeeds when it finished on the workers present at its end.
+See :func:`launch` for how it works.
 """
 
 from __future__ import annotations
@@ -59,6 +43,24 @@ def launch(
     kernel_link_gbps: float | None = None,
 ) -> int:
     """Run workers * ranks_per_worker local processes; return 0 if all succeed, else the first failure's code.
+
+    Each process gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) plus EAGERLOCO_WORKERS and EAGERLOCO_RANKS_PER_WORKER, so the trainer
+    code is the same under ``torchrun --standalone`` and here.
+
+    Why not torch.distributed.run: its elastic agent restarts or tears down every rank at the first
+    failure, while here the others get a grace period to notice the dead peer and exit with a message
+    that names it (see :class:`eagerloco.comm.errors.PeerError`); it also cannot run an arbitrary
+    command (tests) and prefixes output only through extra flags. What we keep from torchrun is its
+    store arrangement: the launcher hosts the rendezvous TCPStore and sets TORCHELASTIC_USE_AGENT_STORE,
+    so every rank connects as a client and the store (with the heartbeats) outlives any rank, rank 0
+    included, and the port is taken by the store itself (no race on a "free" port).
+
+    Elastic runs (``--elastic``, see :mod:`eagerloco.comm.elastic`): a rank that fails does not stop
+    the others; the launcher records its exit in the store (``eagerloco/outer/exited/<rank>``, so the
+    survivors need not wait for its heartbeat to go stale) and, with ``--max-restarts N``, starts it
+    again (at most N times per rank) as a returning worker (EAGERLOCO_REJOIN=1) that the others admit
+    at a round boundary. The run succeeds when it finished on the workers present at its end.
 
     timeout_s: grace period after a process fails before the others are terminated (elastic:
     after the first rank finishes the run, for the others to finish too).

@@ -1,26 +1,6 @@
 """The outer algorithm: one object, one code path, for the whole DiLoCo family.
 
-Settings select the method (see :class:`eagerloco.config.OuterConfig`):
-
-- dp: the gradients are averaged before every inner step.
-- diloco / streaming: fragment p's outer gradient (outer copy minus local parameters) is
-  averaged at its sync step; tau = overlap_steps inner steps later the outer optimizer steps on
-  the mean and the local fragment is merged: local <- alpha * local + (1 - alpha) * outer.
-  DiLoCo is the case P = 1, tau = 0.
-- delayed / eager: the exchange launched at a fragment's sync is applied k rounds later. At every
-  sync the outer optimizer steps on
-      delayed:               D(t-k)                           (nothing in the first k rounds)
-      eager, nonlocal:       Delta_m(t)/M + [D(t-k) - Delta_m(t-k)/M]
-      eager, stale_average:  Delta_m(t)/M + (M-1)/M * D(t-k)
-  and the local fragment restarts from the new outer copy (merged with alpha).
-
-Each worker keeps its own outer copies and outer-optimizer state (eager makes them differ).
-The object never knows what its peers are: it talks to a :class:`~eagerloco.comm.base.Communicator`.
-
-Per inner step a worker calls :meth:`OuterSync.before_inner_step` (after backward, before the
-inner optimizer step) and :meth:`OuterSync.after_inner_step`. Each is two halves, launch and
-finish, so M workers in one process can be driven in lockstep by :func:`before_inner_step_all`
-and :func:`after_inner_step_all`.
+See :class:`OuterSync` for how it works.
 """
 
 from __future__ import annotations
@@ -79,6 +59,28 @@ class _InFlight:
 
 class OuterSync:
     """Wraps a model and its inner optimizer with the configured outer algorithm.
+
+    Settings select the method (see :class:`eagerloco.config.OuterConfig`):
+
+    - dp: the gradients are averaged before every inner step.
+    - diloco / streaming: fragment p's outer gradient (outer copy minus local parameters) is
+      averaged at its sync step; tau = overlap_steps inner steps later the outer optimizer steps on
+      the mean and the local fragment is merged: local <- alpha * local + (1 - alpha) * outer.
+      DiLoCo is the case P = 1, tau = 0.
+    - delayed / eager: the exchange launched at a fragment's sync is applied k rounds later. At every
+      sync the outer optimizer steps on
+          delayed:               D(t-k)                           (nothing in the first k rounds)
+          eager, nonlocal:       Delta_m(t)/M + [D(t-k) - Delta_m(t-k)/M]
+          eager, stale_average:  Delta_m(t)/M + (M-1)/M * D(t-k)
+      and the local fragment restarts from the new outer copy (merged with alpha).
+
+    Each worker keeps its own outer copies and outer-optimizer state (eager makes them differ).
+    The object never knows what its peers are: it talks to a :class:`~eagerloco.comm.base.Communicator`.
+
+    Per inner step a worker calls :meth:`OuterSync.before_inner_step` (after backward, before the
+    inner optimizer step) and :meth:`OuterSync.after_inner_step`. Each is two halves, launch and
+    finish, so M workers in one process can be driven in lockstep by :func:`before_inner_step_all`
+    and :func:`after_inner_step_all`.
 
     Sharded parameters (FSDP's DTensors) are fine: everything the outer algorithm does is
     elementwise, so it works on this rank's shards (``local_shard``) and exchanges those.

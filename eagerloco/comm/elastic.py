@@ -1,54 +1,6 @@
 """Elastic membership: workers die and come back, the others go on.
 
-torch.distributed cannot shrink or grow a process group, so membership moves in *epochs*: every
-change destroys the process groups and builds new ones among the new members, on the same
-launcher-hosted TCPStore under a fresh prefix (``eagerloco/elastic/ep<E>/pg/``). Worker ids stay
-stable (they name data shards, seeds and checkpoint files); a worker's rank in an epoch's group is
-its position among the sorted member ids. One worker per process (``--ranks-per-worker 1``).
-
-A worker dies (epoch E -> E+1). Its peers' collectives fail; each survivor's communicator parks
-(:class:`~eagerloco.comm.distributed.TorchDistCommunicator` in elastic mode, see
-:mod:`eagerloco.comm.regroup`) and the survivor, at its next wait or step boundary, runs
-:meth:`Membership.recover`:
-
-1. it flags ``ep<E+1>/recovering`` (peers that have not hit a failed collective yet see it at
-   their next step) and announces ``ep<E+1>/alive/<id>``;
-2. once every member of epoch E has announced or is known gone (the launcher wrote
-   ``exited/<id>``, or its heartbeat is stale or says closed), or after the timeout, the first
-   survivor to decide writes the member list with compare-and-set; everyone adopts that one value
-   (a survivor left out stops with PeerError, and may come back as a joiner);
-3. the survivors build epoch E+1's groups.
-
-The exchanges that were in flight: an exchange that completed on *any* survivor counts with its
-full result (every worker, the dead one included, contributed to it): survivors that did not see
-it complete receive it from one that did (at most one exchange can be in that state, since
-completing exchange n needs every member to have completed n-1). Every later exchange is run
-again among the survivors from each survivor's own saved payload, so the mean is over the workers
-present. No partial result is ever applied. Eager's bookkeeping stays exact because each exchange
-in flight remembers the M its worker's own share was applied with (``_InFlight.workers`` in
-:mod:`eagerloco.outer`): the correction subtracts own/M_round and adds the mean over whoever
-contributed, so every outer gradient present is applied exactly once.
-
-A worker (re)joins (epoch E -> E+1). A restarted process (``eagerloco launch --elastic
---max-restarts N`` restarts it, or the user starts it with ``--rejoin``) writes ``join/req/<id>``
-and waits. The leader (lowest member id) sees the request at a round boundary (a step where
-fragment 0 syncs: step % H == 0; every step for dp) and schedules the change at a later boundary
-b, far enough ahead (the exchange delay plus two rounds) that no member has passed b, in
-``ep<E>/change``. Every member reads it at its boundaries; at step b they resolve the exchanges
-still in flight in the old group (so nothing crosses the change half-done), the leader writes
-``join/admit/<id>``, all build the new groups, and the leader sends the joiner its complete
-current state: outer parameters and outer-optimizer state of every fragment, the exchanges in
-flight with their results, the local model, inner optimizer and schedule, step counter and
-exchange numbering. The joiner continues from step b+1 as an exact copy of the leader except for
-its own data position (its last checkpoint's, else fresh). The outer state is the leader's at the
-very step the joiner starts from: never a stale copy.
-
-An elastic run ends with the members agreeing on one model: the leader's outer parameters are
-broadcast (for eager, whose workers' outer copies differ slightly, this picks the copy the final
-evaluation used; for the other methods they are already equal).
-
-Limits: a second failure during the few collectives of a change (or a joiner dying between its
-admission and its first step) stops the run with PeerError; resume from the last checkpoint.
+See :class:`Membership` for how it works.
 """
 
 from __future__ import annotations
@@ -93,6 +45,56 @@ def outer_digest(params: list[torch.Tensor]) -> str:
 
 class Membership:
     """This worker's view of who is in the run, and the protocol that changes it.
+
+    torch.distributed cannot shrink or grow a process group, so membership moves in *epochs*: every
+    change destroys the process groups and builds new ones among the new members, on the same
+    launcher-hosted TCPStore under a fresh prefix (``eagerloco/elastic/ep<E>/pg/``). Worker ids stay
+    stable (they name data shards, seeds and checkpoint files); a worker's rank in an epoch's group is
+    its position among the sorted member ids. One worker per process (``--ranks-per-worker 1``).
+
+    A worker dies (epoch E -> E+1). Its peers' collectives fail; each survivor's communicator parks
+    (:class:`~eagerloco.comm.distributed.TorchDistCommunicator` in elastic mode, see
+    :mod:`eagerloco.comm.regroup`) and the survivor, at its next wait or step boundary, runs
+    :meth:`Membership.recover`:
+
+    1. it flags ``ep<E+1>/recovering`` (peers that have not hit a failed collective yet see it at
+       their next step) and announces ``ep<E+1>/alive/<id>``;
+    2. once every member of epoch E has announced or is known gone (the launcher wrote
+       ``exited/<id>``, or its heartbeat is stale or says closed), or after the timeout, the first
+       survivor to decide writes the member list with compare-and-set; everyone adopts that one value
+       (a survivor left out stops with PeerError, and may come back as a joiner);
+    3. the survivors build epoch E+1's groups.
+
+    The exchanges that were in flight: an exchange that completed on *any* survivor counts with its
+    full result (every worker, the dead one included, contributed to it): survivors that did not see
+    it complete receive it from one that did (at most one exchange can be in that state, since
+    completing exchange n needs every member to have completed n-1). Every later exchange is run
+    again among the survivors from each survivor's own saved payload, so the mean is over the workers
+    present. No partial result is ever applied. Eager's bookkeeping stays exact because each exchange
+    in flight remembers the M its worker's own share was applied with (``_InFlight.workers`` in
+    :mod:`eagerloco.outer`): the correction subtracts own/M_round and adds the mean over whoever
+    contributed, so every outer gradient present is applied exactly once.
+
+    A worker (re)joins (epoch E -> E+1). A restarted process (``eagerloco launch --elastic
+    --max-restarts N`` restarts it, or the user starts it with ``--rejoin``) writes ``join/req/<id>``
+    and waits. The leader (lowest member id) sees the request at a round boundary (a step where
+    fragment 0 syncs: step % H == 0; every step for dp) and schedules the change at a later boundary
+    b, far enough ahead (the exchange delay plus two rounds) that no member has passed b, in
+    ``ep<E>/change``. Every member reads it at its boundaries; at step b they resolve the exchanges
+    still in flight in the old group (so nothing crosses the change half-done), the leader writes
+    ``join/admit/<id>``, all build the new groups, and the leader sends the joiner its complete
+    current state: outer parameters and outer-optimizer state of every fragment, the exchanges in
+    flight with their results, the local model, inner optimizer and schedule, step counter and
+    exchange numbering. The joiner continues from step b+1 as an exact copy of the leader except for
+    its own data position (its last checkpoint's, else fresh). The outer state is the leader's at the
+    very step the joiner starts from: never a stale copy.
+
+    An elastic run ends with the members agreeing on one model: the leader's outer parameters are
+    broadcast (for eager, whose workers' outer copies differ slightly, this picks the copy the final
+    evaluation used; for the other methods they are already equal).
+
+    Limits: a second failure during the few collectives of a change (or a joiner dying between its
+    admission and its first step) stops the run with PeerError; resume from the last checkpoint.
 
     client: a TCPStore client of the launcher-hosted store. members/epoch: the current group
     (epoch 0: the group torch.distributed was initialized with). inner_steps/delay/steps: where
