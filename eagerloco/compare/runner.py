@@ -39,10 +39,13 @@ class PlannedRun:
     run_dir: Path
     inner_steps: int
     in_sweep: bool = False
+    seed: int | None = None  # set in a seeded comparison (--seeds, --tune)
+    setting: dict[str, Any] | None = None  # the swept values of a tuning run, or those chosen
+    tag: str | None = None  # a unique name when run_dir's own is not (runs/<name>/seed<s>)
 
     @property
     def key(self) -> str:
-        return self.run_dir.name
+        return self.tag or self.run_dir.name
 
 
 def entry_config(base: Any, entry: GridEntry, run_dir: Path, lowered_lr: float, inner_steps: int | None = None) -> Any:
@@ -52,7 +55,7 @@ def entry_config(base: Any, entry: GridEntry, run_dir: Path, lowered_lr: float, 
         outer["outer_lr"] = lowered_lr
     if inner_steps is not None:
         outer["inner_steps"] = inner_steps
-    return replace(base, outer=replace(base.outer, **outer), out=str(run_dir))
+    return replace(base, **entry.train, outer=replace(base.outer, **outer), out=str(run_dir))
 
 
 def plan_runs(
@@ -134,6 +137,8 @@ def run_plans(plans: list[PlannedRun], force: bool = False) -> list[dict[str, An
     results = []
     for i, plan in enumerate(plans, 1):
         head = f"[{i}/{len(plans)}] {plan.entry.label}" + (f" @ H={plan.inner_steps}" if plan.in_sweep else "")
+        if plan.seed is not None:
+            head += f", seed {plan.seed}" + (f", {_setting_brief(plan.setting)}" if plan.setting else "")
         summary = None if force else cached_summary(plan)
         cached = summary is not None
         t0 = time.perf_counter()
@@ -156,6 +161,10 @@ def run_plans(plans: list[PlannedRun], force: bool = False) -> list[dict[str, An
     return results
 
 
+def _setting_brief(setting: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in setting.items())
+
+
 def _result(plan: PlannedRun, summary: dict[str, Any], cached: bool) -> dict[str, Any]:
     steps = summary.get("steps") or plan.cfg.steps
     compute = summary.get("compute_s")
@@ -172,6 +181,7 @@ def _result(plan: PlannedRun, summary: dict[str, Any], cached: bool) -> dict[str
         "outer": asdict(plan.cfg.outer),
         **kept,
         "inner_steps": plan.inner_steps,
+        **({"seed": plan.seed, "setting": plan.setting or {}} if plan.seed is not None else {}),
     }
 
 
