@@ -296,6 +296,15 @@ def test_divergence_is_warned_and_marked(text_dir: Path, tmp_path: Path, monkeyp
     summary = json.loads((out / "summary.json").read_text())
     assert all(r["diverged"] for r in summary["runs"]) and all(r["diverged_seeds"] == [0] for r in summary["rows"])
     assert "no overlap †" in (out / "report.md").read_text()
+    # Without --seeds too: warned, in summary.json and in a note under the unchanged table.
+    plain = tmp_path / "plain"
+    assert _compare(*_fast(text_dir, plain), "--steps", "2", "--grid", "no-overlap,dp") == 0
+    assert capsys.readouterr().err.count("diverged") == 2
+    assert all(r["diverged"] for r in json.loads((plain / "summary.json").read_text())["runs"])
+    assert "- **Diverged**: no overlap; data-parallel." in (plain / "report.md").read_text()
+    monkeypatch.setattr(seeded, "data_entropy", lambda cfg: 50.0)  # above every loss: nothing diverged
+    assert _compare(*_fast(text_dir, plain), "--steps", "2", "--grid", "no-overlap,dp") == 0
+    assert "diverged" not in capsys.readouterr().err and "Diverged" not in (plain / "report.md").read_text()
 
 
 @pytest.mark.parametrize(

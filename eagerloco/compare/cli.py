@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 from eagerloco.compare.grid import DEFAULT_SWEEP_H, ENTRIES, SWEEP_GRID, grid_help, resolve_grid
 from eagerloco.compare.runner import build_base_config, plan_runs, run_plans
-from eagerloco.compare.seeded import TUNE_SEED_OFFSET, run_seeded
+from eagerloco.compare.seeded import TUNE_SEED_OFFSET, mark_divergence, run_seeded
 from eagerloco.compare.tune import parse_tune
 from eagerloco.config import ConfigError
 from eagerloco.flags import add_train_flags
@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
           f"seed {base.seed}, link {link}) -> {out}", flush=True)
     t0 = time.perf_counter()
     results = run_plans(plans, force=args.force)
+    mark_divergence(results, plans)
     meta = {
         "kind": "sweep-inner-steps" if sweep_h else "grid",
         "grid": [e.name for e in entries],

@@ -365,6 +365,15 @@ def _notes(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
             f"- The measured step time varied between runs ({min(times):.3f} to {max(times):.3f} s: other load on "
             "the machine), which moves the link columns; `--sim-step-time` fixes it for a like-for-like clock."
         )
+    gone = [r for r in results if r.get("diverged")]
+    if gone:
+        h1 = ", ".join(sorted({f"{r['unigram_entropy']:.3f}" for r in gone}))
+        notes.append(
+            "- **Diverged**: " + "; ".join(r["label"] + (f" (H = {r['inner_steps']})" if meta["kind"] != "grid" else "")
+                                           for r in gone)
+            + f". Their eval loss ended above, or climbed back above, the unigram entropy of the data ({h1} "
+            "nats/token: the loss of a model that learned only the token frequencies); do not read their "
+            "differences as a method's cost. `--seeds N` gives intervals.")
     names = {r["name"] for r in results}
     paper = [(n, v) for n, v in _paper_rows() if n in names]
     if paper and meta["kind"] == "grid":
