@@ -360,6 +360,10 @@ def _notes(rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: dict
             "loss among the runs that did not diverge; the seeded rows run at that choice (**setting**). "
             "The sweep table below also gives each method's loss at the papers' default (the column marked "
             "default) on that seed; `eagerloco compare --seeds N` without `--tune` runs every method at it.")
+    if meta.get("tuned_from"):
+        chosen = "; ".join(f"{name} {setting_text(s)}" for name, s in meta["chosen"].items())
+        notes.append(f"- **Settings** chosen by the tuned comparison in `{meta['tuned_from']}` (by entry name, "
+                     f"tuned there at its own H and batch): {chosen}.")
     return notes
 
 

@@ -311,6 +311,7 @@ def run_seeded(args: argparse.Namespace, entries: list[GridEntry], base: TrainCo
         "tune": [{"key": a.key, "values": list(a.values)} for a in axes],
         "tune_seed": tune_seed if axes else None,
         "chosen": chosen,
+        "tuned_from": str(args.tuned_from) if getattr(args, "tuned_from", None) is not None else None,
         "lowered_outer_lr": lowered,
         "base_config": asdict(base),
         "elapsed_s": time.perf_counter() - t0,
