@@ -89,13 +89,13 @@ def main() -> int:
     d = diff(u.get("delayed-1", {}), ref, relative=True)
     rows.append(("naive delayed clearly worse than no overlap (paper +12.7%)", fmt(d, True), greater(d)))
     d = diff(u.get("eager-1", {}), ref, relative=True)
-    rows.append((f"eager within a few percent of no overlap (|Δ| < {100 * FEW_PERCENT:.0f}%; paper +0.7%)",
+    rows.append((f"eager within a few percent of no overlap (Δ within ±{100 * FEW_PERCENT:.0f}%; paper +0.7%)",
                  fmt(d, True), within(d, FEW_PERCENT)))
     d = diff(u.get("eager-2", {}), u.get("eager-1", {}), relative=True)
     rows.append((f"2-outer-steps eager a bit worse than 1 (0 < Δ < {100 * FEW_PERCENT:.0f}%; paper +1.5%)",
                  fmt(d, True), small_positive(d, FEW_PERCENT)))
     d = diff(u.get("overlap-1", {}), ref, relative=True)
-    rows.append((f"1-inner-step overlap equal to no overlap (|Δ| < {100 * EQUAL:.0f}%; paper 0%)", fmt(d, True),
+    rows.append((f"1-inner-step overlap equal to no overlap (Δ within ±{100 * EQUAL:.0f}%; paper 0%)", fmt(d, True),
                  within(d, EQUAL)))
     d = diff(u.get("eager-1-4bit", {}), u.get("eager-1", {}), relative=True)
     rows.append((f"4-bit exchange costs under {100 * EQUAL:.0f}% (eager, 4-bit vs FP32)", fmt(d, True),
