@@ -20,6 +20,7 @@ from eagerloco.compare.stats import (
     diverged,
     mean_interval,
     paired_difference,
+    spiked,
     t_cdf,
     t_quantile,
     unigram_entropy,
@@ -86,10 +87,11 @@ def test_unigram_entropy_and_divergence() -> None:
     with pytest.raises(ValueError):
         unigram_entropy([0, 0])
     h = 6.0
-    assert not diverged([8.3, 7.0, 5.5, 5.0], 4.9, h)  # starts above (an untrained model), ends below
-    assert diverged([8.3, 5.5, 12.0, 5.9], 5.9, h)  # went back above it mid-run
-    assert diverged([8.3, 7.0, 6.5], 6.4, h)  # never got below
-    assert diverged([8.3, 5.0], float("nan"), h)
+    assert not diverged(4.9, h) and diverged(6.4, h) and diverged(float("nan"), h) and diverged(float("inf"), h)
+    assert not spiked([8.3, 7.0, 5.5, 5.0, 4.9], h)  # starts above (an untrained model), ends below
+    assert spiked([8.3, 5.5, 12.0, 5.9], h)  # climbed back above mid-run, recovered
+    assert spiked([8.3, 5.5, float("nan")], h)
+    assert not spiked([8.3, 7.0, 6.5, 6.4], h)  # never got below: diverged at the end, but no spike
 
 
 # --------------------------------------------------------------------------------------------------
@@ -131,7 +133,7 @@ def test_report_rows_mark_diverged_runs_and_pair_by_seed() -> None:
     base = {"inner_steps": 20, "outer": {"outer_lr": 0.7}, "tolerated": "0", "bytes_sent_per_worker": 1.0,
             "compute_utilization": 0.5, "wall_s": 1.0}
     ref = {0: 5.0, 1: 5.5, 2: 4.8}
-    results = [{**base, "unit": "no-overlap", "seed": s, "final_eval_loss": v, "diverged": False}
+    results = [{**base, "unit": "no-overlap", "seed": s, "final_eval_loss": v, "diverged": False, "spiked": s == 2}
                for s, v in ref.items()]
     results += [{**base, "unit": "delayed-1", "seed": s, "final_eval_loss": v + d, "diverged": s == 1}
                 for (s, v), d in zip(ref.items(), (0.5, 3.0, 0.4), strict=True)]
@@ -143,6 +145,8 @@ def test_report_rows_mark_diverged_runs_and_pair_by_seed() -> None:
     table = seeded_table(list(rows.values()), sweep=False)
     line = next(ln for ln in table.splitlines() if "naive delayed" in ln)
     assert "1-outer-step naive delayed †" in line and "8.500†" in line and "1/3" in line
+    line = next(ln for ln in table.splitlines() if ln.startswith("| no overlap"))
+    assert "no overlap ‡" in line and "4.800‡" in line and "0/3, 1/3" in line
 
 
 # --------------------------------------------------------------------------------------------------

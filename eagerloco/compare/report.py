@@ -371,9 +371,13 @@ def _notes(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
         notes.append(
             "- **Diverged**: " + "; ".join(r["label"] + (f" (H = {r['inner_steps']})" if meta["kind"] != "grid" else "")
                                            for r in gone)
-            + f". Their eval loss ended above, or climbed back above, the unigram entropy of the data ({h1} "
+            + f". Their final eval loss is above the unigram entropy of the data ({h1} "
             "nats/token: the loss of a model that learned only the token frequencies); do not read their "
             "differences as a method's cost. `--seeds N` gives intervals.")
+    jumpy = [r for r in results if r.get("spiked") and not r.get("diverged")]
+    if jumpy:
+        notes.append("- **Spiked**: " + "; ".join(r["label"] for r in jumpy) + ": their eval loss climbed back "
+                     "above the unigram entropy of the data after having been below it, then recovered.")
     names = {r["name"] for r in results}
     paper = [(n, v) for n, v in _paper_rows() if n in names]
     if paper and meta["kind"] == "grid":

@@ -73,6 +73,7 @@ def aggregate(units: list[Any], results: list[dict[str, Any]]) -> list[dict[str,
             "loss": _iv(mean_interval(list(mine.values()))),
             "delta": "reference" if ref == u.name else _iv(delta),
             "diverged_seeds": [r["seed"] for r in rs if r.get("diverged")],
+            "spiked_seeds": [r["seed"] for r in rs if r.get("spiked") and not r.get("diverged")],
             "tolerated": rs[0].get("tolerated", "n/a") if rs else "n/a",
             "bytes_sent_per_worker": _mean(rs, "bytes_sent_per_worker"),
             "compute_utilization": _mean(rs, "compute_utilization"),
@@ -110,19 +111,28 @@ def seeded_table(rows: list[dict[str, Any]], sweep: bool) -> str:
     pct = f"{100 * LEVEL:.0f}%"
     headers = (["H"] if sweep else []) + [
         "method", "setting", f"eval loss, mean [{pct} CI]", f"Δ vs no overlap [{pct} CI], paired", "reading",
-        "per seed", "diverged", "tolerated latency", "bytes exchanged / worker", "CU (link)"]
+        "per seed", "diverged † / spiked ‡", "tolerated latency", "bytes exchanged / worker", "CU (link)"]
     body = []
     for r in rows:
         seeds = sorted(r["losses"])
-        per_seed = " / ".join(f"{r['losses'][s]:.3f}" + ("†" if s in r["diverged_seeds"] else "") for s in seeds)
-        div = f"{len(r['diverged_seeds'])}/{len(seeds)}"
+        per_seed = " / ".join(f"{r['losses'][s]:.3f}" + _mark(r, s) for s in seeds)
+        div = f"{len(r['diverged_seeds'])}/{len(seeds)}, {len(r['spiked_seeds'])}/{len(seeds)}"
         delta = "0" if r["delta"] == "reference" else fmt_interval(r["delta"], signed=True)
         cells = ([str(r["inner_steps"])] if sweep else []) + [
-            r["label"] + (" †" if r["diverged_seeds"] else ""), _setting_cell(r), fmt_interval(r["loss"]), delta,
+            r["label"] + _row_mark(r), _setting_cell(r), fmt_interval(r["loss"]), delta,
             reading(r["delta"]), per_seed, div, r["tolerated"], fmt_bytes(r["bytes_sent_per_worker"]),
             fmt_cu(r["compute_utilization"])]
         body.append(cells)
     return markdown_table(headers, body)
+
+
+def _mark(row: dict[str, Any], seed: int) -> str:
+    return "†" if seed in row["diverged_seeds"] else "‡" if seed in row["spiked_seeds"] else ""
+
+
+def _row_mark(row: dict[str, Any]) -> str:
+    marks = ("†" if row["diverged_seeds"] else "") + ("‡" if row["spiked_seeds"] else "")
+    return f" {marks}" if marks else ""
 
 
 def _setting_cell(r: dict[str, Any]) -> str:
@@ -135,7 +145,8 @@ def _setting_cell(r: dict[str, Any]) -> str:
 
 def tune_table(tune_results: list[dict[str, Any]], base_outer: dict[str, Any], base: dict[str, Any]) -> str:
     """The sweep: one row per tuned unit, one column per setting (held-out loss on the tuning seed);
-    the chosen cell in bold, diverged cells with †, the base (papers') value's column marked."""
+    the chosen cell in bold, diverged cells with †, spiked ones with ‡, the base (papers') value's
+    column marked."""
     settings: list[str] = []
     rows: dict[str, dict[str, str]] = {}
     labels: dict[str, str] = {}
@@ -143,7 +154,7 @@ def tune_table(tune_results: list[dict[str, Any]], base_outer: dict[str, Any], b
         s = setting_text(r.get("setting", {}))
         if s not in settings:
             settings.append(s)
-        cell = f"{_loss(r):.4f}" + ("†" if r.get("diverged") else "")
+        cell = f"{_loss(r):.4f}" + ("†" if r.get("diverged") else "‡" if r.get("spiked") else "")
         rows.setdefault(r["unit"], {})[s] = f"**{cell}**" if r.get("chosen") else cell
         labels[r["unit"]] = r["label"] + (f" (H = {r['inner_steps']})" if r.get("in_sweep") else "")
 
@@ -199,7 +210,7 @@ def plot_steps(rows: list[dict[str, Any]], results: list[dict[str, Any]], out: P
         runs = [[next(p[3] for p in c if p[0] == s) for s in steps] for c in curves]
         everything += [v for run in runs for v in run]
         mean = fmt_interval(row["loss"])
-        _band(ax, steps, runs, styles[row["unit"]], f"{row['label']}{' †' if row['diverged_seeds'] else ''} ({mean})")
+        _band(ax, steps, runs, styles[row["unit"]], f"{row['label']}{_row_mark(row)} ({mean})")
     clipped = zoom_y(ax, everything)
     ax.grid(True, alpha=0.3)
     ax.set_xlabel("inner steps (per worker)")
@@ -234,7 +245,7 @@ def plot_delta(rows: list[dict[str, Any]], out: Path, subtitle: str) -> Path:
     ax.axvline(0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(shown)))
     ax.set_yticklabels([(f"H={r['inner_steps']} " if r["unit"].startswith("H") else "") + r["label"]
-                        + (" †" if r["diverged_seeds"] else "") for r in shown], fontsize=8)
+                        + _row_mark(r) for r in shown], fontsize=8)
     ax.invert_yaxis()
     ax.grid(True, axis="x", alpha=0.3)
     ax.set_xlabel(f"final eval loss minus no overlap's, same seed (mean, {100 * LEVEL:.0f}% t interval)")
@@ -339,11 +350,13 @@ def _notes(rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: dict
         f"- **Δ vs no overlap**: the row's loss minus no overlap's on the same seed, mean and {100 * LEVEL:.0f}% t "
         "interval of those differences (paired, so the seed-to-seed spread that both share cancels); "
         "**reading**: worse / better when the interval excludes 0, cannot tell otherwise.",
-        "- **diverged** (†): the run's eval loss ended above, or went back above, the unigram entropy of its "
+        "- **diverged** (†): the run's final eval loss is above the unigram entropy of its "
         "training data (the loss of a model that learned only the token frequencies: "
         + ", ".join(f"seed {s}: {h:.3f}" for s, h in sorted(entropies.items()))
-        + " nats/token). Such runs are averaged with the others (they are what the method did) but marked "
-        "in the table, the per-seed column and the plots.",
+        + " nats/token); **spiked** (‡): it climbed back above that entropy after having been below it and "
+        "recovered by the end (an instability early in training, when every run is near the entropy). Both "
+        "are averaged with the others (they are what the method did) but marked in the table, the per-seed "
+        "column and the plots; the tuner passes over diverged runs only.",
         "- **Baselines**: data-parallel (gradient mean every step), a single worker alone with the same "
         "per-worker batch (half the tokens of two workers), and plain parameter averaging (DiLoCo with outer "
         "SGD lr 1, no momentum): whether the outer optimizer helps at this scale.",

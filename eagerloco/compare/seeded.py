@@ -19,7 +19,7 @@ from typing import Any
 
 from eagerloco.compare.grid import BASELINES, ENTRIES, GridEntry
 from eagerloco.compare.runner import PlannedRun, entry_config, run_plans
-from eagerloco.compare.stats import diverged, unigram_entropy
+from eagerloco.compare.stats import diverged, spiked, unigram_entropy
 from eagerloco.compare.tune import TuneAxis, apply_setting, choose, setting_text, settings_for
 from eagerloco.config import ConfigError, TrainConfig
 
@@ -218,7 +218,8 @@ def data_entropy(cfg: TrainConfig) -> float:
 
 
 def mark_divergence(results: list[dict[str, Any]], plans: list[PlannedRun]) -> None:
-    """Add ``unigram_entropy`` and ``diverged`` to each result, warning on stderr for every diverged run.
+    """Add ``unigram_entropy``, ``diverged`` (the final eval loss is above it) and ``spiked`` (the eval
+    loss climbed back above it after having been below) to each result, warning on stderr for each.
 
     Args:
         results: from :func:`~eagerloco.compare.runner.run_plans`, in the plans' order.
@@ -229,15 +230,20 @@ def mark_divergence(results: list[dict[str, Any]], plans: list[PlannedRun]) -> N
     for r, p in zip(results, plans, strict=True):
         h1 = data_entropy(p.cfg)
         final = as_number(r.get("final_eval_loss"))
+        final = final if final is not None else float("nan")
         curve = [e[3] for e in load_curves(r)["eval"]]
         r["unigram_entropy"] = h1
-        r["diverged"] = diverged(curve, final if final is not None else float("nan"), h1)
+        r["diverged"] = diverged(final, h1)
+        r["spiked"] = spiked(curve, h1)
+        worst = max((v for v in curve if v == v), default=float("nan"))
+        where = f"{r['label']} (seed {p.cfg.seed}, {p.run_dir})"
         if r["diverged"]:
-            worst = max((v for v in curve if v == v), default=float("nan"))
-            print(f"eagerloco: warning: {r['label']} (seed {p.seed}, {p.run_dir}) diverged: its eval loss "
-                  f"(final {final if final is not None else float('nan'):.4f}, highest {worst:.4f}) went above "
-                  f"the unigram entropy of the data, {h1:.4f} nats/token; the report marks it",
-                  file=sys.stderr, flush=True)
+            print(f"eagerloco: warning: {where} diverged: its final eval loss {final:.4f} is above the unigram "
+                  f"entropy of the data, {h1:.4f} nats/token; the report marks it", file=sys.stderr, flush=True)
+        elif r["spiked"]:
+            print(f"eagerloco: warning: {where} spiked: its eval loss climbed back to {worst:.4f}, above the "
+                  f"unigram entropy of the data ({h1:.4f} nats/token), before ending at {final:.4f}; the report "
+                  "marks it", file=sys.stderr, flush=True)
 
 
 def run_seeded(args: argparse.Namespace, entries: list[GridEntry], base: TrainConfig, out: Path, lowered: float,

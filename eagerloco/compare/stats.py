@@ -159,25 +159,33 @@ def unigram_entropy(counts: Sequence[int]) -> float:
     return -math.fsum((c / total) * math.log(c / total) for c in counts if c > 0)
 
 
-def diverged(eval_losses: Sequence[float], final: float, threshold: float) -> bool:
-    """Whether a run diverged: its final eval loss is not finite or above ``threshold`` (the unigram
-    entropy of the data, which a model beats once it has learned the token frequencies), or its eval
-    loss went back above it after having been below.
+def diverged(final: float, threshold: float) -> bool:
+    """Whether a run diverged: its final eval loss is not finite or above ``threshold``, the unigram
+    entropy of the data (a model beats it once it has learned the token frequencies).
 
     Args:
-        eval_losses: the run's eval losses in step order (the final one may be among them).
         final: the final eval loss.
         threshold: the unigram entropy, in the loss's units.
 
     Returns:
         True for a diverged run.
     """
-    if not math.isfinite(final) or final > threshold:
-        return True
+    return not math.isfinite(final) or final > threshold
+
+
+def spiked(eval_losses: Sequence[float], threshold: float) -> bool:
+    """Whether a run's eval loss climbed back above ``threshold`` (the unigram entropy) after having
+    been below it: an instability, even when the run recovered by its end.
+
+    Args:
+        eval_losses: the run's eval losses in step order.
+        threshold: the unigram entropy, in the loss's units.
+
+    Returns:
+        True when some eval loss above the threshold (or not finite) follows one at or below it.
+    """
     below = False
     for v in eval_losses:
-        if not math.isfinite(v):
-            return True
         if v <= threshold:
             below = True
         elif below:
@@ -191,6 +199,7 @@ __all__ = [
     "diverged",
     "mean_interval",
     "paired_difference",
+    "spiked",
     "t_cdf",
     "t_quantile",
     "unigram_entropy",
