@@ -9,6 +9,8 @@ from dataclasses import asdict
 
 from eagerloco.compare.grid import DEFAULT_SWEEP_H, ENTRIES, SWEEP_GRID, grid_help, resolve_grid
 from eagerloco.compare.runner import build_base_config, plan_runs, run_plans
+from eagerloco.compare.seeded import TUNE_SEED_OFFSET, mark_divergence, run_seeded
+from eagerloco.compare.tune import parse_tune
 from eagerloco.config import ConfigError
 from eagerloco.flags import add_train_flags
 
@@ -35,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_train_flags(p)
     g = p.add_argument_group("comparison")
     g.add_argument("--grid", default=None,
-                   help="'paper' (default: the eager paper's comparison plus data-parallel), 'all', "
+                   help="'paper' (default: the eager paper's comparison plus data-parallel), 'all', 'baselines', "
                         f"or a comma list of entries: {', '.join(ENTRIES)}")
     g.add_argument("--sweep", choices=("inner-steps",), default=None,
                    help="inner-steps: run each grid entry (default: no-overlap,delayed-1,eager-1) at every H "
@@ -48,6 +50,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice, one per core); 1 is far faster "
                         "when other jobs share the cores")
+    g = p.add_argument_group("seeds and tuning")
+    g.add_argument("--seeds", type=int, default=None,
+                   help="run every grid entry with N seeds (--seed, --seed + 1, ...; each sets the data split and "
+                        "order, the initialization and the worker shards); the report gives the mean and a 90%% t "
+                        "interval of the final eval loss and of the difference to no overlap, paired by seed, and "
+                        "adds the baselines (data-parallel, a single worker, plain averaging)")
+    g.add_argument("--tune", action="append", default=None, metavar="KEY=V1,V2,...",
+                   help="sweep a setting per method on a tuning seed and run the seeded comparison at each method's "
+                        "best (lowest held-out loss), e.g. --tune outer_lr=0.2,0.35,0.5,0.7,1.0; repeatable (the "
+                        "product of the values is swept); entries that fix the setting (data-parallel, plain "
+                        "averaging, the lowered-lr rows) are not swept")
+    g.add_argument("--tune-seed", type=int, default=None,
+                   help=f"seed of the tuning sweep (default --seed + {TUNE_SEED_OFFSET}, a seed the comparison "
+                        "does not report)")
+    g.add_argument("--tuned-from", default=None, metavar="DIR",
+                   help="run each entry at the setting a finished --tune comparison in DIR chose for it (by entry "
+                        "name), e.g. a --sweep inner-steps at the outer lr tuned at the base H")
 
 
 def _parse_h_list(text: str) -> list[int]:
@@ -73,6 +92,14 @@ def run(args: argparse.Namespace) -> int:
         sweep_h = _parse_h_list(args.inner_steps_list or DEFAULT_SWEEP_H)
     default_grid = "paper" if sweep_h is None else ",".join(SWEEP_GRID)
     entries = resolve_grid(args.grid if args.grid is not None else default_grid)
+    seeds = getattr(args, "seeds", None)
+    if seeds is not None and (isinstance(seeds, bool) or seeds < 1):
+        raise ConfigError(f"--seeds must be an integer >= 1, got {seeds}")
+    axes = parse_tune(getattr(args, "tune", None) or [])
+    if getattr(args, "tune_seed", None) is not None and not axes:
+        raise ConfigError("--tune-seed needs --tune")
+    if getattr(args, "tune_seed", None) is not None and args.tune_seed < 0:
+        raise ConfigError(f"--tune-seed must be an integer >= 0, got {args.tune_seed}")
     base, out = build_base_config(args)
     threads = getattr(args, "threads", None)
     if threads is not None:
@@ -84,12 +111,15 @@ def run(args: argparse.Namespace) -> int:
     lowered = args.lowered_outer_lr if args.lowered_outer_lr is not None else base.outer.outer_lr / 2
     if not (math.isfinite(lowered) and lowered > 0):
         raise ConfigError(f"--lowered-outer-lr must be a positive number, got {lowered}")
+    if seeds is not None or axes or getattr(args, "tuned_from", None) is not None:
+        return run_seeded(args, entries, base, out, lowered, sweep_h, axes)
     plans = plan_runs(base, entries, out, lowered, sweep_h)
     link = f"{base.link.bandwidth_gbps:g} Gbit/s + {base.link.latency_ms:g} ms"
     print(f"compare: {len(plans)} runs of {base.steps} steps x {base.workers} workers ({base.model}, "
           f"seed {base.seed}, link {link}) -> {out}", flush=True)
     t0 = time.perf_counter()
     results = run_plans(plans, force=args.force)
+    mark_divergence(results, plans)
     meta = {
         "kind": "sweep-inner-steps" if sweep_h else "grid",
         "grid": [e.name for e in entries],

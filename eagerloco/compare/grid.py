@@ -6,11 +6,13 @@ Pure data and the arithmetic of what each entry tolerates; imports no torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from eagerloco.config import ConfigError, OuterConfig
 from eagerloco.schedule import apply_delay
+
+OUTER_KEYS = frozenset(f.name for f in fields(OuterConfig))
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,16 @@ class GridEntry:
     label: str
     outer: dict[str, Any] = field(default_factory=dict)
     lowered_lr: bool = False  # outer lr <- --lowered-outer-lr
+    train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields it sets (the single worker's M = 1)
+    tune_as: str | None = None  # a variant: under --tune it runs at this entry's chosen setting (like for like)
+
+    def fixes(self, key: str) -> bool:
+        """Whether this entry sets ``key`` itself, so a tuning sweep of that setting skips it: the fields
+        it sets, the outer lr of a lowered-lr entry, and every outer setting of data-parallel
+        (it has no outer optimizer)."""
+        if key in self.outer or key in self.train or (key == "outer_lr" and self.lowered_lr):
+            return True
+        return self.outer.get("method") == "dp" and key in OUTER_KEYS
 
 
 # Method-specific fields are always set by the entry, so a base config file written for another
@@ -32,6 +44,12 @@ ENTRIES: dict[str, GridEntry] = {
     e.name: e
     for e in (
         GridEntry("dp", "data-parallel", {"method": "dp"}),
+        # Baselines that say whether the outer optimizer helps at this scale: one worker alone with the
+        # same per-worker batch (half the tokens), and DiLoCo with plain parameter averaging.
+        GridEntry("single", "single worker", {"method": "dp"}, train={"workers": 1}),
+        GridEntry("averaging", "plain averaging (outer lr 1, no momentum)",
+                  {"method": "diloco", "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.0,
+                   "outer_nesterov": False}),
         GridEntry("no-overlap", "no overlap", {"method": "diloco"}),
         GridEntry("overlap-1", "1-inner-step overlap", {"method": "diloco", "overlap_steps": 1}),
         GridEntry("delayed-1", "1-outer-step naive delayed", {"method": "delayed", "eager_rounds": 1}),
@@ -49,7 +67,8 @@ ENTRIES: dict[str, GridEntry] = {
         GridEntry("delayed-2", "2-outer-steps naive delayed", {"method": "delayed", "eager_rounds": 2}),
         GridEntry("eager-1-stale-avg", "1-outer-step eager, stale-average weighting",
                   {"method": "eager", "eager_weighting": "stale_average"}),
-        GridEntry("eager-1-4bit", "1-outer-step eager, 4-bit", {"method": "eager", "codec": "e2m1"}),
+        GridEntry("eager-1-4bit", "1-outer-step eager, 4-bit", {"method": "eager", "codec": "e2m1"},
+                  tune_as="eager-1"),
         GridEntry("streaming-2", "streaming P=2", {"method": "streaming", "fragments": 2}),
         GridEntry("streaming-2-overlap-1", "streaming P=2, 1-inner-step overlap",
                   {"method": "streaming", "fragments": 2, "overlap_steps": 1}),
@@ -65,7 +84,10 @@ PAPER_GRID = ["dp", "no-overlap", "overlap-1", "delayed-1", "delayed-1-lowlr", "
 ALL_GRID = list(ENTRIES)
 #: What `--sweep inner-steps` compares at each H unless --grid says otherwise.
 SWEEP_GRID = ["no-overlap", "delayed-1", "eager-1"]
-GRIDS = {"paper": PAPER_GRID, "all": ALL_GRID}
+#: Put in every seeded or tuned comparison (``--seeds``, ``--tune``) so a reader sees whether the outer
+#: optimizer helps at all: data-parallel, one worker alone, plain averaging.
+BASELINES = ["dp", "single", "averaging"]
+GRIDS = {"paper": PAPER_GRID, "all": ALL_GRID, "baselines": BASELINES}
 
 #: Eval loss the eager paper reports for its 500M model at H = 30 (ALGORITHMS.md section 6).
 PAPER_EVAL_LOSS = {"no-overlap": 2.67, "overlap-1": 2.67, "delayed-1": 3.01, "delayed-1-lowlr": 2.73,
@@ -95,7 +117,7 @@ def grid_help(sep: str = "; ") -> str:
 
 
 def resolve_grid(spec: str) -> list[GridEntry]:
-    """'paper', 'all', or a comma list of entry names, labels without commas, or those two grids."""
+    """'paper', 'all', 'baselines', or a comma list of entry names, labels without commas, or those grids."""
     by_label = {e.label.lower(): e for e in ENTRIES.values()}
     chosen: list[GridEntry] = []
     unknown = []

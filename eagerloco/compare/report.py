@@ -30,7 +30,7 @@ SWEEP_PLOT = "loss_vs_inner_steps.png"
 # Formatting
 
 
-def _num(v: Any) -> float | None:
+def as_number(v: Any) -> float | None:
     if isinstance(v, bool):
         return None
     if isinstance(v, (int, float)):
@@ -53,7 +53,7 @@ def benchmark_score(summary: dict[str, Any], keys: tuple[str, ...]) -> float | N
             v = where.get(k)
             if isinstance(v, dict):
                 v = next((v[a] for a in ("acc_norm", "acc", "accuracy") if a in v), None)
-            x = _num(v)
+            x = as_number(v)
             if x is not None and math.isfinite(x):
                 return x
     return None
@@ -66,7 +66,7 @@ def fmt_score(x: float | None) -> str:
 
 
 def fmt_loss(x: Any) -> str:
-    v = _num(x)
+    v = as_number(x)
     return f"{v:.4f}" if v is not None else "n/a"
 
 
@@ -81,14 +81,14 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def _delta(r: dict[str, Any], ref: dict[str, Any] | None) -> str:
-    a, b = _num(r.get("final_eval_loss")), _num(ref.get("final_eval_loss")) if ref else None
+    a, b = as_number(r.get("final_eval_loss")), as_number(ref.get("final_eval_loss")) if ref else None
     if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
         return "n/a"
     return "0" if r is ref else f"{a - b:+.4f}"
 
 
 def fmt_cu(x: Any) -> str:
-    v = _num(x)
+    v = as_number(x)
     return f"{v:.3f}" if v is not None else "n/a"
 
 
@@ -97,7 +97,7 @@ def _cu(r: dict[str, Any]) -> str:
 
 
 def _wall(r: dict[str, Any]) -> str:
-    v = _num(r.get("wall_s"))
+    v = as_number(r.get("wall_s"))
     return f"{v:.1f} s" if v is not None else "n/a"
 
 
@@ -163,16 +163,16 @@ def load_curves(result: dict[str, Any]) -> dict[str, list[tuple[float, ...]]]:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut short by a kill
-            at = (float(rec["step"]), _num(rec.get("wall_s")) or 0.0, _num(rec.get("bytes_sent")) or 0.0)
-            if _num(rec.get("loss")) is not None:
-                trains.append((*at, float(_num(rec["loss"]))))  # type: ignore[arg-type]
-            if _num(rec.get("eval_loss")) is not None:
-                evals.append((*at, float(_num(rec["eval_loss"]))))  # type: ignore[arg-type]
-    final = _num(result.get("final_eval_loss"))
+            at = (float(rec["step"]), as_number(rec.get("wall_s")) or 0.0, as_number(rec.get("bytes_sent")) or 0.0)
+            if as_number(rec.get("loss")) is not None:
+                trains.append((*at, float(as_number(rec["loss"]))))  # type: ignore[arg-type]
+            if as_number(rec.get("eval_loss")) is not None:
+                evals.append((*at, float(as_number(rec["eval_loss"]))))  # type: ignore[arg-type]
+    final = as_number(result.get("final_eval_loss"))
     if final is not None:
         evals = [e for e in evals if e[0] < result["steps"]]
-        evals.append((float(result["steps"]), _num(result.get("wall_s")) or 0.0,
-                      _num(result.get("bytes_sent_per_worker")) or 0.0, final))
+        evals.append((float(result["steps"]), as_number(result.get("wall_s")) or 0.0,
+                      as_number(result.get("bytes_sent_per_worker")) or 0.0, final))
     return {"eval": evals, "train": trains}
 
 
@@ -184,7 +184,7 @@ def _ema(values: list[float], weight: float = 0.6) -> list[float]:
     return out
 
 
-def _styles(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def line_styles(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """One color and line style per grid entry, the same in every plot."""
     import matplotlib
 
@@ -202,7 +202,7 @@ def _styles(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return styles
 
 
-def _setup_line(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
+def setup_line(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
     b = meta["base_config"]
     link = b["link"]
     bw = link["bandwidth_gbps"]
@@ -223,9 +223,9 @@ def plot_curves(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) 
     import matplotlib.pyplot as plt
 
     curves = {r["key"]: load_curves(r) for r in results}
-    styles = _styles(results)
+    styles = line_styles(results)
     # Data-parallel's link time is often 10x the others': a log axis keeps both readable.
-    walls = [w for r in results if (w := _num(r.get("wall_s"))) and w > 0]
+    walls = [w for r in results if (w := as_number(r.get("wall_s"))) and w > 0]
     log_wall = bool(walls) and max(walls) > 8 * min(walls)
     axes_spec = {
         "steps": (0, "inner steps (per worker)", "Eval loss against inner steps", False),
@@ -234,7 +234,7 @@ def plot_curves(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) 
         "bytes": (2, "bytes sent per worker (log scale)", "Eval loss against bytes exchanged", True),
     }
     paths = {}
-    subtitle = _setup_line(meta, results)
+    subtitle = setup_line(meta, results)
     for kind, (col, xlabel, title, logx) in axes_spec.items():
         fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11.5, 7.5), sharex=True,
                                       gridspec_kw={"height_ratios": [2.2, 1]})
@@ -255,8 +255,8 @@ def plot_curves(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) 
             if logx:
                 a.set_xscale("log")
                 a.grid(True, which="minor", alpha=0.1)
-        clipped = _zoom_y(ax, [p[3] for c in curves.values() for p in c["eval"]])
-        _zoom_y(ax2, [p[3] for c in curves.values() for p in c["train"]])
+        clipped = zoom_y(ax, [p[3] for c in curves.values() for p in c["eval"]])
+        zoom_y(ax2, [p[3] for c in curves.values() for p in c["train"]])
         notes = ["top: eval loss of the outer parameters", "bottom: train loss (EMA over logged steps)"]
         if clipped:
             notes.append(f"y axis clipped: {clipped} point(s) above it\n(early steps, diverging runs)")
@@ -290,7 +290,7 @@ def _minor_bytes_label(x: float, _pos: int) -> str:
     return fmt_bytes(x, ".3g") if round(lead) in (2, 5) and abs(lead - round(lead)) < 1e-6 else ""
 
 
-def _zoom_y(ax: Any, values: list[float]) -> int:
+def zoom_y(ax: Any, values: list[float]) -> int:
     """Clip the early, high losses so the differences at the end (what the comparison is about)
     show; returns how many points are above the axis."""
     vals = sorted(v for v in values if math.isfinite(v))
@@ -310,16 +310,16 @@ def plot_sweep(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    styles = _styles(results)
+    styles = line_styles(results)
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     hs = sorted({r["inner_steps"] for r in results})
     for name in dict.fromkeys(r["name"] for r in results):
         rows = sorted((r for r in results if r["name"] == name), key=lambda r: r["inner_steps"])
         st = styles[name]
         kw = {"color": st["color"], "linestyle": st["linestyle"], "marker": st["marker"]}
-        ax.plot([r["inner_steps"] for r in rows], [_num(r.get("final_eval_loss")) for r in rows],
+        ax.plot([r["inner_steps"] for r in rows], [as_number(r.get("final_eval_loss")) for r in rows],
                 label=rows[0]["label"], **kw)
-        ax2.plot([r["inner_steps"] for r in rows], [_num(r.get("compute_utilization")) for r in rows], **kw)
+        ax2.plot([r["inner_steps"] for r in rows], [as_number(r.get("compute_utilization")) for r in rows], **kw)
     for a in (ax, ax2):
         a.set_xscale("log")
         a.set_xticks(hs)
@@ -329,7 +329,7 @@ def plot_sweep(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -
     ax.set_ylabel("final eval loss (nats/token)")
     ax2.set_ylabel("compute utilization\non the link")
     ax2.set_xlabel("inner steps per round H (log scale)")
-    ax.set_title(f"Final eval loss against H\n{_setup_line(meta, results)}", fontsize=10)
+    ax.set_title(f"Final eval loss against H\n{setup_line(meta, results)}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / SWEEP_PLOT
@@ -383,6 +383,19 @@ def _notes(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
             f"- The measured step time varied between runs ({min(times):.3f} to {max(times):.3f} s: other load on "
             "the machine), which moves the link columns; `--sim-step-time` fixes it for a like-for-like clock."
         )
+    gone = [r for r in results if r.get("diverged")]
+    if gone:
+        h1 = ", ".join(sorted({f"{r['unigram_entropy']:.3f}" for r in gone}))
+        notes.append(
+            "- **Diverged**: " + "; ".join(r["label"] + (f" (H = {r['inner_steps']})" if meta["kind"] != "grid" else "")
+                                           for r in gone)
+            + f". Their final eval loss is above the unigram entropy of the data ({h1} "
+            "nats/token: the loss of a model that learned only the token frequencies); do not read their "
+            "differences as a method's cost. `--seeds N` gives intervals.")
+    jumpy = [r for r in results if r.get("spiked") and not r.get("diverged")]
+    if jumpy:
+        notes.append("- **Spiked**: " + "; ".join(r["label"] for r in jumpy) + ": their eval loss climbed back "
+                     "above the unigram entropy of the data after having been below it, then recovered.")
     names = {r["name"] for r in results}
     paper = [(n, v) for n, v in _paper_rows() if n in names]
     if paper and meta["kind"] == "grid":
@@ -410,7 +423,7 @@ def write_report(out: Path, results: list[dict[str, Any]], meta: dict[str, Any])
     lines = [
         "# Inner-steps sweep" if sweep else "# Method comparison",
         "",
-        _setup_line(meta, results) + ".",
+        setup_line(meta, results) + ".",
         "",
         table,
         "",
@@ -430,7 +443,7 @@ def write_report(out: Path, results: list[dict[str, Any]], meta: dict[str, Any])
             lines += [f"## {heading}", "", f"![{heading}]({plots[kind].name})", ""]
     lines += ["## Runs", ""]
     for r in results:
-        how = "reused" if r.get("cached") else f"trained in {_num(r.get('real_wall_s')) or 0:.0f} s"
+        how = "reused" if r.get("cached") else f"trained in {as_number(r.get('real_wall_s')) or 0:.0f} s"
         lines.append(f"- {r['label']}" + (f" (H = {r['inner_steps']})" if sweep else "")
                      + f": `{r['run_dir']}` ({how})")
     report = out / "report.md"

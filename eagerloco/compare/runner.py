@@ -39,10 +39,13 @@ class PlannedRun:
     run_dir: Path
     inner_steps: int
     in_sweep: bool = False
+    seed: int | None = None  # set in a seeded comparison (--seeds, --tune)
+    setting: dict[str, Any] | None = None  # the swept values of a tuning run, or those chosen
+    tag: str | None = None  # a unique name when run_dir's own is not (runs/<name>/seed<s>)
 
     @property
     def key(self) -> str:
-        return self.run_dir.name
+        return self.tag or self.run_dir.name
 
 
 def entry_config(base: Any, entry: GridEntry, run_dir: Path, lowered_lr: float, inner_steps: int | None = None) -> Any:
@@ -53,7 +56,7 @@ def entry_config(base: Any, entry: GridEntry, run_dir: Path, lowered_lr: float, 
     if inner_steps is not None:
         outer["inner_steps"] = inner_steps
     # compare owns <out>/runs: a run it does not reuse is retrained over whatever that directory held.
-    return replace(base, outer=replace(base.outer, **outer), out=str(run_dir), overwrite=True)
+    return replace(base, **entry.train, outer=replace(base.outer, **outer), out=str(run_dir), overwrite=True)
 
 
 def plan_runs(
@@ -136,6 +139,8 @@ def run_plans(plans: list[PlannedRun], force: bool = False) -> list[dict[str, An
     results = []
     for i, plan in enumerate(plans, 1):
         head = f"[{i}/{len(plans)}] {plan.entry.label}" + (f" @ H={plan.inner_steps}" if plan.in_sweep else "")
+        if plan.seed is not None:
+            head += f", seed {plan.seed}" + (f", {_setting_brief(plan.setting)}" if plan.setting else "")
         summary = None if force else cached_summary(plan)
         cached = summary is not None
         t0 = time.perf_counter()
@@ -158,6 +163,10 @@ def run_plans(plans: list[PlannedRun], force: bool = False) -> list[dict[str, An
     return results
 
 
+def _setting_brief(setting: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in setting.items())
+
+
 def _result(plan: PlannedRun, summary: dict[str, Any], cached: bool) -> dict[str, Any]:
     steps = summary.get("steps") or plan.cfg.steps
     compute = summary.get("compute_s")
@@ -174,6 +183,7 @@ def _result(plan: PlannedRun, summary: dict[str, Any], cached: bool) -> dict[str
         "outer": asdict(plan.cfg.outer),
         **kept,
         "inner_steps": plan.inner_steps,
+        **({"seed": plan.seed, "setting": plan.setting or {}} if plan.seed is not None else {}),
     }
 
 
