@@ -103,13 +103,13 @@ def _wall(r: dict[str, Any]) -> str:
 
 def fmt_rate(r: dict[str, Any]) -> str:
     """Real tokens/s of a run (every worker's tokens over the training loop's wall time)."""
-    v = _num(r.get("tokens_per_s"))
+    v = as_number(r.get("tokens_per_s"))
     return f"{v:,.0f}" if v is not None and math.isfinite(v) else "n/a"
 
 
 def fmt_mfu(r: dict[str, Any]) -> str:
     """A run's MFU (n/a where the device's peak is unknown: a CPU without --peak-tflops)."""
-    v = _num(r.get("mfu"))
+    v = as_number(r.get("mfu"))
     return f"{100 * v:.1f}%" if v is not None and math.isfinite(v) else "n/a"
 
 
@@ -406,7 +406,7 @@ def _notes(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
 
 def _device_line(results: list[dict[str, Any]]) -> str:
     seen = sorted({f"{r.get('device', '?')}, {r.get('precision', 'fp32')}"
-                   + (f", {r['peak_tflops']:g} TFLOP/s" if _num(r.get("peak_tflops")) else "")
+                   + (f", {r['peak_tflops']:g} TFLOP/s" if as_number(r.get("peak_tflops")) else "")
                    + (", compiled" if r.get("compile") else "") for r in results})
     return "; ".join(seen) if seen else "n/a"
 
