@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from eagerloco.codec_sizes import CODEC_NAMES
+from eagerloco.schedule import PATTERNS
 
 METHODS = ("dp", "diloco", "streaming", "delayed", "eager")
-PATTERNS = ("sequential", "strided")
 WEIGHTINGS = ("nonlocal", "stale_average")
 OUTER_OPTIMIZERS = ("sgd", "adam", "adamw")
 MAX_SEED = 2**63 - 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from eagerloco import schedule
 from eagerloco.config import ConfigError
 
 
@@ -32,18 +33,15 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def block_groups(num_blocks: int, fragments: int, pattern: str) -> list[list[int]]:
-    """Block indices of each fragment: contiguous runs (sequential) or b mod P (strided)."""
-    if pattern == "strided":
-        return [list(range(p, num_blocks, fragments)) for p in range(fragments)]
-    if pattern == "sequential":
-        base, extra = divmod(num_blocks, fragments)
-        groups, start = [], 0
-        for p in range(fragments):
-            n = base + (1 if p < extra else 0)
-            groups.append(list(range(start, start + n)))
-            start += n
-        return groups
-    raise ConfigError(f"--fragment-pattern must be one of sequential, strided; got {pattern!r}")
+    """Block indices of each fragment (see :func:`eagerloco.schedule.block_groups`).
+
+    Raises:
+        ConfigError: an unknown pattern, named as the flag.
+    """
+    try:
+        return schedule.block_groups(num_blocks, fragments, pattern)
+    except ValueError:
+        raise ConfigError(f"--fragment-pattern must be one of sequential, strided; got {pattern!r}") from None
 
 
 def assign_fragments(

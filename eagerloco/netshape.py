@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Sequence
 
 from eagerloco.config import ConfigError, LinkConfig, TrainConfig
+from eagerloco.procs import pid_alive
 
 #: Environment of every launched process in this mode: the uplink rate in Gbit/s (the runtime then
 #: emulates only latency and jitter, and records the rate as the run's link bandwidth).
@@ -31,13 +32,6 @@ def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
     return r
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 
@@ -194,7 +188,7 @@ def remove_stale() -> list[str]:
     for kind, candidates in (("netns", ns), ("link", names)):
         for name in candidates:
             pid = owner_pid(name)
-            if pid is not None and not _pid_alive(pid):
+            if pid is not None and not pid_alive(pid):
                 _run(["ip", kind, "del", name], check=False)
                 removed.append(name)
     return removed

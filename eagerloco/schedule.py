@@ -64,3 +64,35 @@ def sync_events(
         for p in fragments_due(step, inner_steps, offsets):
             count[p] += 1
             yield SyncEvent(p, step, step + delay, count[p])
+
+
+#: How blocks map to fragments (Streaming DiLoCo): contiguous runs, or fragment p holds p, p+P, ...
+PATTERNS = ("sequential", "strided")
+
+
+def block_groups(num_blocks: int, fragments: int, pattern: str) -> list[list[int]]:
+    """Block indices of each fragment, shared by the trainer and the simulator.
+
+    Args:
+        num_blocks: transformer blocks L.
+        fragments: fragments P (at most L).
+        pattern: "strided" (fragment p holds blocks p, p+P, ...) or "sequential" (contiguous runs,
+            the first fragments one block longer when P does not divide L).
+
+    Returns:
+        One list of block indices per fragment; every block is in exactly one.
+
+    Raises:
+        ValueError: an unknown pattern.
+    """
+    if pattern == "strided":
+        return [list(range(p, num_blocks, fragments)) for p in range(fragments)]
+    if pattern == "sequential":
+        base, extra = divmod(num_blocks, fragments)
+        groups, start = [], 0
+        for p in range(fragments):
+            n = base + (1 if p < extra else 0)
+            groups.append(list(range(start, start + n)))
+            start += n
+        return groups
+    raise ValueError(f"unknown fragment pattern {pattern!r}; choose one of {', '.join(PATTERNS)}")

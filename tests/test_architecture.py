@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "eagerloco"
 
 #: Parts of the package from the bottom up; a part imports only from parts in lower layers.
 LAYERS: list[set[str]] = [
-    {"schedule", "codec_sizes", "units", "jsonfiles", "flops"},  # torch-free foundations
+    {"schedule", "codec_sizes", "units", "jsonfiles", "flops", "procs"},  # torch-free foundations
     {"codecs", "model", "evals", "fsdp", "checkpoint", "data", "device"},
     {"config"},
     {"fragments", "faults", "netshape", "flags"},

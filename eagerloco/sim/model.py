@@ -15,6 +15,7 @@ from typing import Any
 
 from eagerloco.codec_sizes import SCALE_BYTES
 from eagerloco.config import METHODS
+from eagerloco.schedule import block_groups
 
 
 class SimError(ValueError):
@@ -157,18 +158,10 @@ def fragment_layers(layers: int, fragments: int, pattern: str = "strided") -> li
     Raises:
         SimError: unknown pattern.
     """
-    fragments = max(1, min(fragments, layers))
-    if pattern == "strided":
-        return [tuple(range(p, layers, fragments)) for p in range(fragments)]
-    if pattern == "sequential":
-        base, extra = divmod(layers, fragments)
-        out, start = [], 0
-        for p in range(fragments):
-            n = base + (1 if p < extra else 0)
-            out.append(tuple(range(start, start + n)))
-            start += n
-        return out
-    raise SimError(f"--pattern must be one of {', '.join(PATTERNS)}, got {pattern!r}")
+    try:
+        return [tuple(g) for g in block_groups(layers, max(1, min(fragments, layers)), pattern)]
+    except ValueError:
+        raise SimError(f"--pattern must be one of {', '.join(PATTERNS)}, got {pattern!r}") from None
 
 
 def fragment_layer_counts(layers: int, fragments: int) -> list[int]:

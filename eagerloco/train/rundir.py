@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eagerloco.config import ConfigError, TrainConfig
+from eagerloco.procs import pid_alive
 
 LOCK_NAME = ".eagerloco.lock"
 #: What a run leaves in its directory; any of them marks the directory as another run's.
@@ -108,13 +109,6 @@ def remove_leftovers(path: Path) -> None:
               file=sys.stderr, flush=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 
@@ -143,7 +137,7 @@ class RunLock:
                 holder = self._holder()
                 if holder is None:
                     continue  # written between our try and our read, or torn: look again
-                if holder.get("host") != me["host"] or _alive(int(holder.get("pid", -1))):
+                if holder.get("host") != me["host"] or pid_alive(int(holder.get("pid", -1))):
                     raise ConfigError(
                         f"--out {self.path.parent} is in use by another run (process {holder.get('pid')} on "
                         f"{holder.get('host')}); wait for it to finish or pass another --out "
