@@ -45,6 +45,11 @@ def run_jobs(scenario: str, outdir: Path, ports: list[int], timeout: float = 240
     procs = [subprocess.Popen([sys.executable, str(HERE / "hooks_job.py"), scenario, str(outdir), str(w), "2",
                                *map(str, ports)], env=job_env(), cwd=HERE.parent,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for w in range(2)]
+    return wait_all(procs, timeout)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[subprocess.CompletedProcess]:
+    """Every job's exit and output (stdout with stderr); all are killed if one outlasts the timeout."""
     done = []
     for p in procs:
         try:

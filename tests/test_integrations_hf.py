@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_hooks_jobs import free_ports, job_env
+from test_hooks_jobs import free_ports, job_env, wait_all
 
 from eagerloco.comm.base import wire_bytes
 
@@ -37,14 +37,8 @@ def run_pair(out: Path, args: list[str], ranks: tuple[int, int] = (1, 1), resume
             cmd += ["--resume", str(out / f"w{w}" / resume)]
         procs.append(subprocess.Popen(cmd, env=job_env(), cwd=ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
-    for w, p in enumerate(procs):
-        try:
-            text, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        assert p.returncode == 0, f"worker {w}:\n{text[-5000:]}"
+    for w, done in enumerate(wait_all(procs, timeout)):
+        assert done.returncode == 0, f"worker {w}:\n{done.stdout[-5000:]}"
 
 
 def outer_state(out: Path, w: int, step: int) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 import tomllib
 from dataclasses import asdict, dataclass, replace
@@ -30,6 +29,7 @@ from eagerloco.compare.grid import (
 )
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.flags import build_train_config
+from eagerloco.jsonfiles import finite_json
 
 
 @dataclass
@@ -81,19 +81,8 @@ def plan_runs(
     return plans
 
 
-def _canonical(obj: Any) -> Any:
-    """JSON-comparable form of a config (inf/nan as strings, as train writes them)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _canonical(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_canonical(v) for v in obj]
-    return obj
-
-
 def _cache_view(config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in _canonical(config).items() if k not in CACHE_IGNORED}
+    return {k: v for k, v in finite_json(config).items() if k not in CACHE_IGNORED}
 
 
 def cached_summary(plan: PlannedRun) -> dict[str, Any] | None:
