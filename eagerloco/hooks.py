@@ -37,6 +37,7 @@ from eagerloco.comm.groups import (
     env_int,
     init_process_groups,
     join_outer_group,
+    leave_outer_group,
 )
 from eagerloco.config import ConfigError, LinkConfig, OuterConfig
 from eagerloco.outer import OuterOptimizerFactory, OuterSync
@@ -130,6 +131,7 @@ class OuterLoop:
         self.apply_in_flight = apply_in_flight
         self._owns_comm = comm is None
         self._owns_world = False
+        self._joined = False  # the outer group was formed across jobs (join_outer_group)
         self.ctx = None
         if comm is None:
             comm = self._connect(outer_addr, worker_id, workers, ranks_per_worker, link, timeout_s, seed)
@@ -158,6 +160,7 @@ class OuterLoop:
                 else OuterRendezvous.from_env())
         if rdzv is not None:
             self.ctx = join_outer_group(rdzv, timeout_s)
+            self._joined = True
             return communicator_for(self.ctx, link, seed=seed, timeout_s=timeout_s)
         world = env_int("WORLD_SIZE") or 1
         if world > 1 and env_int("RANK") is not None:  # one WORLD of M workers x R ranks
@@ -267,6 +270,8 @@ class OuterLoop:
         self.finished = True
         if self._owns_comm and hasattr(self, "comm"):
             self.comm.close(cancel=cancel)
+        if self._joined and self.ctx is not None:
+            leave_outer_group(self.ctx)
         if self._owns_world:
             from eagerloco.comm.groups import shutdown
 

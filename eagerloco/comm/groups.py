@@ -355,6 +355,20 @@ def heartbeat_store(timeout_s: float) -> dist.Store | None:
     return dist.PrefixStore(HEARTBEAT_PREFIX, client)
 
 
+def leave_outer_group(ctx: DistContext) -> None:
+    """Shut down a group formed across jobs (:func:`join_outer_group`) now, and let go of its store.
+
+    Such a group is not WORLD's, so ``destroy_process_group`` does not know it; left to the
+    interpreter's exit, its gloo threads are torn down after Python is gone, which can abort the
+    process ("terminate called without an active exception") after a run that succeeded.
+    """
+    group = ctx.outer_group
+    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        group.shutdown()
+    ctx.outer_group = None
+    ctx.store = None
+
+
 def shutdown() -> None:
     """Tear down torch.distributed at the end of a run (avoids the at-exit warning)."""
     if dist.is_initialized():
