@@ -273,11 +273,12 @@ def run_training(
         after_inner_step_all(syncs)
         if on_step is not None:
             on_step(step)
-        do_eval = evaluating() and cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps
+        eval_point = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
+        do_eval = eval_point and evaluating()
         if do_eval:
             with syncs[0].outer_weights() as m:
                 eval_loss = evaluate(m, eval_batches, workers[0].precision)
-        if after_eval is not None and cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+        if after_eval is not None and eval_point:
             after_eval(step)
         if step % cfg.log_every == 0 or step == cfg.steps or do_eval:
             st = workers[0].comm.stats
