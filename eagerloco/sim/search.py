@@ -2,7 +2,8 @@
 
 The whole grid is simulated at once (the engine is vectorized over bandwidth), so a scan costs
 no more than a bisection would and needs no assumption beyond what it checks: the answer is the
-first grid value whose utilization meets the target.
+first grid value whose utilization meets the target. :func:`last_below` reads the same scan the
+way the papers' tables print it (one grid point lower; see :mod:`eagerloco.sim.paper`).
 """
 
 from __future__ import annotations
@@ -38,3 +39,15 @@ def least_bandwidth(grid: np.ndarray, cu: np.ndarray, target: float) -> float | 
     if not ok.any():
         return None
     return float(grid[int(np.argmax(ok))])
+
+
+def last_below(grid: np.ndarray, cu: np.ndarray, target: float) -> float | None:
+    """The grid value just below the least one that meets the target, or None if none meets it.
+
+    The last bandwidth of the scan whose utilization is still under the target; the first grid
+    value itself when it already meets the target (nothing lies below it on the grid).
+    """
+    ok = meets(cu, target)
+    if not ok.any():
+        return None
+    return float(grid[max(int(np.argmax(ok)) - 1, 0)])
