@@ -6,6 +6,8 @@ Usage: python tests/hooks_job.py SCENARIO OUTDIR WORKER WORKERS PORT [PORT ...]
   first port of the pair) and the same loop with explicit OuterSync calls (the second port); writes
   both results to OUTDIR/methods_<worker>.pt.
 - ``kill``: DiLoCo through the hooks; worker 1 dies at step 5, worker 0 reports what it raised.
+- ``elastic``: DiLoCo through the hooks with ``elastic=True`` (EAGERLOCO_FAULT_KILL says who dies),
+  each worker reports how it ended in OUTDIR/elastic_<worker>.json.
 - ``world``: one WORLD of two ranks, each a worker (started by ``eagerloco launch``, no rendezvous):
   eager with explicit calls, then through the hooks; writes OUTDIR/world_<rank>.pt.
 """
@@ -137,6 +139,22 @@ def main() -> None:
             (out / f"kill_{w}.json").write_text(json.dumps({"type": type(e).__name__, "message": str(e),
                                                             "trace": traceback.format_exc()}))
             sys.exit(1)
+    elif scenario == "elastic":
+        model = _init()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        report: dict = {}
+        try:
+            with eagerloco.outer_loop(model, opt, outer_addr=f"127.0.0.1:{ports_i[0]}", worker_id=w, workers=m,
+                                      timeout_s=20, method="diloco", inner_steps=2, elastic=True) as outer:
+                for step in range(1, 13):
+                    opt.zero_grad()
+                    _loss(model, w, step).backward()
+                    opt.step()
+            report = {"workers": outer.num_workers, "syncs": outer.comm.stats.num_syncs}
+        except Exception as e:
+            report = {"type": type(e).__name__, "message": str(e), "trace": traceback.format_exc()}
+        (out / f"elastic_{w}.json").write_text(json.dumps(report))
+        sys.exit(1 if "type" in report else 0)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 

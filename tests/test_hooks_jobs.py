@@ -41,9 +41,10 @@ def job_env() -> dict[str, str]:
     return env
 
 
-def run_jobs(scenario: str, outdir: Path, ports: list[int], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+def run_jobs(scenario: str, outdir: Path, ports: list[int], timeout: float = 240,
+             env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
     procs = [subprocess.Popen([sys.executable, str(HERE / "hooks_job.py"), scenario, str(outdir), str(w), "2",
-                               *map(str, ports)], env=job_env(), cwd=HERE.parent,
+                               *map(str, ports)], env={**job_env(), **(env or {})}, cwd=HERE.parent,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for w in range(2)]
     return wait_all(procs, timeout)
 
@@ -110,6 +111,15 @@ def test_a_killed_worker_stops_the_other_with_an_error_naming_it(tmp_path: Path)
     report = json.loads((tmp_path / "kill_0.json").read_text())
     assert report["type"] == "PeerError", report["trace"]
     assert "worker 1" in report["message"], report["message"]
+
+
+def test_elastic_across_jobs_cannot_survive_worker_0_the_store_host_and_says_so(tmp_path: Path) -> None:
+    done = run_jobs("elastic", tmp_path, free_ports(1), timeout=120, env={"EAGERLOCO_FAULT_KILL": "0:5"})
+    assert done[0].returncode == -9
+    assert done[1].returncode == 1, done[1].stdout[-3000:]
+    report = json.loads((tmp_path / "elastic_1.json").read_text())
+    assert report["type"] == "PeerError", report["trace"]
+    assert report["message"].startswith("worker 0 is gone (its process hosted the outer rendezvous store"), report
 
 
 def test_the_plain_loop_example_runs_as_two_jobs(tmp_path: Path) -> None:
