@@ -66,7 +66,7 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[subprocess.C
 @pytest.fixture(scope="module")
 def methods(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("hooks_jobs")
-    done = run_jobs("methods", out, free_ports(2 * len(METHODS)))
+    done = run_jobs("methods", out, free_ports(2 * len(METHODS) + 1))
     for w, d in enumerate(done):
         assert d.returncode == 0, f"worker {w}:\n{d.stdout[-4000:]}"
     return [torch.load(out / f"methods_{w}.pt") for w in range(2)]
@@ -102,6 +102,22 @@ def test_blocking_methods_keep_identical_outer_parameters_and_count_the_wire_byt
         expected = sum(wire_bytes(4 * size, 2, True) * sum(1 for t in range(1, STEPS + 1) if t % h == off)
                        for size, off in zip(h0["sizes"], offsets, strict=True))
     assert h0["bytes_sent"] == h1["bytes_sent"] == expected
+
+
+def test_the_emulated_link_holds_the_jobs_exchanges_back(methods: list[dict]) -> None:
+    """Every blocking DiLoCo sync between the jobs waits out the emulated link's 200 ms latency."""
+    from hooks_job import STEPS
+
+    syncs = STEPS // METHODS["diloco"]["inner_steps"]
+    l0, l1 = methods[0]["link"], methods[1]["link"]
+    assert l0["num_syncs"] == l1["num_syncs"] == syncs
+    for got in (l0, l1):
+        assert syncs * 0.2 <= got["metrics"]["outer_blocked_s"] < syncs * 0.2 + 5.0, got["metrics"]
+        assert 0 < got["metrics"]["compute_utilization"] < 1
+    # The link changes the timing, not the numbers: the same parameters as over loopback.
+    unlinked = methods[0]["diloco"]["hooked"]
+    assert all(torch.equal(a, b) for a, b in zip(l0["outer"], unlinked["outer"], strict=True))
+    assert l0["bytes_sent"] == unlinked["bytes_sent"]
 
 
 def test_a_killed_worker_stops_the_other_with_an_error_naming_it(tmp_path: Path) -> None:
