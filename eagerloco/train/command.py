@@ -30,6 +30,23 @@ def run(args: argparse.Namespace) -> int:
         The exit status: 0; 2 when a file cannot be written for lack of room; 3 for a dead peer;
         128 + the signal that stopped the run. Each prints one line naming what happened.
     """
+    addr = getattr(args, "outer_addr", None)
+    if not addr:
+        return _run(args)
+    # The job's rendezvous in the environment while it runs, as EAGERLOCO_OUTER_ADDR would give it:
+    # the settings' checks see several processes (--elastic), and so would a child process.
+    before = os.environ.get(OUTER_ADDR_ENV)
+    os.environ[OUTER_ADDR_ENV] = addr
+    try:
+        return _run(args)
+    finally:
+        if before is None:
+            os.environ.pop(OUTER_ADDR_ENV, None)
+        else:
+            os.environ[OUTER_ADDR_ENV] = before
+
+
+def _run(args: argparse.Namespace) -> int:
     cfg = build_train_config(args)
     rdzv = outer_rendezvous(args, cfg.workers)
     try:
