@@ -64,3 +64,13 @@ def test_launch_forwards_the_outer_rendezvous_and_starts_only_this_workers_proce
         launch([], 2, outer_addr="10.0.0.1:29600", worker_id=0, kernel_link_gbps=1.0)
     with pytest.raises(ValueError, match="--outer-addr and --worker-id go together"):
         launch([], 2, worker_id=0)
+
+
+def test_elastic_is_accepted_with_an_outer_address_and_an_absent_worker_0_is_named(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_ports(1)[0]  # nobody listens there: worker 0 never started
+    argv = ["train", *FAST, "--steps", "2", "--elastic", "--outer-addr", f"127.0.0.1:{port}", "--worker-id", "1",
+            "--workers", "2", "--dist-timeout", "1", "--out", str(tmp_path / "w1")]
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert f"worker 1 cannot reach worker 0's outer store at 127.0.0.1:{port}" in err, err
