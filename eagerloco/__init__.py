@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "Handle": "eagerloco.comm.base",
     "WorkerStats": "eagerloco.comm.base",
     "InProcessGroup": "eagerloco.comm.inprocess",
+    "PeerError": "eagerloco.comm.errors",
     "ConfigError": "eagerloco.config",
     "LinkConfig": "eagerloco.config",
     "OuterConfig": "eagerloco.config",
@@ -26,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "OuterSync": "eagerloco.outer",
     "after_inner_step_all": "eagerloco.outer",
     "before_inner_step_all": "eagerloco.outer",
+    "exit_on_errors": "eagerloco.hooks",
     "outer_loop": "eagerloco.hooks",
 }
 

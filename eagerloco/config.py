@@ -340,7 +340,9 @@ class TrainConfig:
             if not isinstance(v, bool):
                 raise ConfigError(f"--{name} is a switch (true/false), got {v!r}")
         parse_slow_workers(self.slow_workers, self.workers)
-        distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        # Several processes: a launcher's WORLD, or each worker its own job (an outer rendezvous).
+        distributed = (("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+                       or bool(os.environ.get("EAGERLOCO_OUTER_ADDR")))
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
         if self.rejoin and not self.elastic:
@@ -348,8 +350,8 @@ class TrainConfig:
         if self.elastic and not distributed:
             raise ConfigError(
                 "--elastic needs the multi-process runtime, where workers can die and come back: "
-                "`eagerloco launch --workers M --elastic -- <train args> --elastic` or torchrun; "
-                "the in-process runtime has nothing to lose"
+                "`eagerloco launch --workers M --elastic -- <train args> --elastic`, torchrun, or one job per "
+                "worker (--outer-addr HOST:PORT --worker-id I); the in-process runtime has nothing to lose"
             )
 
     def slowdown(self, worker: int) -> float:

@@ -19,7 +19,8 @@ from eagerloco.config import METHODS, PATTERNS, WEIGHTINGS, ConfigError, LinkCon
 _OUTER_FIELDS = {f.name for f in fields(OuterConfig)}
 _LINK_FIELDS = {f.name for f in fields(LinkConfig)}
 #: Arguments that are not settings of the run: the parser's own and those of the process layout.
-PROCESS_FLAGS = ("config", "func", "command", "ranks_per_worker", "fsdp", "backend", "outer_backend", "dist_timeout")
+PROCESS_FLAGS = ("config", "func", "command", "ranks_per_worker", "fsdp", "backend", "outer_backend", "dist_timeout",
+                 "outer_addr", "worker_id")
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -107,6 +108,12 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                    "host memory and a dead peer is an exception; nccl keeps them on the GPU)")
     g.add_argument("--dist-timeout", type=float, default=300.0,
                    help="seconds before a silent peer is declared dead (default 300)")
+    g.add_argument("--outer-addr", metavar="HOST:PORT",
+                   help="each worker its own job (one process, started on its own): the outer rendezvous worker 0 "
+                   "hosts at its address and this port; every job passes the same --workers and its own "
+                   "--worker-id (and its own --out); environment: EAGERLOCO_OUTER_ADDR")
+    g.add_argument("--worker-id", type=int, metavar="I",
+                   help="this job's worker, 0..M-1, with --outer-addr (environment: EAGERLOCO_WORKER_ID)")
     g = p.add_argument_group("faults")
     g.add_argument("--elastic", action="store_true", default=None,
                    help="multi-process: when a worker dies the others go on (mean over the workers present) and "

@@ -21,8 +21,10 @@ bit for bit those of the explicit per-step calls. Where the workers are:
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import fields, replace
 from types import TracebackType
 from typing import Any
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from eagerloco.comm.base import Communicator
+from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import (
     DEFAULT_TIMEOUT_S,
     OuterRendezvous,
@@ -40,6 +43,7 @@ from eagerloco.comm.groups import (
     leave_outer_group,
 )
 from eagerloco.config import ConfigError, LinkConfig, OuterConfig
+from eagerloco.faults import fault_injection
 from eagerloco.outer import OuterOptimizerFactory, OuterSync
 
 #: torchft's ``DiLoCo`` argument names and the OuterConfig field each means.
@@ -108,6 +112,7 @@ class OuterLoop:
         seed: int = 0,
         outer_optimizer: str | OuterOptimizerFactory | None = None,
         apply_in_flight: bool = False,
+        elastic: bool = False,
         **settings: Any,
     ) -> None:
         if fragments is not None and not isinstance(fragments, int):
@@ -133,8 +138,14 @@ class OuterLoop:
         self._owns_world = False
         self._joined = False  # the outer group was formed across jobs (join_outer_group)
         self.ctx = None
+        #: Elastic membership across jobs (elastic=True): re-forms the outer group when a worker dies.
+        self.membership: Any = None
+        if elastic and comm is not None:
+            raise ConfigError("elastic=True re-forms the outer group it connects itself: pass outer_addr, "
+                              "worker_id and workers instead of comm=")
         if comm is None:
-            comm = self._connect(outer_addr, worker_id, workers, ranks_per_worker, link, timeout_s, seed)
+            comm = (self._connect_elastic(outer_addr, worker_id, workers, link, timeout_s, seed) if elastic
+                    else self._connect(outer_addr, worker_id, workers, ranks_per_worker, link, timeout_s, seed))
         self.comm = comm
         try:
             self.sync = OuterSync(model, self.inner_optimizer, comm, self.config, blocks=blocks,
@@ -143,6 +154,7 @@ class OuterLoop:
             self._release(cancel=True)
             raise
         self._hooks: list[Any] = []
+        self._fault = fault_injection(self.worker)
         self._mark: float | None = None
         self._wall0 = 0.0
         self.finished = False
@@ -174,6 +186,32 @@ class OuterLoop:
                               "worker_id (each worker its own job), or start the workers with torchrun")
         return InProcessGroup(1, link, seed=seed).communicator(0)
 
+    def _connect_elastic(self, outer_addr: str | None, worker_id: int | None, workers: int | None,
+                         link: LinkConfig | None, timeout_s: float, seed: int) -> Communicator:
+        from eagerloco.comm.distributed import TorchDistCommunicator
+        from eagerloco.comm.elastic_jobs import JobsMembership
+
+        rdzv = (OuterRendezvous.parse(outer_addr, worker_id, workers) if outer_addr
+                else OuterRendezvous.from_env())
+        if rdzv is None:
+            raise ConfigError("elastic=True needs each worker as its own job: pass outer_addr='host:port', worker_id "
+                              "and workers (or EAGERLOCO_OUTER_ADDR, ...). In one torchrun WORLD use `eagerloco "
+                              "launch --elastic -- <train args>`, whose trainer survives dead workers")
+        world = env_int("WORLD_SIZE") or 1
+        if world > 1:
+            raise ConfigError(f"elastic=True across jobs needs one process per job, but this job has WORLD_SIZE "
+                              f"{world}: start each worker as one process, or drop elastic")
+        self.ctx = join_outer_group(rdzv, timeout_s)
+        self._joined = True
+        comm = TorchDistCommunicator.from_context(self.ctx, link, seed=seed, timeout_s=timeout_s, elastic=True)
+        cfg = self.config
+        self.membership = JobsMembership(self.ctx.outer_store, rdzv.worker, rdzv.workers, timeout_s,
+                                         group=self.ctx.outer_group, inner_steps=cfg.inner_steps,
+                                         is_dp=cfg.method == "dp")
+        self.ctx.outer_group = None  # the membership owns the group (and its successors) from here
+        self.membership.attach(comm, None)
+        return comm
+
     @property
     def worker(self) -> int:
         """This worker's id (0..M-1)."""
@@ -204,6 +242,16 @@ class OuterLoop:
             self.comm.add_compute(now - self._mark)
         self._mark = now
 
+    def _guard(self, fn: Any) -> None:
+        """Run a piece of the outer algorithm; if it fails (a dead peer, a mismatch), drop the connection
+        first, so that a framework that does not call back on errors leaves no exchange thread or gloo
+        group behind, then raise the error unchanged."""
+        try:
+            fn()
+        except BaseException:
+            self.close(cancel=True)
+            raise
+
     def _pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self._count_compute()  # the user's forward and backward
@@ -213,7 +261,7 @@ class OuterLoop:
             # The closure computes the gradients inside step() (Lightning, LBFGS): average after it.
             def averaged() -> Any:
                 loss = closure()
-                self.sync.before_inner_step()
+                self._guard(self.sync.before_inner_step)
                 return loss
 
             kwargs = dict(kwargs)
@@ -223,16 +271,23 @@ class OuterLoop:
                 args = (args[0], averaged, *args[2:])
             self._mark = time.perf_counter()
             return args, kwargs
-        self.sync.before_inner_step()
+        self._guard(self.sync.before_inner_step)
         self._mark = time.perf_counter()
         return None
 
     def _post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._count_compute()  # the inner step itself
+        self._guard(self._after_step)
+        self._mark = time.perf_counter()
+
+    def _after_step(self) -> None:
         self.sync.after_inner_step()
         if hasattr(self.comm, "step_hint"):
             self.comm.step_hint = self.sync.step  # published with the heartbeat
-        self._mark = time.perf_counter()
+        if self.membership is not None:  # a worker gone: the survivors re-form the group and go on
+            self.membership.on_step(self.sync.step)
+        if self._fault is not None:  # EAGERLOCO_FAULT_KILL: tests of a worker that dies mid-run
+            self._fault(self.sync.step)
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> None:
@@ -270,6 +325,8 @@ class OuterLoop:
         self.finished = True
         if self._owns_comm and hasattr(self, "comm"):
             self.comm.close(cancel=cancel)
+        if self.membership is not None:
+            self.membership.teardown()
         if self._joined and self.ctx is not None:
             leave_outer_group(self.ctx)
         if self._owns_world:
@@ -328,6 +385,24 @@ class OuterLoop:
         return self.sync.outer_weights()
 
 
+@contextmanager
+def exit_on_errors() -> Iterator[None]:
+    """Around a training script's main: eagerloco's errors end it with one line instead of a traceback.
+
+    A dead or frozen peer (:class:`~eagerloco.comm.errors.PeerError`, naming the worker) prints
+    ``eagerloco: error: ...`` on stderr and exits with status 3; an invalid setting (ConfigError) does
+    the same with status 2, as the ``eagerloco`` command does. Other errors pass through unchanged.
+    """
+    try:
+        yield
+    except PeerError as e:
+        print(f"eagerloco: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(3) from None
+    except ConfigError as e:
+        print(f"eagerloco: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def outer_loop(model: nn.Module, inner_optimizer: Any, config: OuterConfig | None = None,
                **kwargs: Any) -> OuterLoop:
     """Run the outer algorithm around an unchanged training loop: ``with outer_loop(...) as outer:``.
@@ -349,6 +424,10 @@ def outer_loop(model: nn.Module, inner_optimizer: Any, config: OuterConfig | Non
         outer_optimizer: "sgd", "adam", "adamw", or a factory taking the list of FP32 outer tensors.
         apply_in_flight: at the end, apply what is still in flight (every outer gradient counted
             once) instead of only waiting for it.
+        elastic: with outer_addr (one process per job), a worker that dies does not stop the others:
+            they re-form the outer group over worker 0's store and go on with the mean over the
+            workers present (:mod:`eagerloco.comm.elastic_jobs`). Worker 0, which hosts the store,
+            must stay; a worker that died does not come back into the running run.
 
     Raises:
         ConfigError: an invalid setting or launch.
@@ -357,4 +436,4 @@ def outer_loop(model: nn.Module, inner_optimizer: Any, config: OuterConfig | Non
     return OuterLoop(model, inner_optimizer, config, **kwargs)
 
 
-__all__ = ["OuterLoop", "TORCHFT_NAMES", "innermost_optimizer", "outer_config", "outer_loop"]
+__all__ = ["OuterLoop", "TORCHFT_NAMES", "exit_on_errors", "innermost_optimizer", "outer_config", "outer_loop"]

@@ -41,6 +41,8 @@ def launch(
     elastic: bool = False,
     max_restarts: int = 0,
     kernel_link_gbps: float | None = None,
+    outer_addr: str | None = None,
+    worker_id: int | None = None,
 ) -> int:
     """Run workers * ranks_per_worker local processes; return 0 if all succeed, else the first failure's code.
 
@@ -70,6 +72,9 @@ def launch(
     and passed on to train); max_restarts: how many times each failed rank is started again.
     kernel_link_gbps: run each worker in its own network namespace behind an uplink the kernel
     shapes to this rate (Linux, root; see :mod:`eagerloco.netshape`) instead of emulating it.
+    outer_addr, worker_id: each worker its own job: start only worker ``worker_id`` of ``workers`` (one
+    process), which meets the others at the outer rendezvous ``outer_addr`` (``--outer-addr``,
+    ``--worker-id`` and ``--workers`` are passed on to train).
     """
     for name, value in (("--workers", workers), ("--ranks-per-worker", ranks_per_worker)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -81,6 +86,10 @@ def launch(
     if master_port is not None and not 0 <= master_port <= 65535:
         raise ValueError(f"--master-port must be in 0..65535 (0: any free port), got {master_port}")
     argv_for_train = list(argv_for_train)
+    if outer_addr is not None or worker_id is not None:
+        argv_for_train = _one_job(argv_for_train, workers, ranks_per_worker, outer_addr, worker_id, max_restarts,
+                                  kernel_link_gbps)
+        workers = 1  # this job starts one process: its worker; the others are jobs of their own
     elastic = elastic or "--elastic" in argv_for_train
     if elastic and command is None and "--elastic" not in argv_for_train:
         argv_for_train.append("--elastic")
@@ -103,6 +112,27 @@ def launch(
         (out or sys.stdout).flush()
         return _launch(argv_for_train, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic,
                        max_restarts, link)
+
+
+def _one_job(argv: list[str], workers: int, ranks_per_worker: int, outer_addr: str | None, worker_id: int | None,
+             max_restarts: int, kernel_link_gbps: float | None) -> list[str]:
+    """The train arguments of one worker started as its own job; ValueError for what does not fit."""
+    if outer_addr is None or worker_id is None:
+        raise ValueError("--outer-addr and --worker-id go together: each worker its own job needs both")
+    if ranks_per_worker != 1:
+        raise ValueError("with --outer-addr `eagerloco train` runs one process per worker: drop --ranks-per-worker "
+                         "(a worker of several ranks: the hook API, eagerloco.outer_loop, under torchrun)")
+    if kernel_link_gbps is not None:
+        raise ValueError("--kernel-link-gbps shapes the links between the workers one launch starts on this machine; "
+                         "with --outer-addr shape this machine's uplink yourself (tc), or give train --bandwidth-gbps")
+    if max_restarts:
+        raise ValueError("--max-restarts restarts workers of one launch; a worker that is its own job (--outer-addr) "
+                         "does not come back into the running run")
+    given = {a.split("=")[0] for a in argv}
+    for flag in ("--outer-addr", "--worker-id", "--workers"):
+        if flag in given:
+            raise ValueError(f"{flag} is given to launch with --outer-addr: do not repeat it after --")
+    return [*argv, "--outer-addr", outer_addr, "--worker-id", str(worker_id), "--workers", str(workers)]
 
 
 def _launch(
@@ -401,6 +431,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="shape the link in the kernel instead of emulating it: each worker runs in its own "
                    "network namespace and its uplink carries GBPS Gbit/s (Linux, root, iproute2; latency and "
                    "jitter stay emulated). Do not pass --bandwidth-gbps to train then")
+    p.add_argument("--outer-addr", metavar="HOST:PORT", default=None,
+                   help="each worker its own job: start only worker --worker-id of --workers, which meets the others "
+                   "at the outer rendezvous worker 0 hosts at HOST:PORT (passed on to train)")
+    p.add_argument("--worker-id", type=int, default=None, metavar="I", help="with --outer-addr: this job's worker")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the arguments of `eagerloco train`")
     p.set_defaults(func=run)
     return p
@@ -412,7 +446,8 @@ def run(args: argparse.Namespace) -> int:
         train_args = train_args[1:]
     try:
         return launch(train_args, args.workers, args.ranks_per_worker, args.master_port, args.grace_s,
-                      elastic=args.elastic, max_restarts=args.max_restarts, kernel_link_gbps=args.kernel_link_gbps)
+                      elastic=args.elastic, max_restarts=args.max_restarts, kernel_link_gbps=args.kernel_link_gbps,
+                      outer_addr=args.outer_addr, worker_id=args.worker_id)
     except ValueError as e:  # ConfigError (and so LinkShapingError) is a ValueError too
         print(f"eagerloco launch: error: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
+import eagerloco
 from eagerloco.data import get_tokenizer, load_corpus, worker_streams
 from eagerloco.integrations.hf import OuterLoopCallback
 
@@ -42,6 +43,7 @@ def main() -> None:
     p.add_argument("--worker-id", type=int, default=int(os.environ.get("EAGERLOCO_WORKER_ID", 0)))
     p.add_argument("--workers", type=int, default=int(os.environ.get("EAGERLOCO_WORKERS", 1)))
     p.add_argument("--method", default="diloco")
+    p.add_argument("--elastic", action="store_true", help="the others go on when a worker dies (not worker 0)")
     p.add_argument("--inner-steps", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--save-steps", type=int, default=4)
@@ -60,6 +62,7 @@ def main() -> None:
     )
     outer = OuterLoopCallback(method=a.method, inner_steps=a.inner_steps, outer_lr=0.7,
                               outer_addr=a.outer_addr, worker_id=a.worker_id, workers=a.workers, timeout_s=60,
+                              elastic=a.elastic,
                               resume_from=a.resume)
     data = Windows(a.worker_id, a.workers, seq_len=32, count=256)
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[outer])
@@ -67,4 +70,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with eagerloco.exit_on_errors():  # a dead peer: one line naming it, exit status 3
+        main()

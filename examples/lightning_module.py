@@ -17,6 +17,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
+import eagerloco
 from eagerloco.data import get_tokenizer, load_corpus, worker_streams
 from eagerloco.integrations.lightning import OuterLoopCallback
 from eagerloco.model import GPT, GPTConfig
@@ -50,6 +51,7 @@ def main() -> None:
     p.add_argument("--worker-id", type=int, default=int(os.environ.get("EAGERLOCO_WORKER_ID", 0)))
     p.add_argument("--workers", type=int, default=int(os.environ.get("EAGERLOCO_WORKERS", 1)))
     p.add_argument("--method", default="diloco")
+    p.add_argument("--elastic", action="store_true", help="the others go on when a worker dies (not worker 0)")
     p.add_argument("--inner-steps", type=int, default=4)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--out", default="runs/pl")
@@ -59,7 +61,8 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial model in every worker
     module = LanguageModel()
     outer = OuterLoopCallback(method=a.method, inner_steps=a.inner_steps, outer_addr=a.outer_addr,
-                              worker_id=a.worker_id, workers=a.workers, timeout_s=60)
+                              worker_id=a.worker_id, workers=a.workers, timeout_s=60,
+                              elastic=a.elastic)
     saves = ModelCheckpoint(dirpath=f"{a.out}/checkpoints", filename="{epoch}", save_top_k=-1, every_n_epochs=1)
     trainer = pl.Trainer(max_epochs=a.epochs, accelerator="cpu", devices=1, callbacks=[outer, saves],
                          logger=CSVLogger(a.out, name="logs"), log_every_n_steps=1, enable_progress_bar=False,
@@ -68,4 +71,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with eagerloco.exit_on_errors():  # a dead peer: one line naming it, exit status 3
+        main()

@@ -24,6 +24,7 @@ p.add_argument("--outer-addr")
 p.add_argument("--worker-id", type=int)
 p.add_argument("--workers", type=int)
 p.add_argument("--method", default="eager")
+p.add_argument("--elastic", action="store_true", help="the others go on when a worker dies (not worker 0)")
 p.add_argument("--steps", type=int, default=40)
 p.add_argument("--save", help="write the outer state to this file at the end (for your own checkpoints)")
 a = p.parse_args()
@@ -34,15 +35,17 @@ inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
 worker, workers = a.worker_id or 0, a.workers or 1
 data = worker_streams(load_corpus("brown"), get_tokenizer("byte"), workers, 8, 64, seed=0)[worker]
 
-with eagerloco.outer_loop(model, inner, method=a.method, inner_steps=10, fragments=2, outer_lr=0.4,
-                          outer_addr=a.outer_addr, worker_id=a.worker_id, workers=a.workers) as outer:
-    for step in range(1, a.steps + 1):
-        x, y = data.next_batch()
-        _, loss = model(x, y)
-        loss.backward()
-        inner.step()  # the outer algorithm runs here, in the optimizer's hooks
-        inner.zero_grad()
-        if step % 10 == 0:
-            print(f"worker {worker} step {step} loss {loss.item():.3f} {outer.metrics()}")
-    if a.save:  # outer copies, outer-optimizer state, exchanges in flight: load_state_dict() resumes them
-        torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "outer": outer.state_dict()}, a.save)
+with eagerloco.exit_on_errors():  # a dead peer: one line naming it, exit status 3
+    with eagerloco.outer_loop(model, inner, method=a.method, inner_steps=10, fragments=2, outer_lr=0.4,
+                              outer_addr=a.outer_addr, worker_id=a.worker_id, workers=a.workers,
+                              elastic=a.elastic) as outer:
+        for step in range(1, a.steps + 1):
+            x, y = data.next_batch()
+            _, loss = model(x, y)
+            loss.backward()
+            inner.step()  # the outer algorithm runs here, in the optimizer's hooks
+            inner.zero_grad()
+            if step % 10 == 0:
+                print(f"worker {worker} step {step} loss {loss.item():.3f} {outer.metrics()}")
+        if a.save:  # outer copies, outer-optimizer state, exchanges in flight: load_state_dict() resumes them
+            torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "outer": outer.state_dict()}, a.save)

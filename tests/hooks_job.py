@@ -3,9 +3,12 @@
 Usage: python tests/hooks_job.py SCENARIO OUTDIR WORKER WORKERS PORT [PORT ...]
 
 - ``methods``: for every method, a plain loop through ``eagerloco.outer_loop`` (rendezvous at the
-  first port of the pair) and the same loop with explicit OuterSync calls (the second port); writes
-  both results to OUTDIR/methods_<worker>.pt.
+  first port of the pair) and the same loop with explicit OuterSync calls (the second port); then
+  DiLoCo through the hooks over an emulated slow link (the last port); writes the results to
+  OUTDIR/methods_<worker>.pt.
 - ``kill``: DiLoCo through the hooks; worker 1 dies at step 5, worker 0 reports what it raised.
+- ``elastic``: DiLoCo through the hooks with ``elastic=True`` (EAGERLOCO_FAULT_KILL says who dies),
+  each worker reports how it ended in OUTDIR/elastic_<worker>.json.
 - ``world``: one WORLD of two ranks, each a worker (started by ``eagerloco launch``, no rendezvous):
   eager with explicit calls, then through the hooks; writes OUTDIR/world_<rank>.pt.
 """
@@ -26,7 +29,7 @@ from test_hooks import METHODS
 import eagerloco
 from eagerloco.comm.groups import OuterRendezvous, init_process_groups, join_outer_group
 from eagerloco.comm.worker import communicator_for
-from eagerloco.config import OuterConfig
+from eagerloco.config import LinkConfig, OuterConfig
 from eagerloco.outer import OuterSync
 
 STEPS = 9
@@ -43,18 +46,18 @@ def _init() -> Toy:
     return Toy(num_blocks=4, width=8)
 
 
-def hooked(settings: dict, port: int, worker: int, workers: int) -> dict:
+def hooked(settings: dict, port: int, worker: int, workers: int, **kwargs: object) -> dict:
     model = _init()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     with eagerloco.outer_loop(model, opt, outer_addr=f"127.0.0.1:{port}", worker_id=worker, workers=workers,
-                              timeout_s=30, **settings) as outer:
+                              timeout_s=30, **settings, **kwargs) as outer:
         for step in range(1, STEPS + 1):
             opt.zero_grad()
             _loss(model, worker, step).backward()
             opt.step()
     return {"params": [p.detach().clone() for p in model.parameters()], "outer": outer.outer_parameters(),
             "bytes_sent": outer.comm.stats.bytes_sent, "num_syncs": outer.comm.stats.num_syncs,
-            "sizes": [sum(p.numel() for p in f) for f in outer.sync.params]}
+            "sizes": [sum(p.numel() for p in f) for f in outer.sync.params], "metrics": outer.metrics()}
 
 
 def explicit(settings: dict, port: int, worker: int, workers: int) -> dict:
@@ -120,6 +123,9 @@ def main() -> None:
         for i, name in enumerate(sorted(METHODS)):
             results[name] = {"hooked": hooked(METHODS[name], ports_i[2 * i], w, m),
                              "explicit": explicit(METHODS[name], ports_i[2 * i + 1], w, m)}
+        # DiLoCo over an emulated slow link (200 ms, 10 Mbit/s) between the jobs: 3 blocking syncs.
+        results["link"] = hooked(METHODS["diloco"], ports_i[2 * len(METHODS)], w, m,
+                                 link=LinkConfig(bandwidth_gbps=0.01, latency_ms=200))
         torch.save(results, out / f"methods_{w}.pt")
     elif scenario == "kill":
         model = _init()
@@ -137,6 +143,22 @@ def main() -> None:
             (out / f"kill_{w}.json").write_text(json.dumps({"type": type(e).__name__, "message": str(e),
                                                             "trace": traceback.format_exc()}))
             sys.exit(1)
+    elif scenario == "elastic":
+        model = _init()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        report: dict = {}
+        try:
+            with eagerloco.outer_loop(model, opt, outer_addr=f"127.0.0.1:{ports_i[0]}", worker_id=w, workers=m,
+                                      timeout_s=20, method="diloco", inner_steps=2, elastic=True) as outer:
+                for step in range(1, 13):
+                    opt.zero_grad()
+                    _loss(model, w, step).backward()
+                    opt.step()
+            report = {"workers": outer.num_workers, "syncs": outer.comm.stats.num_syncs}
+        except Exception as e:
+            report = {"type": type(e).__name__, "message": str(e), "trace": traceback.format_exc()}
+        (out / f"elastic_{w}.json").write_text(json.dumps(report))
+        sys.exit(1 if "type" in report else 0)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 

@@ -41,9 +41,10 @@ def job_env() -> dict[str, str]:
     return env
 
 
-def run_jobs(scenario: str, outdir: Path, ports: list[int], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+def run_jobs(scenario: str, outdir: Path, ports: list[int], timeout: float = 240,
+             env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
     procs = [subprocess.Popen([sys.executable, str(HERE / "hooks_job.py"), scenario, str(outdir), str(w), "2",
-                               *map(str, ports)], env=job_env(), cwd=HERE.parent,
+                               *map(str, ports)], env={**job_env(), **(env or {})}, cwd=HERE.parent,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for w in range(2)]
     return wait_all(procs, timeout)
 
@@ -65,7 +66,7 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[subprocess.C
 @pytest.fixture(scope="module")
 def methods(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("hooks_jobs")
-    done = run_jobs("methods", out, free_ports(2 * len(METHODS)))
+    done = run_jobs("methods", out, free_ports(2 * len(METHODS) + 1))
     for w, d in enumerate(done):
         assert d.returncode == 0, f"worker {w}:\n{d.stdout[-4000:]}"
     return [torch.load(out / f"methods_{w}.pt") for w in range(2)]
@@ -103,6 +104,22 @@ def test_blocking_methods_keep_identical_outer_parameters_and_count_the_wire_byt
     assert h0["bytes_sent"] == h1["bytes_sent"] == expected
 
 
+def test_the_emulated_link_holds_the_jobs_exchanges_back(methods: list[dict]) -> None:
+    """Every blocking DiLoCo sync between the jobs waits out the emulated link's 200 ms latency."""
+    from hooks_job import STEPS
+
+    syncs = STEPS // METHODS["diloco"]["inner_steps"]
+    l0, l1 = methods[0]["link"], methods[1]["link"]
+    assert l0["num_syncs"] == l1["num_syncs"] == syncs
+    for got in (l0, l1):
+        assert syncs * 0.2 <= got["metrics"]["outer_blocked_s"] < syncs * 0.2 + 5.0, got["metrics"]
+        assert 0 < got["metrics"]["compute_utilization"] < 1
+    # The link changes the timing, not the numbers: the same parameters as over loopback.
+    unlinked = methods[0]["diloco"]["hooked"]
+    assert all(torch.equal(a, b) for a, b in zip(l0["outer"], unlinked["outer"], strict=True))
+    assert l0["bytes_sent"] == unlinked["bytes_sent"]
+
+
 def test_a_killed_worker_stops_the_other_with_an_error_naming_it(tmp_path: Path) -> None:
     done = run_jobs("kill", tmp_path, free_ports(1), timeout=120)
     assert done[1].returncode == 3
@@ -110,6 +127,15 @@ def test_a_killed_worker_stops_the_other_with_an_error_naming_it(tmp_path: Path)
     report = json.loads((tmp_path / "kill_0.json").read_text())
     assert report["type"] == "PeerError", report["trace"]
     assert "worker 1" in report["message"], report["message"]
+
+
+def test_elastic_across_jobs_cannot_survive_worker_0_the_store_host_and_says_so(tmp_path: Path) -> None:
+    done = run_jobs("elastic", tmp_path, free_ports(1), timeout=120, env={"EAGERLOCO_FAULT_KILL": "0:5"})
+    assert done[0].returncode == -9
+    assert done[1].returncode == 1, done[1].stdout[-3000:]
+    report = json.loads((tmp_path / "elastic_1.json").read_text())
+    assert report["type"] == "PeerError", report["trace"]
+    assert report["message"].startswith("worker 0 is gone (its process hosted the outer rendezvous store"), report
 
 
 def test_the_plain_loop_example_runs_as_two_jobs(tmp_path: Path) -> None:

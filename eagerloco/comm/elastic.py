@@ -313,10 +313,7 @@ class Membership:
         jobs (the rest run again). Returns the launch step of the last exchange completed."""
         comm = self.comm
         assert comm is not None
-        mine = comm.done_upto
-        step = comm.done_upto_step()
-        every: list[Any] = [None] * len(self.members)
-        dist.all_gather_object(every, (mine, step))
+        every = self.gather_progress(comm.done_upto, comm.done_upto_step())
         dones = [d for d, _ in every]
         for seq in range(min(dones) + 1, max(dones) + 1):
             holders = [i for i, d in enumerate(dones) if d >= seq]
@@ -330,12 +327,22 @@ class Membership:
             buf = None
             if numel != BARRIER:
                 buf = mean.clone() if mean is not None else torch.empty(numel, dtype=torch.float32)
-                dist.broadcast(buf, src=holders[0])
+                self.share(buf, holders[0])
             if self.pos not in holders:
                 assert job is not None
                 comm.complete_from_peer(job, buf)
                 jobs.remove(job)
         return max(s for d, s in every if d == max(dones))
+
+    def gather_progress(self, done: int, step: int) -> list[tuple[int, int]]:
+        """Every member's (last exchange completed, its launch step), in member order (the new group)."""
+        every: list[Any] = [None] * len(self.members)
+        dist.all_gather_object(every, (done, step))
+        return [tuple(e) for e in every]
+
+    def share(self, buf: torch.Tensor, src: int) -> None:
+        """Broadcast buf from the member at position src of the new group, in place."""
+        dist.broadcast(buf, src=src)
 
     # ------------------------------------------------------------------ a worker comes back
     def _margin(self) -> int:

@@ -54,6 +54,8 @@ class DistContext:
     #: Each worker is its own job with its own WORLD (:func:`join_outer_group`): global ranks are
     #: ranks of this worker's job, and the outer group spans the jobs.
     separate_jobs: bool = False
+    #: The outer TCPStore itself, without a key prefix (separate jobs; worker 0's process hosts it).
+    outer_store: dist.Store | None = field(default=None, repr=False)
 
     @property
     def is_outer_rank(self) -> bool:
@@ -304,6 +306,7 @@ def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S
     if bool((sizes != rdzv.workers).any()):
         raise ConfigError(f"the workers at {where} were started with different --workers: {sizes.tolist()}")
     ctx.outer_group = group
+    ctx.outer_store = store
     ctx.store = dist.PrefixStore(HEARTBEAT_PREFIX, store)
     return ctx
 
@@ -366,7 +369,7 @@ def leave_outer_group(ctx: DistContext) -> None:
     if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
         group.shutdown()
     ctx.outer_group = None
-    ctx.store = None
+    ctx.store = ctx.outer_store = None
 
 
 def shutdown() -> None:

@@ -27,7 +27,8 @@ Suspects = list[tuple[int, str]]
 class Heartbeat:
     """One outer rank's heartbeat: a thread that publishes it, and a reader of the others'.
 
-    store: the heartbeat store (None: no heartbeats; diagnosis then names nobody). worker: this
+    store: the heartbeat store (None: no heartbeats; diagnosis then names nobody). store_host: the
+    worker whose process hosts that store, if one does (separate jobs: worker 0). worker: this
     worker's id; channel: which of its worker's outer exchanges this is (its rank in the worker
     when each rank exchanges a shard). progress: returns (last exchange entered, training step),
     read on every publish. The communication thread never talks to the store itself: a slow or
@@ -35,8 +36,14 @@ class Heartbeat:
     """
 
     def __init__(self, store: dist.Store | None, worker: int, channel: int = 0, interval_s: float = HEARTBEAT_S,
-                 progress: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+                 progress: Callable[[], tuple[int, int]] = lambda: (0, 0), store_host: int | None = None) -> None:
         self.store, self.worker, self.channel = store, worker, channel
+        #: The worker whose process hosts the store (worker 0 when each worker is its own job; None
+        #: when a launcher hosts it): a store gone unreachable means that worker is gone.
+        self.store_host = store_host
+        #: A store operation failed: the store is gone, stop writing to it (each failed operation
+        #: costs a connection attempt and a warning from the store's client).
+        self.store_lost = False
         self.interval_s = interval_s
         #: A heartbeat older than this marks its worker gone or frozen.
         self.stale_s = max(3 * interval_s, 2.0)
@@ -68,11 +75,13 @@ class Heartbeat:
         with self._lock:
             if state is not None:
                 self.state = state
+            if self.store_lost:
+                return
             entered, step = self._progress()
             try:
                 self.store.set(self.key(self.worker), f"{time.time():.3f} {entered} {self.state} {step}")
-            except Exception:  # the store host may be gone; a diagnosis will say so
-                pass
+            except Exception:  # the store host is gone; a diagnosis will say so
+                self.store_lost = True
 
     def stop(self, state: str) -> None:
         """Stop the thread and publish a last heartbeat with this state ("failed" or "closed")."""
@@ -105,8 +114,14 @@ class Heartbeat:
             return [], ["no heartbeat store, so the failed worker is unknown"]
         deadline = time.monotonic() + self.stale_s + self.interval_s
         while True:
-            found = self._read_peers(seq, members, names)
+            found = ("the rendezvous store is unreachable" if self.store_lost
+                     else self._read_peers(seq, members, names))
             if isinstance(found, str):
+                self.store_lost = True
+                host = self.store_host
+                if host is not None and host != self.worker and host in members:
+                    name = names.get(host, f"worker {host}")
+                    return [host], [f"{name} is gone: it hosts the outer rendezvous store, and {found}"]
                 return [], [found]
             strong, weak = found
             final = time.monotonic() >= deadline or cancel.is_set()

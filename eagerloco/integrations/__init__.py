@@ -1,6 +1,7 @@
 """The hook API (:mod:`eagerloco.hooks`) inside training frameworks: Hugging Face's Trainer
 (:mod:`eagerloco.integrations.hf`, ``pip install 'eagerloco[hf]'``) and PyTorch Lightning
-(:mod:`eagerloco.integrations.lightning`, ``pip install 'eagerloco[lightning]'``).
+(:mod:`eagerloco.integrations.lightning`, ``pip install 'eagerloco[lightning]'``); and torchft's
+``DiLoCo`` call for ported scripts (:mod:`eagerloco.integrations.torchft`, no extra needed).
 
 Each is a callback that attaches :class:`~eagerloco.hooks.OuterLoop` to the framework's optimizer
 at train start, keeps its state in the framework's checkpoints and reports its link accounting in
