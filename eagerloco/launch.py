@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import IO, Any
 
 from eagerloco.faults import LAUNCHER_PID_ENV, STOP_SIGNALS, signal_name
+from eagerloco.procs import pid_stopped
 
 #: Seconds the other processes get to exit on their own after one fails (they notice a dead peer
 #: at once, or within their collective timeout if it hangs) before they are terminated.
@@ -269,6 +270,8 @@ def _supervise(
             say(f"stopping the processes still running {grace_s:g} s after rank {first[0]} failed")
             _stop(procs, say)
             break
+        if deadline is not None and _only_frozen_left(procs, codes, say):
+            break
         time.sleep(0.05)
     if first is None:
         return 0
@@ -356,6 +359,19 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.05)
+
+
+def _only_frozen_left(procs: list[subprocess.Popen[bytes]], codes: list[int | None], say: Any) -> bool:
+    """After a failure: if every process still running is stopped by a signal (frozen: it can neither
+    finish nor handle SIGTERM), kill those now rather than wait out the grace period. Returns whether it did."""
+    running = [r for r, c in enumerate(codes) if c is None]
+    if not running or not all(pid_stopped(procs[r].pid) for r in running):
+        return False
+    say(f"rank(s) {', '.join(map(str, running))} are stopped by a signal and cannot finish: killing them now")
+    for r in running:
+        procs[r].kill()
+        procs[r].wait()
+    return True
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], say: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def pid_alive(pid: int) -> bool:
@@ -16,4 +17,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-__all__ = ["pid_alive"]
+def pid_stopped(pid: int) -> bool:
+    """Whether the process is stopped by a signal (SIGSTOP, SIGTSTP: state T in ``/proc``), so that it
+    can handle no other signal until continued. False where ``/proc`` is missing or the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # The state follows the command name, which is in parentheses and may itself hold spaces or ')'.
+    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] == "T"
+
+
+__all__ = ["pid_alive", "pid_stopped"]

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from eagerloco.codecs import get_codec
 from eagerloco.comm.base import flatten, mean_of_payloads, wire_bytes
 from eagerloco.launch import launch
+from eagerloco.procs import pid_stopped
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -363,6 +364,35 @@ def test_launch_stops_the_others_after_the_grace_period() -> None:
     assert rc == 5, logs
     assert time.monotonic() - t0 < 15, logs  # rank 0 (sleeping 60 s) was terminated
     assert "rank 1 exited with code 5" in logs, logs
+
+
+def test_launch_kills_a_frozen_rank_at_once_instead_of_waiting_out_the_grace_period() -> None:
+    """Rank 1 fails; rank 0 has stopped itself (SIGSTOP: it cannot finish or handle SIGTERM). With a
+    grace period of 60 s, the launcher still ends within seconds, saying which rank it killed."""
+    script = (
+        "import os, signal, sys, time; r = int(os.environ['RANK']); print('up', r, flush=True); "
+        "os.kill(os.getpid(), signal.SIGSTOP) if r == 0 else (time.sleep(0.5), sys.exit(5))"
+    )
+    t0 = time.monotonic()
+    rc, logs = _launch_guarded([], 2, timeout_s=60, command=[sys.executable, "-c", script])
+    assert rc == 5, logs
+    assert time.monotonic() - t0 < 30, logs
+    assert "rank(s) 0 are stopped by a signal and cannot finish: killing them now" in logs, logs
+
+
+def test_pid_stopped_reads_the_process_state() -> None:
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not pid_stopped(p.pid)
+        os.kill(p.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not pid_stopped(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pid_stopped(p.pid)
+    finally:
+        p.kill()
+        p.wait()
+    assert not pid_stopped(p.pid)  # gone
 
 
 def test_launch_forwards_ctrl_c() -> None:
