@@ -247,10 +247,8 @@ class JobLink:
         """Worker 0's address in its namespace: where every job reaches the outer rendezvous."""
         return f"{self.subnet}.10"
 
-    def namespace(self, worker: int) -> str:
-        return self.ns
-
     def command(self, cmd: Sequence[str], worker: int = 0) -> list[str]:
+        """cmd run in this job's namespace (worker: as for KernelLink; this job has one)."""
         return ["ip", "netns", "exec", self.ns, *cmd]
 
     def env(self) -> dict[str, str]:
