@@ -72,7 +72,8 @@ def launch(
     elastic: the others go on when a rank fails (implied by ``--elastic`` among the train arguments,
     and passed on to train); max_restarts: how many times each failed rank is started again.
     kernel_link_gbps: run each worker in its own network namespace behind an uplink the kernel
-    shapes to this rate (Linux, root; see :mod:`eagerloco.netshape`) instead of emulating it.
+    shapes to this rate (Linux, root; see :mod:`eagerloco.netshape`) instead of emulating it; with
+    outer_addr (127.0.0.1:PORT) the run's jobs on this machine share one bridge (JobLink).
     outer_addr, worker_id: each worker its own job: start only worker ``worker_id`` of ``workers`` (one
     process), which meets the others at the outer rendezvous ``outer_addr`` (``--outer-addr``,
     ``--worker-id`` and ``--workers`` are passed on to train).
@@ -87,6 +88,7 @@ def launch(
     if master_port is not None and not 0 <= master_port <= 65535:
         raise ValueError(f"--master-port must be in 0..65535 (0: any free port), got {master_port}")
     argv_for_train = list(argv_for_train)
+    run_workers = workers
     if outer_addr is not None or worker_id is not None:
         argv_for_train = _one_job(argv_for_train, workers, ranks_per_worker, outer_addr, worker_id, max_restarts,
                                   kernel_link_gbps)
@@ -104,6 +106,10 @@ def launch(
     if kernel_link_gbps is None:
         return _launch(argv_for_train, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic,
                        max_restarts, None)
+    if outer_addr is not None:
+        assert worker_id is not None
+        return _launch_job_behind_link(argv_for_train, run_workers, worker_id, outer_addr, kernel_link_gbps,
+                                       master_port, timeout_s, command, out, elastic)
     from eagerloco.netshape import KernelLink
 
     with KernelLink(workers, kernel_link_gbps) as link:
@@ -124,8 +130,7 @@ def _one_job(argv: list[str], workers: int, ranks_per_worker: int, outer_addr: s
         raise ValueError("with --outer-addr `eagerloco train` runs one process per worker: drop --ranks-per-worker "
                          "(a worker of several ranks: the hook API, eagerloco.outer_loop, under torchrun)")
     if kernel_link_gbps is not None:
-        raise ValueError("--kernel-link-gbps shapes the links between the workers one launch starts on this machine; "
-                         "with --outer-addr shape this machine's uplink yourself (tc), or give train --bandwidth-gbps")
+        _local_port(outer_addr)
     if max_restarts:
         raise ValueError("--max-restarts restarts workers of one launch; a worker that is its own job (--outer-addr) "
                          "does not come back into the running run")
@@ -134,6 +139,42 @@ def _one_job(argv: list[str], workers: int, ranks_per_worker: int, outer_addr: s
         if flag in given:
             raise ValueError(f"{flag} is given to launch with --outer-addr: do not repeat it after --")
     return [*argv, "--outer-addr", outer_addr, "--worker-id", str(worker_id), "--workers", str(workers)]
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _local_port(outer_addr: str) -> int:
+    """The port of an --outer-addr that names this machine's loopback; ValueError otherwise (the
+    kernel-shaped link between jobs emulates a WAN on one machine)."""
+    host, sep, port = outer_addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"--outer-addr must be host:port with a port in 1..65535, got {outer_addr!r}")
+    if host.strip("[]") not in _LOOPBACK:
+        raise ValueError(
+            f"--kernel-link-gbps with --outer-addr shapes the links between jobs on this machine: give every job "
+            f"--outer-addr 127.0.0.1:{port} (the launch moves the rendezvous onto the shaped bridge), not {host}; "
+            "jobs on separate machines are joined by the real link: drop --kernel-link-gbps there")
+    return int(port)
+
+
+def _launch_job_behind_link(argv: list[str], workers: int, worker_id: int, outer_addr: str, gbps: float,
+                            master_port: int | None, timeout_s: float, command: Sequence[str] | None,
+                            out: IO[str] | None, elastic: bool) -> int:
+    """One job's worker in its own namespace behind a shaped uplink, on the bridge of the run's jobs
+    (:class:`eagerloco.netshape.JobLink`); its --outer-addr becomes worker 0's address there."""
+    from eagerloco.netshape import JobLink
+
+    port = _local_port(outer_addr)
+    with JobLink(port, worker_id, workers, gbps) as link:
+        addr = f"{link.outer_host}:{port}"
+        i = len(argv) - 1 - argv[::-1].index("--outer-addr")  # the one _one_job appended
+        argv = [*argv[:i + 1], addr, *argv[i + 2:]]
+        (out or sys.stdout).write(
+            f"[launch] kernel-shaped link: worker {worker_id} in network namespace {link.ns}, its uplink "
+            f"{gbps:g} Gbit/s (tbf) on bridge {link.bridge}; outer rendezvous {outer_addr} -> {addr}\n")
+        (out or sys.stdout).flush()
+        return _launch(argv, 1, 1, master_port, timeout_s, command, out, elastic, 0, link)
 
 
 def _launch(
@@ -446,7 +487,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--kernel-link-gbps", type=float, default=None, metavar="GBPS",
                    help="shape the link in the kernel instead of emulating it: each worker runs in its own "
                    "network namespace and its uplink carries GBPS Gbit/s (Linux, root, iproute2; latency and "
-                   "jitter stay emulated). Do not pass --bandwidth-gbps to train then")
+                   "jitter stay emulated). Do not pass --bandwidth-gbps to train then. With --outer-addr "
+                   "127.0.0.1:PORT: jobs of one machine, each worker in its own namespace on a bridge they share")
     p.add_argument("--outer-addr", metavar="HOST:PORT", default=None,
                    help="each worker its own job: start only worker --worker-id of --workers, which meets the others "
                    "at the outer rendezvous worker 0 hosts at HOST:PORT (passed on to train)")

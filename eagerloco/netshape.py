@@ -5,11 +5,14 @@ See :class:`KernelLink` for how it works.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import math
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 
 from eagerloco.config import ConfigError, LinkConfig, TrainConfig
 from eagerloco.procs import pid_alive
@@ -18,6 +21,8 @@ from eagerloco.procs import pid_alive
 #: emulates only latency and jitter, and records the rate as the run's link bandwidth).
 KERNEL_LINK_ENV = "EAGERLOCO_KERNEL_LINK_GBPS"
 _PREFIX = "eloc"  # namespaces eloc<pid>w<worker>, bridge elbr<pid>, host-side veth elh<pid>w<worker>
+# One run of separate jobs (JobLink): bridge elbj<port>, host-side veth elj<port>w<worker>; namespaces as above.
+_JOB_BRIDGE, _JOB_VETH = "elbj", "elj"
 _IFACE = "eth0"  # the worker side of its veth pair, inside its namespace
 
 
@@ -32,9 +37,6 @@ def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
     return r
 
 
-    return True
-
-
 def tbf_args(bandwidth_gbps: float) -> list[str]:
     """The tbf qdisc parameters for a rate of bandwidth_gbps.
 
@@ -46,6 +48,71 @@ def tbf_args(bandwidth_gbps: float) -> list[str]:
     burst = max(64 * 1024, int(rate_bytes / 250))
     limit = max(4 * burst, 4 * 1024 * 1024)
     return ["rate", f"{int(bandwidth_gbps * 1e9)}bit", "burst", str(burst), "limit", str(limit)]
+
+
+def _check_sizes(workers: int, bandwidth_gbps: float) -> None:
+    if not (isinstance(bandwidth_gbps, (int, float)) and math.isfinite(bandwidth_gbps) and bandwidth_gbps > 0):
+        raise LinkShapingError(
+            f"--kernel-link-gbps must be a positive, finite number of Gbit/s, got {bandwidth_gbps!r}"
+        )
+    if workers > 240:
+        raise LinkShapingError(f"--kernel-link-gbps supports at most 240 workers (one /24 subnet), got {workers}")
+
+
+@contextlib.contextmanager
+def _setup_lock() -> Iterator[None]:
+    """Serializes building and removing links across the processes of this machine (root's, so one
+    file): subnets are picked and a shared bridge is made, joined and removed under it."""
+    with open(os.path.join(tempfile.gettempdir(), "eagerloco-kernel-link.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _free_subnet(start: int) -> str:
+    """A 10.213.X (a /24) no interface here uses yet, trying X = start mod 250 first."""
+    used = _run(["ip", "-o", "-4", "addr", "show"], check=False).stdout
+    for i in range(250):
+        x = (start + i) % 250
+        if f" 10.213.{x}." not in used:
+            return f"10.213.{x}"
+    raise LinkShapingError("every 10.213.X.0/24 subnet is in use here: remove stale bridges (elbr*, elbj*) and retry")
+
+
+def _add_bridge(bridge: str, addr: str, made: list[tuple[str, str]]) -> None:
+    _run(["ip", "link", "add", bridge, "type", "bridge"])
+    made.append(("link", bridge))
+    _run(["ip", "addr", "add", f"{addr}/24", "dev", bridge])
+    _run(["ip", "link", "set", bridge, "up"])
+
+
+def _add_uplink(ns: str, host: str, bridge: str, addr: str, bandwidth_gbps: float,
+                made: list[tuple[str, str]]) -> None:
+    """Join namespace ns to bridge by a veth pair (host-side end named host, eth0 inside at addr/24)
+    whose namespace end sends through a tbf of bandwidth_gbps."""
+    _run(["ip", "link", "add", host, "type", "veth", "peer", "name", _IFACE, "netns", ns])
+    made.append(("link", host))
+    _run(["ip", "link", "set", host, "master", bridge])
+    _run(["ip", "link", "set", host, "up"])
+    _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", _IFACE])
+    _run(["ip", "-n", ns, "link", "set", _IFACE, "up"])
+    _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+    r = _run(["tc", "-n", ns, "qdisc", "add", "dev", _IFACE, "root", "tbf", *tbf_args(bandwidth_gbps)], check=False)
+    if r.returncode != 0:
+        raise LinkShapingError(
+            f"this kernel cannot shape traffic with a token-bucket filter (tc qdisc tbf: "
+            f"{(r.stderr or r.stdout).strip()}); it needs sch_tbf. Use the emulated link instead "
+            "(--bandwidth-gbps among the train arguments)"
+        )
+
+
+def _remove(made: list[tuple[str, str]]) -> None:
+    """Remove what was made (a namespace takes its veth end with it), newest first."""
+    while made:
+        kind, name = made.pop()
+        _run(["ip", "netns" if kind == "ns" else "link", "del", name], check=False)
 
 
 class KernelLink:
@@ -75,12 +142,7 @@ class KernelLink:
     """
 
     def __init__(self, workers: int, bandwidth_gbps: float, tag: int | None = None) -> None:
-        if not (isinstance(bandwidth_gbps, (int, float)) and math.isfinite(bandwidth_gbps) and bandwidth_gbps > 0):
-            raise LinkShapingError(
-                f"--kernel-link-gbps must be a positive, finite number of Gbit/s, got {bandwidth_gbps!r}"
-            )
-        if workers > 240:
-            raise LinkShapingError(f"--kernel-link-gbps supports at most 240 workers (one /24 subnet), got {workers}")
+        _check_sizes(workers, bandwidth_gbps)
         self.workers, self.bandwidth_gbps = workers, float(bandwidth_gbps)
         self.tag = os.getpid() if tag is None else tag
         self.subnet = ""  # "10.213.X", a free one, picked on entry
@@ -121,65 +183,149 @@ class KernelLink:
 
     def __enter__(self) -> KernelLink:
         self.check()
-        remove_stale()
-        try:
-            self._setup()
-        except BaseException:
-            self.close()
-            raise
+        with _setup_lock():
+            remove_stale()
+            try:
+                self._setup()
+            except BaseException:
+                self.close()
+                raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _pick_subnet(self) -> None:
-        """A 10.213.X.0/24 no interface here uses yet (concurrent launches each get their own)."""
-        used = _run(["ip", "-o", "-4", "addr", "show"], check=False).stdout
-        for i in range(250):
-            x = (self.tag + i) % 250
-            if f" 10.213.{x}." not in used:
-                self.subnet = f"10.213.{x}"
-                return
-        raise LinkShapingError("every 10.213.X.0/24 subnet is in use here: remove stale bridges (elbr*) and retry")
-
     def _setup(self) -> None:
-        self._pick_subnet()
-        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
-        self._made.append(("link", self.bridge))
-        _run(["ip", "addr", "add", f"{self.master_addr}/24", "dev", self.bridge])
-        _run(["ip", "link", "set", self.bridge, "up"])
+        self.subnet = _free_subnet(self.tag)
+        _add_bridge(self.bridge, self.master_addr, self._made)
         for w in range(self.workers):
-            ns, host = self.namespace(w), f"elh{self.tag}w{w}"
+            ns = self.namespace(w)
             _run(["ip", "netns", "add", ns])
             self._made.append(("ns", ns))
-            _run(["ip", "link", "add", host, "type", "veth", "peer", "name", _IFACE, "netns", ns])
-            self._made.append(("link", host))
-            _run(["ip", "link", "set", host, "master", self.bridge])
-            _run(["ip", "link", "set", host, "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.subnet}.{10 + w}/24", "dev", _IFACE])
-            _run(["ip", "-n", ns, "link", "set", _IFACE, "up"])
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            r = _run(["tc", "-n", ns, "qdisc", "add", "dev", _IFACE, "root", "tbf",
-                      *tbf_args(self.bandwidth_gbps)], check=False)
-            if r.returncode != 0:
-                raise LinkShapingError(
-                    f"this kernel cannot shape traffic with a token-bucket filter (tc qdisc tbf: "
-                    f"{(r.stderr or r.stdout).strip()}); it needs sch_tbf. Use the emulated link instead "
-                    "(--bandwidth-gbps among the train arguments)"
-                )
+            _add_uplink(ns, f"elh{self.tag}w{w}", self.bridge, f"{self.subnet}.{10 + w}", self.bandwidth_gbps,
+                        self._made)
 
     def close(self) -> None:
-        """Remove what was made (a namespace takes its veth end with it), newest first."""
-        while self._made:
-            kind, name = self._made.pop()
-            if kind == "ns":
-                _run(["ip", "netns", "del", name], check=False)
-            else:
+        """Remove what was made, newest first."""
+        _remove(self._made)
+
+
+class JobLink:
+    """One job's worker behind a shaped uplink on a bridge that the jobs of one run share: the
+    kernel-shaped link of ``eagerloco launch --outer-addr 127.0.0.1:PORT --worker-id I --workers M
+    --kernel-link-gbps B``, for jobs on one machine (on separate machines the real link is the link).
+
+    The jobs agree on everything without talking: the bridge is named after the outer port
+    (``elbj<port>``), and its subnet is whatever the first job to make it picked (read back from the
+    bridge by the others). Worker I's namespace holds 10.213.X.(10 + I) on its ``eth0``, which sends
+    through the tbf; worker 0's outer store listens in its namespace, so every job's rendezvous
+    address is :attr:`outer_host` (the launch rewrites ``--outer-addr``). Building, joining and
+    removing happen under one machine-wide lock, and the last job to leave removes the bridge, so it
+    never vanishes under a running job. The namespace is named after the launching process
+    (``eloc<pid>w<I>``): a killed job's namespace, and a bridge left without members, are removed by
+    the next job or launch that starts. A second job claiming worker I of the same port finds its
+    uplink (``elj<port>w<I>``) taken and is refused.
+    """
+
+    def __init__(self, port: int, worker: int, workers: int, bandwidth_gbps: float, tag: int | None = None) -> None:
+        _check_sizes(workers, bandwidth_gbps)
+        self.port, self.worker, self.workers, self.bandwidth_gbps = port, worker, workers, float(bandwidth_gbps)
+        self.tag = os.getpid() if tag is None else tag
+        self.bridge = f"{_JOB_BRIDGE}{port}"
+        self.uplink = f"{_JOB_VETH}{port}w{worker}"
+        self.ns = f"{_PREFIX}{self.tag}w{worker}"
+        self.subnet = ""  # "10.213.X": the bridge's, read or picked on entry
+        self._made: list[tuple[str, str]] = []
+
+    @property
+    def master_addr(self) -> str:
+        """The bridge's address: this job's launcher store, seen from its namespace."""
+        return f"{self.subnet}.1"
+
+    @property
+    def outer_host(self) -> str:
+        """Worker 0's address in its namespace: where every job reaches the outer rendezvous."""
+        return f"{self.subnet}.10"
+
+    def command(self, cmd: Sequence[str], worker: int = 0) -> list[str]:
+        """cmd run in this job's namespace (worker: as for KernelLink; this job has one)."""
+        return ["ip", "netns", "exec", self.ns, *cmd]
+
+    def env(self) -> dict[str, str]:
+        return {KERNEL_LINK_ENV: repr(self.bandwidth_gbps), "GLOO_SOCKET_IFNAME": _IFACE,
+                "MASTER_ADDR": self.master_addr}
+
+    def __enter__(self) -> JobLink:
+        KernelLink.check()
+        with _setup_lock():
+            remove_stale()
+            try:
+                self._setup()
+            except BaseException:
+                _remove(self._made)
+                raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _setup(self) -> None:
+        subnet = _bridge_subnet(self.bridge)
+        if subnet is None:
+            self.subnet = _free_subnet(self.port)
+            _add_bridge(self.bridge, self.master_addr, self._made)
+        else:
+            self.subnet = subnet
+        r = _run(["ip", "link", "show", "dev", self.uplink], check=False)
+        if r.returncode == 0:
+            raise LinkShapingError(
+                f"worker {self.worker} of the run at port {self.port} already runs on this machine (its uplink "
+                f"{self.uplink} exists): give each job its own --worker-id, or a new run another --outer-addr port"
+            )
+        _run(["ip", "netns", "add", self.ns])
+        self._made.append(("ns", self.ns))
+        _add_uplink(self.ns, self.uplink, self.bridge, f"{self.subnet}.{10 + self.worker}", self.bandwidth_gbps,
+                    self._made)
+
+    def close(self) -> None:
+        """Remove this job's namespace (and with it its uplink); the last job out removes the bridge."""
+        with _setup_lock():
+            _remove([m for m in self._made if m != ("link", self.bridge)])
+            self._made.clear()
+            _remove_idle_job_bridges()
+
+
+def _bridge_subnet(bridge: str) -> str | None:
+    """The 10.213.X of a job bridge that exists, else None."""
+    r = _run(["ip", "-o", "-4", "addr", "show", "dev", bridge], check=False)
+    if r.returncode != 0:
+        return None
+    # "5: elbj29600    inet 10.213.7.1/24 scope global elbj29600 ..."
+    for word in r.stdout.split():
+        if word.startswith("10.213.") and word.endswith(".1/24"):
+            return word[: -len(".1/24")]
+    raise LinkShapingError(f"the bridge {bridge} exists without its 10.213.X.1/24 address; remove it "
+                           f"(ip link del {bridge}) and start the jobs again")
+
+
+def _remove_idle_job_bridges() -> list[str]:
+    """Remove every job bridge (elbj<port>) no uplink is attached to; call under _setup_lock, where a
+    bridge being built already has its first uplink."""
+    removed = []
+    links = _run(["ip", "-o", "link", "show", "type", "bridge"], check=False).stdout
+    for line in links.splitlines():
+        fields = line.split(": ")
+        name = fields[1].split("@")[0] if len(fields) > 1 else ""
+        if name.startswith(_JOB_BRIDGE) and name[len(_JOB_BRIDGE):].isdigit():
+            if not _run(["ip", "-o", "link", "show", "master", name], check=False).stdout.strip():
                 _run(["ip", "link", "del", name], check=False)
+                removed.append(name)
+    return removed
 
 
 def remove_stale() -> list[str]:
-    """Remove namespaces and bridges left by a launcher that was killed (its pid is gone)."""
+    """Remove namespaces and bridges left by a launcher that was killed (its pid is gone), and the
+    job bridges those leave without members; call under _setup_lock."""
     removed = []
     ns = _run(["ip", "netns", "list"], check=False).stdout.split()
     links = _run(["ip", "-o", "link", "show"], check=False).stdout
@@ -191,7 +337,7 @@ def remove_stale() -> list[str]:
             if pid is not None and not pid_alive(pid):
                 _run(["ip", kind, "del", name], check=False)
                 removed.append(name)
-    return removed
+    return removed + _remove_idle_job_bridges()
 
 
 def owner_pid(name: str) -> int | None:
@@ -269,6 +415,7 @@ def check_exchange_fits(link: LinkConfig, cfg: TrainConfig, num_params: int, tim
 
 __all__ = [
     "KERNEL_LINK_ENV",
+    "JobLink",
     "KernelLink",
     "LinkShapingError",
     "check_exchange_fits",

@@ -13,9 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from eagerloco import checkpoint as ckpt
 from eagerloco import netshape
-from eagerloco.netshape import KernelLink, LinkShapingError, tbf_args
+from eagerloco.cli import main
+from eagerloco.netshape import JobLink, KernelLink, LinkShapingError, tbf_args
+from eagerloco.procs import pid_alive
 
 
 def test_tbf_parameters_follow_the_rate() -> None:
@@ -101,7 +105,7 @@ def test_a_kernel_shaped_link_blocks_diloco_and_eager_hides_it(tmp_path: Path) -
     assert e["blocked_s"] < 0.25 * d["blocked_s"], (e, d)
     # The launchers are gone, and so are their namespaces.
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    assert not [n for n in left if (pid := netshape.owner_pid(n)) is not None and not netshape._pid_alive(pid)], left
+    assert not [n for n in left if (pid := netshape.owner_pid(n)) is not None and not pid_alive(pid)], left
 
 
 @pytest.mark.skipif(_WHY_NOT is not None, reason=f"kernel shaping not possible here: {_WHY_NOT}")
@@ -120,7 +124,6 @@ def test_concurrent_links_get_their_own_subnets_and_leave_nothing_behind() -> No
     assert a.bridge not in links and b.bridge not in links
 
 
-
 @pytest.mark.skipif(_WHY_NOT is not None, reason=f"kernel shaping not possible here: {_WHY_NOT}")
 def test_what_a_killed_launcher_left_is_removed_at_the_next_start() -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -134,3 +137,72 @@ def test_what_a_killed_launcher_left_is_removed_at_the_next_start() -> None:
         assert not {left.namespace(0), left.namespace(1)} & set(names)
     finally:
         left.close()
+
+
+def _ours_left() -> tuple[list[str], list[str]]:
+    """Namespaces of dead launchers, and job bridges / job uplinks, still on this machine."""
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    names = [f[1].split("@")[0] for line in links.splitlines() if len(f := line.split(": ")) > 1]
+    return ([n for n in ns if (pid := netshape.owner_pid(n)) is not None and not pid_alive(pid)],
+            [n for n in names if n.startswith(("elbj", "elj"))])
+
+
+def test_jobs_behind_a_kernel_link_need_the_loopback_address() -> None:
+    from eagerloco.launch import launch
+
+    with pytest.raises(ValueError, match="give every job --outer-addr 127.0.0.1:29600 .*drop --kernel-link-gbps"):
+        launch([], 2, outer_addr="10.0.0.1:29600", worker_id=0, kernel_link_gbps=1.0)
+
+
+@pytest.mark.skipif(_WHY_NOT is not None, reason=f"kernel shaping not possible here: {_WHY_NOT}")
+def test_separate_jobs_share_one_shaped_bridge_and_train_as_unshaped(tmp_path: Path) -> None:
+    """Two `eagerloco launch --outer-addr 127.0.0.1:P --worker-id I --kernel-link-gbps B` jobs, tiny model,
+    two blocking DiLoCo rounds of 3.28 MB each (about 0.52 s on the wire at 0.05 Gbit/s): each round waits
+    for the wire, the numbers are those of an unshaped run, and nothing is left behind."""
+    from test_hooks_jobs import free_ports, wait_all
+
+    gbps, payload = 0.05, 820_352 * 4
+    wire_s = payload * 8 / (gbps * 1e9)
+    port = free_ports(1)[0]
+    args = ["--method", "diloco", "--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--inner-steps", "4",
+            "--steps", "8", "--eval-batches", "1", "--no-progress", "--seed", "3", "--dist-timeout", "30",
+            "--checkpoint-every", "8"]
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV and not k.startswith("EAGERLOCO_")}
+    jobs = [subprocess.Popen([sys.executable, "-m", "eagerloco", "launch", "--outer-addr", f"127.0.0.1:{port}",
+                              "--worker-id", str(w), "--workers", "2", "--kernel-link-gbps", str(gbps), "--", *args,
+                              "--out", str(tmp_path / f"w{w}")],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for w in range(2)]
+    for w, done in enumerate(wait_all(jobs, 180)):
+        assert done.returncode == 0, f"worker {w}:\n{done.stdout[-4000:]}"
+        assert "-> 10.213." in done.stdout and f"bridge elbj{port}" in done.stdout, done.stdout[-2000:]
+    assert _ours_left() == ([], [])
+    summaries = [json.loads((tmp_path / f"w{w}" / "summary.json").read_text()) for w in range(2)]
+    for s in summaries:
+        assert s["runtime"] == "job" and s["link_shaping"] == "kernel" and s["bandwidth_gbps"] == gbps
+        assert s["blocked_s"] >= 0.7 * 2 * wire_s, s  # as in the single launch's test: the burst rides free
+    # The same run unshaped, in one process: the same outer parameters and evaluation.
+    assert main(["train", *args, "--workers", "2", "--out", str(tmp_path / "ref")]) == 0
+    ref = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    assert summaries[0]["final_eval_loss"] == summaries[1]["final_eval_loss"]
+    assert summaries[0]["final_eval_loss"] == pytest.approx(ref["final_eval_loss"], rel=1e-5)
+    ref_ckpt = ckpt.list_checkpoints(ckpt.checkpoint_root(tmp_path / "ref"))[-1]
+    for w in range(2):
+        got = ckpt.load_worker_state(ckpt.list_checkpoints(ckpt.checkpoint_root(tmp_path / f"w{w}"))[-1], w)
+        want = ckpt.load_worker_state(ref_ckpt, w)
+        for x, y in zip(got["sync"]["outer"][0], want["sync"]["outer"][0], strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(_WHY_NOT is not None, reason=f"kernel shaping not possible here: {_WHY_NOT}")
+def test_job_links_share_a_bridge_refuse_a_second_worker_and_the_last_one_out_removes_it() -> None:
+    port = 1  # a port no run's bridge is named after while this test runs
+    with JobLink(port, 0, 2, 0.5) as a:
+        with JobLink(port, 1, 2, 0.5, tag=os.getppid()) as b:  # another live job
+            assert a.bridge == b.bridge and a.subnet == b.subnet and a.ns != b.ns
+            with pytest.raises(LinkShapingError, match="worker 1 of the run at port 1 already runs"):
+                JobLink(port, 1, 2, 0.5, tag=os.getpid()).__enter__()
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        assert a.bridge in links and b.uplink not in links  # a is still on it
+    assert _ours_left() == ([], [])

@@ -60,7 +60,7 @@ def test_launch_forwards_the_outer_rendezvous_and_starts_only_this_workers_proce
     lines = [ln for ln in log.read_text().splitlines() if "ARGS" in ln]
     assert lines == ["[rank 0] ARGS ['--steps', '3', '--outer-addr', '10.0.0.1:29600', '--worker-id', '1', "
                      "'--workers', '2'] 1"]
-    with pytest.raises(ValueError, match="--kernel-link-gbps shapes the links between the workers one launch"):
+    with pytest.raises(ValueError, match="shapes the links between jobs on this machine: give every job --outer"):
         launch([], 2, outer_addr="10.0.0.1:29600", worker_id=0, kernel_link_gbps=1.0)
     with pytest.raises(ValueError, match="--outer-addr and --worker-id go together"):
         launch([], 2, worker_id=0)

@@ -28,7 +28,7 @@ from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.device import resolve_device
 from eagerloco.faults import fault_injection
 from eagerloco.jsonfiles import write_json_atomic
-from eagerloco.netshape import check_exchange_fits, emulated_link, kernel_link_from_env, link_shaping
+from eagerloco.netshape import check_exchange_fits, emulated_link, link_shaping
 from eagerloco.train.loop import Worker, prepare, run_training, task_evals
 from eagerloco.train.outputs import RunOutput
 from eagerloco.train.resume import announce_resume, checkpoint_meta, resume_checkpoint
@@ -61,10 +61,6 @@ def train_job(cfg: TrainConfig, rdzv: OuterRendezvous, timeout_s: float = 300.0)
     if cfg.rejoin:
         raise ConfigError("--rejoin is for `eagerloco launch --elastic` runs; with --outer-addr a worker that died "
                           "does not come back into the running run (restart every job with --resume)")
-    if kernel_link_from_env() is not None:
-        raise ConfigError("the kernel-shaped link (--kernel-link-gbps) shapes the links between the workers that one "
-                          "`eagerloco launch` starts on this machine; with --outer-addr shape this machine's uplink "
-                          "yourself (tc) or emulate the link with --bandwidth-gbps / --latency-ms")
     with claim(cfg):
         return _run(cfg, rdzv, timeout_s)
 
