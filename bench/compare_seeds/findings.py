@@ -47,6 +47,13 @@ def greater(iv: Interval | None) -> str:
     return "supports" if iv.lo > 0 else "contradicts" if iv.hi < 0 else "cannot tell"
 
 
+def less(iv: Interval | None) -> str:
+    """Finding 'x < 0'."""
+    if iv is None:
+        return "cannot tell (missing runs)"
+    return "supports" if iv.hi < 0 else "contradicts" if iv.lo > 0 else "cannot tell"
+
+
 def within(iv: Interval | None, margin: float) -> str:
     """Finding '|x| < margin' (relative)."""
     if iv is None:
@@ -117,6 +124,14 @@ def main() -> int:
     rows.append(("delayed-minus-eager gap grows with H (loss gap per H; change of the gap, paired)",
                  gap_text + ("<br>" + "<br>".join(verdicts) if verdicts else ""),
                  "see the changes" if verdicts else "cannot tell (one H)"))
+    # Whether the comparison's reference is a fair baseline: the outer step must beat one worker alone.
+    single = u.get("single", {})
+    d = diff(ref, single, relative=True)
+    rows.append(("baseline: tuned DiLoCo (no overlap) better than a single worker (Δ < 0)", fmt(d, True),
+                 less(d)))
+    d = diff(u.get("averaging", {}), single, relative=True)
+    rows.append(("baseline: plain averaging better than a single worker (Δ < 0)", fmt(d, True),
+                 less(d)))
     lines = ["| finding | paired 90% t interval | the interval |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     text = "\n".join(lines) + "\n"
