@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import signal
 import zlib
 from collections.abc import Callable
 
@@ -13,6 +14,13 @@ from torch import nn
 from eagerloco.comm.inprocess import InProcessGroup
 from eagerloco.config import LinkConfig, OuterConfig
 from eagerloco.outer import OuterSync, after_inner_step_all, before_inner_step_all
+
+# A suite started in the background of a shell without job control (`make test &` in a script)
+# inherits SIGINT ignored, and so would every process the tests start: the tests that stop runs
+# with Ctrl-C would then see it ignored. A handler of our own is reset to the default on exec, so
+# the processes the tests start get SIGINT as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 torch.set_num_threads(1)
 
