@@ -1,0 +1,77 @@
+"""What every settings dataclass shares: the error, the checks of one value, and how a field is declared.
+
+A field's name, type, default and docstring are the setting's whole description: the command line
+(:mod:`eagerloco.flags`), the TOML schema (:mod:`eagerloco.config.schema`) and the error messages are
+made from them. :func:`setting` adds what only the command line needs (another spelling, choices).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the flag and the allowed values."""
+
+
+def flag_name(name: str) -> str:
+    """The command-line flag of a setting: ``--inner-steps`` for ``inner_steps``."""
+    return "--" + name.replace("_", "-")
+
+
+def setting(
+    default: Any = MISSING,
+    *,
+    factory: Any = MISSING,
+    flag: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
+    group: str | None = None,
+    cli: bool = True,
+    shown_default: str | None = None,
+) -> Any:
+    """A dataclass field with what the generated command line needs beyond name, type, default and docstring.
+
+    Args:
+        default: the default value (or ``factory``: a callable making it).
+        flag: the flag's spelling when it is not ``--field-name`` (e.g. ``--non-iid`` for ``iid``:
+            a switch that turns a True default off).
+        choices: the values the flag accepts (checked by the parser and by validation).
+        metavar: the placeholder in ``--help``.
+        group: the ``--help`` section, when not the dataclass's.
+        cli: False for a setting no flag sets (the launcher passes it through the environment).
+        shown_default: what ``--help`` says the default is, when not the value itself (None: the value).
+    """
+    meta = {"flag": flag, "choices": choices, "metavar": metavar, "group": group, "cli": cli,
+            "shown_default": shown_default}
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    """Raise ConfigError unless value is one of allowed."""
+    if value not in allowed:
+        raise ConfigError(f"{flag_name(name)} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def check_int_at_least(name: str, value: Any, low: int) -> None:
+    """Raise ConfigError unless value is an integer (not a bool) >= low."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{flag_name(name)} must be an integer >= {low}, got {value!r}")
+
+
+def check_switch(name: str, value: Any) -> None:
+    """Raise ConfigError unless value is a bool."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{flag_name(name)} is a switch (true/false), got {value!r}")
+
+
+def is_finite(v: Any) -> bool:
+    """Whether v is a finite int or float (a bool is not a number here)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+__all__ = ["ConfigError", "check_choice", "check_int_at_least", "check_switch", "flag_name", "is_finite", "setting"]

@@ -1,0 +1,127 @@
+"""The process environment, read in this one place: what a launcher or the user set for this process.
+
+A launcher (``eagerloco launch``, torchrun) tells each process where it stands through environment
+variables; the user may set a few as defaults of flags. Everything eagerloco reads from the
+environment is a field of :class:`Environment`, read by :meth:`Environment.read` (no other module
+reads ``os.environ``; nothing writes it: a launcher passes the variables to the processes it starts).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from eagerloco.config.checks import ConfigError
+
+#: Set by ``eagerloco launch`` on every process it starts: the run's number of workers and ranks per worker.
+WORKERS_ENV, RANKS_PER_WORKER_ENV = "EAGERLOCO_WORKERS", "EAGERLOCO_RANKS_PER_WORKER"
+#: An outer rendezvous across separate jobs (defaults of ``--outer-addr`` and ``--worker-id``).
+OUTER_ADDR_ENV, WORKER_ID_ENV = "EAGERLOCO_OUTER_ADDR", "EAGERLOCO_WORKER_ID"
+#: Set by ``eagerloco launch --elastic`` on a process it restarts: join the live workers.
+REJOIN_ENV = "EAGERLOCO_REJOIN"
+#: Set by ``eagerloco launch --elastic``: how many times this rank was started (0 first).
+INCARNATION_ENV = "EAGERLOCO_INCARNATION"
+#: Set by ``eagerloco launch`` on every process it starts: the launcher's process id.
+LAUNCHER_PID_ENV = "EAGERLOCO_LAUNCHER_PID"
+#: Set by ``eagerloco launch --kernel-link-gbps``: the uplink rate in Gbit/s the kernel shapes (the runtime
+#: then emulates only latency and jitter, and records the rate as the run's link bandwidth).
+KERNEL_LINK_ENV = "EAGERLOCO_KERNEL_LINK_GBPS"
+#: The data cache (default of ``--data-dir``).
+DATA_DIR_ENV = "EAGERLOCO_DATA_DIR"
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the environment says about this process (None: the variable is unset or empty)."""
+
+    rank: int | None = None
+    """RANK: this process's global rank under a launcher."""
+    world_size: int | None = None
+    """WORLD_SIZE: processes of the launcher's world."""
+    local_rank: int | None = None
+    """LOCAL_RANK: this process's rank on its host."""
+    local_world_size: int | None = None
+    """LOCAL_WORLD_SIZE: processes of the world on this host."""
+    master_addr: str | None = None
+    """MASTER_ADDR: the host of the launcher's store."""
+    master_port: int | None = None
+    """MASTER_PORT: the port of the launcher's store."""
+    workers: int | None = None
+    """EAGERLOCO_WORKERS: M, as given to ``eagerloco launch``."""
+    ranks_per_worker: int | None = None
+    """EAGERLOCO_RANKS_PER_WORKER: R, as given to ``eagerloco launch``."""
+    outer_addr: str | None = None
+    """EAGERLOCO_OUTER_ADDR: worker 0's outer rendezvous HOST:PORT when each worker is its own job."""
+    worker_id: int | None = None
+    """EAGERLOCO_WORKER_ID: this job's worker id, with the outer rendezvous."""
+    rejoin: bool = False
+    """EAGERLOCO_REJOIN=1: this process was restarted into a running elastic run."""
+    incarnation: int = 0
+    """EAGERLOCO_INCARNATION: how many times the launcher has restarted this rank."""
+    launcher_pid: int | None = None
+    """EAGERLOCO_LAUNCHER_PID: the process id of the launcher that started this process."""
+    kernel_link_gbps: float | None = None
+    """EAGERLOCO_KERNEL_LINK_GBPS: the uplink rate the kernel shapes for this process's worker."""
+    data_dir: str | None = None
+    """EAGERLOCO_DATA_DIR: the data cache."""
+
+    @property
+    def launched(self) -> bool:
+        """Whether a launcher started this process as one rank of a world (RANK and WORLD_SIZE set)."""
+        return self.rank is not None and self.world_size is not None
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] | None = None) -> Environment:
+        """The environment of this process (or of ``environ``).
+
+        Raises:
+            ConfigError: a variable is set to something it cannot be (naming it and its value).
+        """
+        env = os.environ if environ is None else environ
+
+        def text(name: str) -> str | None:
+            value = env.get(name)
+            return value if value else None
+
+        def integer(name: str) -> int | None:
+            value = text(name)
+            if value is None:
+                return None
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"environment variable {name} must be an integer, got {value!r}") from None
+
+        kernel = text(KERNEL_LINK_ENV)
+        try:
+            gbps = None if kernel is None else float(kernel)
+        except ValueError:
+            gbps = math.nan
+        if gbps is not None and not (math.isfinite(gbps) and gbps > 0):
+            raise ConfigError(f"{KERNEL_LINK_ENV}={kernel!r} is not a number of Gbit/s (it is set by eagerloco "
+                              "launch --kernel-link-gbps; unset it)")
+        return cls(
+            rank=integer("RANK"), world_size=integer("WORLD_SIZE"), local_rank=integer("LOCAL_RANK"),
+            local_world_size=integer("LOCAL_WORLD_SIZE"), master_addr=text("MASTER_ADDR"),
+            master_port=integer("MASTER_PORT"), workers=integer(WORKERS_ENV),
+            ranks_per_worker=integer(RANKS_PER_WORKER_ENV), outer_addr=text(OUTER_ADDR_ENV),
+            worker_id=integer(WORKER_ID_ENV), rejoin=text(REJOIN_ENV) == "1",
+            incarnation=integer(INCARNATION_ENV) or 0, launcher_pid=integer(LAUNCHER_PID_ENV),
+            kernel_link_gbps=gbps, data_dir=text(DATA_DIR_ENV),
+        )
+
+
+__all__ = [
+    "DATA_DIR_ENV",
+    "Environment",
+    "INCARNATION_ENV",
+    "KERNEL_LINK_ENV",
+    "LAUNCHER_PID_ENV",
+    "OUTER_ADDR_ENV",
+    "RANKS_PER_WORKER_ENV",
+    "REJOIN_ENV",
+    "WORKERS_ENV",
+    "WORKER_ID_ENV",
+]

@@ -1,0 +1,188 @@
+"""The outer algorithm's settings (one object for every method of the family) and the link's."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from eagerloco.codec_sizes import CODEC_NAMES
+from eagerloco.config.checks import ConfigError, check_choice, check_int_at_least, flag_name, is_finite, setting
+from eagerloco.schedule import PATTERNS, apply_delay
+
+METHODS = ("dp", "diloco", "streaming", "delayed", "eager")
+WEIGHTINGS = ("nonlocal", "stale_average")
+OUTER_OPTIMIZERS = ("sgd", "adam", "adamw")
+MAX_ROUNDS_IN_FLIGHT = 64
+#: Slower than this (1 kbit/s) no link carries a model's outer gradient in any useful time.
+MIN_BANDWIDTH_GBPS = 1e-6
+
+
+@dataclass
+class OuterConfig:
+    """What the outer algorithm does; one object describes every method of the family.
+
+    method:
+      dp         gradient mean every inner step (the baseline)
+      diloco     H inner steps, blocking exchange of the mean outer gradient (P must be 1)
+      streaming  P staggered fragments, each synced once per H steps, optional tau-step overlap
+      delayed    naive delayed outer update: apply the mean that arrived, k rounds late
+      eager      eager updates: own fresh outer gradient in place of its missing share
+    """
+
+    method: str = setting("diloco", choices=METHODS)
+    """Which member of the family runs: dp, diloco, streaming, delayed or eager."""
+    inner_steps: int = 50
+    """H: inner steps per outer round. Each fragment is synchronized once every H inner steps."""
+    fragments: int = 1
+    """P: fragments of blocks synchronized one at a time, staggered (Streaming DiLoCo). 1 for DiLoCo."""
+    fragment_pattern: str = setting("strided", choices=PATTERNS)
+    """How blocks map to fragments: sequential (contiguous) or strided (block b in fragment b mod P)."""
+    overlap_steps: int = 0
+    """tau: inner steps an exchange may take before its mean is applied (the overlap of Streaming DiLoCo)."""
+    alpha: float = 0.0
+    """Merge weight in [0, 1] of the local fragment when an overlapped exchange lands:
+    alpha*local + (1-alpha)*outer."""
+    eager_rounds: int = 1
+    """k: outer rounds an exchange may take for delayed and eager (the papers' k-outer-steps overlap)."""
+    eager_weighting: str = setting("nonlocal", choices=WEIGHTINGS)
+    """Eager's proxy: nonlocal (every outer gradient applied exactly once) or stale_average."""
+    codec: str = setting("fp32", choices=CODEC_NAMES)
+    """Format of the outer gradient on the link (bf16, fp8, e2m1, ...); sums stay FP32."""
+    codec_block: int = 32
+    """Values sharing one scale in the block formats (MX uses 32)."""
+    stochastic_rounding: bool = False
+    """Round the quantized payload stochastically instead of to nearest."""
+    outer_optimizer: str = setting("sgd", choices=OUTER_OPTIMIZERS)
+    """The outer optimizer applied to the averaged outer gradient: sgd, adam or adamw."""
+    outer_lr: float = 0.7
+    """Outer learning rate (the DiLoCo papers: 0.7; the eager paper lowers it to about 0.4)."""
+    outer_momentum: float = 0.9
+    """Outer momentum (SGD) or beta1 (Adam); the papers use 0.9."""
+    outer_nesterov: bool = True
+    """Nesterov momentum for the outer SGD, as in the papers (--no-outer-nesterov: plain momentum)."""
+
+    def validate(self, num_blocks: int | None = None) -> OuterConfig:
+        """Raise ConfigError on the first invalid setting; returns self for chaining.
+
+        num_blocks: number of transformer blocks of the model, when known, to check P against.
+        """
+        check_choice("method", self.method, METHODS)
+        check_choice("fragment_pattern", self.fragment_pattern, PATTERNS)
+        check_choice("eager_weighting", self.eager_weighting, WEIGHTINGS)
+        check_choice("codec", self.codec, CODEC_NAMES)
+        check_choice("outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
+        check_int_at_least("inner_steps", self.inner_steps, 1)
+        check_int_at_least("fragments", self.fragments, 1)
+        check_int_at_least("eager_rounds", self.eager_rounds, 1)
+        if self.eager_rounds > MAX_ROUNDS_IN_FLIGHT:
+            raise ConfigError(
+                f"{flag_name('eager_rounds')} must be at most {MAX_ROUNDS_IN_FLIGHT}: each round in flight keeps a "
+                f"copy of the outer gradient (the papers use 1 and 2), got {self.eager_rounds}"
+            )
+        check_int_at_least("overlap_steps", self.overlap_steps, 0)
+        check_int_at_least("codec_block", self.codec_block, 1)
+        if not is_finite(self.alpha) or not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"{flag_name('alpha')} must be in [0, 1] (weight of the local parameters), "
+                              f"got {self.alpha}")
+        if not is_finite(self.outer_lr) or self.outer_lr <= 0:
+            raise ConfigError(f"{flag_name('outer_lr')} must be a positive number, got {self.outer_lr}")
+        if not is_finite(self.outer_momentum) or not 0.0 <= self.outer_momentum < 1.0:
+            raise ConfigError(f"{flag_name('outer_momentum')} must be in [0, 1), got {self.outer_momentum}")
+        if self.outer_nesterov and self.outer_optimizer == "sgd" and self.outer_momentum == 0:
+            raise ConfigError(
+                f"{flag_name('outer_nesterov')} needs {flag_name('outer_momentum')} > 0; "
+                "pass --no-outer-nesterov for plain SGD"
+            )
+        self._validate_combination(num_blocks)
+        return self
+
+    def _validate_combination(self, num_blocks: int | None) -> None:
+        method, fragments = flag_name("method"), flag_name("fragments")
+        if self.method == "diloco" and self.fragments != 1:
+            raise ConfigError(
+                f"{method} diloco synchronizes the whole model at once, so {fragments} "
+                f"must be 1 (got {self.fragments}); use {method} streaming for P > 1"
+            )
+        if self.method == "dp":
+            if self.fragments != 1 or self.overlap_steps != 0:
+                raise ConfigError(
+                    f"{method} dp averages gradients every step: {fragments} must be 1 and "
+                    f"{flag_name('overlap_steps')} 0 (got {self.fragments} and {self.overlap_steps})"
+                )
+        if self.method in ("delayed", "eager") and self.overlap_steps != 0:
+            raise ConfigError(
+                f"{method} {self.method} already overlaps the exchange with whole rounds "
+                f"({flag_name('eager_rounds')}); {flag_name('overlap_steps')} must be 0, got {self.overlap_steps}"
+            )
+        if self.method != "dp" and self.fragments > self.inner_steps:
+            raise ConfigError(
+                f"{fragments} ({self.fragments}) must not exceed {flag_name('inner_steps')} "
+                f"({self.inner_steps}): each fragment needs its own sync step within a round"
+            )
+        if self.overlap_steps > 0 and self.overlap_steps * self.fragments >= self.inner_steps:
+            raise ConfigError(
+                f"{flag_name('overlap_steps')} must be smaller than H/P = {self.inner_steps}/{self.fragments} "
+                f"so one fragment's exchange lands before the next one starts; got {self.overlap_steps}"
+            )
+        if num_blocks is not None and self.fragments > max(num_blocks, 1):
+            raise ConfigError(
+                f"{fragments} ({self.fragments}) is larger than the model's number of blocks "
+                f"({num_blocks}); choose 1..{max(num_blocks, 1)}"
+            )
+
+    @property
+    def per_step(self) -> bool:
+        """Whether workers exchange at every inner step (the gradient mean of dp) rather than once a round."""
+        return self.method == "dp"
+
+    @property
+    def round_steps(self) -> int:
+        """Inner steps between two exchanges of the same parameters: 1 for dp, else H."""
+        return 1 if self.per_step else self.inner_steps
+
+    @property
+    def apply_delay(self) -> int:
+        """Inner steps between launching an exchange and applying its mean (0: blocking)."""
+        return apply_delay(self.method, self.inner_steps, self.overlap_steps, self.eager_rounds)
+
+    @property
+    def rounds_in_flight(self) -> int:
+        """How many outer rounds an exchange may take before it must be applied."""
+        return self.eager_rounds if self.method in ("delayed", "eager") else 0
+
+
+@dataclass
+class LinkConfig:
+    """The slow link between workers: bandwidth in Gbit/s (inf: no limit) and one-way latency."""
+
+    bandwidth_gbps: float = math.inf
+    """Link bandwidth in Gbit/s between workers (the papers' x-axis); inf: no limit."""
+    latency_ms: float = 0.0
+    """One-way latency added to every exchange, in milliseconds."""
+    jitter_ms: float = 0.0
+    """Uniform extra latency in [0, J] milliseconds per exchange."""
+
+    def validate(self) -> LinkConfig:
+        """Raise ConfigError on the first invalid setting; returns self for chaining."""
+        if math.isnan(self.bandwidth_gbps) or self.bandwidth_gbps <= 0:
+            raise ConfigError(
+                f"--bandwidth-gbps must be a positive number of Gbit/s (inf for no limit), got {self.bandwidth_gbps}"
+            )
+        if self.bandwidth_gbps < MIN_BANDWIDTH_GBPS:
+            raise ConfigError(
+                f"--bandwidth-gbps {self.bandwidth_gbps:g} is below {MIN_BANDWIDTH_GBPS:g} Gbit/s (1 kbit/s), where "
+                "one exchange would outlast any run; did you mean a larger value?"
+            )
+        for name in ("latency_ms", "jitter_ms"):
+            v = getattr(self, name)
+            if not is_finite(v) or v < 0:
+                raise ConfigError(f"{flag_name(name)} must be a finite number >= 0, got {v}")
+        return self
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        """Seconds the link needs to carry nbytes, latency included (jitter is applied by the caller)."""
+        return self.latency_ms / 1e3 + nbytes * 8 / (self.bandwidth_gbps * 1e9)
+
+
+__all__ = ["LinkConfig", "MAX_ROUNDS_IN_FLIGHT", "METHODS", "MIN_BANDWIDTH_GBPS", "OUTER_OPTIMIZERS", "OuterConfig",
+           "WEIGHTINGS"]

@@ -1,0 +1,101 @@
+"""Settings from a mapping (a TOML file's tables): every key and value checked against the dataclasses.
+
+The dataclasses' own type hints are the schema: no library needed for a handful of flat types.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from dataclasses import fields
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from eagerloco.config.checks import ConfigError
+from eagerloco.config.outer import LinkConfig, OuterConfig
+from eagerloco.config.runtime import RuntimeConfig
+from eagerloco.config.train import TrainConfig
+
+#: The sections of a TrainConfig: TOML tables of the same names.
+SECTIONS: dict[str, type] = {"outer": OuterConfig, "link": LinkConfig, "runtime": RuntimeConfig}
+#: Top-level keys of an earlier release that now live in a section (accepted with a warning for one release).
+MOVED_KEYS = {"elastic": "runtime", "rejoin": "runtime"}
+
+
+def type_name(tp: Any) -> str:
+    """How an error message calls a field's type: "an integer", "a number or absent", ..."""
+    args = [a for a in get_args(tp) if a is not type(None)]
+    if get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(type_name(a) for a in args) + (" (or absent)" if type(None) in get_args(tp) else "")
+    if get_origin(tp) is list:
+        return f"a list of {type_name(args[0]).removeprefix('a ').removeprefix('an ')}s"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(tp, f"a [{getattr(tp, '__name__', tp)}] table")
+
+
+def type_ok(value: Any, tp: Any) -> bool:
+    """Whether value has the declared type, strictly: a bool is not an int, "no" is not a bool."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return any(type_ok(value, a) for a in get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is list:
+        return isinstance(value, list) and all(type_ok(v, get_args(tp)[0]) for v in value)
+    return isinstance(value, tp)
+
+
+def from_dict(cls: type, data: Any, where: str) -> Any:
+    """Build a config dataclass from a mapping, checking every key and value against the field's type.
+
+    Args:
+        cls: OuterConfig, LinkConfig, RuntimeConfig or TrainConfig (sections are built by
+            :func:`train_config_from_tables`).
+        data: the mapping, e.g. a TOML table.
+        where: what to name in errors, e.g. ``--config run.toml``.
+
+    Returns:
+        The dataclass (not yet validated for ranges and combinations: call ``validate()``).
+
+    Raises:
+        ConfigError: an unknown key (listing the known ones) or a value of the wrong type, naming
+            the key, ``where`` and the expected type.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a table of settings, got {data!r}")
+    hints = get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)} in {where}; known: {', '.join(sorted(known))}")
+    for key, value in data.items():
+        if not type_ok(value, hints[key]):
+            raise ConfigError(f"{key} = {value!r} in {where}: expected {type_name(hints[key])}")
+    return cls(**data)
+
+
+def train_config_from_tables(tables: dict[str, dict[str, Any]], where: str) -> TrainConfig:
+    """A TrainConfig from its top-level settings (``tables[""]``) and its sections (``tables["outer"]``, ...).
+
+    Raises:
+        ConfigError: see :func:`from_dict`.
+    """
+    top = dict(tables.get("", {}))
+    sections = {name: dict(tables.get(name, {})) for name in SECTIONS}
+    for key, section in MOVED_KEYS.items():
+        if key in top:
+            warnings.warn(f"{key} in {where} is now a setting of [{section}]; the top-level key is read for one "
+                          "more release", FutureWarning, stacklevel=2)
+            sections[section].setdefault(key, top.pop(key))
+    cfg = from_dict(TrainConfig, top, where)
+    for name, cls in SECTIONS.items():
+        setattr(cfg, name, from_dict(cls, sections[name], f"[{name}] of {where}"))
+    return cfg
+
+
+__all__ = ["MOVED_KEYS", "SECTIONS", "from_dict", "train_config_from_tables", "type_name", "type_ok"]

@@ -1,0 +1,260 @@
+"""A whole training run's settings: the model, data, inner optimizer and budget, with the outer
+algorithm, the link and the runtime as sections.
+
+Every check runs before any training step and raises :class:`ConfigError` with a message that
+names the flag and the values it accepts. Each field's docstring says what it means in the papers'
+terms; it is also the flag's help (:mod:`eagerloco.flags`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from eagerloco.config.checks import ConfigError, check_choice, check_switch, is_finite, setting
+from eagerloco.config.environment import Environment
+from eagerloco.config.outer import LinkConfig, OuterConfig
+from eagerloco.config.runtime import RuntimeConfig
+
+MAX_SEED = 2**63 - 1
+_DEVICE = "device"
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; validated before the first step (:meth:`validate`)."""
+
+    model: str = "tiny"
+    """Model preset (``eagerloco.model.PRESETS``): tiny, 35m, 100m, ..."""
+    data: str = "brown"
+    """Text to train on: brown, kjv, austen, a comma list of them, a file or directory, or hf:NAME."""
+    data_dir: str | None = setting(None, shown_default="$EAGERLOCO_DATA_DIR or ~/.cache/eagerloco")
+    """Cache of downloaded data and tokenizers."""
+    tokenizer: str = "byte"
+    """byte, bpe (8192 tokens) or bpe:<vocab>, trained on the training split."""
+    iid: bool = setting(True, flag="--non-iid")
+    """Whether workers get i.i.d. shards; --non-iid gives each worker its own sources or genres instead."""
+    eval_tasks: str = ""
+    """Zero-shot tasks scored at the end on the outer parameters: comma list of hellaswag, piqa, arc_easy."""
+    eval_limit: int = 200
+    """Examples per zero-shot task."""
+    tensorboard: bool = False
+    """Also write TensorBoard events to <out>/tensorboard (metrics.jsonl is always written)."""
+    batch_size: int = 8
+    """Sequences per worker per inner step."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    steps: int = 200
+    """Inner steps per worker (T)."""
+    lr: float = 3e-3
+    """Peak learning rate of the inner AdamW."""
+    weight_decay: float = 0.1
+    """Weight decay of the inner AdamW."""
+    warmup_steps: int = 20
+    """Linear warmup of the inner learning rate, then cosine decay to 10% of the peak."""
+    grad_clip: float = 1.0
+    """Clip the inner gradient's norm to this; 0: no clipping."""
+    eval_every: int = 0
+    """Evaluate the outer parameters every N inner steps; 0: only at the end."""
+    eval_batches: int = 8
+    """Held-out batches per evaluation."""
+    log_every: int = 10
+    """A metrics.jsonl line every N inner steps."""
+    seed: int = 0
+    """Seed of initialization, data order and worker shards."""
+    workers: int = setting(2, group="algorithm", shown_default="the launcher's, else 2")
+    """M: workers (replicas, datacenters) joined by the slow link."""
+    out: str = "runs/latest"
+    """Run directory: metrics.jsonl, summary.json, checkpoints/."""
+    sim_step_time: float | None = None
+    """Seconds per inner step. In-process: the simulated time of a step instead of the measured one.
+    Multi-process: each step is padded with a sleep to this wall time, an emulated accelerator of that
+    speed, so that processes sharing cores run at equal speed (steps that take longer are counted as
+    slow_steps)."""
+    progress: bool = True
+    """Show a progress bar on a terminal (--no-progress: none)."""
+    device: str = setting("auto", group=_DEVICE)
+    """Where the workers' models run: auto (cuda when available, else cpu), cpu, cuda or cuda:N."""
+    precision: str = setting("auto", choices=("auto", "fp32", "bf16"), group=_DEVICE)
+    """Inner-step arithmetic: fp32, or bf16 autocast over FP32 master weights; auto is bf16 on CUDA and fp32
+    on CPU. The outer copies, the outer optimizer and the exchange's sums stay FP32 either way."""
+    compile: bool = setting(False, group=_DEVICE)
+    """torch.compile the model for the inner steps (the first steps pay the compilation); the outer
+    algorithm, evaluation and checkpoints see the plain module."""
+    peak_tflops: float | None = setting(None, group=_DEVICE, shown_default="known H100/H200/A100 figures")
+    """The device's peak TFLOP/s that MFU is measured against; default from the table of known GPUs at the
+    run's precision (H100, H200, A100), none on a CPU (then the summary has no MFU)."""
+    tokens: int | None = None
+    """Token budget over all workers; sets steps when given."""
+    checkpoint_every: int = 0
+    """Checkpoint every N inner steps; 0: never."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep."""
+    resume: bool = False
+    """Continue from the newest valid checkpoint under out (the same numbers as an uninterrupted run)."""
+    overwrite: bool = False
+    """Start afresh in an out directory that holds another run, deleting its checkpoints and metrics
+    (without it such an out is refused)."""
+    slow_workers: list[str] = setting(factory=list, flag="--slow-worker", metavar="ID:FACTOR", group="faults")
+    """Emulate a straggler: worker ID takes FACTOR (>= 1) times its measured time per inner step
+    (multi-process: it sleeps; in-process: simulated time); repeatable."""
+    outer: OuterConfig = setting(factory=OuterConfig)
+    """The outer algorithm."""
+    link: LinkConfig = setting(factory=LinkConfig)
+    """The link between workers."""
+    runtime: RuntimeConfig = setting(factory=RuntimeConfig)
+    """Where the workers run and how they meet."""
+
+    def validate(self, env: Environment | None = None) -> TrainConfig:
+        """Check every setting, resolving ``tokens`` into ``steps`` and what the runtime leaves to the
+        environment (:meth:`RuntimeConfig.resolve`).
+
+        Args:
+            env: this process's environment (default: read it).
+
+        Returns:
+            self, for chaining.
+
+        Raises:
+            ConfigError: naming the first invalid setting's flag and the values it accepts.
+        """
+        env = Environment.read() if env is None else env
+        for name in ("batch_size", "seq_len", "steps", "workers", "eval_batches", "log_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if self.tokens is not None:
+            if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
+                raise ConfigError(f"--tokens must be a positive integer token budget, got {self.tokens!r}")
+            per_step = self.batch_size * self.seq_len * self.workers
+            self.steps = -(-self.tokens // per_step)
+        for name in ("warmup_steps", "eval_every", "seed", "checkpoint_every", "keep_checkpoints"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}")
+        for name in ("lr", "weight_decay", "grad_clip"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (name == "lr" and v == 0):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0 (lr > 0), got {v!r}")
+        self._validate_device()
+        if self.sim_step_time is not None and not (math.isfinite(self.sim_step_time) and self.sim_step_time > 0):
+            raise ConfigError(f"--sim-step-time must be a positive number of seconds, got {self.sim_step_time}")
+        self._validate_data()
+        self.outer.validate()
+        self.link.validate()
+        for name in ("resume", "overwrite"):
+            check_switch(name, getattr(self, name))
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+        parse_slow_workers(self.slow_workers, self.workers)
+        self.runtime.validate(self.workers, env, self.device if isinstance(self.device, str) else "auto")
+        kernel = self.runtime.kernel_link_gbps
+        if kernel is not None:  # the kernel shapes the bandwidth: the run records its rate
+            given = self.link.bandwidth_gbps
+            if math.isfinite(given) and given != kernel:
+                raise ConfigError(
+                    f"the launcher shapes the link to {kernel:g} Gbit/s in the kernel (--kernel-link-gbps), but "
+                    f"train got --bandwidth-gbps {given:g}: pass the bandwidth once, to the launcher"
+                )
+            self.link.bandwidth_gbps = kernel
+        return self
+
+    def _validate_data(self) -> None:
+        from eagerloco.model import model_config  # local imports: both import torch
+
+        try:
+            model_config(self.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        if not isinstance(self.tokenizer, str) or not re.fullmatch(r"byte|bpe(:\d+)?", self.tokenizer):
+            raise ConfigError(f"--tokenizer must be byte, bpe or bpe:<vocab size>, got {self.tokenizer!r}")
+        from eagerloco.data.tokenizer import parse_tokenizer_name
+
+        try:
+            parse_tokenizer_name(self.tokenizer)
+        except ValueError as e:
+            raise ConfigError(f"--tokenizer: {e}") from None
+        if self.seed > MAX_SEED:
+            raise ConfigError(f"--seed must be at most 2**63 - 1 (it seeds torch and numpy generators), "
+                              f"got {self.seed}")
+        from eagerloco.evals import TASKS
+
+        unknown = [t for t in self.eval_task_list if t not in TASKS]
+        if unknown:
+            raise ConfigError(f"--eval-tasks: unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
+        if isinstance(self.eval_limit, bool) or not isinstance(self.eval_limit, int) or self.eval_limit < 1:
+            raise ConfigError(f"--eval-limit must be an integer >= 1, got {self.eval_limit!r}")
+
+    def _validate_device(self) -> None:
+        from eagerloco.device import DEVICE_PATTERN, PRECISIONS, DeviceError, resolve_device  # imports torch
+
+        if not isinstance(self.device, str) or not re.fullmatch(DEVICE_PATTERN, self.device):
+            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        try:
+            resolve_device(self.device)
+        except DeviceError as e:
+            raise ConfigError(str(e)) from None
+        check_choice("precision", self.precision, PRECISIONS)
+        check_switch("compile", self.compile)
+        p = self.peak_tflops
+        if p is not None and (not is_finite(p) or p <= 0):
+            raise ConfigError(f"--peak-tflops must be a positive number of TFLOP/s, got {p!r}")
+
+    def slowdown(self, worker: int) -> float:
+        """How many times slower than measured this worker's inner steps are (1.0: not a straggler)."""
+        return parse_slow_workers(self.slow_workers).get(worker, 1.0)
+
+    @property
+    def eval_task_list(self) -> list[str]:
+        """The zero-shot tasks of ``eval_tasks`` as a list."""
+        return [t.strip() for t in self.eval_tasks.split(",") if t.strip()]
+
+
+def parse_slow_workers(specs: Any, workers: int | None = None) -> dict[int, float]:
+    """Parse the straggler settings.
+
+    Args:
+        specs: ``["1:1.5", ...]`` (``--slow-worker``, repeatable), one such string, or None.
+        workers: the number of workers, to check the ids against, when known.
+
+    Returns:
+        {worker id: slowdown factor}.
+
+    Raises:
+        ConfigError: naming the bad entry and the fix.
+    """
+    if specs is None:
+        return {}
+    if isinstance(specs, str):
+        specs = [specs]
+    if not isinstance(specs, (list, tuple)):
+        raise ConfigError(f"--slow-worker must be given as ID:FACTOR (repeatable), got {specs!r}")
+    out: dict[int, float] = {}
+    for spec in specs:
+        text = str(spec).strip()
+        wid, sep, fac = text.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            w, f = int(wid), float(fac)
+        except ValueError:
+            raise ConfigError(
+                f"--slow-worker {text!r}: expected ID:FACTOR, e.g. --slow-worker 1:1.5 "
+                "(worker 1 takes 1.5x as long per inner step)"
+            ) from None
+        if w < 0 or (workers is not None and w >= workers):
+            hi = f"0..{workers - 1}" if workers is not None else ">= 0"
+            raise ConfigError(f"--slow-worker {text!r}: worker id must be in {hi} (--workers {workers})")
+        if not math.isfinite(f) or f < 1.0:
+            raise ConfigError(
+                f"--slow-worker {text!r}: FACTOR must be a finite number >= 1 (how many times slower), got {fac}"
+            )
+        if w in out:
+            raise ConfigError(f"--slow-worker: worker {w} is given twice; give each worker once")
+        out[w] = f
+    return out
+
+
+__all__ = ["MAX_SEED", "TrainConfig", "parse_slow_workers"]
