@@ -32,18 +32,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from eagerloco import events
 from eagerloco.comm.base import Communicator
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import (
     DEFAULT_TIMEOUT_S,
     OuterRendezvous,
-    env_int,
     init_process_groups,
     join_outer_group,
     leave_outer_group,
 )
-from eagerloco.config import ConfigError, LinkConfig, OuterConfig
-from eagerloco.faults import fault_injection
+from eagerloco.config import ConfigError, Environment, LinkConfig, OuterConfig
 from eagerloco.outer import OuterOptimizerFactory, OuterSync
 
 #: torchft's ``DiLoCo`` argument names and the OuterConfig field each means.
@@ -85,6 +84,16 @@ def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     return optimizer
+
+
+def rendezvous(outer_addr: str | None, worker_id: int | None, workers: int | None,
+               env: Environment) -> OuterRendezvous | None:
+    """The outer rendezvous of separate jobs from the arguments, else from the environment (None: none)."""
+    if outer_addr:
+        return OuterRendezvous.parse(outer_addr, worker_id, workers)
+    if env.outer_addr:
+        return OuterRendezvous.parse(env.outer_addr, env.worker_id, env.workers)
+    return None
 
 
 class OuterLoop:
@@ -154,7 +163,6 @@ class OuterLoop:
             self._release(cancel=True)
             raise
         self._hooks: list[Any] = []
-        self._fault = fault_injection(self.worker)
         self._mark: float | None = None
         self._wall0 = 0.0
         self.finished = False
@@ -168,15 +176,15 @@ class OuterLoop:
         from eagerloco.comm.inprocess import InProcessGroup
         from eagerloco.comm.worker import communicator_for
 
-        rdzv = (OuterRendezvous.parse(outer_addr, worker_id, workers) if outer_addr
-                else OuterRendezvous.from_env())
+        env = Environment.read()
+        rdzv = rendezvous(outer_addr, worker_id, workers, env)
         if rdzv is not None:
             self.ctx = join_outer_group(rdzv, timeout_s)
             self._joined = True
             return communicator_for(self.ctx, link, seed=seed, timeout_s=timeout_s)
-        world = env_int("WORLD_SIZE") or 1
-        if world > 1 and env_int("RANK") is not None:  # one WORLD of M workers x R ranks
-            r = ranks_per_worker or env_int("EAGERLOCO_RANKS_PER_WORKER") or 1
+        world = env.world_size or 1
+        if world > 1 and env.rank is not None:  # one WORLD of M workers x R ranks
+            r = ranks_per_worker or env.ranks_per_worker or 1
             m = workers or world // r
             self._owns_world = not dist.is_initialized()
             self.ctx = init_process_groups(m, r, timeout_s=timeout_s)
@@ -191,13 +199,13 @@ class OuterLoop:
         from eagerloco.comm.distributed import TorchDistCommunicator
         from eagerloco.comm.elastic_jobs import JobsMembership
 
-        rdzv = (OuterRendezvous.parse(outer_addr, worker_id, workers) if outer_addr
-                else OuterRendezvous.from_env())
+        env = Environment.read()
+        rdzv = rendezvous(outer_addr, worker_id, workers, env)
         if rdzv is None:
             raise ConfigError("elastic=True needs each worker as its own job: pass outer_addr='host:port', worker_id "
                               "and workers (or EAGERLOCO_OUTER_ADDR, ...). In one torchrun WORLD use `eagerloco "
                               "launch --elastic -- <train args>`, whose trainer survives dead workers")
-        world = env_int("WORLD_SIZE") or 1
+        world = env.world_size or 1
         if world > 1:
             raise ConfigError(f"elastic=True across jobs needs one process per job, but this job has WORLD_SIZE "
                               f"{world}: start each worker as one process, or drop elastic")
@@ -207,7 +215,7 @@ class OuterLoop:
         cfg = self.config
         self.membership = JobsMembership(self.ctx.outer_store, rdzv.worker, rdzv.workers, timeout_s,
                                          group=self.ctx.outer_group, inner_steps=cfg.inner_steps,
-                                         is_dp=cfg.method == "dp")
+                                         is_dp=cfg.per_step)
         self.ctx.outer_group = None  # the membership owns the group (and its successors) from here
         self.membership.attach(comm, None)
         return comm
@@ -286,8 +294,7 @@ class OuterLoop:
             self.comm.step_hint = self.sync.step  # published with the heartbeat
         if self.membership is not None:  # a worker gone: the survivors re-form the group and go on
             self.membership.on_step(self.sync.step)
-        if self._fault is not None:  # EAGERLOCO_FAULT_KILL: tests of a worker that dies mid-run
-            self._fault(self.sync.step)
+        events.inner_step_done(self.worker, self.sync.step)
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> None:

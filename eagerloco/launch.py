@@ -16,8 +16,15 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import IO, Any
 
-from eagerloco.faults import LAUNCHER_PID_ENV, STOP_SIGNALS, signal_name
+from eagerloco.config.environment import (
+    INCARNATION_ENV,
+    LAUNCHER_PID_ENV,
+    RANKS_PER_WORKER_ENV,
+    REJOIN_ENV,
+    WORKERS_ENV,
+)
 from eagerloco.procs import pid_stopped
+from eagerloco.signals import STOP_SIGNALS, signal_name
 
 #: Seconds the other processes get to exit on their own after one fails (they notice a dead peer
 #: at once, or within their collective timeout if it hangs) before they are terminated.
@@ -209,11 +216,12 @@ def _launch(
             RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
             WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
-            EAGERLOCO_WORKERS=str(workers), EAGERLOCO_RANKS_PER_WORKER=str(ranks_per_worker),
-            PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())},  # it dies with us (die_with_launcher)
+            PYTHONUNBUFFERED="1",
         )
+        env.update({WORKERS_ENV: str(workers), RANKS_PER_WORKER_ENV: str(ranks_per_worker),
+                    LAUNCHER_PID_ENV: str(os.getpid())})  # it dies with us (die_with_launcher)
         if incarnation:
-            env.update(EAGERLOCO_REJOIN="1", EAGERLOCO_INCARNATION=str(incarnation))
+            env.update({REJOIN_ENV: "1", INCARNATION_ENV: str(incarnation)})
         env.setdefault("OMP_NUM_THREADS", str(threads_each))  # as torchrun: no core oversubscription
         argv = cmd
         if link is not None:  # in the worker's network namespace, behind its shaped uplink

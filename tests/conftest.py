@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import signal
 import zlib
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from torch import nn
 from eagerloco.comm.inprocess import InProcessGroup
 from eagerloco.config import LinkConfig, OuterConfig
 from eagerloco.outer import OuterSync, after_inner_step_all, before_inner_step_all
+from eagerloco.testing.faults import environment as fault_environment
 
 # A suite started in the background of a shell without job control (`make test &` in a script)
 # inherits SIGINT ignored, and so would every process the tests start: the tests that stop runs
@@ -23,6 +25,10 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 torch.set_num_threads(1)
+
+# Every process the tests start can have faults injected (EAGERLOCO_FAULT_KILL, EAGERLOCO_FAULT_EVAL_DELAY):
+# the testing package's sitecustomize installs them at interpreter start when the variables ask for them.
+os.environ.update(fault_environment({"PYTHONPATH": os.environ.get("PYTHONPATH", "")}))
 
 
 class Toy(nn.Module):

@@ -200,7 +200,7 @@ def _losses(run_dir: Path) -> list[float]:
 def test_seeds_change_data_order_and_initialization_and_repeat_bit_for_bit(text_dir: Path, tmp_path: Path,
                                                                             counted: CountingTrain) -> None:
     from eagerloco.data import get_tokenizer, load_corpus, worker_streams
-    from eagerloco.train.loop import build_model
+    from eagerloco.train.worker import build_model
 
     # The pieces a seed drives: initialization, and the batches each worker draws.
     def init_and_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

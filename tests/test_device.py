@@ -21,8 +21,8 @@ from eagerloco.config import ConfigError, OuterConfig, TrainConfig
 from eagerloco.device import inner_optimizer, peak_tflops, resolve_device, resolve_precision
 from eagerloco.flops import PEAK_TFLOPS, flops_per_token, mfu, peak_for
 from eagerloco.model import GPT, GPTConfig
-from eagerloco.train.loop import Worker, model_flops
 from eagerloco.train.outputs import ProgressLines, add_throughput
+from eagerloco.train.worker import Worker, model_flops
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SMALL = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_mlp=64, max_seq_len=16)

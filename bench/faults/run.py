@@ -32,6 +32,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from eagerloco.testing import faults  # noqa: E402
+
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "EAGERLOCO_WORKERS", "EAGERLOCO_RANKS_PER_WORKER", "EAGERLOCO_REJOIN", "EAGERLOCO_FAULT_KILL")
 
@@ -49,9 +51,7 @@ def launch(name: str, args: argparse.Namespace, method: list[str], train_extra: 
     cmd = [sys.executable, "-m", "eagerloco", "launch", "--workers", str(args.workers), *launch_extra, "--",
            *common(args), *method, "--workers", str(args.workers), "--dist-timeout", "30", "--out", str(out),
            *train_extra]
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    if kill:
-        env["EAGERLOCO_FAULT_KILL"] = kill
+    env = faults.environment({k: v for k, v in os.environ.items() if k not in _DIST_ENV}, kill=kill)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT)
     wall = time.perf_counter() - t0

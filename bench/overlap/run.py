@@ -115,7 +115,7 @@ def run_cli(jobs: list[dict[str, Any]], timeout_s: float, kernel_link: bool = Fa
 
 
 def run_persistent(jobs: list[dict[str, Any]], timeout_s: float, scratch: Path) -> None:
-    """All runs in one launch: the same four processes run `train_distributed` once per job.
+    """All runs in one launch: the same four processes run `train` once per job.
 
     Why: process start-up (importing torch in four processes on two busy cores, joining the
     process group) costs 15-20 s here, more than most runs. Each job still goes through
@@ -144,6 +144,7 @@ def worker_main(plan_path: str) -> int:
     from eagerloco.cli import make_parser
     from eagerloco.flags import build_train_config
     from eagerloco.train import distributed as dist_train
+    from eagerloco.train import train
 
     cached: dict[str, Any] = {}
     real_init, real_shutdown = dist_train.init_process_groups, dist_train.shutdown
@@ -161,7 +162,7 @@ def worker_main(plan_path: str) -> int:
         for job in json.loads(Path(plan_path).read_text()):
             load = os.getloadavg()[0]
             cfg = build_train_config(parser.parse_args(["train", *job["argv"]]))
-            dist_train.train_distributed(cfg)
+            train(cfg)
             if rank == 0:
                 Path(job["out"], "load.json").write_text(json.dumps([load, os.getloadavg()[0]]))
     finally:

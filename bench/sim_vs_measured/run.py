@@ -65,7 +65,7 @@ def fragment_wire_bytes(model_name: str, seq_len: int, fragments: int, workers: 
     from eagerloco.config import TrainConfig
     from eagerloco.data import ByteTokenizer
     from eagerloco.fragments import assign_fragments
-    from eagerloco.train.loop import build_model
+    from eagerloco.train.worker import build_model
 
     model = build_model(TrainConfig(model=model_name, seq_len=seq_len), ByteTokenizer().vocab_size)
     sizes = [sum(p.numel() for _, p in f) for f in assign_fragments(model, fragments, "strided")]

@@ -78,7 +78,7 @@ def bare_loop(preset: str, steps: int, args: argparse.Namespace) -> dict[str, fl
     import torch
 
     from eagerloco.data import worker_streams
-    from eagerloco.train.loop import prepare
+    from eagerloco.train.worker import prepare
 
     cfg = base_config(preset, steps, args, Path(tempfile.mkdtemp()))
     corpus, tok, model, _ = prepare(cfg)

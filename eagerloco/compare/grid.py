@@ -10,7 +10,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from eagerloco.config import ConfigError, OuterConfig
-from eagerloco.schedule import apply_delay
 
 OUTER_KEYS = frozenset(f.name for f in fields(OuterConfig))
 
@@ -107,7 +106,9 @@ DEMO_ARGV = ["--out", "runs/demo", "--steps", "200", "--sim-step-time", "0.06", 
 DEFAULT_SWEEP_H = "10,20,50"
 
 #: TrainConfig fields that do not change a run's numbers: a cached run is reused across them.
-CACHE_IGNORED = {"out", "progress", "resume", "overwrite", "checkpoint_every", "keep_checkpoints", "tokens"}
+#: (runtime: compare trains in this process; elastic and rejoin: where the runtime settings were before.)
+CACHE_IGNORED = {"out", "progress", "resume", "overwrite", "checkpoint_every", "keep_checkpoints", "tokens", "runtime",
+                 "elastic", "rejoin"}
 #: Flags that choose the method; in compare the grid entry does.
 PER_ENTRY_FLAGS = ("method", "fragments", "overlap_steps", "eager_rounds")
 
@@ -142,7 +143,7 @@ def resolve_grid(spec: str) -> list[GridEntry]:
 
 def tolerated_steps(outer: OuterConfig) -> int:
     """Inner steps an exchange may take before it is applied: the schedule's own number."""
-    return apply_delay(outer.method, outer.inner_steps, outer.overlap_steps, outer.eager_rounds)
+    return outer.apply_delay
 
 
 def tolerated_text(outer: OuterConfig, step_s: float | None) -> str:

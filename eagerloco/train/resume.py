@@ -10,10 +10,11 @@ from eagerloco import checkpoint as ckpt
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.jsonfiles import finite_json
 
-#: Settings that may change between a run and its resumption without changing its numbers.
+#: Settings that may change between a run and its resumption without changing its numbers (the runtime's
+#: layout is checked on its own: check_resume_layout; elastic and rejoin: where they were before [runtime]).
 RESUMABLE_CHANGES = {"progress", "resume", "overwrite", "out", "checkpoint_every", "keep_checkpoints", "eval_every",
-                     "log_every", "elastic", "rejoin", "slow_workers", "eval_tasks", "eval_limit", "tensorboard",
-                     "device", "peak_tflops"}
+                     "log_every", "runtime", "elastic", "rejoin", "slow_workers", "eval_tasks", "eval_limit",
+                     "tensorboard", "device", "peak_tflops"}
 
 
 def check_resume_config(saved: dict[str, Any], cfg: TrainConfig) -> None:

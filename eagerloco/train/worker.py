@@ -1,8 +1,7 @@
-"""The training loop: workers in lockstep, each a model replica with its inner AdamW and data stream.
+"""A worker of the loop: a model replica with its inner AdamW, its data stream and its outer algorithm.
 
-One loop serves every runtime: it drives the list of workers that live in this process (all M
-in-process, or the single worker of a torch.distributed rank), so the algorithm, data and
-accounting are the same whichever transport carries the exchange.
+Also what every runtime builds workers from: the data and initial model (:func:`prepare`), the
+evaluation, and the model's FLOPs. The loop that drives workers is :class:`~eagerloco.train.trainer.Trainer`.
 """
 
 from __future__ import annotations
@@ -26,11 +25,9 @@ from eagerloco.device import (
     resolve_precision,
     synchronize,
 )
-from eagerloco.flops import flops_per_token, mfu
+from eagerloco.flops import flops_per_token
 from eagerloco.fsdp import load_model_state, local_state, shard_optimizer_state
-from eagerloco.outer import OuterSync, after_inner_step_all, before_inner_step_all
-from eagerloco.train.outputs import ProgressLines, accounting, add_throughput
-from eagerloco.units import fmt_bytes
+from eagerloco.outer import OuterSync
 
 
 def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
@@ -220,152 +217,6 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
     return GPT(mcfg)
 
 
-def run_training(
-    cfg: TrainConfig,
-    workers: list[Worker],
-    eval_batches: list[tuple[torch.Tensor, torch.Tensor]],
-    num_workers: int,
-    log: Callable[[dict[str, Any]], None],
-    show_progress: bool,
-    start_step: int = 0,
-    checkpoint: Callable[[int], None] | None = None,
-    real_elapsed: float = 0.0,
-    evaluate_on: bool | Callable[[], bool] = True,
-    on_step: Callable[[int], None] | None = None,
-    final_evals: Callable[[nn.Module], dict[str, float]] | None = None,
-    devices: int = 1,
-    after_eval: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
-    """Drive the local workers from start_step to cfg.steps inner steps; returns the summary.
-
-    checkpoint(step) is called every cfg.checkpoint_every steps (after the step is complete).
-    evaluate_on: whether this process evaluates (a callable: asked each time, as the evaluating
-    worker of an elastic run can change). on_step(step): called once each inner step is complete,
-    before evaluation, logging and checkpointing (elastic membership changes, fault injection).
-    devices: the accelerators all workers of the run use together (MFU is measured against their
-    peak): 1 in-process, where the workers take turns on one device.
-    after_eval(step): called on every process at each evaluation point (cfg.eval_every, and the final
-    evaluation with step = cfg.steps), once the evaluating process is done: there the others wait
-    for it outside any collective timeout.
-    """
-    evaluating = evaluate_on if callable(evaluate_on) else (lambda: bool(evaluate_on))
-    syncs = [w.sync for w in workers]
-    tokens_per_step = cfg.batch_size * cfg.seq_len * num_workers
-    perf = model_flops(workers[0], cfg)
-    bar = None
-    lines = None
-    if show_progress:
-        from tqdm import tqdm
-
-        # disable=None: a bar on a terminal; in a pipe (a log, `eagerloco launch`) a line now and then.
-        bar = tqdm(total=cfg.steps, initial=start_step, desc=cfg.outer.method, unit="step",
-                   dynamic_ncols=True, leave=False, disable=None)
-        if bar.disable:
-            bar, lines = None, ProgressLines(cfg.outer.method, cfg.steps, start_step)
-    real_t0 = time.perf_counter() - real_elapsed
-    eval_loss = float("nan")
-    for step in range(start_step + 1, cfg.steps + 1):
-        for w in workers:
-            w.forward_backward()
-        before_inner_step_all(syncs)
-        for w in workers:
-            w.optimizer_step()
-        after_inner_step_all(syncs)
-        if on_step is not None:
-            on_step(step)
-        eval_point = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
-        do_eval = eval_point and evaluating()
-        if do_eval:
-            with syncs[0].outer_weights() as m:
-                eval_loss = evaluate(m, eval_batches, workers[0].precision)
-        if after_eval is not None and eval_point:
-            after_eval(step)
-        if step % cfg.log_every == 0 or step == cfg.steps or do_eval:
-            st = workers[0].comm.stats
-            clock = workers[0].comm.clock() if workers[0].comm.simulated_clock else time.perf_counter() - real_t0
-            rec: dict[str, Any] = {
-                "step": step,
-                "tokens": step * tokens_per_step,
-                "loss": sum(w.last_loss for w in workers) / len(workers),
-                "lr": workers[0].sched.get_last_lr()[0],
-                "bytes_sent": st.bytes_sent,
-                "blocked_s": st.blocked_s,
-                "compute_s": st.compute_s,
-                "wall_s": clock,
-                "compute_utilization": st.compute_s / clock if clock > 0 else 1.0,
-            }
-            real = time.perf_counter() - real_t0
-            rate = step * tokens_per_step / real if real > 0 else float("nan")
-            rec["tokens_per_s"] = rate
-            run_mfu = mfu(rate, perf["flops_per_token"], perf["peak_tflops"], devices)
-            if run_mfu is not None:
-                rec["mfu"] = run_mfu
-            if do_eval:
-                rec["eval_loss"] = eval_loss
-            log(rec)
-            if bar is not None:
-                shown = {"mfu": f"{run_mfu:.1%}"} if run_mfu is not None else {}
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", sent=fmt_bytes(st.bytes_sent, ".1f", ""),
-                                blocked=f"{st.blocked_s:.2f}s", tok_s=f"{rate:,.0f}", **shown)
-        if bar is not None:
-            bar.update(1)
-        elif lines is not None:
-            lines.update(step, lambda: sum(w.last_loss for w in workers) / len(workers), workers[0].comm.stats,
-                         tokens=step * tokens_per_step, per_token=perf["flops_per_token"],
-                         peak=perf["peak_tflops"], devices=devices)
-        if checkpoint is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            checkpoint(step)
-    # Training is over: what is still in flight is waited on (every handle is), but that wait is
-    # shutdown, not training, so it goes to drain_s and does not count against utilization.
-    real_wall = time.perf_counter() - real_t0
-    clocks = [w.comm.clock() for w in workers]
-    blocked = [w.comm.stats.blocked_s for w in workers]
-    for s in syncs:
-        s.drain()
-    for w, c, b in zip(workers, clocks, blocked, strict=True):
-        w.comm.stats.drain_s += w.comm.stats.blocked_s - b
-        w.comm.stats.blocked_s = b
-        w.comm.set_clock(c)
-    if bar is not None:
-        bar.close()
-    final_eval = float("nan")
-    extra: dict[str, float] = {}
-    if evaluating():
-        with syncs[0].outer_weights() as m:
-            final_eval = evaluate(m, eval_batches, workers[0].precision)
-            if final_evals is not None:
-                extra = final_evals(m)
-    if after_eval is not None:
-        after_eval(cfg.steps)
-    walls = [w.comm.clock() if w.comm.simulated_clock else real_wall for w in workers]
-    acc = accounting([(w.comm.stats.as_dict(), wall) for w, wall in zip(workers, walls, strict=True)])
-    per_worker = acc.pop("per_worker")
-    summary: dict[str, Any] = {
-        "method": cfg.outer.method,
-        "workers": num_workers,
-        "inner_steps": cfg.outer.inner_steps,
-        "fragments": cfg.outer.fragments,
-        "overlap_steps": cfg.outer.overlap_steps,
-        "alpha": cfg.outer.alpha,
-        "eager_rounds": cfg.outer.eager_rounds,
-        "eager_weighting": cfg.outer.eager_weighting,
-        "codec": cfg.outer.codec,
-        "steps": cfg.steps,
-        "tokens": cfg.steps * tokens_per_step,
-        "final_eval_loss": final_eval,
-        "final_train_loss": sum(w.last_loss for w in workers) / len(workers),
-        **acc,
-        "real_wall_s": real_wall,
-        "bandwidth_gbps": cfg.link.bandwidth_gbps,
-        "latency_ms": cfg.link.latency_ms,
-        "per_worker": per_worker,
-        **perf,
-        **extra,
-    }
-    add_throughput(summary, devices)
-    return summary
-
-
 def model_flops(worker: Worker, cfg: TrainConfig) -> dict[str, Any]:
     """What MFU is computed from: the model's FLOPs per token and the device's peak, with the device,
     precision and compile setting they belong to."""
@@ -409,4 +260,4 @@ def task_evals(cfg: TrainConfig, tok: Any) -> Callable[[nn.Module], dict[str, fl
     return run
 
 
-__all__ = ["Worker", "build_model", "evaluate", "lr_lambda", "prepare", "run_training", "task_evals"]
+__all__ = ["Worker", "build_model", "evaluate", "lr_lambda", "model_flops", "prepare", "task_evals"]

@@ -1,0 +1,1 @@
+"""Tools for testing eagerloco itself (fault injection); no public module imports this package."""

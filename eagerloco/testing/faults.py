@@ -1,0 +1,121 @@
+"""Fault injection for the project's own tests and benchmarks: a worker that dies at a known step, an
+evaluation that takes long.
+
+- ``EAGERLOCO_FAULT_KILL="WORKER:STEP[:DELAY_S]"``: that worker's first incarnation SIGKILLs itself
+  DELAY_S seconds after finishing inner step STEP (so the kill lands at a known step, mid-way through
+  the next one);
+- ``EAGERLOCO_FAULT_EVAL_DELAY=S``: the evaluating process spends S more seconds on each evaluation
+  (an evaluation that outlasts ``--dist-timeout``).
+
+They are environment variables, not flags, because no real run should ever ask for them, and they
+act only in a process that installed them (:func:`install`): a test or a benchmark starts its
+processes with :func:`environment`, which adds this package's ``site`` directory to PYTHONPATH, and
+the ``sitecustomize`` there installs them at interpreter start, watching the run through
+:mod:`eagerloco.events`. No public module imports this one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from eagerloco import events
+from eagerloco.config import ConfigError, Environment
+
+FAULT_KILL_ENV = "EAGERLOCO_FAULT_KILL"
+FAULT_EVAL_DELAY_ENV = "EAGERLOCO_FAULT_EVAL_DELAY"
+#: The directory whose sitecustomize installs the faults in every process started with it on PYTHONPATH.
+SITE_DIR = Path(__file__).resolve().parent / "site"
+
+
+def environment(base: Mapping[str, str] | None = None, *, kill: str | None = None,
+                eval_delay: float | None = None) -> dict[str, str]:
+    """The environment of a process with faults injected.
+
+    Args:
+        base: the environment to add to (default: this process's).
+        kill: ``WORKER:STEP[:DELAY_S]`` (see the module docstring), or None.
+        eval_delay: extra seconds of each evaluation, or None.
+
+    Returns:
+        A copy of ``base`` with the fault variables and this package's site directory on PYTHONPATH.
+    """
+    env = dict(os.environ if base is None else base)
+    paths = [str(SITE_DIR), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    if kill is not None:
+        env[FAULT_KILL_ENV] = kill
+    if eval_delay is not None:
+        env[FAULT_EVAL_DELAY_ENV] = str(eval_delay)
+    return env
+
+
+def kill_at(environ: Mapping[str, str] | None = None) -> tuple[int, int, float] | None:
+    """(worker, step, delay_s) of ``EAGERLOCO_FAULT_KILL``, or None when unset or in a restarted process.
+
+    Raises:
+        ConfigError: the variable is set but malformed.
+    """
+    env = os.environ if environ is None else environ
+    spec = env.get(FAULT_KILL_ENV, "")
+    if not spec or Environment.read(env).rejoin:
+        return None
+    parts = spec.split(":")
+    try:
+        w, step = int(parts[0]), int(parts[1])
+        delay = float(parts[2]) if len(parts) > 2 else 0.0
+    except (ValueError, IndexError):
+        raise ConfigError(f"{FAULT_KILL_ENV}={spec!r}: expected WORKER:STEP[:DELAY_S]") from None
+    return w, step, delay
+
+
+def eval_delay_s(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds of ``EAGERLOCO_FAULT_EVAL_DELAY`` (0 when unset).
+
+    Raises:
+        ConfigError: the variable is set but not a number of seconds.
+    """
+    env = os.environ if environ is None else environ
+    spec = env.get(FAULT_EVAL_DELAY_ENV, "")
+    if not spec:
+        return 0.0
+    try:
+        return max(0.0, float(spec))
+    except ValueError:
+        raise ConfigError(f"{FAULT_EVAL_DELAY_ENV}={spec!r}: expected seconds") from None
+
+
+def kill_self(delay_s: float) -> None:
+    """SIGKILL this process after delay_s seconds (no cleanup, no goodbye: a real crash)."""
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if delay_s <= 0:
+        die()
+    t = threading.Timer(delay_s, die)
+    t.daemon = True
+    t.start()
+
+
+def install(environ: Mapping[str, str] | None = None) -> None:
+    """Watch this process's run for the faults its environment asks for (none: nothing happens)."""
+    kill = kill_at(environ)
+    if kill is not None:
+        worker, at, delay = kill
+
+        def on_step(w: int, step: int) -> None:
+            if w == worker and step == at:
+                kill_self(delay)
+
+        events.on_inner_step(on_step)
+    seconds = eval_delay_s(environ)
+    if seconds > 0:
+        events.on_evaluation(lambda step: time.sleep(seconds))
+
+
+__all__ = ["FAULT_EVAL_DELAY_ENV", "FAULT_KILL_ENV", "SITE_DIR", "environment", "eval_delay_s", "install", "kill_at",
+           "kill_self"]

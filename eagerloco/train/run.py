@@ -1,0 +1,49 @@
+"""``train(cfg)``: one run of this process, with the runtime its settings and environment select."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eagerloco.config import Environment, TrainConfig
+from eagerloco.train.distributed import DistributedRuntime
+from eagerloco.train.elastic import ElasticRuntime
+from eagerloco.train.inprocess import InProcessRuntime
+from eagerloco.train.job import JobRuntime
+from eagerloco.train.runtime import Runtime
+from eagerloco.train.trainer import Trainer
+
+#: The runtime of each kind (:meth:`eagerloco.config.RuntimeConfig.kind`).
+RUNTIMES: dict[str, type[Runtime]] = {"inprocess": InProcessRuntime, "distributed": DistributedRuntime,
+                                      "elastic": ElasticRuntime, "job": JobRuntime}
+
+
+def train(cfg: TrainConfig, env: Environment | None = None, *, validated: bool = False) -> dict[str, Any] | None:
+    """Train: M workers in this process; under ``eagerloco launch`` or torchrun this rank's share; with
+    ``cfg.runtime.outer_addr`` one worker as a job of its own.
+
+    With ``cfg.checkpoint_every``, checkpoints go to ``<out>/checkpoints``; ``cfg.resume`` continues
+    from the newest valid one, giving the same numbers as a run that was never interrupted.
+
+    Args:
+        cfg: the run's settings.
+        env: this process's environment (default: read it).
+        validated: the settings were validated against ``env`` already (by :func:`eagerloco.flags.build_train_config`):
+            skip the check.
+
+    Returns:
+        The summary on the reporting process (also written to ``<out>/summary.json``, with
+        ``metrics.jsonl`` beside it); None on the other processes of a multi-process run.
+
+    Raises:
+        ConfigError: an invalid setting, or a checkpoint or launch that does not fit these settings.
+        DataError: the data cannot be fetched or read.
+        PeerError: another worker died or stopped answering; the message names it.
+    """
+    env = Environment.read() if env is None else env
+    if not validated:
+        cfg.validate(env)
+    runtime = RUNTIMES[cfg.runtime.kind(env)](cfg, env)
+    return Trainer(cfg, runtime).run()
+
+
+__all__ = ["RUNTIMES", "train"]

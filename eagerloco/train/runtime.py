@@ -1,0 +1,166 @@
+"""What differs between the ways of starting workers, behind one small interface the trainer drives.
+
+A :class:`Runtime` answers, for the process it runs in: which workers live here and what they talk
+through (:meth:`~Runtime.build`), who evaluates and who writes the run's files, how a checkpoint's
+files reach the process that publishes it and how every process learns the outcome, what happens
+after each step and each evaluation, and how the summary is gathered. The loop itself, the one
+checkpoint protocol and the summary's formula are the :class:`~eagerloco.train.trainer.Trainer`'s.
+
+The four runtimes: :mod:`~eagerloco.train.inprocess` (M workers in this process, a simulated link),
+:mod:`~eagerloco.train.distributed` (one rank per process under a launcher),
+:mod:`~eagerloco.train.elastic` (the same, surviving dead workers) and :mod:`~eagerloco.train.job`
+(one worker per job, an outer rendezvous). A new one is a subclass that overrides what differs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from eagerloco import checkpoint as ckpt
+from eagerloco.config import Environment, LinkConfig, TrainConfig
+from eagerloco.train.resume import announce_resume, resume_checkpoint
+from eagerloco.train.rundir import claim
+from eagerloco.train.worker import Worker
+
+#: A checkpoint to continue from: its directory and its meta.json.
+Found = tuple[Path, dict[str, Any]]
+
+
+class Runtime:
+    """The runtime of one process; the defaults are those of a process that holds whole workers alone.
+
+    Args:
+        cfg: the run's settings, validated (:meth:`TrainConfig.validate`).
+        env: this process's environment.
+
+    Attributes:
+        checkpoint_kind: which runtime's checkpoints this one resumes ("inprocess" or "distributed").
+        doing: what the process is doing, for error messages ("training", "the checkpoint of step 20").
+        devices: the accelerators all workers of the run use together (MFU is measured against them).
+    """
+
+    checkpoint_kind = "inprocess"
+
+    def __init__(self, cfg: TrainConfig, env: Environment) -> None:
+        self.cfg, self.env = cfg, env
+        self.doing = "training"
+        self.devices = 1
+        self.lock: Any = None
+
+    # -- the run's lifetime -------------------------------------------------------------------------
+    def __enter__(self) -> Runtime:
+        """Take the run directory (and, on processes, join the others)."""
+        self.lock = claim(self.cfg)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """Release what :meth:`__enter__` and :meth:`build` took; ``exc``: the error that ends the run."""
+        self.close(exc)
+        if self.lock is not None:
+            self.lock.release()
+
+    def close(self, error: BaseException | None) -> None:
+        """Release the communicators and groups; on an error drop what is queued instead of waiting."""
+
+    # -- building -----------------------------------------------------------------------------------
+    def resume_point(self) -> Found | None:
+        """The checkpoint to continue from (with ``--resume``), checked against this runtime."""
+        return resume_checkpoint(self.cfg, self.checkpoint_kind)
+
+    def build(self, corpus: Any, tok: Any, base: nn.Module) -> dict[int, Worker]:
+        """This process's workers, by the id of their checkpoint file (empty: nothing left to do)."""
+        raise NotImplementedError
+
+    def load(self, files: dict[int, Worker], found: Found | None) -> tuple[int, float]:
+        """Load each worker's state from the checkpoint, if any; returns (the step to continue after, the
+        real seconds the run spent before)."""
+        if found is None:
+            return 0, 0.0
+        path, meta = found
+        for i, w in files.items():
+            w.load_state_dict(ckpt.load_worker_state(path, i))
+        return int(meta["step"]), float(meta.get("real_elapsed", 0.0))
+
+    def ready(self, start_step: int, found: Found | None) -> None:
+        """Every process is about to train from ``start_step``: announce it, make the run directory, meet."""
+        if self.reports():
+            if found is not None:
+                announce_resume(found[0], start_step, self.cfg)
+            Path(self.cfg.out).mkdir(parents=True, exist_ok=True)
+
+    # -- who does what ------------------------------------------------------------------------------
+    def reports(self) -> bool:
+        """Whether this process writes the run's files (metrics, summary, checkpoint manifest) now."""
+        return True
+
+    def evaluates(self) -> bool:
+        """Whether this process evaluates (and scores the zero-shot tasks) now."""
+        return True
+
+    # -- during training ----------------------------------------------------------------------------
+    def on_step(self, step: int) -> None:
+        """After every worker of this process completed ``step`` (membership changes)."""
+
+    def after_eval(self, step: int) -> None:
+        """On every process at each evaluation point, once the evaluating one is done."""
+
+    def log_fields(self) -> dict[str, Any]:
+        """What this runtime adds to each metrics line."""
+        return {}
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def gather_checkpoint(self, step: int, entries: dict[int, Any], problem: str | None
+                          ) -> tuple[dict[int, Any] | None, str | None]:
+        """Bring every process's manifest entries (or its write error) to the publishing process.
+
+        Returns:
+            (every file's entry by file id, the first problem) on the process that publishes; (None,
+            problem) elsewhere.
+        """
+        return entries, problem
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """What this runtime records in meta.json besides the settings and the time."""
+        return {}
+
+    def share_verdict(self, problem: str | None) -> None:
+        """Tell every process how the checkpoint went; raise CheckpointError where it failed."""
+        if problem is not None:
+            raise ckpt.CheckpointError(problem)
+
+    # -- the end ------------------------------------------------------------------------------------
+    def summarize(self, summary: dict[str, Any], files: dict[int, Worker]) -> dict[str, Any] | None:
+        """The run's summary from this process's (the accounting of all workers, on the reporting
+        process); None on a process that does not report."""
+        return summary
+
+    def emulated_link(self) -> LinkConfig:
+        """What the communicators emulate: the whole link, or where the kernel shapes its bandwidth
+        (``eagerloco launch --kernel-link-gbps``) only its latency and jitter."""
+        link = self.cfg.link
+        if self.cfg.runtime.kernel_link_gbps is None:
+            return link
+        return LinkConfig(latency_ms=link.latency_ms, jitter_ms=link.jitter_ms)
+
+    def link_shaping(self) -> str:
+        """What the summary calls the bandwidth limit: the kernel's or emulated."""
+        return "kernel" if self.cfg.runtime.kernel_link_gbps is not None else "emulated"
+
+
+def num_params(model: nn.Module) -> int:
+    """Parameters of a model (this rank's shards count whole: FSDP's DTensors report the full size)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def device_count(device: torch.device, world_size: int) -> int:
+    """The accelerators a run of ``world_size`` processes uses on a host with this device."""
+    return min(world_size, torch.cuda.device_count()) if device.type == "cuda" else 1
+
+
+__all__ = ["Found", "Runtime", "device_count", "num_params"]

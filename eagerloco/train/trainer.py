@@ -1,0 +1,270 @@
+"""The training loop, once, for every way of starting workers.
+
+    summary = Trainer(cfg, runtime).run()
+
+reads top to bottom: take the run directory, find the checkpoint to resume, build this process's
+workers (the :class:`~eagerloco.train.runtime.Runtime` says which and what they talk through), then
+per inner step: forward and backward on every local worker -> ``OuterSync.before_inner_step`` ->
+inner optimizer step -> ``OuterSync.after_inner_step`` -> the runtime's per-step work -> evaluate,
+log, checkpoint. At the end: drain what is in flight, the final evaluation, the summary.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagerloco import checkpoint as ckpt
+from eagerloco import events
+from eagerloco.config import TrainConfig
+from eagerloco.flops import mfu
+from eagerloco.jsonfiles import write_json_atomic
+from eagerloco.outer import after_inner_step_all, before_inner_step_all
+from eagerloco.train.outputs import ProgressLines, RunOutput, accounting, add_throughput
+from eagerloco.train.resume import checkpoint_meta
+from eagerloco.train.runtime import Runtime, num_params
+from eagerloco.train.worker import Worker, evaluate, model_flops, prepare, task_evals
+from eagerloco.units import fmt_bytes
+
+
+class Trainer:
+    """One process's share of a run: its workers, driven in lockstep from the first step to the summary.
+
+    Args:
+        cfg: the run's settings, validated.
+        runtime: how this process's workers are started and reach the others.
+    """
+
+    def __init__(self, cfg: TrainConfig, runtime: Runtime) -> None:
+        self.cfg, self.runtime = cfg, runtime
+        self.out = Path(cfg.out)
+        self.files: dict[int, Worker] = {}  # this process's workers by checkpoint file id
+        self.workers: list[Worker] = []
+        self.eval_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.final_evals: Any = None
+        self.start_step = 0
+        self.real_elapsed = 0.0  # real seconds of the runs this one resumes
+        self.t_run = 0.0
+        self.perf: dict[str, Any] = {}  # what MFU is computed from (model_flops)
+
+    def run(self) -> dict[str, Any] | None:
+        """Train; returns the summary (also written to ``<out>/summary.json``) on the reporting
+        process, None elsewhere.
+
+        Raises:
+            ConfigError: a checkpoint or launch that does not fit the settings.
+            PeerError: another worker died or stopped answering; the message names it.
+            CheckpointError: a checkpoint could not be written.
+        """
+        cfg, rt = self.cfg, self.runtime
+        torch.manual_seed(cfg.seed)
+        with rt:
+            found = rt.resume_point()
+            corpus, tok, base, self.eval_batches = prepare(cfg)
+            self.files = rt.build(corpus, tok, base)
+            if not self.files:
+                return None
+            self.workers = list(self.files.values())
+            self.final_evals = task_evals(cfg, tok)
+            self.start_step, self.real_elapsed = rt.load(self.files, found)
+            rt.ready(self.start_step, found)
+            self.t_run = time.perf_counter()
+            summary = self.loop()
+            rt.doing = "gathering the results"
+            summary.update(link_shaping=rt.link_shaping(), num_params=num_params(base), config=asdict(cfg))
+            summary = rt.summarize(summary, self.files)
+            if summary is not None:
+                write_json_atomic(self.out / "summary.json", summary)
+            return summary
+
+    def loop(self) -> dict[str, Any]:
+        """Inner steps from the start (or the resumed) step to ``cfg.steps``; returns this process's summary."""
+        cfg, rt, workers = self.cfg, self.runtime, self.workers
+        syncs = [w.sync for w in workers]
+        self.perf = model_flops(workers[0], cfg)
+        output = RunOutput(cfg, self.start_step, rt.reports)
+        try:
+            progress = (_Progress(cfg, workers, self.perf, self.start_step, rt.devices)
+                        if cfg.progress and rt.reports() else None)
+            real_t0 = time.perf_counter() - self.real_elapsed
+            for step in range(self.start_step + 1, cfg.steps + 1):
+                for w in workers:
+                    w.forward_backward()
+                before_inner_step_all(syncs)
+                for w in workers:
+                    w.optimizer_step()
+                after_inner_step_all(syncs)
+                rt.on_step(step)  # first: a membership change publishes the step a lost worker got to
+                for w in workers:
+                    events.inner_step_done(w.comm.rank, step)
+                eval_point = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
+                eval_loss = self.evaluate(step) if eval_point else None
+                if step % cfg.log_every == 0 or step == cfg.steps or eval_loss is not None:
+                    output.log(self.record(step, real_t0, eval_loss))
+                if progress is not None:
+                    progress.update(step, real_t0)
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                    self.save(step)
+            real_wall = time.perf_counter() - real_t0
+            self.drain()
+            if progress is not None:
+                progress.close()
+        finally:
+            output.close()
+        final_eval, extra = float("nan"), {}
+        if rt.evaluates():
+            with syncs[0].outer_weights() as m:
+                final_eval = evaluate(m, self.eval_batches, workers[0].precision)
+                if self.final_evals is not None:
+                    extra = self.final_evals(m)
+            events.evaluation_done(cfg.steps)
+        rt.after_eval(cfg.steps)
+        return self.summary(final_eval, real_wall, extra)
+
+    def evaluate(self, step: int) -> float | None:
+        """The eval loss of the outer parameters at an evaluation point (None where another process evaluates)."""
+        loss = None
+        if self.runtime.evaluates():
+            with self.workers[0].sync.outer_weights() as m:
+                loss = evaluate(m, self.eval_batches, self.workers[0].precision)
+            events.evaluation_done(step)
+        self.runtime.after_eval(step)
+        return loss
+
+    def record(self, step: int, real_t0: float, eval_loss: float | None) -> dict[str, Any]:
+        """One metrics line: loss, link accounting, clock and throughput after ``step``."""
+        cfg, workers = self.cfg, self.workers
+        st, comm = workers[0].comm.stats, workers[0].comm
+        clock = comm.clock() if comm.simulated_clock else time.perf_counter() - real_t0
+        tokens = step * cfg.batch_size * cfg.seq_len * cfg.workers
+        real = time.perf_counter() - real_t0
+        rate = tokens / real if real > 0 else float("nan")
+        rec: dict[str, Any] = {
+            "step": step,
+            "tokens": tokens,
+            "loss": sum(w.last_loss for w in workers) / len(workers),
+            "lr": workers[0].sched.get_last_lr()[0],
+            "bytes_sent": st.bytes_sent,
+            "blocked_s": st.blocked_s,
+            "compute_s": st.compute_s,
+            "wall_s": clock,
+            "compute_utilization": st.compute_s / clock if clock > 0 else 1.0,
+            "tokens_per_s": rate,
+        }
+        run_mfu = mfu(rate, self.perf["flops_per_token"], self.perf["peak_tflops"], self.runtime.devices)
+        if run_mfu is not None:
+            rec["mfu"] = run_mfu
+        if eval_loss is not None:
+            rec["eval_loss"] = eval_loss
+        rec.update(self.runtime.log_fields())
+        return rec
+
+    def drain(self) -> None:
+        """Wait for what is still in flight. That wait is shutdown, not training: it goes to ``drain_s``
+        and the clock stays where training ended, so it does not count against utilization."""
+        clocks = [w.comm.clock() for w in self.workers]
+        blocked = [w.comm.stats.blocked_s for w in self.workers]
+        for w in self.workers:
+            w.sync.drain()
+        for w, c, b in zip(self.workers, clocks, blocked, strict=True):
+            w.comm.stats.drain_s += w.comm.stats.blocked_s - b
+            w.comm.stats.blocked_s = b
+            w.comm.set_clock(c)
+
+    def summary(self, final_eval: float, real_wall: float, extra: dict[str, float]) -> dict[str, Any]:
+        """This process's summary: the settings that name the run, losses, link accounting, throughput."""
+        cfg, workers = self.cfg, self.workers
+        walls = [w.comm.clock() if w.comm.simulated_clock else real_wall for w in workers]
+        acc = accounting([(w.comm.stats.as_dict(), wall) for w, wall in zip(workers, walls, strict=True)])
+        per_worker = acc.pop("per_worker")
+        oc = cfg.outer
+        summary: dict[str, Any] = {
+            "method": oc.method, "workers": cfg.workers, "inner_steps": oc.inner_steps, "fragments": oc.fragments,
+            "overlap_steps": oc.overlap_steps, "alpha": oc.alpha, "eager_rounds": oc.eager_rounds,
+            "eager_weighting": oc.eager_weighting, "codec": oc.codec, "steps": cfg.steps,
+            "tokens": cfg.steps * cfg.batch_size * cfg.seq_len * cfg.workers,
+            "final_eval_loss": final_eval,
+            "final_train_loss": sum(w.last_loss for w in workers) / len(workers),
+            **acc,
+            "real_wall_s": real_wall,
+            "bandwidth_gbps": cfg.link.bandwidth_gbps, "latency_ms": cfg.link.latency_ms,
+            "per_worker": per_worker,
+            **self.perf,
+            **extra,
+        }
+        add_throughput(summary, self.runtime.devices)
+        return summary
+
+    def save(self, step: int) -> None:
+        """The one checkpoint protocol: every process writes its workers' files into the step's staging
+        directory, the runtime brings their manifest entries (or a write error) to the publishing
+        process, which writes meta.json last and renames the directory into place, and every process
+        learns the outcome (a failure raises CheckpointError on all of them)."""
+        cfg, rt = self.cfg, self.runtime
+        rt.doing = f"the checkpoint of step {step}"
+        root = ckpt.checkpoint_root(self.out)
+        stage = ckpt.staging_dir(root, step)
+        mine: dict[int, Any] = {}
+        problem: str | None = None
+        try:
+            for i, w in self.files.items():
+                mine[i] = ckpt.write_worker_state(stage, i, w.state_dict())
+        except ckpt.CheckpointError as e:
+            problem = str(e)
+        entries, problem = rt.gather_checkpoint(step, mine, problem)
+        if entries is not None and problem is None:
+            meta = checkpoint_meta(cfg, self.real_elapsed + time.perf_counter() - self.t_run, **rt.checkpoint_meta())
+            try:
+                ckpt.publish(root, step, [entries[i] for i in sorted(entries)], meta, keep=cfg.keep_checkpoints)
+            except ckpt.CheckpointError as e:
+                problem = str(e)
+        elif entries is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+        rt.share_verdict(problem)
+        rt.doing = "training"
+
+
+class _Progress:
+    """A bar on a terminal; in a pipe (a log, `eagerloco launch`) a line now and then."""
+
+    def __init__(self, cfg: TrainConfig, workers: list[Worker], perf: dict[str, Any], start_step: int,
+                 devices: int) -> None:
+        from tqdm import tqdm
+
+        self.cfg, self.workers, self.perf, self.devices = cfg, workers, perf, devices
+        self.bar: Any = tqdm(total=cfg.steps, initial=start_step, desc=cfg.outer.method, unit="step",
+                             dynamic_ncols=True, leave=False, disable=None)
+        self.lines = None
+        if self.bar.disable:
+            self.bar, self.lines = None, ProgressLines(cfg.outer.method, cfg.steps, start_step)
+
+    def loss(self) -> float:
+        return sum(w.last_loss for w in self.workers) / len(self.workers)
+
+    def update(self, step: int, real_t0: float) -> None:
+        cfg, st = self.cfg, self.workers[0].comm.stats
+        tokens = step * cfg.batch_size * cfg.seq_len * cfg.workers
+        if self.lines is not None:
+            self.lines.update(step, self.loss, st, tokens=tokens, per_token=self.perf["flops_per_token"],
+                              peak=self.perf["peak_tflops"], devices=self.devices)
+            return
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            real = time.perf_counter() - real_t0
+            rate = tokens / real if real > 0 else float("nan")
+            run_mfu = mfu(rate, self.perf["flops_per_token"], self.perf["peak_tflops"], self.devices)
+            shown = {"mfu": f"{run_mfu:.1%}"} if run_mfu is not None else {}
+            self.bar.set_postfix(loss=f"{self.loss():.3f}", sent=fmt_bytes(st.bytes_sent, ".1f", ""),
+                                 blocked=f"{st.blocked_s:.2f}s", tok_s=f"{rate:,.0f}", **shown)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+__all__ = ["Trainer"]
