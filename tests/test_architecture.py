@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"schedule", "codec_sizes", "units", "jsonfiles", "flops", "procs"},  # torch-free foundations
     {"codecs", "model", "evals", "fsdp", "checkpoint", "data", "device"},
     {"config"},
-    {"fragments", "faults", "netshape", "flags"},
+    {"fragments", "faults", "kernel_link_env", "flags"},
     {"comm"},
     {"outer"},
     {"train", "hooks"},

@@ -33,6 +33,7 @@ from eagerloco.comm.groups import (
     workers_from_env,
 )
 from eagerloco.comm.heartbeat import Heartbeat, blame_ranks, wait_for_key
+from eagerloco.comm.link import check_exchange_fits, emulated_link
 from eagerloco.comm.worker import communicator_for
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.device import DeviceError, resolve_device
@@ -40,7 +41,7 @@ from eagerloco.faults import eval_delay, fault_injection
 from eagerloco.fragments import find_blocks
 from eagerloco.fsdp import shard_model
 from eagerloco.jsonfiles import write_json_atomic
-from eagerloco.netshape import check_exchange_fits, emulated_link, link_shaping
+from eagerloco.kernel_link_env import kernel_link_from_env, link_shaping
 from eagerloco.train.elastic import train_elastic
 from eagerloco.train.loop import Worker, prepare, run_training, task_evals
 from eagerloco.train.outputs import RunOutput, add_throughput, aggregate, per_worker
@@ -134,8 +135,11 @@ def train_distributed(
         # Rank 0 evaluates and reports; a sharded model's forward needs all of worker 0's ranks.
         evaluates = ctx.worker == 0 if fsdp else ctx.rank == 0
         evb = evb if evaluates else []
-        link = emulated_link(cfg)
-        check_exchange_fits(link, cfg, sum(p.numel() for p in model.parameters()), timeout_s)
+        kernel_gbps = kernel_link_from_env()
+        link = emulated_link(cfg.link, kernel_gbps)
+        if kernel_gbps is not None:  # the kernel shapes the bandwidth: the run records its rate
+            cfg.link.bandwidth_gbps = kernel_gbps
+        check_exchange_fits(link, cfg.outer, cfg.workers, sum(p.numel() for p in model.parameters()), timeout_s)
         comm = communicator_for(ctx, link, seed=cfg.seed, timeout_s=timeout_s, device=device)
         # FSDP averages the gradients inside the worker itself (reduce-scatter).
         worker = Worker(model, comm, stream, cfg, inner_group=None if fsdp else ctx.inner_group)

@@ -23,10 +23,11 @@ from eagerloco.comm.elastic import Membership, outer_digest
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import env_int, heartbeat_store, init_process_groups, shutdown, store_client
 from eagerloco.comm.heartbeat import wait_for_key
+from eagerloco.comm.link import check_exchange_fits, emulated_link
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.faults import eval_delay, fault_injection, rejoining
 from eagerloco.jsonfiles import write_json_atomic
-from eagerloco.netshape import check_exchange_fits, emulated_link, link_shaping
+from eagerloco.kernel_link_env import kernel_link_from_env, link_shaping
 from eagerloco.train.loop import Worker, prepare, run_training, task_evals
 from eagerloco.train.outputs import RunOutput, add_throughput, aggregate
 from eagerloco.train.resume import (
@@ -111,8 +112,11 @@ def _run(cfg: TrainConfig, timeout_s: float, me: int, joining: bool) -> dict[str
     else:
         ctx = init_process_groups(cfg.workers, 1, "gloo", timeout_s)
         membership, outer, start_step = Membership(client, me, cfg.workers, timeout_s, **kw), ctx.outer_group, 0
-    link = emulated_link(cfg)
-    check_exchange_fits(link, cfg, sum(p.numel() for p in model.parameters()), timeout_s)
+    kernel_gbps = kernel_link_from_env()
+    link = emulated_link(cfg.link, kernel_gbps)
+    if kernel_gbps is not None:  # the kernel shapes the bandwidth: the run records its rate
+        cfg.link.bandwidth_gbps = kernel_gbps
+    check_exchange_fits(link, cfg.outer, cfg.workers, sum(p.numel() for p in model.parameters()), timeout_s)
     comm = TorchDistCommunicator(outer, link, timeout_s, membership.names,
                                  store=heartbeat_store(timeout_s), seed=cfg.seed, elastic=True,
                                  members=membership.members)

@@ -24,11 +24,12 @@ from typing import Any
 from eagerloco import checkpoint as ckpt
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.groups import OuterRendezvous, env_int, join_outer_group, leave_outer_group
+from eagerloco.comm.link import check_exchange_fits, emulated_link
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.device import resolve_device
 from eagerloco.faults import fault_injection
 from eagerloco.jsonfiles import write_json_atomic
-from eagerloco.netshape import check_exchange_fits, emulated_link, link_shaping
+from eagerloco.kernel_link_env import kernel_link_from_env, link_shaping
 from eagerloco.train.loop import Worker, prepare, run_training, task_evals
 from eagerloco.train.outputs import RunOutput
 from eagerloco.train.resume import announce_resume, checkpoint_meta, resume_checkpoint
@@ -76,8 +77,11 @@ def _run(cfg: TrainConfig, rdzv: OuterRendezvous, timeout_s: float) -> dict[str,
     device = resolve_device(cfg.device)
     model = model.to(device)
     stream = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed, iid=cfg.iid)[me]
-    link = emulated_link(cfg)
-    check_exchange_fits(link, cfg, sum(p.numel() for p in model.parameters()), timeout_s)
+    kernel_gbps = kernel_link_from_env()
+    link = emulated_link(cfg.link, kernel_gbps)
+    if kernel_gbps is not None:  # the kernel shapes the bandwidth: the run records its rate
+        cfg.link.bandwidth_gbps = kernel_gbps
+    check_exchange_fits(link, cfg.outer, cfg.workers, sum(p.numel() for p in model.parameters()), timeout_s)
     ctx = join_outer_group(rdzv, timeout_s)
     comm = TorchDistCommunicator.from_context(ctx, link, seed=cfg.seed, timeout_s=timeout_s, device=device,
                                               elastic=cfg.elastic)
