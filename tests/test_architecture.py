@@ -1,6 +1,7 @@
 """The house rules of the package, checked from its source with ``ast``.
 
-- no import circle between modules (imports inside functions count: they are circles all the same);
+- no import circle between modules (imports inside functions and under ``if TYPE_CHECKING:`` count:
+  they are circles all the same);
 - no upward import: each part of the package has a layer (docs/architecture.md) and imports only
   from lower layers or from inside its own part;
 - no ``_private`` name of one module used from another;
@@ -21,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"schedule", "codec_sizes", "units", "jsonfiles", "flops", "procs"},  # torch-free foundations
     {"codecs", "model", "evals", "fsdp", "checkpoint", "data", "device"},
     {"config"},
-    {"fragments", "faults", "netshape", "flags"},
+    {"fragments", "faults", "kernel_link_env", "flags"},
     {"comm"},
     {"outer"},
     {"train", "hooks"},
@@ -45,21 +46,23 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _nodes(tree: ast.AST):
-    """Every node except those under ``if TYPE_CHECKING:`` (annotations only: no import at run time)."""
+def _nodes(tree: ast.AST, type_checking: bool = False):
+    """Every node; those under ``if TYPE_CHECKING:`` (annotations only: no import at run time) only
+    if type_checking."""
     stack = [tree]
     while stack:
         node = stack.pop()
         yield node
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if not type_checking and isinstance(child, ast.If) and _is_type_checking(child):
                 stack.extend(child.orelse)
                 continue
             stack.append(child)
 
 
-def scan(root: Path) -> tuple[dict[str, set[str]], list[str]]:
-    """The import graph of the package at ``root`` and the uses of another module's private names."""
+def scan(root: Path, type_checking: bool = False) -> tuple[dict[str, set[str]], list[str]]:
+    """The import graph of the package at ``root`` and the uses of another module's private names;
+    type_checking: count what is imported under ``if TYPE_CHECKING:`` too."""
     files = {module_name(p, root): p for p in root.rglob("*.py")}
     packages = {module_name(p, root) for p in root.rglob("__init__.py")}
     graph: dict[str, set[str]] = {m: set() for m in files}
@@ -68,7 +71,7 @@ def scan(root: Path) -> tuple[dict[str, set[str]], list[str]]:
     for mod, path in files.items():
         tree = ast.parse(path.read_text(), str(path))
         aliases: dict[str, str] = {}  # local name -> package module it names
-        for node in _nodes(tree):
+        for node in _nodes(tree, type_checking):
             if isinstance(node, ast.Import):
                 for a in node.names:
                     if a.name == top or a.name.startswith(top + "."):
@@ -164,7 +167,7 @@ def upward(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_no_import_circle() -> None:
-    graph, _ = scan(PACKAGE)
+    graph, _ = scan(PACKAGE, type_checking=True)
     assert cycles(graph) == []
 
 
@@ -208,6 +211,17 @@ def test_the_checks_catch_what_they_are_for(planted: Path) -> None:
     assert "eagerloco.schedule (layer 0) imports eagerloco.config (layer 2)" in upward(graph)
     assert sorted(private) == ["eagerloco.schedule uses eagerloco.config._secret",
                                "eagerloco.train.loop imports _hidden from eagerloco.schedule"]
+
+
+def test_a_circle_behind_type_checking_is_a_circle(tmp_path: Path) -> None:
+    pkg = tmp_path / "eagerloco"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from eagerloco.b import B\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from eagerloco.a import A\n"
+                              "B = 1\n")
+    assert cycles(scan(pkg)[0]) == []  # what runs
+    assert cycles(scan(pkg, type_checking=True)[0]) == [["eagerloco.a", "eagerloco.b"]]
 
 
 def test_the_parser_and_the_simulator_never_import_torch() -> None:

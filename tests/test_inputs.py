@@ -235,10 +235,11 @@ def test_simulate_refuses_what_would_never_finish_or_write_where_asked(tmp_path:
 
 
 def test_a_link_slower_than_the_timeout_is_refused_on_processes(tmp_path: Path) -> None:
+    from eagerloco.comm.link import check_exchange_fits
     from eagerloco.config import ConfigError, LinkConfig, TrainConfig
-    from eagerloco.netshape import check_exchange_fits
 
     cfg = TrainConfig(workers=3)
     with pytest.raises(ConfigError, match=r"takes 1.6e\+03 s on a 1e-05 Gbit/s link, longer than --dist-timeout 300"):
-        check_exchange_fits(LinkConfig(bandwidth_gbps=1e-5), cfg, num_params=250_000, timeout_s=300.0)
-    check_exchange_fits(LinkConfig(bandwidth_gbps=1e-3), cfg, num_params=250_000, timeout_s=300.0)
+        check_exchange_fits(LinkConfig(bandwidth_gbps=1e-5), cfg.outer, cfg.workers, num_params=250_000,
+                            timeout_s=300.0)
+    check_exchange_fits(LinkConfig(bandwidth_gbps=1e-3), cfg.outer, cfg.workers, num_params=250_000, timeout_s=300.0)

@@ -16,10 +16,14 @@ import pytest
 import torch
 
 from eagerloco import checkpoint as ckpt
-from eagerloco import netshape
 from eagerloco.cli import main
-from eagerloco.netshape import JobLink, KernelLink, LinkShapingError, tbf_args
+from eagerloco.comm.link import emulated_link
+from eagerloco.config import ConfigError, Environment, LinkConfig, TrainConfig
+from eagerloco.config.environment import KERNEL_LINK_ENV
+from eagerloco.launch import kernel_link
+from eagerloco.launch.kernel_link import JobLink, KernelLink, LinkShapingError, tbf_args
 from eagerloco.procs import pid_alive
+from eagerloco.train.inprocess import InProcessRuntime
 
 
 def test_tbf_parameters_follow_the_rate() -> None:
@@ -35,15 +39,15 @@ def test_bad_rate_is_a_clear_error(bad: float) -> None:
 
 
 def test_owner_pid_reads_only_our_names() -> None:
-    assert netshape.owner_pid("eloc1234w0") == 1234
-    assert netshape.owner_pid("eloc1234w17") == 1234
-    assert netshape.owner_pid("elbr1234") == 1234
+    assert kernel_link.owner_pid("eloc1234w0") == 1234
+    assert kernel_link.owner_pid("eloc1234w17") == 1234
+    assert kernel_link.owner_pid("elbr1234") == 1234
     for other in ("eloc1234", "eloc12x4w0", "eloc1234w", "elbr", "elbr12a", "elh1234w0", "docker0", "eth0"):
-        assert netshape.owner_pid(other) is None, other
+        assert kernel_link.owner_pid(other) is None, other
 
 
 def test_without_root_the_error_says_so_and_names_the_alternative(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(netshape.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(kernel_link.os, "geteuid", lambda: 1000)
     with pytest.raises(LinkShapingError, match="needs root.*--bandwidth-gbps"):
         KernelLink.check()
 
@@ -56,6 +60,28 @@ def test_launch_refuses_a_second_bandwidth(tmp_path: Path) -> None:
     )
     assert r.returncode == 2
     assert "drop --bandwidth-gbps" in r.stderr
+
+
+def test_under_a_kernel_shaped_link_only_latency_and_jitter_are_emulated() -> None:
+    link = LinkConfig(latency_ms=10.0, jitter_ms=2.0)
+    assert emulated_link(link, None) is link  # no kernel shaping: all of it
+    emulated = emulated_link(link, 0.5)
+    assert (emulated.bandwidth_gbps, emulated.latency_ms, emulated.jitter_ms) == (float("inf"), 10.0, 2.0)
+    assert link.bandwidth_gbps == float("inf")  # the caller's settings are left alone
+    # The run's settings record the kernel's rate; the same rate twice is fine, another one is refused.
+    kernel = Environment(kernel_link_gbps=0.5)
+    for given in (float("inf"), 0.5):
+        cfg = TrainConfig(link=LinkConfig(bandwidth_gbps=given, latency_ms=10.0)).validate(kernel)
+        assert (cfg.link.bandwidth_gbps, cfg.runtime.kernel_link_gbps) == (0.5, 0.5)
+        assert InProcessRuntime(cfg, kernel).link_shaping() == "kernel"
+    with pytest.raises(ConfigError, match="shapes the link to 0.5 Gbit/s.*--bandwidth-gbps 1: pass the bandwidth once"):
+        TrainConfig(link=LinkConfig(bandwidth_gbps=1.0)).validate(kernel)
+    plain = TrainConfig().validate(Environment())
+    assert InProcessRuntime(plain, Environment()).link_shaping() == "emulated"
+    assert Environment.read({}).kernel_link_gbps is None
+    assert Environment.read({KERNEL_LINK_ENV: "0.25"}).kernel_link_gbps == 0.25
+    with pytest.raises(ConfigError, match="EAGERLOCO_KERNEL_LINK_GBPS='fast' is not a number of Gbit/s"):
+        Environment.read({KERNEL_LINK_ENV: "fast"})
 
 
 def _can_shape() -> str | None:
@@ -73,7 +99,7 @@ def _can_shape() -> str | None:
 
 _WHY_NOT = _can_shape()
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "EAGERLOCO_WORKERS", "EAGERLOCO_RANKS_PER_WORKER", netshape.KERNEL_LINK_ENV)
+             "EAGERLOCO_WORKERS", "EAGERLOCO_RANKS_PER_WORKER", KERNEL_LINK_ENV)
 
 
 @pytest.mark.skipif(_WHY_NOT is not None, reason=f"kernel shaping not possible here: {_WHY_NOT}")
@@ -105,7 +131,7 @@ def test_a_kernel_shaped_link_blocks_diloco_and_eager_hides_it(tmp_path: Path) -
     assert e["blocked_s"] < 0.25 * d["blocked_s"], (e, d)
     # The launchers are gone, and so are their namespaces.
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    assert not [n for n in left if (pid := netshape.owner_pid(n)) is not None and not pid_alive(pid)], left
+    assert not [n for n in left if (pid := kernel_link.owner_pid(n)) is not None and not pid_alive(pid)], left
 
 
 @pytest.mark.skipif(_WHY_NOT is not None, reason=f"kernel shaping not possible here: {_WHY_NOT}")
@@ -131,7 +157,7 @@ def test_what_a_killed_launcher_left_is_removed_at_the_next_start() -> None:
     left = KernelLink(2, 0.5, tag=dead.pid)
     left.__enter__()  # entered, never exited: what a SIGKILLed launcher leaves
     try:
-        removed = netshape.remove_stale()
+        removed = kernel_link.remove_stale()
         assert set(removed) == {left.namespace(0), left.namespace(1), left.bridge}
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
         assert not {left.namespace(0), left.namespace(1)} & set(names)
@@ -144,7 +170,7 @@ def _ours_left() -> tuple[list[str], list[str]]:
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     names = [f[1].split("@")[0] for line in links.splitlines() if len(f := line.split(": ")) > 1]
-    return ([n for n in ns if (pid := netshape.owner_pid(n)) is not None and not pid_alive(pid)],
+    return ([n for n in ns if (pid := kernel_link.owner_pid(n)) is not None and not pid_alive(pid)],
             [n for n in names if n.startswith(("elbj", "elj"))])
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 
@@ -157,6 +158,18 @@ class Handle(ABC):
         the clock, so checkpointing does not change the run's accounting.
         """
         return self.wait(), None
+
+
+class JobHandle(Protocol):
+    """What a runtime's queue of operations needs of an operation's handle: its number in launch
+    order, and a way to land it (once; later calls are ignored)."""
+
+    seq: int
+
+    def finish(self, mean: torch.Tensor | None = None, error: BaseException | None = None,
+               done: object = None) -> None:
+        """Land the operation: its flat FP32 mean (None for one without a result), or the error
+        its wait raises; done: what the mean is ready after (a CUDA event), if anything."""
 
 
 class ReadyHandle(Handle):

@@ -2,15 +2,18 @@
 
 Only the outer ranks (see :mod:`eagerloco.comm.groups`) own a :class:`TorchDistCommunicator`; a
 worker of several ranks shares its results with the others through
-:class:`~eagerloco.comm.worker.WorkerCommunicator`. How an exchange runs is told beside
-:meth:`TorchDistCommunicator._execute`, failures beside :meth:`TorchDistCommunicator._fail`, elastic
-membership in :mod:`eagerloco.comm.regroup`.
+:class:`~eagerloco.comm.worker.WorkerCommunicator`. The communicator composes the parts of
+``comm/``: the queue and thread its exchanges run on in launch order
+(:mod:`~eagerloco.comm.exchange_queue`), the group it runs them on (:mod:`~eagerloco.comm.peers`),
+the header and agreement checks (:mod:`~eagerloco.comm.jobs`), the heartbeat that names a dead peer
+(:mod:`~eagerloco.comm.heartbeat`) and the elastic membership change (:mod:`~eagerloco.comm.regroup`).
+How one exchange runs is told beside :meth:`TorchDistCommunicator._execute`, failures beside
+:meth:`TorchDistCommunicator._fail`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import queue
 import threading
 import time
 import warnings
@@ -34,10 +37,12 @@ from eagerloco.comm.base import (
 )
 from eagerloco.comm.emulated_link import EmulatedLink
 from eagerloco.comm.errors import PeerError, TransportError, describe_exception
+from eagerloco.comm.exchange_queue import ExchangeQueue, Result
 from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext, outer_rank
 from eagerloco.comm.heartbeat import HEARTBEAT_S, Heartbeat
-from eagerloco.comm.jobs import AGREE, BARRIER, PAUSE, Job, check_headers, check_schedules, header
-from eagerloco.comm.regroup import ElasticExchanges
+from eagerloco.comm.jobs import AGREE, BARRIER, Job, check_headers, check_schedules, header
+from eagerloco.comm.peers import Peers
+from eagerloco.comm.regroup import Regroup
 from eagerloco.comm.staging import Staging
 from eagerloco.config import LinkConfig
 
@@ -45,11 +50,9 @@ from eagerloco.config import LinkConfig
 #: (gloo normally raises at the timeout; this is the backstop if it does not).
 _WAIT_SLACK_S = 10.0
 _POLL_S = 0.25
-_RECENT = 8  # completed results kept for survivors that did not see them complete
 
 # all_gather_single is the current name; older releases only have all_gather_into_tensor.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 
 class TorchDistHandle(Handle):
@@ -98,13 +101,14 @@ class TorchDistHandle(Handle):
         # communicator also keeps the mean for survivors of a membership change: hand out a copy.
         return unflatten(mean.to(self._device, copy=self._comm._elastic), self._like)
 
-    def _finish(self, mean: torch.Tensor | None = None, error: BaseException | None = None, done: Any = None) -> None:
+    def finish(self, mean: torch.Tensor | None = None, error: BaseException | None = None, done: Any = None) -> None:
+        """Land the exchange (see :class:`~eagerloco.comm.base.JobHandle`); only the first call counts."""
         if not self._event.is_set():
             self._mean, self._error, self._done_event = mean, error, done
             self._event.set()
 
 
-class TorchDistCommunicator(ElasticExchanges, Communicator):
+class TorchDistCommunicator(Communicator):
     """One worker's view of the outer group over torch.distributed (one worker per process).
 
     group: the outer ProcessGroup (None: the default group). link: the slow link to emulate
@@ -142,50 +146,39 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         if group is dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError("this rank is not in the outer group: only the first rank of each worker "
                              "exchanges with the other workers")
-        self.group = group
         pos, size = outer_rank(group)  # a subgroup of WORLD, or a group across jobs (join_outer_group)
-        self._members = list(members) if members is not None else list(range(size))
-        if len(self._members) != size:
-            raise ValueError(f"members {self._members} do not match the group's size {size}")
-        self._pos = pos  # this worker's rank in the current group
-        self.rank = self._members[pos]  # worker id: stable across membership changes
-        self.num_workers = size
+        members = list(members) if members is not None else list(range(size))
+        if len(members) != size:
+            raise ValueError(f"members {members} do not match the group's size {size}")
+        self.rank = members[pos]  # worker id: stable across membership changes
         self.stats = WorkerStats()
         #: How payloads move between the parameters' device and the group's transport.
         # A group's name() is its backend; dist.get_backend() knows only WORLD's groups (see gloo_group).
         backend = (group if group is not None else dist.group.WORLD).name()
         self.staging = Staging(device, on_device=backend == "nccl")
-        self._link_cfg, self._seed = link, seed
-        self.link = EmulatedLink(link, seed)
+        #: The current group, its members and their names, and the emulated link among them.
+        self.peers = Peers(group, members, pos, names, link, seed)
         self._elastic = elastic
         #: Called on the caller's thread when it finds the group broken (elastic); re-forms it.
         self.recover_hook: Any = None
         #: Training step, published with the heartbeat (what a lost worker had done).
         self.step_hint = 0
-        self._broken: tuple[int, str] | None = None  # (exchange, what failed): text, no traceback
-        self._parked = threading.Event()
-        self._resume_ev = threading.Event()
-        self._parked_job: Job | None = None
-        self._done_upto = 0  # last exchange completed here (they complete in order)
-        self._recent: dict[int, tuple[int, torch.Tensor | None, int]] = {}  # seq -> (numel, flat mean, step)
         self.timeout_s = float(timeout_s)
-        self._names = dict(names or {})
-        self._jobs: queue.Queue[Job | object | None] = queue.Queue()
+        #: The operations in launch order, and the thread that runs them (:meth:`_run_job`).
+        self.exchanges = ExchangeQueue(self._run_job, keep_means=elastic, on_start=self.staging.enter_thread,
+                                       name=f"eagerloco-outer-w{self.rank}")
+        #: The elastic side: what a membership change does to the queue and the group.
+        self.regroup = Regroup(self.exchanges, self.peers, self.stats)
         self._agreed = False  # agree() succeeded: exchanges launched with agreed=True skip the header
-        self._pending: dict[int, TorchDistHandle] = {}  # not finished yet
         self._unwaited: set[int] = set()  # launched exchanges nobody waited on (yet)
-        self._pending_lock = threading.Lock()
-        self._launched = 0  # operations launched (caller's thread)
-        self._entered = 0  # last operation the communication thread entered (published)
         self._in_collective_since: float | None = None  # monotonic time, while inside a collective
         self._error: BaseException | None = None
         self._cancel = threading.Event()
         self._closed = False
         #: This worker's heartbeat in the store, read by the others to name a dead worker.
         self.heartbeat = Heartbeat(store, self.rank, channel, heartbeat_s,
-                                   progress=lambda: (self._entered, self.step_hint), store_host=store_host)
-        self._thread = threading.Thread(target=self._run, name=f"eagerloco-outer-w{self.rank}", daemon=True)
-        self._thread.start()
+                                   progress=lambda: (self.exchanges.entered, self.step_hint), store_host=store_host)
+        self.exchanges.start()
 
     @classmethod
     def from_context(
@@ -208,6 +201,20 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(cancel=exc is not None)
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The current outer group (None: the default group, or detached for a membership change)."""
+        return self.peers.group
+
+    @property
+    def num_workers(self) -> int:  # type: ignore[override]
+        return self.peers.size
+
+    @property
+    def link(self) -> EmulatedLink:
+        """The emulated slow link of the current group."""
+        return self.peers.link
 
     # -- the Communicator interface ----------------------------------------------------------------
 
@@ -235,7 +242,7 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         # collective ends the run, so no rerun needs it intact either.
         job = Job(handle.seq, numel, time.time(), handle, codec, packed, wire, self.step_hint,
                   inplace=not keep_own and not self._elastic, checked=not (agreed and self._agreed), ready=ready)
-        self._jobs.put(job)
+        self.exchanges.put(job)
         return handle
 
     def agree(self, schedule: bytes, describe: str = "") -> bool:
@@ -267,7 +274,7 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
     def _control(self, kind: int, payload: torch.Tensor | None = None, note: str = "") -> None:
         """Run a barrier or an agreement in order with the exchanges launched before, and wait for it."""
         handle = self._enqueue(kind, [], torch.device("cpu"), own=[], nbytes=0 if payload is None else payload.numel())
-        self._jobs.put(Job(handle.seq, kind, time.time(), handle, payload=payload, step=self.step_hint, note=note))
+        self.exchanges.put(Job(handle.seq, kind, time.time(), handle, payload=payload, step=self.step_hint, note=note))
         self._await(handle, None)
         handle._waited = True
         if handle._error is not None:
@@ -284,10 +291,8 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         self._closed = True
         if cancel or self._error is not None:
             self._cancel.set()
-        self._jobs.put(None)
-        self._resume_ev.set()  # a parked thread (elastic) leaves as well
-        self._thread.join(timeout=1.0 if self._cancel.is_set() else self.timeout_s + _WAIT_SLACK_S)
-        if self._thread.is_alive():
+        # A parked thread (elastic) leaves as well.
+        if not self.exchanges.stop(1.0 if self._cancel.is_set() else self.timeout_s + _WAIT_SLACK_S):
             warnings.warn("the outer communication thread is still inside a collective; abandoning it",
                           stacklevel=2)
         if self._unwaited and self._error is None and not cancel:
@@ -307,10 +312,8 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
 
     def _enqueue(self, numel: int, like: list[torch.Tensor], device: torch.device, own: list[torch.Tensor],
                  nbytes: int) -> TorchDistHandle:
-        self._launched += 1
-        handle = TorchDistHandle(self, self._launched, own, nbytes, like, device)
-        with self._pending_lock:
-            self._pending[handle.seq] = handle
+        handle = TorchDistHandle(self, self.exchanges.next_seq(), own, nbytes, like, device)
+        self.exchanges.track(handle)
         return handle
 
     def _await(self, handle: TorchDistHandle, timeout: float | None) -> None:
@@ -318,7 +321,7 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         start = time.monotonic()
         limit = self.timeout_s + _WAIT_SLACK_S
         while not handle._event.wait(_POLL_S if timeout is None else min(_POLL_S, max(timeout, 0.0))):
-            if self._broken is not None and self.recover_hook is not None:
+            if self.exchanges.broken is not None and self.recover_hook is not None:
                 self.recover_hook()  # re-forms the group; this exchange then lands or runs again
                 start = time.monotonic()
                 continue
@@ -329,69 +332,40 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
                 self._fail(handle.seq, f"no result after waiting {waited:.1f} s (wait timeout)", None)
             elif stuck >= limit:
                 self._fail(handle.seq, f"a collective made no progress for {stuck:.1f} s", None)
-            elif not self._thread.is_alive():
+            elif not self.exchanges.alive:
                 self._fail(handle.seq, "the communication thread stopped", None)
 
     # -- communication thread -----------------------------------------------------------------------
 
-    def _run(self) -> None:
-        """Run the queued jobs in launch order until None (close) comes.
-
-        Why a thread and not ``async_op=True``: the emulated link delay must also run in the
-        background, and one FIFO thread gives the one-transfer-at-a-time link for free. gloo
-        collectives and sleeps release the GIL, so compute on the main thread continues.
-        """
-        self.staging.enter_thread()
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if job is PAUSE:
-                self._park(None)
-                continue
-            broken = False
-            try:
-                if self._error is not None:
-                    raise self._error
-                if self._cancel.is_set():
-                    raise RuntimeError("the communicator was closed before this exchange ran")
-                mean = self._execute(job)
-                done = None
-                if mean is not None:
-                    mean, done = self.staging.received(mean)
-            except TransportError as e:  # a peer is gone or hung
-                self._in_collective_since = None
-                if self._elastic and not self._cancel.is_set():
-                    # Keep text only: the exception's traceback would keep the broken group (and its
-                    # sockets, which the other survivors wait on) alive.
-                    self._broken = (job.seq, describe_exception(e.__cause__ or e))
-                    broken = True
-                else:
-                    self._fail(job.seq, "the collective failed", e.__cause__)
-            except Exception as e:  # a schedule mismatch or a local bug: report it as is
-                if self._error is None:
-                    self._error = e
-                self._fail_pending(self._error)
-            else:
-                self._done_upto = job.seq
-                # Elastic mode keeps recent means for survivors that missed them; they are then
-                # shared, so wait() hands out copies. Otherwise the mean is the handle's alone.
-                self._recent[job.seq] = (job.numel, mean if self._elastic else None, job.step)
-                self._recent.pop(job.seq - _RECENT, None)
-                job.handle._finish(mean=mean, done=done)
-            if broken:
-                self._park(job)  # the caller re-forms the group and hands the job back
-                continue
+    def _run_job(self, job: Job) -> str | None:
+        """Run one job on the exchange thread and land its handle, or fail it; in elastic mode, when
+        a peer is gone, return what failed instead: the thread then parks with the job kept."""
+        try:
+            if self._error is not None:
+                raise self._error
+            if self._cancel.is_set():
+                raise RuntimeError("the communicator was closed before this exchange ran")
+            mean = self._execute(job)
+            done = None
+            if mean is not None:
+                mean, done = self.staging.received(mean)
+        except TransportError as e:  # a peer is gone or hung
             self._in_collective_since = None
-            with self._pending_lock:
-                self._pending.pop(job.seq, None)
-
-    def _park(self, job: Job | None) -> None:
-        """Stop between exchanges until the caller's thread has re-formed the group (elastic)."""
-        self._parked_job = job
-        self._parked.set()
-        self._resume_ev.wait()
-        self._resume_ev.clear()
+            if self._elastic and not self._cancel.is_set():
+                # Keep text only: the exception's traceback would keep the broken group (and its
+                # sockets, which the other survivors wait on) alive.
+                return describe_exception(e.__cause__ or e)
+            self._fail(job.seq, "the collective failed", e.__cause__)
+        except Exception as e:  # a schedule mismatch or a local bug: report it as is
+            if self._error is None:
+                self._error = e
+            self.exchanges.fail_pending(self._error)
+        else:
+            # Elastic mode keeps recent means for survivors that missed them; they are then
+            # shared, so wait() hands out copies. Otherwise the mean is the handle's alone.
+            self.exchanges.land(job, mean, done)
+        self._in_collective_since = None
+        return None
 
     def _gather(self, buf: torch.Tensor) -> torch.Tensor:
         """All-gather equal-size uint8 buffers; rows in worker order, on the buffer's device (a host
@@ -402,7 +376,7 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         out = torch.empty(self.num_workers * buf.numel(), dtype=torch.uint8, device=buf.device)
         self._in_collective_since = time.monotonic()
         try:
-            _all_gather(out, buf, group=self.group)
+            _all_gather(out, buf, group=self.peers.group)
         except Exception as e:
             raise TransportError(str(e)) from e
         self._in_collective_since = None
@@ -412,7 +386,7 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         """All-reduce (sum) an FP32 buffer in place: half the bytes of an all-gather beyond M = 2."""
         self._in_collective_since = time.monotonic()
         try:
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.peers.group)
         except Exception as e:
             raise TransportError(str(e)) from e
         self._in_collective_since = None
@@ -432,19 +406,19 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         accounting of :func:`~eagerloco.comm.base.wire_bytes` (a ring all-reduce for fp32, a ring
         all-gather otherwise) is what the transport moves.
         """
-        self._entered = job.seq
+        self.exchanges.entered = job.seq
         self.heartbeat.announce()
         codec = job.codec
         start = job.launch_wall
         if job.checked:
             rows = self._gather(header(job)).view(torch.float64)
-            check_headers(rows, self._pos, self._members, self._name)
+            check_headers(rows, self.peers.pos, self.peers.members, self.peers.name)
             start = float(rows[:, 0].max())
         if job.numel == BARRIER:
             return None
         if job.numel == AGREE:
             assert job.payload is not None
-            check_schedules(self._gather(job.payload), self._pos, self._members, self._name, job.note)
+            check_schedules(self._gather(job.payload), self.peers.pos, self.peers.members, self.peers.name, job.note)
             return None
         assert codec is not None and job.payload is not None
         self.staging.before_collective(job.ready)
@@ -456,15 +430,12 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         else:
             payloads = list(self._gather(job.payload).unbind(0))
             mean = mean_of_payloads(codec, payloads, job.numel)
-        finish = self.link.schedule(start, job.wire)
+        finish = self.peers.link.schedule(start, job.wire)
         if not EmulatedLink.sleep_until(finish, self._cancel):
             raise RuntimeError("the communicator was closed while this exchange was on the link")
         return mean
 
     # -- failures -----------------------------------------------------------------------------------
-
-    def _name(self, w: int) -> str:
-        return self._names.get(w, f"worker {w}")
 
     def _fail(self, seq: int, what: str, cause: BaseException | None) -> None:
         """Turn a transport failure into one PeerError for this and every later operation.
@@ -476,15 +447,15 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
         the heartbeats (:mod:`eagerloco.comm.heartbeat`) point at.
         """
         if self._error is not None:
-            self._fail_pending(self._error)
+            self.exchanges.fail_pending(self._error)
             return
-        suspects, notes = self.heartbeat.diagnose(seq, self._members, self._names, self._cancel)
+        suspects, notes = self.heartbeat.diagnose(seq, self.peers.members, self.peers.names, self._cancel)
         if suspects:
-            who = ", ".join(self._name(w) for w in suspects)
+            who = ", ".join(self.peers.name(w) for w in suspects)
             advice = f"Check the log of {who} for the cause"
         else:
             advice = "Could not tell which worker failed; check every worker's log for the cause"
-        msg = f"outer exchange #{seq} on {self._name(self.rank)} failed: {what}"
+        msg = f"outer exchange #{seq} on {self.peers.name(self.rank)} failed: {what}"
         if notes:
             msg += ": " + "; ".join(notes)
         msg += (f". {advice}, then restart all workers and resume from the last checkpoint."
@@ -497,14 +468,74 @@ class TorchDistCommunicator(ElasticExchanges, Communicator):
             err.__cause__ = cause
         if self._error is None:
             self._error = err
-        self._fail_pending(self._error)
+        self.exchanges.fail_pending(self._error)
         self.heartbeat.announce("failed")  # so that the other survivors do not blame this worker
 
-    def _fail_pending(self, err: BaseException) -> None:
-        with self._pending_lock:
-            handles = list(self._pending.values())
-        for h in handles:
-            h._finish(error=err)
+    # -- the elastic side (see :mod:`eagerloco.comm.regroup`), what Membership calls -----------------
+
+    @property
+    def launched(self) -> int:
+        """How many operations this worker launched (the exchange numbering a joiner continues)."""
+        return self.exchanges.launched
+
+    @property
+    def done_upto(self) -> int:
+        """The last exchange completed here (exchanges complete in launch order)."""
+        return self.exchanges.done_upto
+
+    def done_upto_step(self) -> int:
+        """The training step at which the last exchange completed here was launched (0 if unknown)."""
+        return self.exchanges.done_upto_step()
+
+    @property
+    def broken(self) -> bool:
+        """Whether a collective failed and the group must be re-formed (elastic mode)."""
+        return self.exchanges.broken is not None
+
+    @property
+    def failure(self) -> str:
+        """What failed, when broken (elastic mode)."""
+        broken = self.exchanges.broken
+        return f"exchange #{broken[0]}: {broken[1]}" if broken else ""
+
+    @property
+    def members(self) -> list[int]:
+        """The worker id of each rank of the current group."""
+        return list(self.peers.members)
+
+    def pause(self, timeout_s: float) -> None:
+        """Park the exchange thread between exchanges (:meth:`Regroup.pause`)."""
+        self._check_open()
+        self.regroup.pause(timeout_s)
+
+    def detach_group(self) -> None:
+        """Drop the reference to the current group (:meth:`Regroup.detach_group`)."""
+        self.regroup.detach_group()
+
+    def take_jobs(self) -> list[Job]:
+        """The exchanges not completed here, in launch order (:meth:`Regroup.take_jobs`)."""
+        return self.regroup.take_jobs()
+
+    def recent_result(self, seq: int) -> Result:
+        """(numel, flat mean, launch step) of a recently completed exchange (:meth:`Regroup.recent_result`)."""
+        return self.regroup.recent_result(seq)
+
+    def complete_from_peer(self, job: Job, mean: torch.Tensor | None) -> None:
+        """Finish an exchange with a survivor's result (:meth:`Regroup.complete_from_peer`)."""
+        self.regroup.complete_from_peer(job, mean)
+
+    def resume(self, group: dist.ProcessGroup | None, members: list[int], jobs: list[Job], epoch: int,
+               names: Mapping[int, str] | None = None) -> None:
+        """Continue on a new group, rerunning the given exchanges first (:meth:`Regroup.resume`)."""
+        self.regroup.resume(group, members, jobs, epoch, names)
+
+    def reset_link(self, epoch: int) -> None:
+        """A fresh emulated link for a membership epoch (same seed and epoch on every member)."""
+        self.peers.reset_link(epoch)
+
+    def adopt_sequence(self, launched: int) -> None:
+        """A worker that joins continues the members' exchange numbering."""
+        self.regroup.adopt_sequence(launched)
 
 
 __all__ = ["TorchDistCommunicator", "TorchDistHandle"]

@@ -1,33 +1,29 @@
 """The outer communication thread's work items, and the header workers compare before a payload moves.
 
 Every operation a :class:`~eagerloco.comm.distributed.TorchDistCommunicator` runs (an exchange, a
-barrier, a schedule agreement) is a :class:`Job` on its thread's queue. Unless the workers agreed
-on their schedule once (``agreed=True``), each starts with a 40-byte header all-gather: launch wall
-time, sequence number, size, payload bytes and codec. It goes first, alone: gloo aborts the process
-(or silently corrupts) when ranks all-gather buffers of different sizes, so sizes are agreed before
-the payload moves. The header is bookkeeping of the emulation and is not counted as link bytes.
+barrier, a schedule agreement) is a :class:`Job` on its :class:`~eagerloco.comm.exchange_queue.ExchangeQueue`.
+Unless the workers agreed on their schedule once (``agreed=True``), each starts with a 40-byte header
+all-gather: launch wall time, sequence number, size, payload bytes and codec. It goes first, alone:
+gloo aborts the process (or silently corrupts) when ranks all-gather buffers of different sizes, so
+sizes are agreed before the payload moves. The header is bookkeeping of the emulation and is not
+counted as link bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from eagerloco.codecs import CODEC_NAMES, Codec
+from eagerloco.comm.base import JobHandle
 from eagerloco.comm.errors import ScheduleMismatchError
-
-if TYPE_CHECKING:
-    from eagerloco.comm.distributed import TorchDistHandle
 
 #: ``Job.numel`` of a barrier (also what a header says for one).
 BARRIER = -1
 #: ``Job.numel`` of a schedule agreement (its payload: the schedule's digest).
 AGREE = -2
-#: Queue marker: park the communication thread (elastic membership change).
-PAUSE = object()
 
 
 @dataclass
@@ -37,7 +33,7 @@ class Job:
     seq: int
     numel: int  # BARRIER for a barrier, AGREE for an agreement
     launch_wall: float
-    handle: TorchDistHandle
+    handle: JobHandle  # landed by the queue, or by a survivor's result (elastic)
     codec: Codec | None = None
     payload: torch.Tensor | None = None
     wire: int = 0

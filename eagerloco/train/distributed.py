@@ -28,7 +28,6 @@ from eagerloco.config import ConfigError
 from eagerloco.device import DeviceError, resolve_device
 from eagerloco.fragments import find_blocks
 from eagerloco.fsdp import shard_model
-from eagerloco.netshape import check_exchange_fits
 from eagerloco.train.outputs import add_throughput, aggregate, per_worker
 from eagerloco.train.resume import check_resume_layout, has_worker
 from eagerloco.train.rundir import guard_run_dir
@@ -109,8 +108,7 @@ class DistributedRuntime(Runtime):
         # One shard per rank; with one rank per worker these are exactly the in-process workers' shards.
         stream = worker_streams(corpus, tok, cfg.workers * rc.ranks_per_worker, cfg.batch_size, cfg.seq_len,
                                 cfg.seed, iid=cfg.iid)[ctx.rank]
-        link = self.emulated_link()
-        check_exchange_fits(link, cfg, num_params(model), rc.dist_timeout)
+        link = self.checked_link(num_params(model))
         self.comm = communicator_for(ctx, link, seed=cfg.seed, timeout_s=rc.dist_timeout, device=device)
         self.devices = device_count(device, ctx.world_size)
         self.device = device

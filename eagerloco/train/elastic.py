@@ -23,7 +23,6 @@ from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import heartbeat_store, init_process_groups, set_worker_threads, shutdown, store_client
 from eagerloco.comm.heartbeat import wait_for_key
 from eagerloco.config import ConfigError
-from eagerloco.netshape import check_exchange_fits
 from eagerloco.train.outputs import add_throughput, aggregate
 from eagerloco.train.resume import has_worker, own_last_state
 from eagerloco.train.rundir import guard_run_dir
@@ -109,8 +108,7 @@ class ElasticRuntime(Runtime):
         else:
             ctx = init_process_groups(cfg.workers, 1, "gloo", timeout_s)
             self.membership, outer = Membership(self.client, me, cfg.workers, timeout_s, **kw), ctx.outer_group
-        link = self.emulated_link()
-        check_exchange_fits(link, cfg, num_params(base), timeout_s)
+        link = self.checked_link(num_params(base))
         self.comm = TorchDistCommunicator(outer, link, timeout_s, self.membership.names,
                                           store=heartbeat_store(timeout_s), seed=cfg.seed, elastic=True,
                                           members=self.membership.members)

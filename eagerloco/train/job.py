@@ -23,7 +23,6 @@ from torch import nn
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.groups import OuterRendezvous, join_outer_group, leave_outer_group
 from eagerloco.device import resolve_device
-from eagerloco.netshape import check_exchange_fits
 from eagerloco.train.runtime import Found, Runtime, num_params
 from eagerloco.train.worker import Worker
 
@@ -48,8 +47,7 @@ class JobRuntime(Runtime):
         device = resolve_device(cfg.device)
         model = base.to(device)
         stream = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed, iid=cfg.iid)[me]
-        link = self.emulated_link()
-        check_exchange_fits(link, cfg, num_params(model), timeout_s)
+        link = self.checked_link(num_params(model))
         self.ctx = join_outer_group(self.rdzv, timeout_s)
         self.comm = TorchDistCommunicator.from_context(self.ctx, link, seed=cfg.seed, timeout_s=timeout_s,
                                                        device=device, elastic=cfg.runtime.elastic)

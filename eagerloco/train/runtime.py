@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from eagerloco import checkpoint as ckpt
+from eagerloco.comm.link import check_exchange_fits, emulated_link
 from eagerloco.config import Environment, LinkConfig, TrainConfig
 from eagerloco.train.resume import announce_resume, resume_checkpoint
 from eagerloco.train.rundir import claim
@@ -140,13 +141,13 @@ class Runtime:
         process); None on a process that does not report."""
         return summary
 
-    def emulated_link(self) -> LinkConfig:
-        """What the communicators emulate: the whole link, or where the kernel shapes its bandwidth
-        (``eagerloco launch --kernel-link-gbps``) only its latency and jitter."""
-        link = self.cfg.link
-        if self.cfg.runtime.kernel_link_gbps is None:
-            return link
-        return LinkConfig(latency_ms=link.latency_ms, jitter_ms=link.jitter_ms)
+    def checked_link(self, num_params: int) -> LinkConfig:
+        """What the communicators emulate (:func:`eagerloco.comm.link.emulated_link`), checked to carry one
+        exchange of a model of ``num_params`` within the timeout."""
+        cfg = self.cfg
+        link = emulated_link(cfg.link, cfg.runtime.kernel_link_gbps)
+        check_exchange_fits(link, cfg.outer, cfg.workers, num_params, cfg.runtime.dist_timeout)
+        return link
 
     def link_shaping(self) -> str:
         """What the summary calls the bandwidth limit: the kernel's or emulated."""

@@ -79,7 +79,7 @@ def launch(
     elastic: the others go on when a rank fails (implied by ``--elastic`` among the train arguments,
     and passed on to train); max_restarts: how many times each failed rank is started again.
     kernel_link_gbps: run each worker in its own network namespace behind an uplink the kernel
-    shapes to this rate (Linux, root; see :mod:`eagerloco.netshape`) instead of emulating it; with
+    shapes to this rate (Linux, root; see :mod:`eagerloco.launch.kernel_link`) instead of emulating it; with
     outer_addr (127.0.0.1:PORT) the run's jobs on this machine share one bridge (JobLink).
     outer_addr, worker_id: each worker its own job: start only worker ``worker_id`` of ``workers`` (one
     process), which meets the others at the outer rendezvous ``outer_addr`` (``--outer-addr``,
@@ -117,7 +117,7 @@ def launch(
         assert worker_id is not None
         return _launch_job_behind_link(argv_for_train, run_workers, worker_id, outer_addr, kernel_link_gbps,
                                        master_port, timeout_s, command, out, elastic)
-    from eagerloco.netshape import KernelLink
+    from eagerloco.launch.kernel_link import KernelLink
 
     with KernelLink(workers, kernel_link_gbps) as link:
         (out or sys.stdout).write(
@@ -169,8 +169,8 @@ def _launch_job_behind_link(argv: list[str], workers: int, worker_id: int, outer
                             master_port: int | None, timeout_s: float, command: Sequence[str] | None,
                             out: IO[str] | None, elastic: bool) -> int:
     """One job's worker in its own namespace behind a shaped uplink, on the bridge of the run's jobs
-    (:class:`eagerloco.netshape.JobLink`); its --outer-addr becomes worker 0's address there."""
-    from eagerloco.netshape import JobLink
+    (:class:`eagerloco.launch.kernel_link.JobLink`); its --outer-addr becomes worker 0's address there."""
+    from eagerloco.launch.kernel_link import JobLink
 
     port = _local_port(outer_addr)
     with JobLink(port, worker_id, workers, gbps) as link:

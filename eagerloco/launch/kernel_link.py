@@ -1,6 +1,7 @@
 """A slow link shaped by the kernel: one network namespace per worker, each worker's uplink limited.
 
-See :class:`KernelLink` for how it works.
+See :class:`KernelLink` for how it works. Only the launcher uses this module (it needs root); the
+processes it starts learn the rate from :data:`~eagerloco.config.environment.KERNEL_LINK_ENV`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ import subprocess
 import tempfile
 from collections.abc import Iterator, Sequence
 
-from eagerloco.config import ConfigError, LinkConfig, TrainConfig
+from eagerloco.config import ConfigError
+from eagerloco.config.environment import KERNEL_LINK_ENV
 from eagerloco.procs import pid_alive
 
-#: Environment of every launched process in this mode: the uplink rate in Gbit/s (the runtime then
-#: emulates only latency and jitter, and records the rate as the run's link bandwidth).
-KERNEL_LINK_ENV = "EAGERLOCO_KERNEL_LINK_GBPS"
 _PREFIX = "eloc"  # namespaces eloc<pid>w<worker>, bridge elbr<pid>, host-side veth elh<pid>w<worker>
 # One run of separate jobs (JobLink): bridge elbj<port>, host-side veth elj<port>w<worker>; namespaces as above.
 _JOB_BRIDGE, _JOB_VETH = "elbj", "elj"
@@ -350,78 +349,10 @@ def owner_pid(name: str) -> int | None:
     return None
 
 
-def kernel_link_from_env() -> float | None:
-    """The uplink rate this process runs behind (Gbit/s), or None when the link is emulated."""
-    raw = os.environ.get(KERNEL_LINK_ENV)
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{KERNEL_LINK_ENV}={raw!r} is not a number of Gbit/s (it is set by eagerloco launch "
-                          "--kernel-link-gbps; unset it)") from None
-    return value
-
-def emulated_link(cfg: TrainConfig) -> LinkConfig:
-    """What the communicator emulates: the whole link, or under ``eagerloco launch --kernel-link-gbps``
-    (the kernel shapes the bandwidth) only its latency and jitter; cfg.link then records the rate.
-
-    Raises:
-        ConfigError: a bandwidth was given both to the launcher and to train, and they differ.
-    """
-    kernel = kernel_link_from_env()
-    if kernel is None:
-        return cfg.link
-    given = cfg.link.bandwidth_gbps
-    if math.isfinite(given) and given != kernel:
-        raise ConfigError(
-            f"the launcher shapes the link to {kernel:g} Gbit/s in the kernel (--kernel-link-gbps), but train got "
-            f"--bandwidth-gbps {given:g}: pass the bandwidth once, to the launcher"
-        )
-    cfg.link.bandwidth_gbps = kernel
-    return LinkConfig(latency_ms=cfg.link.latency_ms, jitter_ms=cfg.link.jitter_ms)
-
-
-def link_shaping() -> str:
-    """What the summary calls the bandwidth limit: the kernel's (``--kernel-link-gbps``) or emulated."""
-    return "kernel" if kernel_link_from_env() is not None else "emulated"
-
-
-
-def check_exchange_fits(link: LinkConfig, cfg: TrainConfig, num_params: int, timeout_s: float) -> None:
-    """Refuse a link on which one exchange would outlast ``--dist-timeout`` (peers would be declared dead).
-
-    Args:
-        link: the link the run's communicator emulates.
-        cfg: the run's settings (codec, fragments, workers).
-        num_params: parameters of the model.
-        timeout_s: seconds a process waits for a silent peer.
-
-    Raises:
-        ConfigError: naming the exchange's size and time, and the two ways out.
-    """
-    from eagerloco.codec_sizes import packed_nbytes
-
-    oc = cfg.outer
-    payload = packed_nbytes(oc.codec, -(-num_params // oc.fragments), oc.codec_block)
-    seconds = link.transfer_seconds(payload * max(1, cfg.workers - 1))
-    if seconds > timeout_s:
-        raise ConfigError(
-            f"one exchange ({payload / 1e6:.3g} MB per worker, {cfg.workers} workers) takes {seconds:.3g} s on a "
-            f"{link.bandwidth_gbps:g} Gbit/s link, longer than --dist-timeout {timeout_s:g} s, after which peers "
-            "are declared dead: raise --bandwidth-gbps or --dist-timeout"
-        )
-
-
 __all__ = [
-    "KERNEL_LINK_ENV",
     "JobLink",
     "KernelLink",
     "LinkShapingError",
-    "check_exchange_fits",
-    "emulated_link",
-    "kernel_link_from_env",
-    "link_shaping",
     "owner_pid",
     "remove_stale",
     "tbf_args",

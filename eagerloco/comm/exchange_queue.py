@@ -1,0 +1,208 @@
+"""One worker's outer operations in launch order, and the thread that runs them one at a time.
+
+Why a thread and not ``async_op=True``: the emulated link delay must also run in the background,
+and one FIFO thread gives the one-transfer-at-a-time link for free. gloo collectives and sleeps
+release the GIL, so compute on the caller's thread continues.
+
+The queue knows nothing of the transport: its owner (:class:`~eagerloco.comm.distributed.
+TorchDistCommunicator`) hands it a ``run`` function that runs one :class:`~eagerloco.comm.jobs.Job`
+and lands it (:meth:`ExchangeQueue.land`), fails it, or says what failed when the thread must park
+with it. Between operations the thread can also park on request (:meth:`ExchangeQueue.pause`), for
+an elastic membership change (:mod:`eagerloco.comm.regroup`), and continue with the operations
+handed back (:meth:`ExchangeQueue.resume`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+
+from eagerloco.comm.base import JobHandle
+from eagerloco.comm.jobs import Job
+
+#: How many completed results stay kept, for survivors of a membership change that did not see them complete.
+RECENT = 8
+
+_PAUSE = object()  # queue marker: park the thread
+
+#: (numel, flat mean or None, training step at launch) of a completed operation.
+Result = tuple[int, torch.Tensor | None, int]
+
+
+class ExchangeQueue:
+    """The FIFO of one worker's outer operations, and the thread that runs them in launch order.
+
+    run(job): runs one job on the thread and lands or fails its handle; returns None, or what failed
+    (text) when the thread must park with the job kept for a rerun (elastic mode). keep_means: keep
+    the means of the recent results too (elastic mode: survivors that missed one receive it), not only
+    their sizes and steps. on_start: called first on the thread (a CUDA stream to enter). name: the
+    thread's name. The thread starts at :meth:`start`.
+    """
+
+    def __init__(self, run: Callable[[Job], str | None], *, keep_means: bool = False,
+                 on_start: Callable[[], None] = lambda: None, name: str = "eagerloco-outer") -> None:
+        self._run_job, self._keep_means, self._on_start = run, keep_means, on_start
+        self._jobs: queue.Queue[Job | object | None] = queue.Queue()
+        self._pending: dict[int, JobHandle] = {}  # not finished yet
+        self._pending_lock = threading.Lock()
+        self._parked = threading.Event()
+        self._resume_ev = threading.Event()
+        self._parked_job: Job | None = None
+        self._broken: tuple[int, str] | None = None  # (operation, what failed): text, no traceback
+        self._recent: dict[int, Result] = {}
+        #: Operations numbered so far (the caller's thread numbers them at launch).
+        self.launched = 0
+        #: The last operation the thread entered, as its ``run`` says (published with the heartbeat).
+        self.entered = 0
+        #: The last operation completed here (they complete in launch order).
+        self.done_upto = 0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- the caller's side ---------------------------------------------------------------------------
+
+    def next_seq(self) -> int:
+        """Number the next operation (1, 2, ...)."""
+        self.launched += 1
+        return self.launched
+
+    def track(self, handle: JobHandle) -> None:
+        """Keep the handle of a launched operation until it lands (see :meth:`fail_pending`)."""
+        with self._pending_lock:
+            self._pending[handle.seq] = handle
+
+    def put(self, job: Job) -> None:
+        """Queue a job behind the ones launched before it."""
+        self._jobs.put(job)
+
+    def fail_pending(self, err: BaseException) -> None:
+        """Land every operation not finished yet with err."""
+        with self._pending_lock:
+            handles = list(self._pending.values())
+        for h in handles:
+            h.finish(error=err)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread is running (it ends at :meth:`stop`)."""
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float) -> bool:
+        """End the thread once the jobs queued before have run (a parked thread leaves as well);
+        waits at most timeout_s. Returns whether it ended."""
+        self._jobs.put(None)
+        self._resume_ev.set()
+        self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()
+
+    # -- the thread ----------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        """Run the queued jobs in launch order until None (stop) comes."""
+        self._on_start()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job is _PAUSE:
+                self._park(None)
+                continue
+            assert isinstance(job, Job)
+            failed = self._run_job(job)
+            if failed is not None:
+                self._broken = (job.seq, failed)
+                self._park(job)  # the caller re-forms the group and hands the job back
+                continue
+            with self._pending_lock:
+                self._pending.pop(job.seq, None)
+
+    def land(self, job: Job, mean: torch.Tensor | None, done: object = None) -> None:
+        """The job completed here with this mean (None: no result; done: see JobHandle.finish)."""
+        self.done_upto = job.seq
+        self._recent[job.seq] = (job.numel, mean if self._keep_means else None, job.step)
+        self._recent.pop(job.seq - RECENT, None)
+        job.handle.finish(mean=mean, done=done)
+
+    def _park(self, job: Job | None) -> None:
+        """Stop between jobs until :meth:`resume`."""
+        self._parked_job = job
+        self._parked.set()
+        self._resume_ev.wait()
+        self._resume_ev.clear()
+
+    # -- parking, for a membership change ------------------------------------------------------------
+
+    @property
+    def broken(self) -> tuple[int, str] | None:
+        """(operation, what failed) when the thread parked on a failed job, else None."""
+        return self._broken
+
+    @property
+    def parked(self) -> bool:
+        return self._parked.is_set()
+
+    def pause(self, timeout_s: float) -> bool:
+        """Park the thread between jobs (a job under way finishes first, or fails and the thread
+        parks with it); returns whether it parked within timeout_s."""
+        if not self._parked.is_set():
+            self._jobs.put(_PAUSE)
+        return self._parked.wait(timeout_s)
+
+    def take_jobs(self) -> list[Job]:
+        """The jobs not completed here, in launch order (the thread must be parked)."""
+        assert self._parked.is_set()
+        jobs = [] if self._parked_job is None else [self._parked_job]
+        self._parked_job = None
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, Job):
+                jobs.append(job)
+        return sorted(jobs, key=lambda j: j.seq)
+
+    def resume(self, jobs: list[Job]) -> None:
+        """Run the given jobs first, in order, then those launched while parked; unpark."""
+        assert self._parked.is_set(), "pause() first"
+        later = []
+        while True:  # launches made while parked queue up behind the reruns
+            try:
+                later.append(self._jobs.get_nowait())
+            except queue.Empty:
+                break
+        for job in jobs:
+            self._jobs.put(job)
+        for job in later:
+            if job is not _PAUSE:
+                self._jobs.put(job)
+        self._broken = None
+        self._parked.clear()
+        self._resume_ev.set()
+
+    def recent(self, seq: int) -> Result | None:
+        """(numel, flat mean, launch step) of a recently completed operation; None once forgotten."""
+        return self._recent.get(seq)
+
+    def done_upto_step(self) -> int:
+        """The training step at which the last operation completed here was launched (0 if unknown)."""
+        seq = self.done_upto
+        return self._recent[seq][2] if seq in self._recent else 0
+
+    def land_from_peer(self, job: Job, mean: torch.Tensor | None) -> None:
+        """Finish a job with the result another survivor saw complete (elastic recovery)."""
+        self.done_upto = max(self.done_upto, job.seq)
+        self._recent[job.seq] = (job.numel, mean, job.step)
+        job.handle.finish(mean=mean)
+        with self._pending_lock:
+            self._pending.pop(job.seq, None)
+
+    def adopt_sequence(self, launched: int) -> None:
+        """Continue another worker's numbering (a worker that joins, before any operation)."""
+        assert not self._pending, "adopt_sequence() before any exchange"
+        self.launched = self.entered = self.done_upto = launched

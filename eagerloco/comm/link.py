@@ -1,0 +1,45 @@
+"""Link arithmetic of the multi-process runtimes: what their communicator emulates, and whether one
+exchange fits within the time after which peers are declared dead. Pure functions of the settings.
+"""
+
+from __future__ import annotations
+
+from eagerloco.codec_sizes import packed_nbytes
+from eagerloco.config import ConfigError, LinkConfig, OuterConfig
+
+
+def emulated_link(link: LinkConfig, kernel_gbps: float | None) -> LinkConfig:
+    """What the communicator emulates of the run's link: all of it, or, when the kernel shapes the
+    bandwidth (``eagerloco launch --kernel-link-gbps``, kernel_gbps its rate), only its latency and
+    jitter. (The run's settings record the kernel's rate as the link's bandwidth:
+    :meth:`~eagerloco.config.TrainConfig.validate`, which also refuses a different one.)"""
+    if kernel_gbps is None:
+        return link
+    return LinkConfig(latency_ms=link.latency_ms, jitter_ms=link.jitter_ms)
+
+
+def check_exchange_fits(link: LinkConfig, outer: OuterConfig, workers: int, num_params: int,
+                        timeout_s: float) -> None:
+    """Refuse a link on which one exchange would outlast ``--dist-timeout`` (peers would be declared dead).
+
+    Args:
+        link: the link the run's communicator emulates.
+        outer: the run's outer settings (codec, its block, fragments).
+        workers: how many workers exchange.
+        num_params: parameters of the model.
+        timeout_s: seconds a process waits for a silent peer.
+
+    Raises:
+        ConfigError: naming the exchange's size and time, and the two ways out.
+    """
+    payload = packed_nbytes(outer.codec, -(-num_params // outer.fragments), outer.codec_block)
+    seconds = link.transfer_seconds(payload * max(1, workers - 1))
+    if seconds > timeout_s:
+        raise ConfigError(
+            f"one exchange ({payload / 1e6:.3g} MB per worker, {workers} workers) takes {seconds:.3g} s on a "
+            f"{link.bandwidth_gbps:g} Gbit/s link, longer than --dist-timeout {timeout_s:g} s, after which peers "
+            "are declared dead: raise --bandwidth-gbps or --dist-timeout"
+        )
+
+
+__all__ = ["check_exchange_fits", "emulated_link"]
