@@ -101,7 +101,8 @@ class RuntimeConfig:
         if kind == "inprocess" and (r != 1 or self.fsdp):
             flag = "--fsdp" if self.fsdp else "--ranks-per-worker"
             raise ConfigError(f"{flag} needs several processes: use `eagerloco launch` or torchrun")
-        if env.launched and env.workers is not None and (env.workers, env.ranks_per_worker or 1) != (workers, r):
+        launched = kind in ("distributed", "elastic")  # (a job under `eagerloco launch` is one process of its own)
+        if launched and env.workers is not None and (env.workers, env.ranks_per_worker or 1) != (workers, r):
             raise ConfigError(
                 f"the launcher started {env.workers} workers x {env.ranks_per_worker or 1} ranks, but --workers "
                 f"{workers} and --ranks-per-worker {r} were passed to train; pass the same numbers to both"
