@@ -308,16 +308,21 @@ class OuterSync:
             fresh_item.fresh = None  # only needed now; the quantized copy stays in handle.own
             grad = [f / m for f in fresh]
             if mean is not None and arrived is not None:
-                ma = float(arrived.workers)  # the M its own share was applied with
-                if cfg.eager_weighting == "nonlocal":
-                    # Replace last time's proxy (own share) by the real average of everyone's.
-                    grad = [g + (d - o / ma) for g, d, o in zip(grad, mean, arrived.handle.own, strict=True)]
-                else:
-                    grad = [g + d * ((ma - 1) / ma) for g, d in zip(grad, mean, strict=True)]
+                # Replace last time's proxy (own share) by the others' part of the real average.
+                grad = [g + d for g, d in zip(grad, self._others_share(mean, arrived), strict=True)]
         if grad is not None:
             self._outer_step(p, grad)
         self._merge(p)
         return waited
+
+    def _others_share(self, mean: list[torch.Tensor], item: _InFlight) -> list[torch.Tensor]:
+        """Eager's correction: what the others added to an exchange's mean, with the M of its round (the
+        weight its own share was applied with when it was launched). nonlocal: the mean less its own
+        share, as sent (every outer gradient applied exactly once); stale_average: (M-1)/M of the mean."""
+        m = float(item.workers)
+        if self.config.eager_weighting == "nonlocal":
+            return [d - o / m for d, o in zip(mean, item.handle.own, strict=True)]
+        return [d * ((m - 1) / m) for d in mean]
 
     def _wait(self, handle: Handle, out: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], float]:
         """The mean, and the real seconds spent blocked (which the caller leaves out of overhead_s).
@@ -367,12 +372,8 @@ class OuterSync:
             waited += w
             if not apply:
                 continue
-            m = float(item.workers)
             if self.config.method == "eager":
-                if self.config.eager_weighting == "nonlocal":
-                    mean = [d - o / m for d, o in zip(mean, item.handle.own, strict=True)]
-                else:
-                    mean = [d * ((m - 1) / m) for d in mean]
+                mean = self._others_share(mean, item)
             self._outer_step(item.fragment, mean)
             self._merge(item.fragment)
         self.in_flight.clear()

@@ -20,6 +20,8 @@ from archcheck.table import TableError, parse_table
 
 REPO = Path(__file__).resolve().parents[1]
 OUTSIDE = ("tests", "bench", "examples")
+#: The one reader of the process environment, and the testing package's fault variables.
+ENVIRONMENT_READERS = ("eagerloco.environment", "eagerloco.testing")
 
 #: Private names of other libraries that the package uses: (file, name) -> why there is no other way.
 PACKAGE_EXCEPTIONS: dict[tuple[str, str], str] = {
@@ -41,7 +43,7 @@ OUTSIDE_EXCEPTIONS: dict[tuple[str, str], str] = {
 
 def test_the_package_keeps_the_house_rules() -> None:
     found = check_repo(REPO, "eagerloco", REPO / "docs" / "architecture.md", OUTSIDE,
-                       PACKAGE_EXCEPTIONS, OUTSIDE_EXCEPTIONS)
+                       PACKAGE_EXCEPTIONS, OUTSIDE_EXCEPTIONS, ENVIRONMENT_READERS)
     if any(found.values()):
         pytest.fail(report(found), pytrace=False)
 
@@ -102,7 +104,8 @@ def check(tmp_path: Path, changes: dict[str, str], table: str = TABLE,
         (tmp_path / path).write_text(text)
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "architecture.md").write_text(table)
-    return check_repo(tmp_path, "toy", tmp_path / "docs" / "architecture.md", ["tests"], {}, exceptions or {})
+    return check_repo(tmp_path, "toy", tmp_path / "docs" / "architecture.md", ["tests"], {}, exceptions or {},
+                      ["toy.leaf"])
 
 
 def test_a_clean_package_passes(tmp_path: Path) -> None:
@@ -222,3 +225,11 @@ def test_private_uses_in_tests_are_caught_and_exceptions_are_honoured(tmp_path: 
 def test_a_long_file_is_caught(tmp_path: Path) -> None:
     found = check(tmp_path, {"toy/util.py": "# a line\n" * 600})
     assert found["long files"] == ["toy/util.py has 603 lines, over 600: split it by concern"]
+
+
+def test_an_environment_read_outside_its_reader_is_caught(tmp_path: Path) -> None:
+    found = check(tmp_path, {"toy/leaf.py": "\n\nimport os\n\nHOME = os.environ.get('HOME')\n",
+                             "toy/util.py": "\n\nfrom os import getenv\n\n\ndef home():\n    return getenv('HOME')\n"})
+    assert found["environment reads"] == [
+        "toy/util.py:6 reads the process environment: read it through toy.leaf (a field of its Environment), "
+        "and never write it"]

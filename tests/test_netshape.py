@@ -19,7 +19,7 @@ from eagerloco import checkpoint as ckpt
 from eagerloco.cli import main
 from eagerloco.comm.link import emulated_link
 from eagerloco.config import ConfigError, Environment, LinkConfig, TrainConfig
-from eagerloco.config.environment import KERNEL_LINK_ENV
+from eagerloco.environment import KERNEL_LINK_ENV
 from eagerloco.launch import kernel_link
 from eagerloco.launch.kernel_link import JobLink, KernelLink, LinkShapingError, tbf_args
 from eagerloco.procs import pid_alive

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from eagerloco.comm.errors import PeerError
 from eagerloco.config import ConfigError
+from eagerloco.environment import Environment
 
 #: How long one collective may wait for its peers by default (seconds).
 DEFAULT_TIMEOUT_S = 300.0
@@ -84,30 +85,13 @@ class DistContext:
         return {w: f"worker {w} (global ranks {w * r}..{w * r + r - 1})" for w in range(self.workers)}
 
 
-def env_int(name: str) -> int | None:
-    """The integer in environment variable name (None if unset or empty; ConfigError if not an integer)."""
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError as e:
-        raise ConfigError(f"environment variable {name} must be an integer, got {value!r}") from e
-
-
-def workers_from_env() -> tuple[int, int] | None:
-    """(workers, ranks_per_worker) as set by ``eagerloco launch``, or None under plain torchrun."""
-    m, r = env_int("EAGERLOCO_WORKERS"), env_int("EAGERLOCO_RANKS_PER_WORKER")
-    return None if m is None else (m, r or 1)
-
-
 def set_worker_threads() -> int:
     """Give this process its share of the cores as intra-op threads; returns the count.
 
     Several processes on one host each defaulting to all cores oversubscribe them (on a 2-core
     machine 4 processes x 2 threads run slower than 4 x 1). Call before building the model.
     """
-    local = env_int("LOCAL_WORLD_SIZE") or 1
+    local = Environment.read().local_world_size or 1
     n = max(1, (os.cpu_count() or 1) // local)
     torch.set_num_threads(n)
     return n
@@ -139,7 +123,8 @@ def init_process_groups(
             raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
     if not (timeout_s > 0):
         raise ConfigError(f"--dist-timeout must be a positive number of seconds, got {timeout_s}")
-    rank, world = env_int("RANK"), env_int("WORLD_SIZE")
+    env = Environment.read()
+    rank, world = env.rank, env.world_size
     if rank is None or world is None:
         raise ConfigError(
             "RANK and WORLD_SIZE are not set: start the processes with `eagerloco launch --workers M "
@@ -153,7 +138,7 @@ def init_process_groups(
             f"WORLD_SIZE is {world}: start {expected} processes (torchrun --nproc-per-node {expected}) or "
             f"set --workers/--ranks-per-worker so that their product is {world}"
         )
-    local_rank = env_int("LOCAL_RANK") or 0
+    local_rank = env.local_rank or 0
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
@@ -192,9 +177,6 @@ def init_process_groups(
 
 
 
-#: Environment variables of an outer rendezvous across jobs (what ``--outer-addr``, ``--worker-id``
-#: and ``--workers`` set).
-OUTER_ADDR_ENV, WORKER_ID_ENV, WORKERS_ENV = "EAGERLOCO_OUTER_ADDR", "EAGERLOCO_WORKER_ID", "EAGERLOCO_WORKERS"
 #: Where the outer group's gloo rendezvous keeps its keys in the store worker 0 hosts.
 OUTER_PG_PREFIX = "eagerloco/outer-pg/"
 
@@ -220,14 +202,6 @@ class OuterRendezvous:
         if worker is None or isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < workers:
             raise ConfigError(f"--worker-id must be an integer in 0..{workers - 1} (one per job), got {worker!r}")
         return cls(host.strip("[]"), int(port), worker, workers)
-
-    @classmethod
-    def from_env(cls) -> OuterRendezvous | None:
-        """The rendezvous in EAGERLOCO_OUTER_ADDR / EAGERLOCO_WORKER_ID / EAGERLOCO_WORKERS, or None."""
-        addr = os.environ.get(OUTER_ADDR_ENV)
-        if not addr:
-            return None
-        return cls.parse(addr, env_int(WORKER_ID_ENV), env_int(WORKERS_ENV))
 
 
 def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
@@ -264,7 +238,8 @@ def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S
     """
     if not (timeout_s > 0):
         raise ConfigError(f"--dist-timeout must be a positive number of seconds, got {timeout_s}")
-    rank, world = env_int("RANK") or 0, env_int("WORLD_SIZE") or 1
+    env = Environment.read()
+    rank, world = env.rank or 0, env.world_size or 1
     if not dist.is_initialized() and world > 1:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
@@ -273,7 +248,7 @@ def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S
         backend = str(dist.get_backend())
     else:
         backend = "gloo"
-    local_rank = env_int("LOCAL_RANK") or 0
+    local_rank = env.local_rank or 0
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
     ctx = DistContext(
         rank=rank, world_size=world, worker=rdzv.worker, rank_in_worker=rank, workers=rdzv.workers,
@@ -331,7 +306,8 @@ def store_client(timeout_s: float) -> dist.TCPStore:
         ConfigError: MASTER_ADDR or MASTER_PORT is not set.
         PeerError: the store cannot be reached (the launcher is gone).
     """
-    host, port = os.environ.get("MASTER_ADDR"), env_int("MASTER_PORT")
+    env = Environment.read()
+    host, port = env.master_addr, env.master_port
     if not host or port is None:
         raise ConfigError("MASTER_ADDR and MASTER_PORT (the launcher's store) are not set; start the run with "
                           "`eagerloco launch` or torchrun")

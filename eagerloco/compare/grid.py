@@ -32,7 +32,7 @@ class GridEntry:
         (it has no outer optimizer)."""
         if key in self.outer or key in self.train or (key == "outer_lr" and self.lowered_lr):
             return True
-        return self.outer.get("method") == "dp" and key in OUTER_KEYS
+        return OuterConfig(method=self.outer.get("method", "diloco")).per_step and key in OUTER_KEYS
 
 
 # Method-specific fields are always set by the entry, so a base config file written for another
@@ -153,7 +153,7 @@ def tolerated_text(outer: OuterConfig, step_s: float | None) -> str:
     if steps == 0:
         return "0"
     secs = f" ({steps * step_s:.2f} s)" if step_s is not None and math.isfinite(step_s) else ""
-    if outer.method in ("delayed", "eager"):
-        k = outer.eager_rounds
+    if outer.rounds_in_flight:
+        k = outer.rounds_in_flight
         return f"{k} round{'s' if k != 1 else ''} = {steps} steps{secs}"
     return f"{steps} step{'s' if steps != 1 else ''}{secs}"

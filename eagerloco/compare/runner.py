@@ -105,14 +105,14 @@ def cached_summary(plan: PlannedRun) -> dict[str, Any] | None:
 def _outer_brief(cfg: Any) -> str:
     o = cfg.outer
     parts = [o.method]
-    if o.method != "dp":
+    if not o.per_step:
         parts.append(f"H={o.inner_steps}")
     if o.fragments > 1:
         parts.append(f"P={o.fragments}")
     if o.overlap_steps:
         parts.append(f"tau={o.overlap_steps}")
-    if o.method in ("delayed", "eager"):
-        parts.append(f"k={o.eager_rounds}")
+    if o.rounds_in_flight:
+        parts.append(f"k={o.rounds_in_flight}")
     if o.codec != "fp32":
         parts.append(o.codec)
     parts.append(f"outer lr {o.outer_lr:g}")

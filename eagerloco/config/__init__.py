@@ -6,11 +6,11 @@ environment), :mod:`.schema` (settings from TOML tables), :mod:`.checks` (what t
 """
 
 from eagerloco.config.checks import ConfigError, flag_name, setting
-from eagerloco.config.environment import Environment
 from eagerloco.config.outer import METHODS, OUTER_OPTIMIZERS, WEIGHTINGS, LinkConfig, OuterConfig
 from eagerloco.config.runtime import BACKENDS, RUNTIMES, RuntimeConfig
 from eagerloco.config.schema import SECTIONS, from_dict, train_config_from_tables
 from eagerloco.config.train import TrainConfig, parse_slow_workers
+from eagerloco.environment import Environment
 from eagerloco.schedule import PATTERNS
 
 __all__ = [

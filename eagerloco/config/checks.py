@@ -11,9 +11,7 @@ import math
 from dataclasses import MISSING, field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A setting is invalid; the message names the flag and the allowed values."""
+from eagerloco.errors import ConfigError
 
 
 def flag_name(name: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eagerloco.config.checks import ConfigError, check_choice, check_int_at_least, check_switch, is_finite, setting
-from eagerloco.config.environment import Environment
+from eagerloco.environment import Environment
 
 BACKENDS = ("gloo", "nccl")
 #: The ways of starting workers (:meth:`RuntimeConfig.kind`).

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from eagerloco.config.checks import ConfigError, check_choice, check_switch, is_finite, setting
-from eagerloco.config.environment import Environment
 from eagerloco.config.outer import LinkConfig, OuterConfig
 from eagerloco.config.runtime import RuntimeConfig
+from eagerloco.environment import Environment
 
 MAX_SEED = 2**63 - 1
 _DEVICE = "device"

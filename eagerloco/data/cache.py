@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from eagerloco.environment import Environment
+
 # Version of the manifests of the source caches (Brown and the document stores). Every file a source
 # writes is listed there with its size and sha256, so a second run reads the cache instead of
 # downloading, and a damaged file is rebuilt from the cached package instead of downloading it again.
@@ -34,7 +36,7 @@ def default_data_dir(data_dir: str | Path | None = None) -> Path:
     """Argument, else $EAGERLOCO_DATA_DIR, else ~/.cache/eagerloco."""
     if data_dir is not None:
         return Path(data_dir).expanduser()
-    env = os.environ.get("EAGERLOCO_DATA_DIR")
+    env = Environment.read().data_dir
     return Path(env).expanduser() if env else Path.home() / ".cache" / "eagerloco"
 
 

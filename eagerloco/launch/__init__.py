@@ -3,7 +3,7 @@
 (:mod:`~eagerloco.launch.kernel_link`: network namespaces and tbf uplinks, as root).
 
 Kernel shaping is the launcher's alone: the processes it starts learn the rate from the environment
-(:data:`eagerloco.config.environment.KERNEL_LINK_ENV`) and do the link arithmetic in :mod:`eagerloco.comm.link`.
+(:data:`eagerloco.environment.KERNEL_LINK_ENV`) and do the link arithmetic in :mod:`eagerloco.comm.link`.
 """
 
 from eagerloco.launch.command import DEFAULT_GRACE_S, add_parser, launch, run

@@ -16,12 +16,13 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import IO, Any
 
-from eagerloco.config.environment import (
+from eagerloco.environment import (
     INCARNATION_ENV,
     LAUNCHER_PID_ENV,
     RANKS_PER_WORKER_ENV,
     REJOIN_ENV,
     WORKERS_ENV,
+    Environment,
 )
 from eagerloco.procs import pid_stopped
 from eagerloco.signals import STOP_SIGNALS, signal_name
@@ -211,7 +212,7 @@ def _launch(
     readers: list[threading.Thread] = []
 
     def spawn(rank: int, incarnation: int = 0) -> subprocess.Popen[bytes]:
-        env = dict(os.environ)
+        env = Environment.for_child()
         env.update(
             RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
             WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),

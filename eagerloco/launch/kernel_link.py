@@ -1,7 +1,7 @@
 """A slow link shaped by the kernel: one network namespace per worker, each worker's uplink limited.
 
 See :class:`KernelLink` for how it works. Only the launcher uses this module (it needs root); the
-processes it starts learn the rate from :data:`~eagerloco.config.environment.KERNEL_LINK_ENV`.
+processes it starts learn the rate from :data:`~eagerloco.environment.KERNEL_LINK_ENV`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 
 from eagerloco.config import ConfigError
-from eagerloco.config.environment import KERNEL_LINK_ENV
+from eagerloco.environment import KERNEL_LINK_ENV
 from eagerloco.procs import pid_alive
 
 _PREFIX = "eloc"  # namespaces eloc<pid>w<worker>, bridge elbr<pid>, host-side veth elh<pid>w<worker>

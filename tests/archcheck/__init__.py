@@ -10,7 +10,8 @@ Each ``*_violations`` function returns one readable line per violation, ``path:l
 - ``torch_violations``: a module of a torch-free row whose imports at load time reach torch;
 - ``private_violations``: ``_private`` names reached across modules (see ``private_uses``);
 - ``outside_violations``: the same in tests, benchmarks and examples, for names of the package;
-- ``length_violations``: files over ``MAX_LINES`` lines.
+- ``length_violations``: files over ``MAX_LINES`` lines;
+- ``environment_violations``: ``os.environ`` read (or written) outside the modules allowed to.
 
 Known limits: a name built at run time (``getattr(m, name)``) is not followed, and ``obj._x`` is
 allowed wherever this module defines some ``_x`` of its own, whatever ``obj`` is.
@@ -22,6 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from archcheck.circles import circle_violations
+from archcheck.environ import environment_violations
 from archcheck.private import outside_violations, private_violations
 from archcheck.source import all_imports, load_package
 from archcheck.table import TableError, parse_table, table_violations, torch_violations
@@ -42,8 +44,10 @@ def length_violations(paths: Iterable[Path], base: Path, limit: int = MAX_LINES)
 
 def check_repo(repo: Path, top: str, doc: Path, outside: Iterable[str],
                package_exceptions: dict[tuple[str, str], str],
-               outside_exceptions: dict[tuple[str, str], str]) -> dict[str, list[str]]:
-    """Every rule on the package ``repo/top``, its table in ``doc`` and the code in ``outside`` folders."""
+               outside_exceptions: dict[tuple[str, str], str],
+               environment_readers: Iterable[str] | None = None) -> dict[str, list[str]]:
+    """Every rule on the package ``repo/top``, its table in ``doc`` and the code in ``outside`` folders;
+    with ``environment_readers`` (module names), also that no other module reads the environment."""
     modules = load_package(repo / top)
     imports = all_imports(modules, top)
     found = {"import circles": circle_violations(modules, imports, repo)}
@@ -61,6 +65,8 @@ def check_repo(repo: Path, top: str, doc: Path, outside: Iterable[str],
     found["private names outside the package"] = (outside_violations(files, modules, top, repo, outside_exceptions)
                                                   + stale_exceptions(outside_exceptions, repo))
     found["long files"] = length_violations((m.path for m in modules.values()), repo)
+    if environment_readers is not None:
+        found["environment reads"] = environment_violations(modules, environment_readers, repo)
     return found
 
 

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from eagerloco.config.checks import ConfigError
+from eagerloco.errors import ConfigError
 
 #: Set by ``eagerloco launch`` on every process it starts: the run's number of workers and ranks per worker.
 WORKERS_ENV, RANKS_PER_WORKER_ENV = "EAGERLOCO_WORKERS", "EAGERLOCO_RANKS_PER_WORKER"
@@ -66,6 +66,11 @@ class Environment:
     """EAGERLOCO_KERNEL_LINK_GBPS: the uplink rate the kernel shapes for this process's worker."""
     data_dir: str | None = None
     """EAGERLOCO_DATA_DIR: the data cache."""
+
+    @staticmethod
+    def for_child(**updates: str) -> dict[str, str]:
+        """The environment of a process this one starts: this one's with ``updates`` (a launcher's)."""
+        return {**os.environ, **updates}
 
     @property
     def launched(self) -> bool:
