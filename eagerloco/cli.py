@@ -69,13 +69,13 @@ def _exit_code(e: BaseException) -> int | None:
     that never loads torch does not load it to name the errors it cannot raise.
     """
     from eagerloco.checkpoint import CheckpointError
-    from eagerloco.comm.errors import PeerError
+    from eagerloco.comm.errors import PEER_EXIT_CODE, PeerError
     from eagerloco.data import DataError
 
     if isinstance(e, (ConfigError, FileNotFoundError, DataError, CheckpointError)):
         return 2
     if isinstance(e, PeerError):
-        return 3
+        return PEER_EXIT_CODE
     return None
 
 

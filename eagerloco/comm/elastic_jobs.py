@@ -77,7 +77,14 @@ class JobsMembership(Membership):
         assert comm is not None
         comm.step_hint = step + 1
         boundary = self.is_dp or step % self.inner_steps == 0
-        if comm.broken or (boundary and self.kv.check([f"ep{self.epoch + 1}/recovering"])):
+        try:
+            changing = boundary and self.kv.check([f"ep{self.epoch + 1}/recovering"])
+        except Exception as e:
+            gone = self.store_gone(e)
+            if gone is None:
+                raise
+            raise gone from e
+        if comm.broken or changing:
             self.recover()
 
     def recover(self, cause: str = "") -> None:
@@ -87,14 +94,21 @@ class JobsMembership(Membership):
         except PeerError:
             raise
         except Exception as e:
-            if self.worker == 0 or not _store_error(e):
+            gone = self.store_gone(e)
+            if gone is None:
                 raise
-            if self.comm is not None:  # no last heartbeat into a store that is gone
-                self.comm.heartbeat.store_lost = True
-            raise PeerError(
-                f"worker 0 is gone (its process hosted the outer rendezvous store, now unreachable: "
-                f"{describe_exception(e)}); elastic runs across separate jobs survive the loss of any worker "
-                "but worker 0. Restart the workers and resume from the last checkpoint.", [0]) from e
+            raise gone from e
+
+    def store_gone(self, e: Exception) -> PeerError | None:
+        """The error to stop with when ``e`` says the store (worker 0's process) is unreachable, else None."""
+        if self.worker == 0 or not _store_error(e):
+            return None
+        if self.comm is not None:  # no last heartbeat into a store that is gone
+            self.comm.heartbeat.store_lost = True
+        return PeerError(
+            f"worker 0 is gone (its process hosted the outer rendezvous store, now unreachable: "
+            f"{describe_exception(e)}); elastic runs across separate jobs survive the loss of any worker "
+            "but worker 0. Restart the workers and resume from the last checkpoint.", [0])
 
     def finish(self) -> None:
         """Nothing to agree on at the end: the survivors' outer parameters are those of the same

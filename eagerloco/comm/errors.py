@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 
+#: The exit status of a process that stopped because a peer failed (the command line's, for PeerError).
+PEER_EXIT_CODE = 3
+
 
 class PeerError(RuntimeError):
     """Another worker died, hung or left: the exchange cannot complete.

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 
 import torch.distributed as dist
 
-from eagerloco.comm.errors import PeerError
+from eagerloco.comm.errors import PEER_EXIT_CODE, PeerError
 
 #: How often each outer rank refreshes its heartbeat in the store (seconds).
 HEARTBEAT_S = 1.0
@@ -248,7 +248,7 @@ def blame_ranks(store: dist.Store, me: int, world: int, ranks_per_worker: int, w
     stale_s = max(3 * HEARTBEAT_S, 2.0)
     deadline = time.monotonic() + wait_s
     while True:
-        notes, workers = [], []
+        notes, workers, followers = [], [], []
         for g in range(world):
             if g == me:
                 continue
@@ -256,6 +256,9 @@ def blame_ranks(store: dist.Store, me: int, world: int, ranks_per_worker: int, w
             try:
                 if store.check([f"rank/exited/{g}"]):
                     rc = int(store.get(f"rank/exited/{g}").decode())
+                    if rc == PEER_EXIT_CODE:  # it stopped for a failed peer too: a witness, not a cause
+                        followers.append(f"{who} stopped for a failed peer")
+                        continue
                     how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
                     notes.append(f"{who} {how}")
                 elif store.check([f"rank/hb/{g}"]):
@@ -272,6 +275,7 @@ def blame_ranks(store: dist.Store, me: int, world: int, ranks_per_worker: int, w
         if notes or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
+    notes = notes or followers
     found = "; ".join(notes) if notes else "no other rank looks dead or frozen"
     advice = "Check its log" if len(notes) == 1 else "Check the logs" if notes else "Check every rank's log"
     return PeerError(f"global rank {me} stopped: {what} failed: {found}. {advice}, then restart all workers and "

@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
-from eagerloco.comm.errors import PeerError
+from eagerloco.comm.errors import PEER_EXIT_CODE, PeerError
 from eagerloco.config import Environment
 from eagerloco.flags import build_train_config
 from eagerloco.signals import RunStopped, die_with_launcher, signal_name, stop_on_signals
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         from eagerloco.checkpoint import checkpoint_root, resume_hint
 
         print(f"eagerloco: error: {e} ({resume_hint(checkpoint_root(Path(cfg.out)))})", file=sys.stderr, flush=True)
-        return 3
+        return PEER_EXIT_CODE
     except OSError as e:
         from eagerloco.checkpoint import NO_ROOM_ERRNOS
 
