@@ -12,7 +12,8 @@ command line from one left at its default (the TOML file sits between the two), 
 argparse tree of ``compare`` and ``launch``, which share them; both libraries own the parser and
 would need per-field annotations for each of those. Walking the dataclasses takes 60 lines.
 
-Used by `eagerloco train` and `eagerloco compare`; imports no torch.
+Used by `eagerloco train` and `eagerloco compare`, and by `eagerloco simulate` for its own settings
+(:class:`eagerloco.sim.config.SimConfig`); imports no torch.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import ast
 import functools
 import inspect
 import math
+import sys
 import textwrap
 import tomllib
 import types
@@ -39,10 +41,18 @@ _CLASS_GROUP = {"OuterConfig": "algorithm", "LinkConfig": "link", "TrainConfig":
 
 
 @functools.cache
+def _module_tree(path: str) -> ast.Module:
+    return ast.parse(Path(path).read_text(encoding="utf-8"))
+
+
+@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a dataclass (read from its source: Python keeps none at run time)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    tree = _module_tree(inspect.getfile(cls))  # one parse of the module: inspect.getsource would parse it twice
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__qualname__), None)
+    if node is None:  # not at the top of its module
+        node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    body = node.body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:], strict=False):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
@@ -70,8 +80,30 @@ def _shown(f: Field[Any]) -> str | None:
     return str(f.default) if f.default != "" else "none"
 
 
-def add_dataclass_flags(groups: dict[str, Any], cls: type) -> None:
-    """Add one flag per field of ``cls`` (sections excepted) to the argparse groups, by group name."""
+class RenamedFlag(argparse.Action):
+    """An old spelling of a flag (``setting(aliases=...)``): one line on stderr naming the new one, then the
+    value is stored as the new flag stores it."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, append: bool = False, **kw: Any) -> None:
+        self.new, self.append = new, append
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"{parser.prog}: warning: {option_string} is now {self.new}; the old name goes in the next release",
+              file=sys.stderr)
+        value = self.const if self.nargs == 0 else values
+        if self.append:
+            value = [*(getattr(namespace, self.dest, None) or []), value]
+        setattr(namespace, self.dest, value)
+
+
+def add_dataclass_flags(groups: dict[str, Any], cls: type, group: str | None = None) -> None:
+    """Add one flag per field of ``cls`` (sections excepted) to the argparse groups, by group name.
+
+    A field goes to its setting's group, else to ``group``, else to its class's (training by default).
+    Its old spellings (``setting(aliases=...)``) are added unlisted: they warn, then store the same.
+    """
     hints, docs = get_type_hints(cls), field_docs(cls)
     for f in fields(cls):
         meta = f.metadata
@@ -83,19 +115,24 @@ def add_dataclass_flags(groups: dict[str, Any], cls: type) -> None:
         if shown is not None:
             text += f" (default {shown})"
         kw: dict[str, Any] = {"dest": f.name, "default": None, "help": text.replace("%", "%%")}
-        g = groups[meta.get("group") or _CLASS_GROUP.get(cls.__name__, "training")]
+        g = groups[meta.get("group") or group or _CLASS_GROUP.get(cls.__name__, "training")]
+        old: dict[str, Any] = {"dest": f.name, "default": None, "help": argparse.SUPPRESS, "action": RenamedFlag}
         if tp is bool:
             on = f.default is not True
             flag = meta.get("flag") or ("--" if on else "--no-") + f.name.replace("_", "-")
             g.add_argument(flag, action="store_true" if on else "store_false", **kw)
-            continue
-        if get_origin(tp) is list:
-            kw["action"] = "append"
-        kw["type"] = _value_type(tp)
-        for key in ("choices", "metavar"):
-            if meta.get(key) is not None:
-                kw[key] = meta[key]
-        g.add_argument(meta.get("flag") or "--" + f.name.replace("_", "-"), **kw)
+            old.update(nargs=0, const=on)
+        else:
+            kw["type"] = old["type"] = _value_type(tp)
+            if get_origin(tp) is list:
+                kw["action"], old["append"] = "append", True
+            for key in ("choices", "metavar"):
+                if meta.get(key) is not None:
+                    kw[key] = meta[key]
+            flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+            g.add_argument(flag, **kw)
+        for alias in meta.get("aliases", ()):
+            g.add_argument(alias, new=flag, **old)
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -159,4 +196,4 @@ def build_train_config(args: argparse.Namespace, env: Environment | None = None)
     return train_config_from_tables(tables, where).validate(env)
 
 
-__all__ = ["GROUPS", "add_dataclass_flags", "add_train_flags", "build_train_config", "field_docs"]
+__all__ = ["GROUPS", "RenamedFlag", "add_dataclass_flags", "add_train_flags", "build_train_config", "field_docs"]

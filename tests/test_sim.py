@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from eagerloco.codec_sizes import SCALE_BYTES
 from eagerloco.sim import cli
+from eagerloco.sim.config import SimConfig
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.model import (
     PRESETS,
@@ -344,11 +345,11 @@ def test_cli_plot_writes_pngs(tmp_path, capsys: pytest.CaptureFixture[str]) -> N
 
 def test_cli_json_round_trips(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "out.json"
-    argv = ["--model", "1b", "--target-cu", "0.5,0.95", "--bandwidth", "2,inf", "--json", str(path)]
+    argv = ["--model", "1b", "--target-cu", "0.5,0.95", "--bandwidth-gbps", "2,inf", "--json", str(path)]
     rc, out, _ = _run(argv, capsys)
     assert rc == 0
     data = json.loads(path.read_text())
-    report, _, _ = cli.compute(cli.settings_from_args(_parse(argv)))
+    report, _, _ = cli.compute(SimConfig.from_args(_parse(argv)).validate())
     report.pop("seconds", None)
     data.pop("seconds")
     assert data == json.loads(json.dumps(cli.jsonable(report)))
@@ -364,8 +365,8 @@ def test_cli_json_round_trips(tmp_path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_cli_custom_model_from_flops(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--model", "custom", "--params", "3e9", "--layers", "30", "--accel-tflops", "4000"]
-    rc, out, _ = _run([*argv, "--tokens-per-step", "1e5", "--mfu", "0.5", "--bandwidth", "5"], capsys)
+    argv = ["--model", "custom", "--params", "3e9", "--layers", "30", "--peak-tflops", "4000"]
+    rc, out, _ = _run([*argv, "--tokens-per-step", "1e5", "--mfu", "0.5", "--bandwidth-gbps", "5"], capsys)
     assert rc == 0
     assert "step 0.9 s" in out and "P=10 fragments" in out
 
@@ -374,7 +375,7 @@ def test_cli_custom_model_from_flops(capsys: pytest.CaptureFixture[str]) -> None
     "argv, flag",
     [
         (["--bandwidth-gbps", "-1"], "--bandwidth-gbps"),
-        (["--bandwidth", "0"], "--bandwidth-gbps"),
+        (["--bandwidth-gbps", "0"], "--bandwidth-gbps"),
         (["--model", "7b"], "--model"),
         (["--target-cu", "0.5,1.2"], "--target-cu"),
         (["--target-cu", "0"], "--target-cu"),

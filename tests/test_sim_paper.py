@@ -191,7 +191,7 @@ def test_simulate_command_runs_without_torch() -> None:
     code = (
         "import sys\n"
         "from eagerloco.sim.cli import main\n"
-        "rc = main(['simulate', '--model', '1b', '--paper', '--method', 'streaming', '--bandwidth', '5'])\n"
+        "rc = main(['simulate', '--model', '1b', '--paper', '--method', 'streaming', '--bandwidth-gbps', '5'])\n"
         "assert rc == 0 and 'torch' not in sys.modules\n"
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True, text=True)

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 COMMANDS = {
     "simulate --help": ["-m", "eagerloco.sim", "--help"],
-    "simulate --model 1b --paper --bandwidth 5": [
-        "-m", "eagerloco.sim", "--model", "1b", "--paper", "--bandwidth", "5"],
+    "simulate --model 1b --paper --bandwidth-gbps 5": [
+        "-m", "eagerloco.sim", "--model", "1b", "--paper", "--bandwidth-gbps", "5"],
     "simulate --plan --model 10b --bandwidth-gbps 2 --target-cu 0.95": [
         "-m", "eagerloco.sim", "--plan", "--model", "10b", "--bandwidth-gbps", "2", "--target-cu", "0.95"],
     "simulate --paper --compare-reference": ["-m", "eagerloco.sim", "--paper", "--compare-reference"],

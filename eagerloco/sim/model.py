@@ -54,7 +54,7 @@ PRESETS: dict[str, ModelSpec] = {
 def flops_step_time(params: float, tokens_per_step: float, accel_tflops: float, mfu: float) -> float:
     """Seconds per inner step from the 6 * params * tokens FLOPs rule at a given speed and MFU."""
     if not (accel_tflops > 0 and math.isfinite(accel_tflops)):
-        raise SimError(f"--accel-tflops must be a positive number of TFLOP/s, got {accel_tflops}")
+        raise SimError(f"--peak-tflops must be a positive number of TFLOP/s, got {accel_tflops}")
     if not 0 < mfu <= 1:
         raise SimError(f"--mfu must be in (0, 1], got {mfu}")
     if not (tokens_per_step > 0 and math.isfinite(tokens_per_step)):
@@ -141,6 +141,8 @@ def fragment_count(layers: int, fragment_layers: int) -> int:
 
 
 PATTERNS = ("strided", "sequential")
+#: The codec that an earlier release's bit count meant (``--bits 16``: bf16); a bit count outside it has none.
+CODEC_FOR_BITS = {32: "fp32", 16: "bf16", 8: "fp8", 4: "e2m1"}
 
 
 def fragment_layers(layers: int, fragments: int, pattern: str = "strided") -> list[tuple[int, ...]]:
@@ -161,7 +163,7 @@ def fragment_layers(layers: int, fragments: int, pattern: str = "strided") -> li
     try:
         return [tuple(g) for g in block_groups(layers, max(1, min(fragments, layers)), pattern)]
     except ValueError:
-        raise SimError(f"--pattern must be one of {', '.join(PATTERNS)}, got {pattern!r}") from None
+        raise SimError(f"--fragment-pattern must be one of {', '.join(PATTERNS)}, got {pattern!r}") from None
 
 
 def fragment_layer_counts(layers: int, fragments: int) -> list[int]:

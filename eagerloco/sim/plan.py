@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from eagerloco.sim.engine import simulate
-from eagerloco.sim.model import ModelSpec, Variant, fragment_count, traffic
+from eagerloco.sim.model import CODEC_FOR_BITS, ModelSpec, Variant, fragment_count, traffic
 from eagerloco.sim.search import meets
 
 #: Method order of the ranking (simplest first).
 METHOD_RANK = {"dp": 0, "diloco": 1, "streaming": 2, "streaming-tau": 3, "eager": 4}
-CODEC_FOR_BITS = {32: "fp32", 16: "bf16", 8: "fp8", 4: "e2m1"}
 
 
 @dataclass(frozen=True)

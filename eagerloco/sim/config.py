@@ -1,0 +1,424 @@
+"""The settings of ``eagerloco simulate``: one field per flag, checked and resolved into what is simulated.
+
+:class:`SimConfig` holds the flags as given (a comma list is a sweep, one table row per value);
+its field docstrings are the ``--help`` (:func:`eagerloco.flags.add_dataclass_flags` makes the
+flags from them). A setting that is the same thing as one of ``eagerloco train`` has train's name:
+``--inner-steps``, ``--overlap-steps``, ``--codec``, ``--codec-block``, ``--fragment-pattern``,
+``--workers``, ``--bandwidth-gbps``, ``--latency-ms``, ``--peak-tflops``; the simulator's earlier
+spellings are read for one release with a warning. :meth:`SimConfig.validate` checks every flag
+(an error names it) and returns :class:`Settings`: the models, the rows and the numbers of each list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+from eagerloco.codec_sizes import CODEC_BITS, CODEC_NAMES, SCALE_BYTES
+from eagerloco.config import setting
+from eagerloco.sim import paper
+from eagerloco.sim.model import (
+    CODEC_FOR_BITS,
+    PATTERNS,
+    PRESETS,
+    ModelSpec,
+    SimError,
+    Variant,
+    default_variants,
+    flops_step_time,
+    fragment_count,
+    select_variants,
+    with_name,
+)
+
+#: The --help sections, in order, with their titles.
+GROUPS = {"model": "model", "method": "method", "exchange": "exchange", "link": "link",
+          "output": "search and output"}
+DEFAULT_TARGETS = "0.5,0.8,0.9,0.95,0.99"
+MAX_INNER_STEPS = 100_000
+MAX_ROUNDS_IN_FLIGHT = 64
+TRANSPORTS = ("ring", "allgather")
+#: How each codec flag was spelled before it took codec names (a number of bits per value).
+BITS_FLAGS = {"codec": "--bits", "low_codec": "--low-bits", "dp_codec": "--dp-bits"}
+
+
+@dataclass
+class SimConfig:
+    """The flags of ``eagerloco simulate``; :meth:`validate` checks them and resolves the :class:`Settings`."""
+
+    # -- the model. --model names the simulator's presets, the papers' models described by size and
+    # step time; train's --model names architectures it builds. The same setting, another list.
+    model: str = setting("1b,10b,100b", group="model")
+    """Comma list of the papers' models (1b, 10b, 100b) or custom (needs --params and --layers)."""
+    params: float | None = setting(None, group="model")
+    """Parameter count (custom model, or override a preset)."""
+    layers: int | None = setting(None, group="model")
+    """Transformer blocks (custom model, or override a preset)."""
+    # Not train's --sim-step-time, which puts a clock on a model that really runs: here the step time
+    # is part of the model's description, as --params and --layers are.
+    step_time: float | None = setting(None, group="model")
+    """Seconds per inner step (forward + backward) of one worker (custom model, or override a preset)."""
+    peak_tflops: float | None = setting(None, group="model", aliases=("--accel-tflops",))
+    """The peak TFLOP/s of one worker's device (train's --peak-tflops): derive the step time as
+    6*params*tokens-per-step / (this * --mfu)."""
+    mfu: float | None = setting(None, group="model")
+    """Model FLOPs utilization: with --peak-tflops (default 0.6) it sets the step time; for a preset it
+    rescales the preset's step time (stated at 0.6) by 0.6 / MFU."""
+    tokens_per_step: float = setting(float(2**20), group="model", shown_default="2**20")
+    """Tokens one worker processes per inner step (step time from FLOPs; bytes per token)."""
+
+    # -- the method: train's flags, each taking a comma list where the simulator sweeps it.
+    method: str | None = setting(None, group="method", shown_default="all rows")
+    """Comma list of methods (dp, diloco, streaming, delayed, eager) or row keys (train's --method takes one)."""
+    workers: int | None = setting(None, group="method", aliases=("-M",), shown_default="2")
+    """M: workers across the slow link."""
+    inner_steps: int = setting(100, group="method", aliases=("-H",))
+    """H: inner steps per outer round."""
+    fragment_layers: int = setting(3, group="method")
+    """Blocks per streaming fragment (the papers use 3 at every scale)."""
+    fragments: int | None = setting(None, group="method", shown_default="blocks / --fragment-layers")
+    """P: number of streaming fragments (overrides --fragment-layers)."""
+    overlap_steps: str = setting("1", group="method", aliases=("--tau",))
+    """tau: comma list of overlaps (inner steps an exchange may take before its mean is applied), one
+    Streaming row each (train's --overlap-steps takes one)."""
+    eager_rounds: str = setting("1,2", group="method")
+    """k: comma list of outer rounds an exchange may take for eager, one row each (train's takes one)."""
+    # train's --eager-rounds is k of whichever method runs, delayed or eager; a table shows both, each
+    # with its own list, so naive delayed has a flag of its own.
+    delayed_rounds: str = setting("1", group="method")
+    """k: comma list of outer rounds an exchange may take for naive delayed, one row each."""
+    eager_streaming: bool = setting(False, group="method")
+    """Delayed and eager rows exchange the streaming fragments instead of the whole model."""
+
+    # -- the exchange
+    codec: str | None = setting(None, choices=CODEC_NAMES, group="exchange", aliases=("--bits",),
+                                shown_default="fp32; bf16 with --paper")
+    """Format of the outer gradients on the link: its bits per value, and one scale per --codec-block
+    values for the formats below 16 bits (train's --codec)."""
+    # The two other rows of the table have their own format: train runs one method, one codec.
+    low_codec: str = setting("e2m1", choices=CODEC_NAMES, group="exchange", aliases=("--low-bits",))
+    """Format of the extra quantized Streaming row (the papers' FP4 row)."""
+    dp_codec: str = setting("bf16", choices=CODEC_NAMES, group="exchange", aliases=("--dp-bits",))
+    """Format of the data-parallel gradients."""
+    fragment_pattern: str = setting("strided", choices=PATTERNS, group="exchange", aliases=("--pattern",))
+    """How blocks map to fragments: sequential (contiguous) or strided (block b in fragment b mod P)."""
+    codec_block: int = setting(32, group="exchange", aliases=("--block",))
+    """Values sharing one scale in the block formats (MX uses 32)."""
+    scale_bytes: int | None = setting(None, group="exchange",
+                                      shown_default=f"{SCALE_BYTES}, what the codecs store; 0 with --paper")
+    """Bytes per block scale below 16 bits (the runtime's codecs always store bfloat16 scales)."""
+    transport: str = setting("ring", choices=TRANSPORTS, group="exchange")
+    """ring: 2(M-1)/M of the payload per worker; allgather: (M-1) payloads for quantized outer gradients,
+    as the runtime sends them to keep FP32 sums."""
+
+    # -- the link
+    bandwidth_gbps: str | None = setting(None, group="link", aliases=("--bandwidth",))
+    """Comma list of link bandwidths in Gbit/s (inf: no limit) to report utilization at (train's takes one)."""
+    latency_ms: float = setting(0.0, group="link")
+    """One-way latency added to every transfer, in milliseconds."""
+
+    # -- search and output
+    target_cu: str | None = setting(None, group="output",
+                                    shown_default=f"{DEFAULT_TARGETS} without --bandwidth-gbps")
+    """Comma list of utilization targets in (0, 1]: the least bandwidth reaching each."""
+    bw_min: float = setting(1e-3, group="output")
+    """Lowest bandwidth of the grid (Gbit/s)."""
+    bw_max: float = setting(1e5, group="output", shown_default="1e5")
+    """Highest bandwidth of the grid (Gbit/s)."""
+    grid_per_decade: int = setting(100, group="output")
+    """Grid points per factor of 10."""
+    warmup_rounds: int = setting(8, group="output")
+    """Steady state: rounds simulated before measuring."""
+    measure_rounds: int = setting(32, group="output")
+    """Steady state: rounds measured."""
+    rounds: int | None = setting(None, group="output")
+    """Measure a short run of N rounds from a cold start instead of the steady state (exchanges still in
+    flight at the end are not waited for)."""
+    paper: bool = setting(False, group="output")
+    """The papers' accounting: 16-bit outer gradients, FP4 without scale bytes, M=2, ring, no latency, their
+    bandwidth grid (printed with the result)."""
+    compare_reference: bool = setting(False, group="output")
+    """With --paper: ours beside the papers' published tables, ratio per cell."""
+    plan: bool = setting(False, group="output")
+    """The cheapest settings reaching --target-cu at --bandwidth-gbps (one model)."""
+    tokens: float = setting(25e9, group="output", shown_default="2.5e10")
+    """Training tokens for the total-bytes column (bytes per worker per token times this)."""
+    plot: str | None = setting(None, metavar="DIR", group="output")
+    """Write cu_<model>.png per model to DIR."""
+    json: str | None = setting(None, metavar="PATH", group="output")
+    """Write every number as JSON to PATH ('-': stdout)."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SimConfig:
+        """The flags given (parsed by a parser with the generated flags, where a flag not given is None)."""
+        given = vars(args)
+        return cls(**{f.name: given[f.name] for f in fields(cls) if given.get(f.name) is not None})
+
+    def validate(self) -> Settings:
+        """Check every flag and resolve them: the models, the rows, the numbers of each comma list.
+
+        ``--paper`` only changes defaults (a flag given still wins); a number given to an old codec flag
+        (``--bits 16``) becomes the codec of that many bits (bf16), or stays a bit count where none has it.
+
+        Returns:
+            The :class:`Settings` to simulate.
+
+        Raises:
+            SimError: naming the first bad flag and what it accepts.
+        """
+        models = self._models()
+        if self.compare_reference and not self.paper:
+            raise SimError("--compare-reference compares with the papers' accounting: add --paper")
+        if self.codec is None:
+            self.codec = "bf16" if self.paper else "fp32"
+        bits = {name: self._codec_bits(name) for name in BITS_FLAGS}
+        scale_bytes = self.scale_bytes if self.scale_bytes is not None else (0 if self.paper else SCALE_BYTES)
+        workers = self.workers if self.workers is not None else paper.PAPER_WORKERS
+        _at_least("--workers", workers, 1)
+        _at_least("--inner-steps", self.inner_steps, 1)
+        if self.inner_steps > MAX_INNER_STEPS:
+            raise SimError(f"--inner-steps must be at most {MAX_INNER_STEPS:,} (the papers use 30 to 500; the "
+                           f"simulator walks whole rounds), got {self.inner_steps:,}")
+        _at_least("--fragment-layers", self.fragment_layers, 1)
+        _at_least("--fragments", self.fragments, 1)
+        for model in models:
+            if self.fragments is not None and self.fragments > model.layers:
+                raise SimError(
+                    f"--fragments ({self.fragments}) exceeds the {model.layers} blocks of model {model.name}"
+                )
+        _choice("--fragment-pattern", self.fragment_pattern, PATTERNS)
+        _choice("--transport", self.transport, TRANSPORTS)
+        _at_least("--codec-block", self.codec_block, 1)
+        _at_least("--scale-bytes", scale_bytes, 0)
+        taus = _ints("--overlap-steps", self.overlap_steps, 0)
+        eager_ks = _ints("--eager-rounds", self.eager_rounds, 1)
+        delayed_ks = _ints("--delayed-rounds", self.delayed_rounds, 1)
+        for flag, ks in (("--eager-rounds", eager_ks), ("--delayed-rounds", delayed_ks)):
+            if max(ks) > MAX_ROUNDS_IN_FLIGHT:
+                raise SimError(f"{flag} values must be at most {MAX_ROUNDS_IN_FLIGHT} (rounds an exchange may take; "
+                               f"the papers use 1 and 2), got {max(ks):,}")
+        rows = default_variants(
+            bits=bits["codec"],
+            dp_bits=bits["dp_codec"],
+            low_bits=bits["low_codec"],
+            taus=tuple(dict.fromkeys(taus)),
+            delayed_rounds=tuple(dict.fromkeys(delayed_ks)),
+            eager_rounds=tuple(dict.fromkeys(eager_ks)),
+            eager_fragmented=self.eager_streaming,
+        )
+        wanted = [x.lower() for x in _split("--method", self.method)] if self.method is not None else None
+        variants = select_variants(rows, wanted)
+        bandwidths, targets = self._link_and_targets()
+        self._check_grid_and_outputs()
+        if self.plan and (len(bandwidths) != 1 or len(targets) != 1 or len(models) != 1):
+            raise SimError("--plan needs one --model, one --bandwidth-gbps and one --target-cu")
+        s = Settings(
+            models=models, variants=variants, dp_bits=bits["dp_codec"], workers=workers,
+            inner_steps=self.inner_steps, fragment_layers=self.fragment_layers, fragments=self.fragments,
+            block=self.codec_block, scale_bytes=scale_bytes, transport=self.transport, latency_ms=self.latency_ms,
+            bandwidths=bandwidths, targets=targets, bw_min=self.bw_min, bw_max=self.bw_max,
+            per_decade=self.grid_per_decade, warmup_rounds=self.warmup_rounds, rounds=self.measure_rounds,
+            tokens_per_step=self.tokens_per_step, tokens=self.tokens, pattern=self.fragment_pattern,
+            cold_rounds=self.rounds, paper=self.paper, grid=paper.paper_grid() if self.paper else None,
+        )
+        s.add_notes()
+        return s
+
+    def _models(self) -> list[ModelSpec]:
+        names = [x.lower() for x in _split("--model", self.model)]
+        for name in names:
+            if name not in PRESETS and name != "custom":
+                raise SimError(f"--model: unknown preset {name!r}; choose from {', '.join(PRESETS)} or custom")
+        _positive("--params", self.params)
+        _at_least("--layers", self.layers, 1)
+        _positive("--step-time", self.step_time)
+        _positive("--tokens-per-step", self.tokens_per_step)
+        overrides = {
+            k: v
+            for k, v in (("params", self.params), ("layers", self.layers), ("step_time", self.step_time))
+            if v is not None
+        }
+        if self.peak_tflops is not None and self.step_time is not None:
+            raise SimError("--step-time and --peak-tflops both set the step time; give one of them")
+        if (overrides or self.peak_tflops is not None) and len(names) != 1:
+            raise SimError(
+                "--params/--layers/--step-time/--peak-tflops describe one model; give a single --model "
+                f"(got {self.model!r})"
+            )
+        models = []
+        for name in names:
+            if name == "custom":
+                if self.params is None or self.layers is None:
+                    raise SimError("--model custom needs --params and --layers")
+                if self.step_time is None and self.peak_tflops is None:
+                    raise SimError(
+                        "--model custom needs --step-time, or --peak-tflops (with --mfu, --tokens-per-step)"
+                    )
+                model = ModelSpec("custom", self.params, self.layers, self.step_time or 0.0)
+            else:
+                model = with_name(PRESETS[name], **overrides)
+            if self.peak_tflops is not None:
+                mfu = paper.PRESET_MFU if self.mfu is None else self.mfu
+                step = flops_step_time(model.params, self.tokens_per_step, self.peak_tflops, mfu)
+                model = with_name(model, step_time=step)
+            elif self.mfu is not None and name != "custom" and self.step_time is None:
+                if not 0 < self.mfu <= 1:
+                    raise SimError(f"--mfu must be in (0, 1], got {self.mfu}")
+                model = with_name(model, step_time=model.step_time * paper.PRESET_MFU / self.mfu)
+            models.append(model)
+        return models
+
+    def _codec_bits(self, name: str) -> int:
+        """Bits per value of a codec field; a bit count (from the old flag) becomes its codec where one has it."""
+        value = getattr(self, name)
+        flag = "--" + name.replace("_", "-")
+        if value in CODEC_BITS:
+            return CODEC_BITS[value]
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            raise SimError(f"{flag} must be one of {', '.join(CODEC_NAMES)}, got {value!r}") from None
+        if not 1 <= n <= 32:
+            raise SimError(f"{BITS_FLAGS[name]} must be a number of bits per value in 1..32 (e.g. 32, 16, 8, 4), "
+                           f"got {n}; {flag} takes a codec name: {', '.join(CODEC_NAMES)}")
+        setattr(self, name, CODEC_FOR_BITS.get(n, str(n)))
+        return n
+
+    def _link_and_targets(self) -> tuple[list[float], list[float]]:
+        bandwidths = _floats("--bandwidth-gbps", self.bandwidth_gbps)
+        for b in bandwidths:
+            if math.isnan(b) or b <= 0:
+                raise SimError(f"--bandwidth-gbps values must be positive Gbit/s (inf allowed), got {b}")
+        if math.isnan(self.latency_ms) or not math.isfinite(self.latency_ms) or self.latency_ms < 0:
+            raise SimError(f"--latency-ms must be a finite number >= 0, got {self.latency_ms}")
+        target_text = self.target_cu if self.target_cu is not None or bandwidths else DEFAULT_TARGETS
+        targets = _floats("--target-cu", target_text)
+        for t in targets:
+            if not 0 < t <= 1:
+                raise SimError(f"--target-cu values must be in (0, 1], got {t}")
+        return bandwidths, targets
+
+    def _check_grid_and_outputs(self) -> None:
+        _positive("--bw-min", self.bw_min)
+        _positive("--bw-max", self.bw_max)
+        if self.bw_min >= self.bw_max:
+            raise SimError(f"--bw-min ({self.bw_min}) must be below --bw-max ({self.bw_max})")
+        _at_least("--grid-per-decade", self.grid_per_decade, 1)
+        _at_least("--warmup-rounds", self.warmup_rounds, 0)
+        _at_least("--measure-rounds", self.measure_rounds, 1)
+        _at_least("--rounds", self.rounds, 1)
+        _positive("--tokens", self.tokens)
+        if self.plot is not None and Path(self.plot).exists() and not Path(self.plot).is_dir():
+            raise SimError(f"--plot must name a directory, {self.plot!r} is a file")
+        if self.json not in (None, "-") and not Path(self.json).parent.is_dir():
+            raise SimError(f"--json {self.json}: the directory {Path(self.json).parent} does not exist; "
+                           "create it or pick another path")
+
+
+@dataclass
+class Settings:
+    """What one simulate invocation simulates: :meth:`SimConfig.validate` resolved the flags into it."""
+
+    models: list[ModelSpec]
+    variants: list[Variant]
+    dp_bits: int
+    workers: int
+    inner_steps: int
+    fragment_layers: int
+    fragments: int | None
+    block: int
+    scale_bytes: int
+    transport: str
+    latency_ms: float
+    bandwidths: list[float]
+    targets: list[float]
+    bw_min: float
+    bw_max: float
+    per_decade: int
+    warmup_rounds: int
+    rounds: int
+    tokens_per_step: float
+    tokens: float
+    pattern: str = "strided"
+    cold_rounds: int | None = None
+    paper: bool = False
+    grid: np.ndarray | None = None  # explicit grid (--paper), else bw_min..bw_max per_decade
+    notes: list[str] = field(default_factory=list)
+
+    def fragments_for(self, model: ModelSpec) -> int:
+        return (
+            self.fragments
+            if self.fragments is not None
+            else fragment_count(model.layers, self.fragment_layers)
+        )
+
+    def add_notes(self) -> None:
+        """The notes printed under the tables: the paper's assumptions, rows that training would refuse."""
+        if self.paper:
+            self.notes.extend(f"paper accounting: {a}" for a in paper.PAPER_ASSUMPTIONS)
+        for model in self.models:
+            P = self.fragments_for(model)
+            for v in self.variants:
+                if v.fragmented and v.overlap_steps and v.overlap_steps * P >= self.inner_steps:
+                    self.notes.append(
+                        f"{model.name}: {v.label} has tau*P = {v.overlap_steps * P} >= H = {self.inner_steps}; "
+                        "simulated as is, but training refuses it (exchanges of several fragments overlap)"
+                    )
+
+
+def _split(flag: str, text: str | None) -> list[str]:
+    if text is None:
+        return []
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not items:
+        raise SimError(f"{flag} needs at least one value, got {text!r}")
+    return items
+
+
+def _floats(flag: str, text: str | None) -> list[float]:
+    out = []
+    for x in _split(flag, text):
+        try:
+            out.append(float(x))
+        except ValueError:
+            raise SimError(f"{flag} takes numbers separated by commas, got {x!r}") from None
+    return out
+
+
+def _ints(flag: str, text: str | None, low: int) -> list[int]:
+    out = []
+    for x in _split(flag, text):
+        try:
+            v = int(x)
+        except ValueError:
+            raise SimError(f"{flag} takes integers separated by commas, got {x!r}") from None
+        if v < low:
+            raise SimError(f"{flag} values must be integers >= {low}, got {v}")
+        out.append(v)
+    return out
+
+
+def _positive(flag: str, v: float | None, allow_inf: bool = False) -> None:
+    if v is None:
+        return
+    if math.isnan(v) or v <= 0 or (math.isinf(v) and not allow_inf):
+        raise SimError(
+            f"{flag} must be a positive {'number (inf allowed)' if allow_inf else 'finite number'}, got {v}"
+        )
+
+
+def _at_least(flag: str, v: int | None, low: int) -> None:
+    if v is not None and v < low:
+        raise SimError(f"{flag} must be an integer >= {low}, got {v}")
+
+
+def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise SimError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+__all__ = ["DEFAULT_TARGETS", "GROUPS", "MAX_INNER_STEPS", "MAX_ROUNDS_IN_FLIGHT", "SimConfig", "Settings"]

@@ -1,0 +1,98 @@
+"""The default mode of ``eagerloco simulate``: every (model, row) on the grid and at each bandwidth asked.
+
+:func:`compute` returns the report dictionary that the tables (:func:`eagerloco.sim.report.format_text`)
+and ``--json`` are made from, and the utilization curves that ``--plot`` draws.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from eagerloco.sim.config import Settings
+from eagerloco.sim.engine import simulate
+from eagerloco.sim.model import Variant, fragment_layer_counts, traffic
+from eagerloco.sim.report import cell_key
+from eagerloco.sim.search import bandwidth_grid, least_bandwidth
+
+
+def compute(s: Settings) -> tuple[dict[str, Any], dict[str, list[tuple[str, np.ndarray]]], np.ndarray]:
+    """Simulate every (model, row); returns the report, the CU curves per model and the grid."""
+    grid = s.grid if s.grid is not None else bandwidth_grid(s.bw_min, s.bw_max, s.per_decade)
+    lanes = np.concatenate([grid, np.asarray(s.bandwidths, dtype=float), [math.inf]])
+    curves: dict[str, list[tuple[str, np.ndarray]]] = {}
+    out_models = []
+    for model in s.models:
+        P = s.fragments_for(model)
+        dp_bytes_per_step = None
+        rows = []
+        curves[model.name] = []
+        for v in s.variants:
+            tr = traffic(model, v, s.workers, s.inner_steps, P, s.block, s.scale_bytes, s.transport, s.pattern)
+            res = simulate(
+                model, v, tr, lanes, s.latency_ms, s.inner_steps, s.warmup_rounds, s.rounds, s.cold_rounds
+            )
+            cu_grid = res.cu[: len(grid)]
+            cu_bw = res.cu[len(grid) : len(grid) + len(s.bandwidths)]
+            cu_inf = float(res.cu[-1])
+            curves[model.name].append((v.label, cu_grid))
+            if v.method == "dp":
+                dp_bytes_per_step = tr.bytes_per_step
+            rows.append(
+                {
+                    **v.as_dict(),
+                    "fragments": len(tr.transfers) if v.method != "dp" else 1,
+                    "least_bandwidth_gbps": {cell_key(t): least_bandwidth(grid, cu_grid, t) for t in s.targets},
+                    "cu_at_bandwidth": {cell_key(b): float(c) for b, c in zip(s.bandwidths, cu_bw, strict=True)},
+                    "cu_at_infinite_bandwidth": cu_inf,
+                    "bytes_per_step": tr.bytes_per_step,
+                    "bytes_per_token": tr.bytes_per_step / s.tokens_per_step,
+                    "peak_transfer_bytes": tr.peak_bytes,
+                    "total_bytes": tr.bytes_per_step / s.tokens_per_step * s.tokens,
+                }
+            )
+        if dp_bytes_per_step is None:  # the ratio is against data-parallel even when its row is not shown
+            dp = Variant("dp", "data-parallel", "dp", s.dp_bits)
+            dp_bytes_per_step = traffic(model, dp, s.workers, s.inner_steps, P).bytes_per_step
+        for r in rows:
+            r["dp_ratio"] = dp_bytes_per_step / r["bytes_per_step"] if r["bytes_per_step"] > 0 else None
+        out_models.append(
+            {
+                "model": model.as_dict(),
+                "fragments": P,
+                "fragment_layer_counts": fragment_layer_counts(model.layers, P),
+                "dp_bytes_per_token": dp_bytes_per_step / s.tokens_per_step,
+                "rows": rows,
+            }
+        )
+    report = {
+        "settings": {
+            "workers": s.workers,
+            "inner_steps": s.inner_steps,
+            "fragment_layers": s.fragment_layers,
+            "fragments": s.fragments,
+            "block": s.block,
+            "scale_bytes": s.scale_bytes,
+            "transport": s.transport,
+            "latency_ms": s.latency_ms,
+            "bandwidths_gbps": s.bandwidths,
+            "targets": s.targets,
+            "warmup_rounds": s.warmup_rounds,
+            "rounds": s.rounds,
+            "cold_rounds": s.cold_rounds,
+            "pattern": s.pattern,
+            "paper": s.paper,
+            "tokens_per_step": s.tokens_per_step,
+            "tokens": s.tokens,
+        },
+        "grid": {"min_gbps": float(grid[0]), "max_gbps": float(grid[-1]),
+                 "per_decade": (len(grid) - 1) / math.log10(grid[-1] / grid[0]), "points": len(grid)},
+        "models": out_models,
+        "notes": s.notes,
+    }
+    return report, curves, grid
+
+
+__all__ = ["compute"]
