@@ -132,8 +132,9 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text))
 
 
-def _window(ctx: list[int], cont: list[int], seq_len: int, filler: list[int]) -> tuple[list[int], int]:
-    """(ids of at most seq_len + 1 tokens, how many continuation tokens at its end are scored).
+def window(ctx: list[int], cont: list[int], seq_len: int, filler: list[int]) -> tuple[list[int], int]:
+    """The tokens a choice is scored in: (ids of at most seq_len + 1 tokens, how many continuation
+    tokens at its end are scored); filler stands in for an empty context.
 
     The context is cut from the left. A choice longer than the window keeps its last seq_len tokens,
     its earlier tokens serving as their context (as lm-evaluation-harness does).
@@ -179,7 +180,7 @@ def choice_logprobs(
         ctx = _encode(tokenizer, ex.context)
         for j, choice in enumerate(ex.choices):
             cont = _encode(tokenizer, choice)
-            ids, n = _window(ctx, cont, seq_len, filler)
+            ids, n = window(ctx, cont, seq_len, filler)
             text = choice if n == len(cont) else tokenizer.decode(cont[-n:])
             requests.append((i, j, ids, n, text))
     order = sorted(range(len(requests)), key=lambda r: -len(requests[r][2]))

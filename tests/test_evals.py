@@ -129,11 +129,11 @@ def test_context_is_cut_from_the_left() -> None:
     # The window is far shorter than the context: the choice and the end of the context must stay.
     assert score_task(oracle, TOK, [ex], seq_len=24) == 1.0
     assert score_task(oracle_for([ex], 1), TOK, [ex], seq_len=24) == 0.0
-    ids, n = evals._window(list(range(100)), [7, 8, 9], seq_len=10, filler=[0])
+    ids, n = evals.window(list(range(100)), [7, 8, 9], seq_len=10, filler=[0])
     assert ids == [*range(92, 100), 7, 8, 9] and n == 3
-    ids, n = evals._window([1, 2], list(range(10, 30)), seq_len=10, filler=[0])  # a choice longer than the window
+    ids, n = evals.window([1, 2], list(range(10, 30)), seq_len=10, filler=[0])  # a choice longer than the window
     assert ids == list(range(19, 30)) and n == 10
-    assert evals._window([], [5], seq_len=4, filler=[0]) == ([0, 5], 1)
+    assert evals.window([], [5], seq_len=4, filler=[0]) == ([0, 5], 1)
 
 
 def test_length_normalization_matters() -> None:
