@@ -192,7 +192,7 @@ def _config_file_keys(path: Path | None) -> set[str]:
 
 
 def build_base_config(args: argparse.Namespace) -> tuple[Any, Path]:
-    """The shared TrainConfig of every run (defaults <- compare defaults <- file <- flags) and <out>."""
+    """The shared TrainConfig of every run (defaults <- compare defaults <- file <- flags), validated, and <out>."""
     given = [f for f in PER_ENTRY_FLAGS if getattr(args, f, None) is not None]
     if given:
         flags = ", ".join("--" + f.replace("_", "-") for f in given)
@@ -211,4 +211,4 @@ def build_base_config(args: argparse.Namespace) -> tuple[Any, Path]:
     if "eval_every" not in explicit:
         cfg.eval_every = max(1, cfg.steps // 10)  # an eval-loss curve, not just the final point
     out = Path(args.out if args.out is not None else DEFAULT_OUT if "out" not in explicit else cfg.out)
-    return cfg.validate(), out
+    return cfg, out
