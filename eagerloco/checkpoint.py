@@ -97,6 +97,11 @@ def _write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def checkpoint_dir(root: Path, step: int) -> Path:
+    """Where step's checkpoint is, once published."""
+    return root / f"{_PREFIX}{step:08d}"
+
+
 def staging_dir(root: Path, step: int) -> Path:
     """Where the files of step's checkpoint are written before it is published."""
     return root / f".partial-{_PREFIX}{step:08d}"
@@ -137,7 +142,7 @@ def publish(root: Path, step: int, entries: list[dict[str, Any]], meta: dict[str
     except OSError as e:
         raise write_failure(root, step, e) from None
     _fsync_dir(stage)
-    final = root / f"{_PREFIX}{step:08d}"
+    final = checkpoint_dir(root, step)
     if final.exists():
         shutil.rmtree(final)
     os.replace(stage, final)

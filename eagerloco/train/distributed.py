@@ -31,7 +31,7 @@ from eagerloco.fsdp import shard_model
 from eagerloco.train.outputs import add_throughput, aggregate, per_worker
 from eagerloco.train.resume import check_resume_layout, has_worker
 from eagerloco.train.rundir import guard_run_dir
-from eagerloco.train.runtime import Found, Runtime, device_count, num_params
+from eagerloco.train.runtime import Found, Meeting, Runtime, device_count, num_params
 from eagerloco.train.worker import Worker
 
 
@@ -126,6 +126,19 @@ class DistributedRuntime(Runtime):
                 f"(members {meta['members']}); resume with --elastic, which gives it a live worker's state"
             )
         return super().load(files, found)
+
+    def agreement(self) -> Meeting | None:
+        if self.gate is None:  # no store to meet in (torchrun without MASTER_ADDR): nothing to compare through
+            return None
+        ctx = self.ctx
+        names = ctx.worker_names()
+        r = ctx.ranks_per_worker
+
+        def name(g: int) -> str:
+            return names[g // r] if r == 1 else f"global rank {g} (worker {g // r})"
+
+        return Meeting(self.gate, ctx.rank, list(range(ctx.world_size)), name,
+                       f"{self.env.master_addr}:{self.env.master_port}")
 
     def ready(self, start_step: int, found: Found | None) -> None:
         super().ready(start_step, found)

@@ -26,7 +26,7 @@ from eagerloco.config import ConfigError
 from eagerloco.train.outputs import add_throughput, aggregate
 from eagerloco.train.resume import has_worker, own_last_state
 from eagerloco.train.rundir import guard_run_dir
-from eagerloco.train.runtime import Found, Runtime, num_params
+from eagerloco.train.runtime import Found, Meeting, Runtime, num_params
 from eagerloco.train.worker import Worker
 
 
@@ -142,6 +142,12 @@ class ElasticRuntime(Runtime):
         membership.step = self.start_step = start_step
         self.comm.step_hint = start_step + 1
         return start_step, real_elapsed
+
+    def agreement(self) -> Meeting | None:
+        if self.joining:  # a returning worker takes a live worker's state; the members agreed at the start
+            return None
+        return Meeting(dist.PrefixStore("eagerloco/", self.client), self.me, list(range(self.cfg.workers)),
+                       lambda w: f"worker {w}", f"{self.env.master_addr}:{self.env.master_port}")
 
     def ready(self, start_step: int, found: Found | None) -> None:
         super().ready(start_step, found)

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.groups import OuterRendezvous, join_outer_group, leave_outer_group
 from eagerloco.device import resolve_device
-from eagerloco.train.runtime import Found, Runtime, num_params
+from eagerloco.train.runtime import Found, Meeting, Runtime, num_params
 from eagerloco.train.worker import Worker
 
 
@@ -72,6 +73,11 @@ class JobRuntime(Runtime):
                 self.membership.teardown()
             if self.ctx is not None:
                 leave_outer_group(self.ctx)
+
+    def agreement(self) -> Meeting | None:
+        rdzv = self.rdzv
+        return Meeting(dist.PrefixStore("eagerloco/", self.ctx.outer_store), rdzv.worker, list(range(rdzv.workers)),
+                       lambda w: f"worker {w}", f"{rdzv.host}:{rdzv.port}")
 
     def ready(self, start_step: int, found: Found | None) -> None:
         super().ready(start_step, found)

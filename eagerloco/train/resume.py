@@ -58,6 +58,15 @@ def resume_checkpoint(cfg: TrainConfig, runtime: str = "inprocess") -> tuple[Pat
     found = ckpt.latest_valid(root, required=("config",))
     if found is None:
         raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh")
+    return check_checkpoint(cfg, runtime, found)
+
+
+def check_checkpoint(cfg: TrainConfig, runtime: str, found: tuple[Path, dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    """A verified checkpoint, checked to fit these settings and this runtime; returns it.
+
+    Raises:
+        ConfigError: it was made with other settings, or by the other runtime.
+    """
     path, meta = found
     written = "distributed" if meta.get("runtime") == "distributed" else "inprocess"
     if written != runtime or (runtime == "inprocess" and not isinstance(meta.get("group"), dict)):
@@ -69,6 +78,28 @@ def resume_checkpoint(cfg: TrainConfig, runtime: str = "inprocess") -> tuple[Pat
         )
     check_resume_config(meta["config"], cfg)
     return found
+
+
+def intact_steps(cfg: TrainConfig) -> list[int]:
+    """The steps of the checkpoints under ``<out>/checkpoints`` that verify, oldest first."""
+    steps = []
+    for path in ckpt.list_checkpoints(ckpt.checkpoint_root(Path(cfg.out))):
+        try:
+            steps.append(int(ckpt.verify(path, required=("config",))["step"]))
+        except ckpt.CheckpointError:
+            continue
+    return steps
+
+
+def checkpoint_at(cfg: TrainConfig, runtime: str, step: int) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint of ``step`` under ``<out>/checkpoints``, verified and checked to fit.
+
+    Raises:
+        CheckpointError: there is none for that step, or it does not verify.
+        ConfigError: see :func:`check_checkpoint`.
+    """
+    path = ckpt.checkpoint_dir(ckpt.checkpoint_root(Path(cfg.out)), step)
+    return check_checkpoint(cfg, runtime, (path, ckpt.verify(path, required=("config",))))
 
 
 def announce_resume(path: Path, step: int, cfg: TrainConfig) -> None:
@@ -118,10 +149,13 @@ def checkpoint_meta(cfg: TrainConfig, real_elapsed: float, **extra: Any) -> dict
 __all__ = [
     "RESUMABLE_CHANGES",
     "announce_resume",
+    "check_checkpoint",
     "check_resume_config",
+    "checkpoint_at",
     "check_resume_layout",
     "checkpoint_meta",
     "has_worker",
+    "intact_steps",
     "own_last_state",
     "resume_checkpoint",
 ]

@@ -14,6 +14,8 @@ The four runtimes: :mod:`~eagerloco.train.inprocess` (M workers in this process,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -30,6 +32,18 @@ from eagerloco.train.worker import Worker
 
 #: A checkpoint to continue from: its directory and its meta.json.
 Found = tuple[Path, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """Where the processes of a run agree before the first step: the run's store, this process's id
+    among the participants, every participant's id, how messages name one, and the store's address."""
+
+    store: Any
+    me: int
+    ids: list[int]
+    name: Callable[[int], str]
+    where: str = ""
 
 
 class Runtime:
@@ -87,6 +101,10 @@ class Runtime:
         for i, w in files.items():
             w.load_state_dict(ckpt.load_worker_state(path, i))
         return int(meta["step"]), float(meta.get("real_elapsed", 0.0))
+
+    def agreement(self) -> Meeting | None:
+        """Where this process agrees its settings with the others' (None: it has no others)."""
+        return None
 
     def ready(self, start_step: int, found: Found | None) -> None:
         """Every process is about to train from ``start_step``: announce it, make the run directory, meet."""
@@ -164,4 +182,4 @@ def device_count(device: torch.device, world_size: int) -> int:
     return min(world_size, torch.cuda.device_count()) if device.type == "cuda" else 1
 
 
-__all__ = ["Found", "Runtime", "device_count", "num_params"]
+__all__ = ["Found", "Meeting", "Runtime", "device_count", "num_params"]

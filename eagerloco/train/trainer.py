@@ -3,7 +3,8 @@
     summary = Trainer(cfg, runtime).run()
 
 reads top to bottom: take the run directory, find the checkpoint to resume, build this process's
-workers (the :class:`~eagerloco.train.runtime.Runtime` says which and what they talk through), then
+workers (the :class:`~eagerloco.train.runtime.Runtime` says which and what they talk through), agree
+with the other processes on the settings and the step to start from (:mod:`.agree`), then
 per inner step: forward and backward on every local worker -> ``OuterSync.before_inner_step`` ->
 inner optimizer step -> ``OuterSync.after_inner_step`` -> the runtime's per-step work -> evaluate,
 log, checkpoint. At the end: drain what is in flight, the final evaluation, the summary.
@@ -25,6 +26,7 @@ from eagerloco.config import TrainConfig
 from eagerloco.flops import mfu
 from eagerloco.jsonfiles import write_json_atomic
 from eagerloco.outer import after_inner_step_all, before_inner_step_all
+from eagerloco.train.agree import agree_before_start
 from eagerloco.train.outputs import ProgressLines, RunOutput, accounting, add_throughput
 from eagerloco.train.resume import checkpoint_meta
 from eagerloco.train.runtime import Runtime, num_params
@@ -71,6 +73,7 @@ class Trainer:
                 return None
             self.workers = list(self.files.values())
             self.final_evals = task_evals(cfg, tok)
+            found = agree_before_start(rt, found, base)
             self.start_step, self.real_elapsed = rt.load(self.files, found)
             rt.ready(self.start_step, found)
             self.t_run = time.perf_counter()
