@@ -21,19 +21,24 @@ bit for bit those of the explicit per-step calls. Where the workers are:
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 from types import TracebackType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from eagerloco import events
+from eagerloco.comm.agreement import PREFIX as AGREE_PREFIX
+from eagerloco.comm.agreement import check_agreement, parameter_digest, publish_and_gather, shapes_digest
 from eagerloco.comm.base import Communicator
+from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import (
     DEFAULT_TIMEOUT_S,
@@ -42,6 +47,8 @@ from eagerloco.comm.groups import (
     join_outer_group,
     leave_outer_group,
 )
+from eagerloco.comm.init_sync import broadcast_parameters
+from eagerloco.comm.worker import WorkerCommunicator, communicator_for
 from eagerloco.config import ConfigError, Environment, LinkConfig, OuterConfig
 from eagerloco.outer import OuterOptimizerFactory, OuterSync
 
@@ -50,6 +57,8 @@ TORCHFT_NAMES = {"sync_every": "inner_steps", "fragment_sync_delay": "overlap_st
                  "fragment_update_alpha": "alpha"}
 #: What ``state_dict()`` writes; a load of another layout is refused.
 STATE_VERSION = 1
+#: The n-th outer loop of this process meets the others under its own keys (every worker makes the same ones).
+_MEETINGS = itertools.count()
 
 
 def outer_config(config: OuterConfig | None = None, **settings: Any) -> OuterConfig:
@@ -122,6 +131,7 @@ class OuterLoop:
         outer_optimizer: str | OuterOptimizerFactory | None = None,
         apply_in_flight: bool = False,
         elastic: bool = False,
+        init_sync: bool = True,
         **settings: Any,
     ) -> None:
         if fragments is not None and not isinstance(fragments, int):
@@ -139,7 +149,9 @@ class OuterLoop:
             factory = outer_optimizer
         elif outer_optimizer is not None:
             settings["outer_optimizer"] = outer_optimizer
-        self.config = outer_config(config, **settings)
+        self.finished = False
+        self._hooks: list[Any] = []
+        self.config = outer_config(config, **settings).validate()  # before connecting: a bad setting meets nobody
         self.model = model
         self.inner_optimizer = innermost_optimizer(inner_optimizer)
         self.apply_in_flight = apply_in_flight
@@ -156,25 +168,66 @@ class OuterLoop:
             comm = (self._connect_elastic(outer_addr, worker_id, workers, link, timeout_s, seed) if elastic
                     else self._connect(outer_addr, worker_id, workers, ranks_per_worker, link, timeout_s, seed))
         self.comm = comm
+        self._meeting = f"{AGREE_PREFIX}hooks/{next(_MEETINGS)}/"
+        self._init_sync, self._timeout_s = init_sync, timeout_s
+        self._first_forward: Any = None
         try:
+            if self.ctx is not None:  # this loop joined the other workers: agree with them first
+                self._meet({**asdict(self.config), "seed": seed, "workers": self.ctx.workers,
+                            "model parameters": shapes_digest(model.named_parameters())}, "settings")
+                # The weights are made equal (or compared) at the first forward pass: a resumed run
+                # loads its own state between here and there, and then keeps it.
+                self._first_forward = model.register_forward_pre_hook(self._start_weights)
             self.sync = OuterSync(model, self.inner_optimizer, comm, self.config, blocks=blocks,
                                   outer_optimizer=factory, seed=seed)
         except BaseException:
             self._release(cancel=True)
             raise
-        self._hooks: list[Any] = []
         self._mark: float | None = None
         self._wall0 = 0.0
-        self.finished = False
+
+    def _meet(self, mine: dict[str, Any], what: str) -> None:
+        """Compare ``mine`` with every other worker's, through the run's store (ConfigError naming each
+        difference)."""
+        ctx = self.ctx
+        assert ctx is not None
+        store = dist.PrefixStore("eagerloco/", ctx.outer_store) if ctx.outer_store is not None else ctx.store
+        if not ctx.is_outer_rank or store is None:
+            return
+        everyone = publish_and_gather(store, ctx.worker, list(range(ctx.workers)), mine, self._timeout_s,
+                                      lambda w: f"worker {w}", prefix=f"{self._meeting}{what}/")
+        fix = ("Pass the same settings to outer_loop on every worker" if what == "settings" else
+               "The workers start from different weights: seed every worker the same way, or leave init_sync=True "
+               "(worker 0's weights are then sent to all)")
+        check_agreement(everyone, lambda w: f"worker {w}", fix)
+
+    def _start_weights(self, module: nn.Module, args: Any) -> None:
+        """At the first forward pass of a run that starts afresh: take worker 0's parameters (init_sync),
+        or check that every worker has the same."""
+        self._first_forward.remove()
+        self._first_forward = None
+        if self.sync.step != 0:  # resumed: each worker continues from its own state
+            return
+        params = list(self.model.parameters())
+        if not self._init_sync:
+            self._guard(lambda: self._meet({"initial parameters": parameter_digest(params)}, "weights"))
+            return
+        ctx = self.ctx
+        assert ctx is not None
+        outer = self.comm.outer if isinstance(self.comm, WorkerCommunicator) else self.comm
+        group = outer.group if ctx.is_outer_rank and isinstance(outer, TorchDistCommunicator) else None
+
+        def sync() -> None:
+            broadcast_parameters(params, ctx, group)
+            self.sync.restart_from_model()
+
+        self._guard(sync)
 
     # ------------------------------------------------------------------ where the workers are
     def _connect(self, outer_addr: str | None, worker_id: int | None, workers: int | None,
                  ranks_per_worker: int | None, link: LinkConfig | None, timeout_s: float,
                  seed: int) -> Communicator:
-        import torch.distributed as dist
-
         from eagerloco.comm.inprocess import InProcessGroup
-        from eagerloco.comm.worker import communicator_for
 
         env = Environment.read()
         rdzv = rendezvous(outer_addr, worker_id, workers, env)
@@ -196,7 +249,6 @@ class OuterLoop:
 
     def _connect_elastic(self, outer_addr: str | None, worker_id: int | None, workers: int | None,
                          link: LinkConfig | None, timeout_s: float, seed: int) -> Communicator:
-        from eagerloco.comm.distributed import TorchDistCommunicator
         from eagerloco.comm.elastic_jobs import JobsMembership
 
         env = Environment.read()
@@ -330,6 +382,9 @@ class OuterLoop:
         if self.finished:
             return
         self.finished = True
+        if getattr(self, "_first_forward", None) is not None:
+            self._first_forward.remove()
+            self._first_forward = None
         if self._owns_comm and hasattr(self, "comm"):
             self.comm.close(cancel=cancel)
         if self.membership is not None:
@@ -431,6 +486,11 @@ def outer_loop(model: nn.Module, inner_optimizer: Any, config: OuterConfig | Non
         outer_optimizer: "sgd", "adam", "adamw", or a factory taking the list of FP32 outer tensors.
         apply_in_flight: at the end, apply what is still in flight (every outer gradient counted
             once) instead of only waiting for it.
+        init_sync: the workers start from worker 0's parameters, sent to all before the first step (as
+            torchft's Manager does). False: each worker keeps its own, which must be equal (checked:
+            seed every worker the same way). Either way the workers compare their settings and model
+            shapes first, and any difference stops them all with one line naming it. (With ``comm=``
+            the caller has joined the workers itself and none of this happens.)
         elastic: with outer_addr (one process per job), a worker that dies does not stop the others:
             they re-form the outer group over worker 0's store and go on with the mean over the
             workers present (:mod:`eagerloco.comm.elastic_jobs`). Worker 0, which hosts the store,

@@ -151,6 +151,22 @@ class OuterSync:
         self.offsets = fragment_offsets(cfg.inner_steps, cfg.fragments)
         self.delay = apply_delay(cfg.method, cfg.inner_steps, cfg.overlap_steps, cfg.eager_rounds)
 
+    @torch.no_grad()
+    def restart_from_model(self) -> None:
+        """Take the model's current parameters as the start: the outer copies become them. Only before the
+        first inner step (the workers' initial parameters were just made equal, say).
+
+        Raises:
+            RuntimeError: the outer algorithm has already taken a step.
+        """
+        if self.step != 0 or self.in_flight:
+            raise RuntimeError("restart_from_model() is for the start of a run, before the first inner step")
+        if self.is_dp:  # no outer copies: the model is the state
+            return
+        for frag_local, frag_outer in zip(self.local, self.outer, strict=True):
+            for local, outer in zip(frag_local, frag_outer, strict=True):
+                outer.copy_(local)
+
     @property
     def num_workers(self) -> int:
         """Workers present now (the communicator's count; elastic runs change it between rounds)."""

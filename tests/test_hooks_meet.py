@@ -1,0 +1,49 @@
+"""Through the hook API the workers agree before the first step: settings compared, weights made equal.
+
+A torchft script ported as the README says does not seed its workers alike; torchft's Manager sends
+worker 0's weights at step 0, and so does ``outer_loop`` (``init_sync``). Without it the weights are
+compared, and any setting that differs stops every worker with one line naming it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from test_hooks_jobs import free_ports, job_env, wait_all
+
+HERE = Path(__file__).resolve().parent
+
+
+def _pair(scenario: str, out: Path) -> list[subprocess.CompletedProcess]:
+    port = free_ports(1)[0]
+    procs = [subprocess.Popen([sys.executable, str(HERE / "hooks_meet_job.py"), scenario, str(out), str(w), str(port)],
+                              env=job_env(), cwd=HERE.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for w in range(2)]
+    return wait_all(procs, 120)
+
+
+def test_workers_seeded_differently_start_from_worker_0s_weights_and_agree(tmp_path: Path) -> None:
+    done = _pair("synced", tmp_path)
+    assert [d.returncode for d in done] == [0, 0], done[0].stdout[-3000:] + done[1].stdout[-3000:]
+    a, b = (torch.load(tmp_path / f"synced_{w}.pt") for w in range(2))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))  # DiLoCo: one outer model
+
+
+def test_without_init_sync_different_weights_stop_both_workers_with_one_line(tmp_path: Path) -> None:
+    for d in _pair("unsynced", tmp_path):
+        assert d.returncode == 2, d.stdout[-3000:]
+        last = d.stdout.strip().splitlines()[-1]
+        assert last.startswith("eagerloco: error: the workers disagree on settings that must match: "
+                               "initial parameters (worker 0: "), last
+        assert "seed every worker the same way, or leave init_sync=True" in last and "Traceback" not in d.stdout
+
+
+def test_a_setting_that_differs_stops_both_workers_with_one_line_naming_it(tmp_path: Path) -> None:
+    for d in _pair("outer_lr", tmp_path):
+        assert d.returncode == 2, d.stdout[-3000:]
+        last = d.stdout.strip().splitlines()[-1]
+        assert last == ("eagerloco: error: the workers disagree on settings that must match: outer_lr (worker 0: 0.7, "
+                        "worker 1: 0.4). Pass the same settings to outer_loop on every worker"), last
