@@ -63,19 +63,22 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _exit_code(e: BaseException) -> int | None:
-    """2 for bad input (a setting, a file, data, a checkpoint), 3 for a dead peer; None: not ours to report.
+    """2 for bad input (a setting, a file, data, a checkpoint), 3 for a dead peer, 4 for workers that
+    launched different exchanges; None: not ours to report.
 
     The error classes are imported here, when an error is being reported, so that a command
     that never loads torch does not load it to name the errors it cannot raise.
     """
     from eagerloco.checkpoint import CheckpointError
-    from eagerloco.comm.errors import PEER_EXIT_CODE, PeerError
+    from eagerloco.comm.errors import MISMATCH_EXIT_CODE, PEER_EXIT_CODE, PeerError, ScheduleMismatchError
     from eagerloco.data import DataError
 
     if isinstance(e, (ConfigError, FileNotFoundError, DataError, CheckpointError)):
         return 2
     if isinstance(e, PeerError):
         return PEER_EXIT_CODE
+    if isinstance(e, ScheduleMismatchError):
+        return MISMATCH_EXIT_CODE
     return None
 
 
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         argv: the arguments after the program name (default ``sys.argv[1:]``).
 
     Returns:
-        The exit status: 0, 2 for bad input (with one line naming it on stderr), 3 for a dead peer.
+        The exit status: 0, 2 for bad input (with one line naming it on stderr), 3 for a dead peer, 4 for
+        workers that launched different exchanges, 130 for Ctrl-C before the command started.
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"] and not {"-h", "--help"} & set(argv):

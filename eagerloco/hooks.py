@@ -21,10 +21,12 @@ bit for bit those of the explicit per-step calls. Where the workers are:
 
 from __future__ import annotations
 
+import functools
 import itertools
+import re
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
 from types import TracebackType
@@ -39,7 +41,7 @@ from eagerloco.comm.agreement import PREFIX as AGREE_PREFIX
 from eagerloco.comm.agreement import check_agreement, parameter_digest, publish_and_gather, shapes_digest
 from eagerloco.comm.base import Communicator
 from eagerloco.comm.distributed import TorchDistCommunicator
-from eagerloco.comm.errors import PeerError
+from eagerloco.comm.errors import MISMATCH_EXIT_CODE, PEER_EXIT_CODE, PeerError, ScheduleMismatchError
 from eagerloco.comm.groups import (
     DEFAULT_TIMEOUT_S,
     OuterRendezvous,
@@ -105,6 +107,35 @@ def rendezvous(outer_addr: str | None, worker_id: int | None, workers: int | Non
     return None
 
 
+#: Flags named by settings' errors, and the argument of outer_loop each one is.
+_API_NAMES = {"dist-timeout": "timeout_s", "no-outer-nesterov": "outer_nesterov=False"}
+
+
+def api_message(text: str) -> str:
+    """A settings error as the Python API says it: the argument (``inner_steps``) where the command
+    line's message names its flag (``--inner-steps``)."""
+    known = {f.name for f in fields(OuterConfig)} | {"outer_addr", "worker_id", "workers", "ranks_per_worker"}
+
+    def name(m: re.Match[str]) -> str:
+        flag = m.group(1)
+        arg = _API_NAMES.get(flag, flag.replace("-", "_"))
+        return arg if arg in known or flag in _API_NAMES else m.group(0)
+
+    return re.sub(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)", name, text)
+
+
+def _api_errors(fn: Callable[..., None]) -> Callable[..., None]:
+    """Settings errors raised by ``fn`` name the arguments (:func:`api_message`), on their own: no chain."""
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except ConfigError as e:
+            raise ConfigError(api_message(str(e))) from None
+
+    return wrapped
+
+
 class OuterLoop:
     """The outer algorithm attached to an inner optimizer by step hooks; see :func:`outer_loop`.
 
@@ -112,6 +143,7 @@ class OuterLoop:
     framework callbacks call them at the framework's train start and end.
     """
 
+    @_api_errors
     def __init__(
         self,
         model: nn.Module,
@@ -452,17 +484,18 @@ def exit_on_errors() -> Iterator[None]:
     """Around a training script's main: eagerloco's errors end it with one line instead of a traceback.
 
     A dead or frozen peer (:class:`~eagerloco.comm.errors.PeerError`, naming the worker) prints
-    ``eagerloco: error: ...`` on stderr and exits with status 3; an invalid setting (ConfigError) does
-    the same with status 2, as the ``eagerloco`` command does. Other errors pass through unchanged.
+    ``eagerloco: error: ...`` on stderr and exits with status 3; an invalid setting (ConfigError)
+    does the same with status 2, and workers that launched different exchanges
+    (:class:`~eagerloco.comm.errors.ScheduleMismatchError`) with status 4, as the ``eagerloco``
+    command does. Other errors pass through unchanged.
     """
     try:
         yield
-    except PeerError as e:
+    except (PeerError, ConfigError, ScheduleMismatchError) as e:
+        code = (PEER_EXIT_CODE if isinstance(e, PeerError) else MISMATCH_EXIT_CODE
+                if isinstance(e, ScheduleMismatchError) else 2)
         print(f"eagerloco: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(3) from None
-    except ConfigError as e:
-        print(f"eagerloco: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        raise SystemExit(code) from None
 
 
 def outer_loop(model: nn.Module, inner_optimizer: Any, config: OuterConfig | None = None,

@@ -82,6 +82,19 @@ def model_config(name: str, vocab_size: int | None = None, seq_len: int | None =
     return replace(PRESETS[name], **changes)
 
 
+def training_bytes(cfg: GPTConfig, batch_size: int, seq_len: int) -> int:
+    """About how many bytes one worker needs to train this model (an estimate, for refusing what cannot
+    fit): weights, gradients, AdamW's two moments, the outer copy and its momentum at 4 bytes each, and
+    the activations of one batch kept for backward (about 16 values a token per layer and d_model, plus
+    the logits)."""
+    d, layers = cfg.d_model, cfg.n_layers
+    per_layer = 4 * d * d + (3 if cfg.mlp == "swiglu" else 2) * d * cfg.d_mlp
+    params = layers * per_layer + cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    activations = batch_size * seq_len * (16 * d * layers + 2 * cfg.vocab_size)
+    rope = seq_len * (d // cfg.n_heads)
+    return 4 * (6 * params + activations + rope)
+
+
 def rope_tables(head_dim: int, seq_len: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape (seq_len, head_dim // 2), computed in fp64 so long contexts stay accurate."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))

@@ -6,6 +6,8 @@ import re
 
 #: The exit status of a process that stopped because a peer failed (the command line's, for PeerError).
 PEER_EXIT_CODE = 3
+#: The exit status of a process whose workers launched different exchanges (ScheduleMismatchError).
+MISMATCH_EXIT_CODE = 4
 
 
 class PeerError(RuntimeError):

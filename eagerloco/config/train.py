@@ -19,6 +19,11 @@ from eagerloco.config.runtime import RuntimeConfig
 from eagerloco.environment import Environment
 
 MAX_SEED = 2**63 - 1
+#: Upper bounds of sizes: beyond them a run would not end, or not fit any machine this tool runs on.
+MAX_STEPS = 10**9
+MAX_WORKERS = 4096
+#: The inner AdamW's learning rate: past this every step overflows.
+MAX_LR = 10.0
 _DEVICE = "device"
 
 
@@ -138,6 +143,7 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (name == "lr" and v == 0):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0 (lr > 0), got {v!r}")
+        self._validate_sizes()
         self._validate_device()
         if self.sim_step_time is not None and not (math.isfinite(self.sim_step_time) and self.sim_step_time > 0):
             raise ConfigError(f"--sim-step-time must be a positive number of seconds, got {self.sim_step_time}")
@@ -159,7 +165,38 @@ class TrainConfig:
                     f"train got --bandwidth-gbps {given:g}: pass the bandwidth once, to the launcher"
                 )
             self.link.bandwidth_gbps = kernel
+        self._check_memory(self.workers if self.runtime.kind(env) == "inprocess" else 1)
         return self
+
+    def _check_memory(self, replicas: int) -> None:
+        """Refuse a run whose models cannot fit this machine's memory (an estimate: model.training_bytes)."""
+        import os
+
+        from eagerloco.data.tokenizer import parse_tokenizer_name
+        from eagerloco.model import model_config, training_bytes
+
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):  # not a POSIX machine: no estimate
+            return
+        vocab = parse_tokenizer_name(self.tokenizer)[1] or 256
+        need = replicas * training_bytes(model_config(self.model, vocab, self.seq_len), self.batch_size, self.seq_len)
+        if need > total:
+            where = f"{replicas} workers in this process" if replicas > 1 else "one worker"
+            raise ConfigError(
+                f"--model {self.model} with --seq-len {self.seq_len:,} and --batch-size {self.batch_size} needs about "
+                f"{need / 2**30:,.1f} GiB for {where}, more than this machine's {total / 2**30:,.1f} GiB: lower "
+                "--seq-len, --batch-size or --workers, or run the workers as processes on several machines"
+            )
+
+    def _validate_sizes(self) -> None:
+        for name, high, what in (("steps", MAX_STEPS, "inner steps"), ("workers", MAX_WORKERS, "workers")):
+            if getattr(self, name) > high:
+                raise ConfigError(f"--{name} {getattr(self, name):,} is more {what} than any run of this tool can "
+                                  f"take (at most {high:,}); did you mean a smaller number?")
+        if self.lr > MAX_LR:
+            raise ConfigError(f"--lr {self.lr:g} is past {MAX_LR:g}, where every AdamW step overflows; the papers' "
+                              "inner learning rates are about 1e-4 to 1e-2")
 
     def _validate_data(self) -> None:
         from eagerloco.model import model_config  # local imports: both import torch

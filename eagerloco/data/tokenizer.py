@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 DEFAULT_BPE_VOCAB = 8192
 MIN_BPE_VOCAB = 256  # the byte alphabet: a smaller vocabulary could not encode every text
+#: Past this the BPE trainer only allocates: no corpus this tool trains on has a million distinct merges.
+MAX_BPE_VOCAB = 1 << 20
 BPE_SETTINGS: dict[str, Any] = {
     "format": 1,
     "model": "bpe",
@@ -107,8 +109,9 @@ def parse_tokenizer_name(name: str) -> tuple[str, int | None]:
         return "bpe", DEFAULT_BPE_VOCAB
     if name.startswith("bpe:"):
         raw = name[4:]
-        if not raw.isdigit() or int(raw) < MIN_BPE_VOCAB:
-            raise ValueError(f"tokenizer {name!r}: the vocabulary must be an integer >= {MIN_BPE_VOCAB}, e.g. bpe:8192")
+        if not raw.isdigit() or not MIN_BPE_VOCAB <= int(raw) <= MAX_BPE_VOCAB:
+            raise ValueError(f"tokenizer {name!r}: the vocabulary must be an integer in {MIN_BPE_VOCAB}.."
+                             f"{MAX_BPE_VOCAB:,}, e.g. bpe:8192")
         return "bpe", int(raw)
     raise ValueError(f"unknown tokenizer {name!r}; available: {', '.join(TOKENIZER_NAMES)}")
 

@@ -1,0 +1,89 @@
+"""Errors that say what is wrong in one line: through the hook API (naming arguments), the command line
+(naming flags, with a distinct exit status), exit_on_errors, and for sizes no run could take."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Toy
+
+import eagerloco
+from eagerloco.cli import main
+from eagerloco.comm.errors import ScheduleMismatchError
+from eagerloco.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress"]
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"method": "Diloco"}, "method must be one of dp, diloco, streaming, delayed, eager; got 'Diloco'"),
+    ({"codec": "fp7"}, "codec must be one of fp32, bf16, fp8, e2m1, e3m0, int8, int4; got 'fp7'"),
+    ({"inner_steps": 0}, "inner_steps must be an integer >= 1, got 0"),
+    ({"method": "diloco", "fragments": 2}, "so fragments must be 1 (got 2)"),
+    ({"method": "streaming", "fragments": 9, "inner_steps": 20}, "fragments (9) is larger than the model's number"),
+    ({"outer_addr": "nohost", "worker_id": 0, "workers": 2}, "outer_addr must be host:port"),
+])
+def test_an_invalid_setting_through_the_hook_api_is_itself_and_names_the_argument(settings: dict, message: str) -> None:
+    model = Toy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError) as e:
+        eagerloco.outer_loop(model, opt, **settings)
+    assert message in str(e.value), str(e.value)
+    assert "--" not in str(e.value)  # the API's names, not the command line's
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # no chained traceback to read through
+
+
+@pytest.mark.parametrize(("error", "code"), [(ConfigError("bad"), 2), (eagerloco.PeerError("gone"), 3),
+                                              (ScheduleMismatchError("differ"), 4)])
+def test_exit_on_errors_ends_with_one_line_and_a_status_of_its_own(error: Exception, code: int,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e, eagerloco.exit_on_errors():
+        raise error
+    assert e.value.code == code
+    assert capsys.readouterr().err == f"eagerloco: error: {error}\n"
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--steps", str(10**23)], "--steps 100,000,000,000,000,000,000,000 is more inner steps than any run"),
+    (["--workers", str(10**8)], "--workers 100,000,000 is more workers than any run of this tool can take"),
+    (["--lr", "1e308"], "--lr 1e+308 is past 10, where every AdamW step overflows"),
+    (["--tokenizer", "bpe:4294967296"], "the vocabulary must be an integer in 256..1,048,576"),
+    (["--seq-len", str(10**9)], "needs about"),
+])
+def test_sizes_no_run_could_take_are_refused_before_anything_runs(tmp_path: Path, argv: list[str], needle: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", *FAST, "--out", str(tmp_path / "r"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_a_schedule_mismatch_on_the_command_line_is_one_line_with_status_4(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from eagerloco.train import command
+
+    def differ(args: object) -> int:
+        raise ScheduleMismatchError("workers launched different exchanges at the same point")
+
+    monkeypatch.setattr(command, "run", differ)
+    assert main(["train", *FAST]) == 4
+    assert capsys.readouterr().err == "eagerloco: error: workers launched different exchanges at the same point\n"
+
+
+@pytest.mark.processes
+def test_ctrl_c_while_the_command_starts_ends_with_one_line(tmp_path: Path) -> None:
+    p = subprocess.Popen([sys.executable, "-m", "eagerloco", "train", *FAST, "--steps", "2", "--out", str(tmp_path)],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # importing: the command has not started yet
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGINT, out + err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("eagerloco: stopped by SIGINT"), err
