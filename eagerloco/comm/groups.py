@@ -17,7 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from eagerloco.comm.errors import PeerError
+from eagerloco.comm.errors import PeerError, describe_exception
+from eagerloco.comm.waiting import bounded, wait_for_workers
 from eagerloco.config import ConfigError
 from eagerloco.environment import Environment
 
@@ -258,28 +259,31 @@ def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S
     if rank != 0:
         return ctx
     where = f"{rdzv.host}:{rdzv.port}"
-    try:
-        store = dist.TCPStore(rdzv.host, rdzv.port, is_master=rdzv.worker == 0, wait_for_workers=False,
-                              timeout=timedelta(seconds=timeout_s))
+    me = f"worker {rdzv.worker}"
+    what = "start the outer store at" if rdzv.worker == 0 else "reach worker 0's outer store at"
+    try:  # a connection that never answers must not hold the job past the timeout, nor ignore Ctrl-C
+        store = bounded(lambda: dist.TCPStore(rdzv.host, rdzv.port, is_master=rdzv.worker == 0,
+                                              wait_for_workers=False, timeout=timedelta(seconds=timeout_s)),
+                        timeout_s, f"{me}: waiting for worker 0's outer store at {where}")
+    except TimeoutError:
+        raise PeerError(f"{me} cannot {what} {where}: no answer within {timeout_s:g} s; check --outer-addr and "
+                        "that worker 0 runs", [0]) from None
     except Exception as e:
-        what = "start the outer store at" if rdzv.worker == 0 else "reach worker 0's outer store at"
-        raise PeerError(f"worker {rdzv.worker} cannot {what} {where} ({e}); check --outer-addr and that "
-                        "worker 0 runs", [0]) from e
+        raise PeerError(f"{me} cannot {what} {where} ({describe_exception(e)}); check --outer-addr and that "
+                        "worker 0 runs", [0]) from None
     claimed = store.add(f"eagerloco/join/{rdzv.worker}", 1)
     if claimed != 1:
         raise ConfigError(f"two jobs joined {where} as worker {rdzv.worker}: give each job its own --worker-id "
                           f"in 0..{rdzv.workers - 1} (or use a fresh --outer-addr port for a new run)")
+    store.set(f"eagerloco/size/{rdzv.worker}", str(rdzv.workers))
+    wait_for_workers(store, rdzv.worker, rdzv.workers, timeout_s, where)
     try:
-        group = gloo_group(dist.PrefixStore(OUTER_PG_PREFIX, store), rdzv.worker, rdzv.workers, timeout_s)
-        sizes = torch.zeros(rdzv.workers, dtype=torch.int64)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(sizes, torch.tensor([rdzv.workers]), group=group)
+        group = bounded(lambda: gloo_group(dist.PrefixStore(OUTER_PG_PREFIX, store), rdzv.worker, rdzv.workers,
+                                           timeout_s), timeout_s, f"{me}: forming the outer group at {where}")
     except Exception as e:
-        raise PeerError(f"worker {rdzv.worker}: the outer rendezvous at {where} did not complete within "
-                        f"{timeout_s:g} s ({e}); start all {rdzv.workers} workers with the same --outer-addr "
-                        "and --workers", []) from e
-    if bool((sizes != rdzv.workers).any()):
-        raise ConfigError(f"the workers at {where} were started with different --workers: {sizes.tolist()}")
+        raise PeerError(f"{me}: the outer rendezvous at {where} did not complete within {timeout_s:g} s "
+                        f"({describe_exception(e)}); start all {rdzv.workers} workers with the same --outer-addr "
+                        "and --workers", []) from None
     ctx.outer_group = group
     ctx.outer_store = store
     ctx.store = dist.PrefixStore(HEARTBEAT_PREFIX, store)

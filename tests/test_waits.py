@@ -1,0 +1,91 @@
+"""Waits at a rendezvous: bounded by the timeout, saying what they wait for, and ended by Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from test_hooks_jobs import free_ports, job_env
+
+from eagerloco.comm.errors import PeerError
+from eagerloco.comm.waiting import bounded, wait_for_workers
+from eagerloco.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress",
+        "--steps", "2", "--inner-steps", "2"]
+
+
+def test_a_call_that_never_returns_is_given_up_on_and_the_wait_says_what_it_waits_for(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    never = threading.Event()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="worker 1: waiting for worker 0: no answer within 0.4 s"):
+        bounded(never.wait, 0.4, "worker 1: waiting for worker 0", report_every_s=0.15, slack_s=0.0)
+    assert time.monotonic() - t0 < 2.0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(ln.startswith("eagerloco: worker 1: waiting for worker 0 (") for ln in lines)
+    assert bounded(lambda: 7, 1.0, "x") == 7
+    with pytest.raises(ValueError, match="bad"):
+        bounded(lambda: (_ for _ in ()).throw(ValueError("bad")), 1.0, "x")
+
+
+def test_missing_workers_are_named_within_the_timeout_and_a_different_count_at_once(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    store = dist.HashStore()
+    store.add("eagerloco/join/0", 1)
+    store.set("eagerloco/size/0", "3")
+    with pytest.raises(PeerError, match=r"worker 0: worker 1, worker 2 did not join the outer rendezvous at "
+                                        r"h:1 within 0.4 s") as e:
+        wait_for_workers(store, 0, 3, 0.4, "h:1", report_every_s=0.15)
+    assert e.value.workers == [1, 2]
+    assert "eagerloco: worker 0: waiting for worker 1, worker 2 at h:1 (" in capsys.readouterr().err
+    store.add("eagerloco/join/1", 1)
+    store.set("eagerloco/size/1", "2")  # worker 1 thinks there are 2 workers
+    with pytest.raises(ConfigError, match="started with different --workers: worker 0 with 3, worker 1 with 2"):
+        wait_for_workers(store, 0, 3, 30.0, "h:1")
+
+
+def _job(port: int, timeout: float, out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "eagerloco", "train", *FAST, "--outer-addr", f"127.0.0.1:{port}",
+                             "--worker-id", "1", "--workers", "2", "--dist-timeout", str(timeout), "--out", str(out)],
+                            env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.processes
+def test_a_listener_that_never_answers_ends_the_job_within_the_timeout_with_one_line(tmp_path: Path) -> None:
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections (the kernel does) and never says a word
+    try:
+        t0 = time.monotonic()
+        p = _job(silent.getsockname()[1], 12, tmp_path)
+        out, err = p.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        silent.close()
+    assert p.returncode == 3, out + err
+    assert took < 12 + 15, took  # the timeout, start-up and the slack; it was minutes
+    assert "waiting for worker 0's outer store at 127.0.0.1:" in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("eagerloco: error: worker 1 cannot reach worker 0's outer store at 127.0.0.1:"), err
+    assert "Traceback" not in err and "frame #" not in err, err
+
+
+@pytest.mark.processes
+def test_ctrl_c_while_waiting_for_worker_0_ends_the_job_at_once(tmp_path: Path) -> None:
+    p = _job(free_ports(1)[0], 300, tmp_path)  # nobody ever hosts worker 0's store
+    time.sleep(8)  # started, waiting at the rendezvous
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert time.monotonic() - t0 < 10, err
+    assert p.returncode == 128 + signal.SIGINT, out + err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("eagerloco: stopped by SIGINT"), err
