@@ -158,6 +158,8 @@ def test_make_demo_end_to_end_on_tiny_data(tmp_path: Path, capsys: pytest.Captur
     words = " ".join(printed.split())
     assert "This run differs from the seeded comparison in: data " in words
     assert "tokenizer byte (seeded: bpe:1024); batch_size 2 (seeded: 8)" in words
+    assert ("outer lr as that comparison's sweep chose per method (no overlap 0.2, 1-outer-step naive delayed 0.1, "
+            "1-outer-step eager 0.2), not the papers' 0.7") in words
     assert "  eagerloco compare --tokenizer bpe:1024" in printed  # the rerun command, on its own lines
     report = (out / "report.md").read_text()
     assert "## The demo beside the seeded comparison" in report and "## Every column" in report

@@ -283,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     results = run_plans(plans, force=args.force)
     mark_divergence(results, plans)
+    for r, p in zip(results, plans, strict=True):
+        r["setting"] = p.setting or {}
     meta = {"kind": "grid", "grid": [p.entry.name for p in plans], "sweep_inner_steps": None,
             "lowered_outer_lr": lowered, "base_config": asdict(base), "elapsed_s": time.perf_counter() - t0,
             "demo": {"reference": reference["source"], "settings": {p.entry.name: p.setting for p in plans
