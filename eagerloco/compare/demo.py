@@ -35,7 +35,7 @@ TABLE_WIDTH = 100
 NOT_IN_DEMO = ("seeds", "tune", "tune_seed", "tuned_from", "sweep", "inner_steps_list")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: Any) -> None:
     """Register the ``demo`` subcommand (compare's flags, the demo's defaults); its handler is :func:`run`."""
     try:
         ref = load_reference()
@@ -278,8 +278,8 @@ def run(args: argparse.Namespace) -> int:
     args = with_defaults(args, reference)
     plans, base, out, lowered = plan_demo(args, reference)
     use_threads(args)
-    print(f"demo: {len(plans)} runs of {base.steps} steps ({', '.join(p.entry.name for p in plans)}), each at the "
-          f"outer lr tuned in {reference['source']} -> {out}", flush=True)
+    print(f"demo: {len(plans)} runs of {base.steps} steps, each at its tuned outer lr ({reference['source']}) "
+          f"-> {out}", flush=True)
     t0 = time.perf_counter()
     results = run_plans(plans, force=args.force)
     mark_divergence(results, plans)
