@@ -26,17 +26,11 @@ def _cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo_argv(extra: list[str]) -> list[str]:
-    """The `make demo` job: a small `eagerloco compare` of the eager paper's grid; extra flags win."""
-    from eagerloco.compare.grid import DEMO_ARGV
-
-    return ["compare", *DEMO_ARGV, *extra]
-
-
 def make_parser() -> argparse.ArgumentParser:
     """The whole `eagerloco` parser; each subcommand's handler is ``args.func``."""
     from eagerloco import launch
     from eagerloco.compare import cli as compare_cli
+    from eagerloco.compare import demo
     from eagerloco.sim import cli as sim_cli
 
     parser = argparse.ArgumentParser(
@@ -47,10 +41,7 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train M workers on real text (in-process, simulated link)")
     add_train_flags(p)
     p.set_defaults(func=_cmd_train)
-    p = sub.add_parser("demo", help="short comparison of the methods on the default data (eagerloco compare)",
-                       description="Runs `eagerloco compare` with the demo's settings; extra compare flags "
-                                   "(e.g. --steps 100 --out DIR) override them.")
-    p.set_defaults(func=lambda args: main(_demo_argv([])))
+    demo.add_parser(sub)
     p = sub.add_parser("data", help="fetch and cache the default data (the Brown Corpus)")
     p.add_argument("action", choices=["fetch"], help="fetch: download once, verify the cache afterwards")
     p.add_argument("--data", default="brown", help="source(s): brown, kjv, austen, or a comma list (default brown)")
@@ -93,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
         workers that launched different exchanges, 130 for Ctrl-C before the command started.
     """
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["demo"] and not {"-h", "--help"} & set(argv):
-        argv = _demo_argv(argv[1:])
     parser = make_parser()
     args = parser.parse_args(argv)
     try:

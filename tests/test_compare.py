@@ -90,10 +90,11 @@ def test_paper_grid_report_plots_summary_and_cache(text_dir: Path, tmp_path: Pat
     rows = _table_rows(report)
     labels = [compare.ENTRIES[n].label for n in compare.PAPER_GRID]
     assert list(rows) == labels
-    for col in ("tolerated latency", "eval loss", *(c for c, _ in EVAL_COLUMNS), "bytes exchanged / worker",
-                "peak bytes", "CU (link)"):
+    for col in ("outer lr", "tolerated latency", "eval loss", "bytes exchanged / worker", "peak bytes", "CU (link)"):
         assert col in rows["no overlap"], col
-    assert rows["no overlap"]["HellaSwag"] == "n/a"  # these runs computed no benchmarks
+    assert not {c for c, _ in EVAL_COLUMNS} & set(rows["no overlap"])  # no run computed benchmarks: no columns
+    # The lowered-lr row makes the outer lr differ between rows, so the table shows it.
+    assert [r["outer lr"] for r in rows.values()] == ["-", "0.7", "0.7", "0.7", "0.35", "0.7", "0.7"]
     assert all(re.fullmatch(r"\d+\.\d{4}", r["eval loss"]) for r in rows.values())
     assert rows["data-parallel"]["bytes exchanged / worker"] != rows["no overlap"]["bytes exchanged / worker"]
 
@@ -241,3 +242,15 @@ def test_benchmark_columns_show_the_accuracies_a_run_recorded() -> None:
     ]))
     assert [rows["no overlap"][c] for c in ("HellaSwag", "PIQA", "ARC-Easy")] == ["25.0%", "50.0%", "30.0%"]
     assert rows["1-outer-step eager"]["PIQA"] == "n/a" and rows["1-outer-step eager"]["Δ vs no overlap"] == "+0.1000"
+
+
+@pytest.mark.parametrize(("scores", "limit", "chance"), [
+    ({"hellaswag": 0.28, "piqa": 0.45, "arc_easy": 0.20}, 100, True),  # 2 SE: 8.7 / 10 / 8.7 points
+    ({"hellaswag": 0.34, "piqa": 0.45, "arc_easy": 0.20}, 100, False),  # HellaSwag 9 points above chance
+    ({"hellaswag": 0.28}, 1000, False),  # 2 SE on 1000 questions: 2.7 points
+    ({}, 100, False),  # nothing scored: nothing to call chance
+])
+def test_zero_shot_columns_at_chance_are_called_so(scores: dict, limit: int, chance: bool) -> None:
+    from eagerloco.compare.report import at_chance
+
+    assert at_chance([{"name": "no-overlap", **scores}, {"name": "eager-1", **scores}], limit) is chance

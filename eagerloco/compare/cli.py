@@ -6,12 +6,13 @@ import argparse
 import math
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from eagerloco.compare.grid import DEFAULT_SWEEP_H, ENTRIES, SWEEP_GRID, grid_help, resolve_grid
 from eagerloco.compare.runner import build_base_config, plan_runs, run_plans
 from eagerloco.compare.seeded import TUNE_SEED_OFFSET, mark_divergence, run_seeded
 from eagerloco.compare.tune import parse_tune
-from eagerloco.config import ConfigError
+from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.flags import add_train_flags
 
 
@@ -79,6 +80,30 @@ def _parse_h_list(text: str) -> list[int]:
     return sorted(set(hs))
 
 
+def prepare(args: argparse.Namespace) -> tuple[TrainConfig, Path, float]:
+    """The shared base configuration, the output directory and the lowered-lr entries' outer lr, checked.
+
+    Raises:
+        ConfigError: a bad setting, --threads below 1, or a lowered outer lr that is not positive.
+    """
+    base, out = build_base_config(args)
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be an integer >= 1, got {threads}")
+    lowered = args.lowered_outer_lr if args.lowered_outer_lr is not None else base.outer.outer_lr / 2
+    if not (math.isfinite(lowered) and lowered > 0):
+        raise ConfigError(f"--lowered-outer-lr must be a positive number, got {lowered}")
+    return base, out, lowered
+
+
+def use_threads(args: argparse.Namespace) -> None:
+    """Give torch the intra-op threads of --threads (checked by :func:`prepare`), if given."""
+    if getattr(args, "threads", None) is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
 def run(args: argparse.Namespace) -> int:
     """`eagerloco compare`: plan and check every run, train or reuse them, write the report."""
     from eagerloco.compare.report import write_report
@@ -100,17 +125,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--tune-seed needs --tune")
     if getattr(args, "tune_seed", None) is not None and args.tune_seed < 0:
         raise ConfigError(f"--tune-seed must be an integer >= 0, got {args.tune_seed}")
-    base, out = build_base_config(args)
-    threads = getattr(args, "threads", None)
-    if threads is not None:
-        if threads < 1:
-            raise ConfigError(f"--threads must be an integer >= 1, got {threads}")
-        import torch
-
-        torch.set_num_threads(threads)
-    lowered = args.lowered_outer_lr if args.lowered_outer_lr is not None else base.outer.outer_lr / 2
-    if not (math.isfinite(lowered) and lowered > 0):
-        raise ConfigError(f"--lowered-outer-lr must be a positive number, got {lowered}")
+    base, out, lowered = prepare(args)
+    use_threads(args)
     if seeds is not None or axes or getattr(args, "tuned_from", None) is not None:
         return run_seeded(args, entries, base, out, lowered, sweep_h, axes)
     plans = plan_runs(base, entries, out, lowered, sweep_h)

@@ -98,11 +98,6 @@ PAPER_EVAL_LOSS = {"no-overlap": 2.67, "overlap-1": 2.67, "delayed-1": 3.01, "de
 #: methods' tolerated windows show up in the compute-utilization column.
 COMPARE_DEFAULTS: dict[str, Any] = {"inner_steps": 20, "bandwidth_gbps": 0.03, "latency_ms": 50.0}
 DEFAULT_OUT = "runs/compare"
-#: `make demo`: the paper grid on the default data, with the zero-shot benchmarks, in well under 10
-#: minutes on 2 cores. One thread: two threads on two cores slow down 2-40x as soon as anything else
-#: runs. --sim-step-time pins the link clock, so the link columns do not depend on machine load either.
-DEMO_ARGV = ["--out", "runs/demo", "--steps", "200", "--sim-step-time", "0.06", "--threads", "1",
-             "--eval-tasks", "hellaswag,piqa,arc_easy", "--eval-limit", "100"]
 DEFAULT_SWEEP_H = "10,20,50"
 
 #: TrainConfig fields that do not change a run's numbers: a cached run is reused across them.

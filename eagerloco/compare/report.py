@@ -113,38 +113,73 @@ def fmt_mfu(r: dict[str, Any]) -> str:
     return f"{100 * v:.1f}%" if v is not None and math.isfinite(v) else "n/a"
 
 
+#: Chance accuracy of each zero-shot benchmark (4-way HellaSwag and ARC-Easy, 2-way PIQA).
+CHANCE = {"HellaSwag": 0.25, "PIQA": 0.5, "ARC-Easy": 0.25}
+
+
+def benchmark_columns(results: list[dict[str, Any]]) -> list[tuple[str, tuple[str, ...]]]:
+    """The zero-shot columns some run has a score for: a column of n/a says nothing."""
+    return [(c, keys) for c, keys in EVAL_COLUMNS if any(benchmark_score(r, keys) is not None for r in results)]
+
+
+def at_chance(results: list[dict[str, Any]], limit: int) -> bool:
+    """Whether every zero-shot score of every run is within two standard errors of chance on ``limit``
+    questions per task (then the columns say nothing at this size); False when there is none."""
+    scores = [(c, x) for c, keys in benchmark_columns(results) for r in results
+              if (x := benchmark_score(r, keys)) is not None and 0.0 <= x <= 1.0]
+    if not scores or limit < 1:
+        return False
+    return all(abs(x - CHANCE[c]) <= 2 * math.sqrt(CHANCE[c] * (1 - CHANCE[c]) / limit) for c, x in scores)
+
+
+def _outer_lr_varies(results: list[dict[str, Any]]) -> bool:
+    lrs = {r["outer"]["outer_lr"] for r in results if "outer" in r and not _per_step(r)}
+    return len(lrs) > 1
+
+
+def _per_step(r: dict[str, Any]) -> bool:
+    return r.get("outer", {}).get("method") == "dp"
+
+
+def fmt_outer_lr(r: dict[str, Any]) -> str:
+    """A run's outer lr; '-' for data-parallel and the single worker, which have no outer step."""
+    return "-" if _per_step(r) or "outer" not in r else f"{r['outer']['outer_lr']:g}"
+
+
+def _columns(results: list[dict[str, Any]], with_ref: bool) -> tuple[list[str], list[tuple[str, tuple[str, ...]]]]:
+    bench = benchmark_columns(results)
+    headers = (["outer lr"] if _outer_lr_varies(results) else []) + ["tolerated latency", "eval loss"]
+    headers += (["Δ vs no overlap"] if with_ref else []) + [c for c, _ in bench]
+    headers += ["bytes exchanged / worker", "peak bytes", "CU (link)", "wall (link)", "tokens/s", "MFU"]
+    return headers, bench
+
+
+def _cells(r: dict[str, Any], ref: dict[str, Any] | None, with_ref: bool, lr_col: bool,
+           bench: list[tuple[str, tuple[str, ...]]]) -> list[str]:
+    row = ([fmt_outer_lr(r)] if lr_col else []) + [r["tolerated"], fmt_loss(r.get("final_eval_loss"))]
+    if with_ref:
+        row.append(_delta(r, ref))
+    row += [fmt_score(benchmark_score(r, keys)) for _, keys in bench]
+    row += [fmt_bytes(r.get("bytes_sent_per_worker")), fmt_bytes(r.get("peak_sync_bytes")), _cu(r), _wall(r),
+            fmt_rate(r), fmt_mfu(r)]
+    return row
+
+
 def grid_table(results: list[dict[str, Any]]) -> str:
     ref = next((r for r in results if r["name"] == REFERENCE), None)
-    headers = ["method", "tolerated latency", "eval loss"] + (["Δ vs no overlap"] if ref else [])
-    headers += [c for c, _ in EVAL_COLUMNS]
-    headers += ["bytes exchanged / worker", "peak bytes", "CU (link)", "wall (link)", "tokens/s", "MFU"]
-    rows = []
-    for r in results:
-        row = [r["label"], r["tolerated"], fmt_loss(r.get("final_eval_loss"))]
-        if ref:
-            row.append(_delta(r, ref))
-        row += [fmt_score(benchmark_score(r, keys)) for _, keys in EVAL_COLUMNS]
-        row += [fmt_bytes(r.get("bytes_sent_per_worker")), fmt_bytes(r.get("peak_sync_bytes")), _cu(r), _wall(r),
-                fmt_rate(r), fmt_mfu(r)]
-        rows.append(row)
-    return markdown_table(headers, rows)
+    headers, bench = _columns(results, ref is not None)
+    lr_col = headers[0] == "outer lr"
+    rows = [[r["label"], *_cells(r, ref, ref is not None, lr_col, bench)] for r in results]
+    return markdown_table(["method", *headers], rows)
 
 
 def sweep_table(results: list[dict[str, Any]]) -> str:
     refs = {r["inner_steps"]: r for r in results if r["name"] == REFERENCE}
-    headers = ["H", "method", "tolerated latency", "eval loss"] + (["Δ vs no overlap"] if refs else [])
-    headers += [c for c, _ in EVAL_COLUMNS]
-    headers += ["bytes exchanged / worker", "peak bytes", "CU (link)", "wall (link)", "tokens/s", "MFU"]
-    rows = []
-    for r in sorted(results, key=lambda r: r["inner_steps"]):
-        row = [str(r["inner_steps"]), r["label"], r["tolerated"], fmt_loss(r.get("final_eval_loss"))]
-        if refs:
-            row.append(_delta(r, refs.get(r["inner_steps"])))
-        row += [fmt_score(benchmark_score(r, keys)) for _, keys in EVAL_COLUMNS]
-        row += [fmt_bytes(r.get("bytes_sent_per_worker")), fmt_bytes(r.get("peak_sync_bytes")), _cu(r), _wall(r),
-                fmt_rate(r), fmt_mfu(r)]
-        rows.append(row)
-    return markdown_table(headers, rows)
+    headers, bench = _columns(results, bool(refs))
+    lr_col = headers[0] == "outer lr"
+    rows = [[str(r["inner_steps"]), r["label"], *_cells(r, refs.get(r["inner_steps"]), bool(refs), lr_col, bench)]
+            for r in sorted(results, key=lambda r: r["inner_steps"])]
+    return markdown_table(["H", "method", *headers], rows)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -351,7 +386,7 @@ def _notes(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     outer = b["outer"]
     limit = b.get("eval_limit")
     any_4bit = any(r["outer"]["codec"] != outer["codec"] for r in results)
-    lowered = any(r["outer"]["outer_lr"] != outer["outer_lr"] for r in results)
+    lowered = any(e.lowered_lr for r in results if (e := ENTRIES.get(r["name"])) is not None)
     notes = [
         "- **tolerated latency**: how long an exchange may take before the schedule applies it "
         "(`schedule.apply_delay`), in inner steps and in seconds on the link's clock "
@@ -359,11 +394,6 @@ def _notes(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
         f"- **eval loss**: mean loss of the outer parameters at the end on {b['eval_batches']} held-out "
         f"batch(es) (nats per {b.get('tokenizer', 'byte')} token); **Δ** is against the no-overlap row"
         + (" at the same H." if meta["kind"] != "grid" else "."),
-        "- **HellaSwag / PIQA / ARC-Easy**: zero-shot accuracy of the final outer parameters when the runs "
-        "evaluated them (`--eval-tasks hellaswag,piqa,arc_easy`), n/a otherwise"
-        + (f"; chance is 25% / 50% / 25%, and on {limit} questions per task one standard error is up to "
-           f"{50 / math.sqrt(limit):.0f} points." if b.get("eval_tasks") and isinstance(limit, int) and limit > 0
-           else "."),
         "- **bytes exchanged**: bytes each worker sent over the whole run (compressed size); **peak bytes**: "
         "the largest single payload.",
         f"- **CU (link)**: compute time / wall-clock on the emulated link ({link['bandwidth_gbps']:g} Gbit/s, "
@@ -371,12 +401,22 @@ def _notes(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
         "- **tokens/s**: every worker's tokens over the real wall time of the training loop on this machine; "
         "**MFU**: those tokens' model FLOPs (6N + 12 L d T per token) over the device's peak "
         f"({_device_line(results)}); n/a on a CPU without `--peak-tflops`.",
-        f"- Shared by every run: outer {outer['outer_optimizer']} lr {outer['outer_lr']:g} "
-        f"momentum {outer['outer_momentum']:g}{' Nesterov' if outer['outer_nesterov'] else ''}, "
+        f"- Shared by every run: outer {outer['outer_optimizer']}"
+        + (" (lr: the outer lr column)" if _outer_lr_varies(results) else f" lr {outer['outer_lr']:g}")
+        + f" momentum {outer['outer_momentum']:g}{' Nesterov' if outer['outer_nesterov'] else ''}, "
         f"exchange codec {outer['codec']}{' unless the row says 4-bit' if any_4bit else ''}, "
         f"inner AdamW lr {b['lr']:g}, data {b['data']}"
         + (f"; the lowered-lr rows use outer lr {meta['lowered_outer_lr']:g}." if lowered else "."),
     ]
+    bench = [c for c, _ in benchmark_columns(results)]
+    if bench:
+        chance = " / ".join(f"{100 * CHANCE[c]:.0f}%" for c in bench)
+        se = 50 / math.sqrt(limit) if isinstance(limit, int) and limit > 0 else float("nan")
+        notes.insert(2, f"- **{' / '.join(bench)}**: zero-shot accuracy of the final outer parameters "
+                        f"(`--eval-tasks`); chance is {chance}, and on {limit} questions per task one standard "
+                        f"error is up to {se:.0f} points"
+                        + ("; **chance level at this size**: every score is within two standard errors of "
+                           "chance." if isinstance(limit, int) and at_chance(results, limit) else "."))
     times = [r["step_s"] for r in results if r.get("step_s")]
     if times and b.get("sim_step_time") is None and max(times) > 1.25 * min(times):
         notes.append(
@@ -415,8 +455,12 @@ def _paper_rows() -> list[tuple[str, float]]:
     return list(PAPER_EVAL_LOSS.items())
 
 
-def write_report(out: Path, results: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    """Write <out>/report.md, <out>/summary.json and the plots; returns their paths and the table."""
+def write_report(out: Path, results: list[dict[str, Any]], meta: dict[str, Any],
+                 preface: list[str] | None = None) -> dict[str, Any]:
+    """Write <out>/report.md, <out>/summary.json and the plots; returns their paths and the table.
+
+    ``preface``: Markdown lines put before the table (which then gets the heading "Every column").
+    """
     out.mkdir(parents=True, exist_ok=True)
     sweep = meta["kind"] != "grid"
     table = sweep_table(results) if sweep else grid_table(results)
@@ -425,6 +469,7 @@ def write_report(out: Path, results: list[dict[str, Any]], meta: dict[str, Any])
         "",
         setup_line(meta, results) + ".",
         "",
+        *([*preface, "", "## Every column", ""] if preface else []),
         table,
         "",
         *_notes(results, meta),
