@@ -20,17 +20,19 @@ and so does :class:`DiLoCo` here. Porting a script::
             inner_opt.step()
             inner_opt.zero_grad()
 
-What maps to what: one fragment is DiLoCo, several (or ``fragment_sync_delay`` > 0) Streaming
-DiLoCo with the fragments synced evenly over the ``sync_every`` steps; ``fragment_sync_delay`` is
-tau (``overlap_steps``), ``fragment_update_alpha`` the merge weight alpha; ``should_quantize``
-sends fp8 (e4m3) instead of fp32. The outer optimizer (one, or one per fragment) is rebuilt, same
-class and settings, over eagerloco's FP32 outer copies of the fragment; the one passed is not
-stepped. ``backup_device``, ``pin_memory``, ``use_bucketization`` and ``bucket_cap_mb`` are
-accepted for the call's sake and change nothing: the outer copies live in FP32 beside the
-parameters, and each fragment moves as one flat buffer. The :class:`Manager` here only says where
-the other workers are (torchft's quorum, lighthouse and live recovery have no counterpart: pass
-``elastic=True`` for survivors that go on without a dead worker). Only the fragments' parameters
-are synchronized, as in torchft.
+What maps to what: one fragment is DiLoCo, several (or ``fragment_sync_delay`` > 0) Streaming DiLoCo
+with the fragments synced evenly over the ``sync_every`` steps; ``fragment_sync_delay`` is tau
+(``overlap_steps``), ``fragment_update_alpha`` the merge weight alpha; ``should_quantize`` sends fp8
+(e4m3) instead of fp32. The outer optimizer (one, or one per fragment) is re-pointed at eagerloco's
+FP32 outer copies of its fragments and steps them with its own settings (the one passed is the one
+that steps, so ``outer_optimizer.state_dict()`` in a torchft-style checkpoint holds the
+outer state, and loading it after creating DiLoCo resumes bit for bit at a sync step).
+``backup_device``, ``pin_memory``, ``use_bucketization`` and ``bucket_cap_mb`` are accepted for the
+call's sake and change nothing: the outer copies live in FP32 beside the parameters, and each
+fragment moves as one flat buffer. The :class:`Manager` here only says where the other workers are
+(torchft's quorum, lighthouse and live recovery have no counterpart: pass ``elastic=True`` for
+survivors that go on without a dead worker). Only the fragments' parameters are synchronized, as in
+torchft.
 """
 
 from __future__ import annotations
@@ -58,15 +60,32 @@ class Manager:
     def __init__(self, outer_addr: str | None = None, worker_id: int | None = None, workers: int | None = None,
                  **options: Any) -> None:
         self.options = {"outer_addr": outer_addr, "worker_id": worker_id, "workers": workers, **options}
+        self.loop: OuterLoop | None = None  # the DiLoCo that uses this manager
+
+    def _loop(self) -> OuterLoop:
+        if self.loop is None:
+            raise RuntimeError("this Manager has no DiLoCo yet: create DiLoCo(manager, ...) first")
+        return self.loop
+
+    def current_step(self) -> int:
+        """Outer synchronizations this worker has launched (torchft's manager counts one commit per sync,
+        of the whole model or of one fragment)."""
+        return int(self._loop().comm.stats.num_syncs)
+
+    def num_participants(self) -> int:
+        """Workers in the run now (fewer after a worker left an elastic run)."""
+        return int(self._loop().num_workers)
 
 
 def outer_factory(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], fragments: int) -> Any:
-    """A factory that builds, for each fragment in turn, an optimizer of the given one's class and
-    settings over that fragment's outer tensors.
+    """A factory that gives each fragment in turn the optimizer passed (or its own of a list), re-pointed at
+    that fragment's FP32 outer copies: the optimizer the user holds is the one that steps, so its
+    ``state_dict()`` carries the outer state, as in torchft. One optimizer for several fragments gets
+    one param group per fragment (a step moves only the fragment whose outer gradient is set).
 
     Raises:
-        ConfigError: not torch optimizers, a list of another length than the fragments, or param
-            groups with settings of their own (only the optimizer's defaults carry over).
+        ConfigError: not torch optimizers, a list of another length than the fragments, param groups
+            with settings of their own, or an optimizer that already holds state (load it afterwards).
     """
     given = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
     if not given or not all(isinstance(o, torch.optim.Optimizer) for o in given):
@@ -80,14 +99,21 @@ def outer_factory(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optim
             own = {k: v for k, v in group.items() if k != "params" and k in opt.defaults and v != opt.defaults[k]}
             if own:
                 raise ConfigError(f"outer_optimizer {type(opt).__name__}'s param group {i} has settings of its own "
-                                  f"({', '.join(sorted(own))}); the outer optimizer is rebuilt over eagerloco's outer "
-                                  "copies from its defaults only: put the settings in its constructor")
+                                  f"({', '.join(sorted(own))}); the outer optimizer steps eagerloco's outer copies "
+                                  "with its defaults only: put the settings in its constructor")
+        if opt.state:
+            raise ConfigError(f"outer_optimizer {type(opt).__name__} already holds state: create DiLoCo first, then "
+                              "load the outer optimizer's state_dict (its parameters become the outer copies)")
     built = [0]
 
     def factory(tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
         opt = given[built[0] % len(given)]
+        first = built[0] < len(given)
         built[0] += 1
-        return type(opt)(tensors, **opt.defaults)
+        if first:  # its own parameters give way to the outer copies of its (first) fragment
+            opt.param_groups[:] = []
+        opt.add_param_group({"params": tensors})
+        return opt
 
     return factory
 
@@ -129,6 +155,8 @@ class DiLoCo(OuterLoop):
             fragment_sync_delay=fragment_sync_delay, fragment_update_alpha=fragment_update_alpha,
             codec="fp8" if should_quantize else "fp32", **options,
         )
+        if manager is not None:
+            manager.loop = self
 
 
 __all__ = ["DiLoCo", "Manager", "outer_factory"]
