@@ -89,3 +89,23 @@ def test_ctrl_c_while_waiting_for_worker_0_ends_the_job_at_once(tmp_path: Path) 
     assert time.monotonic() - t0 < 10, err
     assert p.returncode == 128 + signal.SIGINT, out + err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("eagerloco: stopped by SIGINT"), err
+
+
+@pytest.mark.processes
+def test_separate_jobs_wait_for_an_evaluation_that_outlasts_the_timeout(tmp_path: Path) -> None:
+    """Worker 0's evaluations take 6 s more (EAGERLOCO_FAULT_EVAL_DELAY), past a 3 s --dist-timeout: worker 1
+    waits on its heartbeat instead of declaring it dead, and both finish."""
+    from test_hooks_jobs import wait_all
+
+    port = free_ports(1)[0]
+    procs = []
+    for w in range(2):
+        env = {**job_env(), **({"EAGERLOCO_FAULT_EVAL_DELAY": "6"} if w == 0 else {})}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "eagerloco", "train", *FAST[:-4], "--steps", "4", "--inner-steps", "2",
+             "--eval-every", "2", "--dist-timeout", "3", "--outer-addr", f"127.0.0.1:{port}", "--worker-id", str(w),
+             "--workers", "2", "--out", str(tmp_path / f"w{w}")],
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for w, done in enumerate(wait_all(procs, 180)):
+        assert done.returncode == 0, f"worker {w}:\n{done.stdout[-3000:]}"
+        assert (tmp_path / f"w{w}" / "summary.json").is_file()

@@ -22,7 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from eagerloco.comm.distributed import TorchDistCommunicator
+from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import OuterRendezvous, join_outer_group, leave_outer_group
+from eagerloco.comm.heartbeat import wait_for_key
 from eagerloco.device import resolve_device
 from eagerloco.train.runtime import Found, Meeting, Runtime, num_params
 from eagerloco.train.worker import Worker
@@ -86,6 +88,25 @@ class JobRuntime(Runtime):
     def on_step(self, step: int) -> None:
         if self.membership is not None:
             self.membership.on_step(step)
+
+    def after_eval(self, step: int) -> None:
+        # Every job evaluates its own outer model, for as long as that takes: the others wait for it
+        # here, outside any collective timeout, for as long as its heartbeat is fresh.
+        store, me = self.ctx.store, self.rdzv.worker
+        if store is None:
+            return
+        store.set(f"evaluated/{step}/{me}", "1")
+        members = self.membership.members if self.membership is not None else range(self.cfg.workers)
+        for w in members:
+            if w == me:
+                continue
+            try:
+                wait_for_key(store, f"evaluated/{step}/{w}", w, f"worker {w} (evaluating)",
+                             self.cfg.runtime.dist_timeout)
+            except PeerError:
+                if self.membership is None:
+                    raise
+                # elastic: a worker that died meanwhile is left to the membership change that follows
 
     def checkpoint_meta(self) -> dict[str, Any]:
         return {"runtime": "distributed", "ranks_per_worker": 1, "separate_jobs": True, "worker": self.rdzv.worker}
