@@ -4,11 +4,6 @@ The public names are loaded on first use (PEP 562), so tools that need no torch 
 ``eagerloco simulate``) start without importing it.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
 __version__ = "0.1.0"
 
 #: Public name -> module that defines it.
@@ -21,6 +16,7 @@ _EXPORTS: dict[str, str] = {
     "InProcessGroup": "eagerloco.comm.inprocess",
     "PeerError": "eagerloco.comm.errors",
     "ConfigError": "eagerloco.config",
+    "MissingExtraError": "eagerloco.extras",
     "LinkConfig": "eagerloco.config",
     "OuterConfig": "eagerloco.config",
     "OuterLoop": "eagerloco.hooks",
@@ -34,15 +30,18 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     """Import the module defining a public name on first access and cache the name here."""
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'eagerloco' has no attribute {name!r}")
+    import importlib
+
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    """The public API only (what ``__all__`` lists, and ``__version__``), loaded or not."""
+    return sorted([*__all__, "__version__"])

@@ -54,8 +54,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _exit_code(e: BaseException) -> int | None:
-    """2 for bad input (a setting, a file, data, a checkpoint), 3 for a dead peer, 4 for workers that
-    launched different exchanges; None: not ours to report.
+    """2 for bad input (a setting, a file, data, a checkpoint, an optional package not installed), 3 for a
+    dead peer, 4 for workers that launched different exchanges; None: not ours to report.
 
     The error classes are imported here, when an error is being reported, so that a command
     that never loads torch does not load it to name the errors it cannot raise.
@@ -63,8 +63,9 @@ def _exit_code(e: BaseException) -> int | None:
     from eagerloco.checkpoint import CheckpointError
     from eagerloco.comm.errors import MISMATCH_EXIT_CODE, PEER_EXIT_CODE, PeerError, ScheduleMismatchError
     from eagerloco.data import DataError
+    from eagerloco.extras import MissingExtraError
 
-    if isinstance(e, (ConfigError, FileNotFoundError, DataError, CheckpointError)):
+    if isinstance(e, (ConfigError, FileNotFoundError, DataError, CheckpointError, MissingExtraError)):
         return 2
     if isinstance(e, PeerError):
         return PEER_EXIT_CODE

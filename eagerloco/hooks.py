@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,7 @@ from eagerloco.comm.groups import (
 from eagerloco.comm.init_sync import broadcast_parameters
 from eagerloco.comm.worker import WorkerCommunicator, communicator_for
 from eagerloco.config import ConfigError, Environment, LinkConfig, OuterConfig
+from eagerloco.extras import MissingExtraError
 from eagerloco.outer import OuterOptimizerFactory, OuterSync
 
 #: torchft's ``DiLoCo`` argument names and the OuterConfig field each means.
@@ -484,39 +485,100 @@ def exit_on_errors() -> Iterator[None]:
     """Around a training script's main: eagerloco's errors end it with one line instead of a traceback.
 
     A dead or frozen peer (:class:`~eagerloco.comm.errors.PeerError`, naming the worker) prints
-    ``eagerloco: error: ...`` on stderr and exits with status 3; an invalid setting (ConfigError)
-    does the same with status 2, and workers that launched different exchanges
-    (:class:`~eagerloco.comm.errors.ScheduleMismatchError`) with status 4, as the ``eagerloco``
-    command does. Other errors pass through unchanged.
+    ``eagerloco: error: ...`` on stderr and exits with status 3; an invalid setting (ConfigError) or an
+    optional package not installed (MissingExtraError, naming the extra) does the same with status 2,
+    and workers that launched different exchanges (:class:`~eagerloco.comm.errors.ScheduleMismatchError`)
+    with status 4, as the ``eagerloco`` command does. Other errors pass through unchanged.
     """
     try:
         yield
-    except (PeerError, ConfigError, ScheduleMismatchError) as e:
+    except (PeerError, ConfigError, MissingExtraError, ScheduleMismatchError) as e:
         code = (PEER_EXIT_CODE if isinstance(e, PeerError) else MISMATCH_EXIT_CODE
                 if isinstance(e, ScheduleMismatchError) else 2)
         print(f"eagerloco: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(code) from None
 
 
-def outer_loop(model: nn.Module, inner_optimizer: Any, config: OuterConfig | None = None,
-               **kwargs: Any) -> OuterLoop:
+#: The values of the settings that take a choice (OuterConfig checks them; the types show them to editors).
+Method = Literal["dp", "diloco", "streaming", "delayed", "eager"]
+FragmentPattern = Literal["sequential", "strided"]
+EagerWeighting = Literal["nonlocal", "stale_average"]
+OuterOptimizerName = Literal["sgd", "adam", "adamw"]
+#: outer_loop's parameters that are OuterConfig fields or torchft's names for them.
+_SETTINGS = frozenset({f.name for f in fields(OuterConfig)} - {"fragments", "outer_optimizer"}) | frozenset(
+    TORCHFT_NAMES)
+
+
+def outer_loop(
+    model: nn.Module,
+    inner_optimizer: Any,
+    config: OuterConfig | None = None,
+    *,
+    method: Method | None = None,
+    inner_steps: int | None = None,
+    fragments: int | Sequence[nn.Module] | None = None,
+    fragment_pattern: FragmentPattern | None = None,
+    overlap_steps: int | None = None,
+    alpha: float | None = None,
+    eager_rounds: int | None = None,
+    eager_weighting: EagerWeighting | None = None,
+    codec: str | None = None,
+    codec_block: int | None = None,
+    stochastic_rounding: bool | None = None,
+    outer_optimizer: OuterOptimizerName | OuterOptimizerFactory | None = None,
+    outer_lr: float | None = None,
+    outer_momentum: float | None = None,
+    outer_nesterov: bool | None = None,
+    sync_every: int | None = None,
+    fragment_sync_delay: int | None = None,
+    fragment_update_alpha: float | None = None,
+    blocks: Sequence[nn.Module] | None = None,
+    comm: Communicator | None = None,
+    outer_addr: str | None = None,
+    worker_id: int | None = None,
+    workers: int | None = None,
+    ranks_per_worker: int | None = None,
+    link: LinkConfig | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    seed: int = 0,
+    apply_in_flight: bool = False,
+    elastic: bool = False,
+    init_sync: bool = True,
+) -> OuterLoop:
     """Run the outer algorithm around an unchanged training loop: ``with outer_loop(...) as outer:``.
+
+    Every argument after ``config`` is keyword-only. The outer settings (``method`` to
+    ``outer_nesterov``) are :class:`~eagerloco.config.OuterConfig`'s fields; one left at None keeps
+    the value of ``config``, else OuterConfig's default (shown in brackets).
 
     Args:
         model: the module whose parameters the inner optimizer updates (unwrapped: not the DDP wrapper).
+            Parameters with ``requires_grad=False`` (frozen) are never exchanged and keep their values.
         inner_optimizer: a torch optimizer (or a framework's wrapper of one); its step() gets the hooks.
-        config: an OuterConfig; any of its fields may also be given by name (method, inner_steps,
-            fragments, overlap_steps, alpha, eager_rounds, codec, outer_lr, outer_momentum, ...), and
-            torchft's sync_every, fragment_sync_delay and fragment_update_alpha.
+        config: an OuterConfig to start from (copied; the settings given here replace its fields).
+        method: dp, diloco, streaming, delayed or eager [diloco; streaming when P > 1 fragments].
+        inner_steps: H, inner steps per outer round [50].
         fragments: a number P (the model's blocks are found: ``blocks``, ``transformer.h``,
-            Hugging Face's ``model.layers``, ...) or a list of modules, each one fragment.
+            Hugging Face's ``model.layers``, ...) or a list of modules, each one fragment [1].
+        fragment_pattern: sequential or strided, how blocks map to fragments [strided].
+        overlap_steps: tau, inner steps an exchange may take before it is applied [0].
+        alpha: merge weight of the local parameters when an overlapped exchange lands [0.0].
+        eager_rounds: k, outer rounds an exchange may take under delayed and eager [1].
+        eager_weighting: nonlocal or stale_average, eager's proxy [nonlocal].
+        codec: the outer gradient's format on the link (fp32, bf16, fp8, int8, e2m1, ...) [fp32].
+        codec_block: values sharing one scale in the block formats [32].
+        stochastic_rounding: round the quantized payload stochastically [False].
+        outer_optimizer: "sgd", "adam", "adamw" [sgd], or a factory taking the list of FP32 outer tensors.
+        outer_lr, outer_momentum, outer_nesterov: the outer optimizer's settings [0.7, 0.9, True].
+        sync_every, fragment_sync_delay, fragment_update_alpha: torchft's names for ``inner_steps``,
+            ``overlap_steps`` and ``alpha`` (give one name of each pair).
         blocks: the modules to split into P fragments (default: found automatically).
+        comm: a Communicator to use instead of connecting (tests, custom transports).
         outer_addr, worker_id, workers: an outer rendezvous, each worker its own job (see the module).
         ranks_per_worker: R, under one torchrun WORLD of M * R ranks.
         link: an emulated slow link (bandwidth, latency) between the workers.
         timeout_s: seconds before a silent worker is declared dead.
         seed: seeds stochastic rounding (mixed with the worker id).
-        outer_optimizer: "sgd", "adam", "adamw", or a factory taking the list of FP32 outer tensors.
         apply_in_flight: at the end, apply what is still in flight (every outer gradient counted
             once) instead of only waiting for it.
         init_sync: the workers start from worker 0's parameters, sent to all before the first step (as
@@ -530,10 +592,16 @@ def outer_loop(model: nn.Module, inner_optimizer: Any, config: OuterConfig | Non
             must stay; a worker that died does not come back into the running run.
 
     Raises:
-        ConfigError: an invalid setting or launch.
+        ConfigError: an invalid setting or launch, or a setting given under both its names.
         PeerError: another worker died or never joined; the message names it.
     """
-    return OuterLoop(model, inner_optimizer, config, **kwargs)
+    given = locals()  # the arguments, by name
+    settings = {name: given[name] for name in sorted(_SETTINGS) if given[name] is not None}
+    return OuterLoop(model, inner_optimizer, config, fragments=fragments, blocks=blocks, comm=comm,
+                     outer_addr=outer_addr, worker_id=worker_id, workers=workers, ranks_per_worker=ranks_per_worker,
+                     link=link, timeout_s=timeout_s, seed=seed, outer_optimizer=outer_optimizer,
+                     apply_in_flight=apply_in_flight, elastic=elastic, init_sync=init_sync, **settings)
 
 
-__all__ = ["OuterLoop", "TORCHFT_NAMES", "exit_on_errors", "innermost_optimizer", "outer_config", "outer_loop"]
+__all__ = ["EagerWeighting", "FragmentPattern", "Method", "OuterLoop", "OuterOptimizerName", "TORCHFT_NAMES",
+           "exit_on_errors", "innermost_optimizer", "outer_config", "outer_loop"]

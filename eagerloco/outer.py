@@ -17,7 +17,7 @@ from torch import nn
 from eagerloco.codecs import get_codec
 from eagerloco.comm.base import Communicator, Handle, ReadyHandle
 from eagerloco.config import OuterConfig
-from eagerloco.fragments import assign_fragments, find_blocks
+from eagerloco.fragments import assign_fragments, find_blocks, trainable_fragments
 from eagerloco.fsdp import like_param, local_shard
 from eagerloco.schedule import apply_delay, fragment_offsets, fragments_due
 
@@ -82,6 +82,9 @@ class OuterSync:
     finish, so M workers in one process can be driven in lockstep by :func:`before_inner_step_all`
     and :func:`after_inner_step_all`.
 
+    Frozen parameters (``requires_grad=False``) are not exchanged and keep their values; the
+    fragments, the outer copies and the checkpointed state hold only the trainable ones.
+
     Sharded parameters (FSDP's DTensors) are fine: everything the outer algorithm does is
     elementwise, so it works on this rank's shards (``local_shard``) and exchanges those.
 
@@ -141,7 +144,8 @@ class OuterSync:
             self.outer: list[list[torch.Tensor]] = []
             self.outer_opts: list[torch.optim.Optimizer] = []
             return
-        frags = assign_fragments(model, cfg.fragments, cfg.fragment_pattern, block_list)
+        # Frozen parameters are not exchanged: no inner step moves them, so they keep their values.
+        frags = trainable_fragments(assign_fragments(model, cfg.fragments, cfg.fragment_pattern, block_list))
         self.fragment_names = [[n for n, _ in f] for f in frags]
         self.params = [[p for _, p in f] for f in frags]
         self.local = [[local_shard(p) for p in f] for f in self.params]
@@ -402,7 +406,8 @@ class OuterSync:
             return [local_shard(p.detach()) for p in self.model.parameters()]
         by_id = {id(param): outer for fp, fo in zip(self.params, self.outer, strict=True)
                  for param, outer in zip(fp, fo, strict=True)}
-        return [by_id[id(p)] for p in self.model.parameters()]
+        # A frozen parameter has no outer copy: it is the same in the outer and the local model.
+        return [by_id[id(p)] if id(p) in by_id else local_shard(p.detach()) for p in self.model.parameters()]
 
     @contextmanager
     def outer_weights(self) -> Iterator[nn.Module]:

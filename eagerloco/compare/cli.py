@@ -13,6 +13,7 @@ from eagerloco.compare.runner import build_base_config, plan_runs, run_plans
 from eagerloco.compare.seeded import TUNE_SEED_OFFSET, mark_divergence, run_seeded
 from eagerloco.compare.tune import parse_tune
 from eagerloco.config import ConfigError, TrainConfig
+from eagerloco.extras import MissingExtraError, check
 from eagerloco.flags import add_train_flags
 
 
@@ -106,8 +107,9 @@ def use_threads(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`eagerloco compare`: plan and check every run, train or reuse them, write the report."""
-    from eagerloco.compare.report import write_report
+    from eagerloco.compare.report import PLOT_NEEDS, write_report
 
+    check("matplotlib", PLOT_NEEDS)  # the report's plots: refused before training, not after
     if args.sweep is None and args.inner_steps_list is not None:
         raise ConfigError("--inner-steps-list needs --sweep inner-steps")
     sweep_h = None
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(["compare", *(sys.argv[1:] if argv is None else argv)])
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, FileNotFoundError, DataError) as e:
+    except (ConfigError, FileNotFoundError, DataError, MissingExtraError) as e:
         print(f"eagerloco: error: {e}", file=sys.stderr)
         return 2
 

@@ -88,7 +88,7 @@ SWEEP_GRID = ["no-overlap", "delayed-1", "eager-1"]
 BASELINES = ["dp", "single", "averaging"]
 GRIDS = {"paper": PAPER_GRID, "all": ALL_GRID, "baselines": BASELINES}
 
-#: Eval loss the eager paper reports for its 500M model at H = 30 (ALGORITHMS.md section 6).
+#: Eval loss the eager paper reports for its 500M model at H = 30 (docs/algorithms.md, section 6).
 PAPER_EVAL_LOSS = {"no-overlap": 2.67, "overlap-1": 2.67, "delayed-1": 3.01, "delayed-1-lowlr": 2.73,
                    "eager-1": 2.69, "eager-2": 2.73}
 

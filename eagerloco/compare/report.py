@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from eagerloco.compare.grid import ENTRIES, PAPER_EVAL_LOSS
+from eagerloco.extras import require
 from eagerloco.jsonfiles import write_json_atomic
 from eagerloco.units import fmt_bytes
 
@@ -219,11 +220,19 @@ def _ema(values: list[float], weight: float = 0.6) -> list[float]:
     return out
 
 
+#: What the missing-matplotlib message names.
+PLOT_NEEDS = "eagerloco compare (its plots)"
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display), or the one line that names the [plot] extra."""
+    require("matplotlib", PLOT_NEEDS).use("Agg")
+    return require("matplotlib.pyplot", PLOT_NEEDS)
+
+
 def line_styles(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """One color and line style per grid entry, the same in every plot."""
-    import matplotlib
-
-    cmap = matplotlib.colormaps["tab10"]
+    cmap = require("matplotlib", PLOT_NEEDS).colormaps["tab10"]
     names = list(dict.fromkeys(r["name"] for r in results))
     styles = {}
     i = 0
@@ -252,10 +261,7 @@ def setup_line(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
 
 def plot_curves(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> dict[str, Path]:
     """Eval loss (top, with markers) and smoothed train loss (bottom) against steps, link seconds and bytes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     curves = {r["key"]: load_curves(r) for r in results}
     styles = line_styles(results)
@@ -302,10 +308,9 @@ def plot_curves(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) 
         ax.legend(fontsize=8, title="method (final eval loss)", title_fontsize=8, loc="upper left",
                   bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
         if kind == "bytes":
-            from matplotlib.ticker import FuncFormatter
-
-            ax2.xaxis.set_major_formatter(FuncFormatter(lambda x, _: fmt_bytes(x, ".3g")))
-            ax2.xaxis.set_minor_formatter(FuncFormatter(_minor_bytes_label))
+            ticker = require("matplotlib.ticker", PLOT_NEEDS)
+            ax2.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: fmt_bytes(x, ".3g")))
+            ax2.xaxis.set_minor_formatter(ticker.FuncFormatter(_minor_bytes_label))
             notes.append("points before a run's first exchange\n(0 bytes) are not shown")
         ax.text(1.01, 0.0, "\n".join(notes), transform=ax.transAxes, va="bottom", ha="left", fontsize=7,
                 color="dimgray")
@@ -340,10 +345,7 @@ def zoom_y(ax: Any, values: list[float]) -> int:
 
 def plot_sweep(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> Path:
     """Final eval loss (top) and compute utilization on the link (bottom) against H, per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     styles = line_styles(results)
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [2, 1]})

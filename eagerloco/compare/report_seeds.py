@@ -15,6 +15,7 @@ from eagerloco.compare.report import (
     line_styles,
     load_curves,
     markdown_table,
+    pyplot,
     setup_line,
     zoom_y,
 )
@@ -194,10 +195,7 @@ def _band(ax: Any, xs: list[float], runs: list[list[float]], style: dict[str, An
 
 def plot_steps(rows: list[dict[str, Any]], results: list[dict[str, Any]], out: Path, subtitle: str) -> Path:
     """Eval loss against inner steps: the mean over seeds with its 90% band, one line per row."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     styles = line_styles([{"name": r["unit"]} for r in rows])
     fig, ax = plt.subplots(figsize=(11.5, 6))
@@ -230,10 +228,7 @@ def plot_steps(rows: list[dict[str, Any]], results: list[dict[str, Any]], out: P
 
 def plot_delta(rows: list[dict[str, Any]], out: Path, subtitle: str) -> Path:
     """The paired difference to no overlap with its 90% interval, one bar per row (a forest plot)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     shown = [r for r in rows if isinstance(r["delta"], dict)]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(shown) + 1.8))
@@ -259,10 +254,7 @@ def plot_delta(rows: list[dict[str, Any]], out: Path, subtitle: str) -> Path:
 
 def plot_tune(tune_results: list[dict[str, Any]], out: Path, key: str, subtitle: str) -> Path:
     """Held-out loss on the tuning seed against the swept value, one line per method, chosen ringed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     units = list(dict.fromkeys(r["unit"] for r in tune_results))
     styles = line_styles([{"name": u} for u in units])
@@ -293,10 +285,7 @@ def plot_tune(tune_results: list[dict[str, Any]], out: Path, key: str, subtitle:
 
 def plot_sweep_bands(rows: list[dict[str, Any]], out: Path, subtitle: str) -> Path:
     """Final eval loss against H: the mean over seeds with its 90% band, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(dict.fromkeys(r["name"] for r in rows))
     styles = line_styles([{"name": n} for n in names])

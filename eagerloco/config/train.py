@@ -17,6 +17,7 @@ from eagerloco.config.checks import ConfigError, check_choice, check_switch, is_
 from eagerloco.config.outer import LinkConfig, OuterConfig
 from eagerloco.config.runtime import RuntimeConfig
 from eagerloco.environment import Environment
+from eagerloco.extras import check
 
 MAX_SEED = 2**63 - 1
 #: Upper bounds of sizes: beyond them a run would not end, or not fit any machine this tool runs on.
@@ -213,6 +214,8 @@ class TrainConfig:
             parse_tokenizer_name(self.tokenizer)
         except ValueError as e:
             raise ConfigError(f"--tokenizer: {e}") from None
+        if self.tokenizer != "byte":
+            check("tokenizers", "--tokenizer bpe")
         if self.seed > MAX_SEED:
             raise ConfigError(f"--seed must be at most 2**63 - 1 (it seeds torch and numpy generators), "
                               f"got {self.seed}")
@@ -221,6 +224,8 @@ class TrainConfig:
         unknown = [t for t in self.eval_task_list if t not in TASKS]
         if unknown:
             raise ConfigError(f"--eval-tasks: unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
+        if self.eval_task_list:
+            check("pyarrow", "--eval-tasks")  # read at the end of the run: refused before it, not after
         if isinstance(self.eval_limit, bool) or not isinstance(self.eval_limit, int) or self.eval_limit < 1:
             raise ConfigError(f"--eval-limit must be an integer >= 1, got {self.eval_limit!r}")
 

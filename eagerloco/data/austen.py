@@ -14,6 +14,7 @@ import numpy as np
 from eagerloco.data.cache import DataError, default_data_dir
 from eagerloco.data.debian import from_debs
 from eagerloco.data.store import Doc, stored, unzip_docs
+from eagerloco.extras import require
 
 AUSTEN_PACKAGES = ("r-cran-janeaustenr",)
 AUSTEN_NOVELS = {  # R object name -> (title, number of chapters)
@@ -35,10 +36,7 @@ def read_lazyload_db(rdx: Path) -> dict[str, Any]:
     blob there is a 4-byte big-endian length and a zlib stream of one serialized R object. ``rdata``
     reads RDS but not this container, so the container is unpacked here.
     """
-    try:
-        import rdata
-    except ImportError as e:  # pragma: no cover - it is a declared dependency
-        raise DataError("reading the Austen novels needs the `rdata` package: pip install rdata") from e
+    rdata = require("rdata", "--data austen (reading the novels' R data)")
     index = rdata.read_rds(rdx)
     compressed = np.asarray(index["compressed"]).ravel()
     if compressed.dtype != bool or not compressed[0]:  # 2 / 3 would be bzip2 / xz blobs

@@ -11,11 +11,14 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from eagerloco.data.cache import DataError, atomic_write, default_data_dir, file_sha256, locked, note
+from eagerloco.extras import require
 
 if TYPE_CHECKING:
     from eagerloco.data.corpus import Corpus
 
 DEFAULT_BPE_VOCAB = 8192
+#: What the missing-tokenizers message names (tokenizers comes with the [bpe] extra).
+BPE_NEEDS = "the BPE tokenizer (--tokenizer bpe)"
 MIN_BPE_VOCAB = 256  # the byte alphabet: a smaller vocabulary could not encode every text
 #: Past this the BPE trainer only allocates: no corpus this tool trains on has a million distinct merges.
 MAX_BPE_VOCAB = 1 << 20
@@ -94,11 +97,7 @@ class BPETokenizer:
 
 
 def _import_tokenizers() -> Any:
-    try:
-        import tokenizers
-    except ImportError as e:  # pragma: no cover - it is a declared dependency
-        raise ImportError("the BPE tokenizer needs the `tokenizers` package: pip install tokenizers") from e
-    return tokenizers
+    return require("tokenizers", BPE_NEEDS)
 
 
 def parse_tokenizer_name(name: str) -> tuple[str, int | None]:
@@ -135,7 +134,8 @@ def bpe_key(train_docs: list[str], vocab_size: int) -> str:
 def train_bpe(train_docs: list[str], vocab_size: int) -> Any:
     """A fresh byte-level BPE (a ``tokenizers.Tokenizer``) learnt from ``train_docs``."""
     tokenizers = _import_tokenizers()
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    decoders, models, pre_tokenizers, trainers = (
+        tokenizers.decoders, tokenizers.models, tokenizers.pre_tokenizers, tokenizers.trainers)
 
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(

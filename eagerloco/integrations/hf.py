@@ -17,11 +17,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
-
 from eagerloco.config import OuterConfig
+from eagerloco.extras import require
 from eagerloco.hooks import OuterLoop
 from eagerloco.integrations import save_atomic
+
+#: The base class, or the one line that names the [hf] extra (transformers is not a dependency of eagerloco).
+TrainerCallback = require("transformers", "eagerloco.integrations.hf").TrainerCallback
 
 #: The file each checkpoint folder gets per worker (the same folder may hold several workers' files).
 STATE_FILE = "eagerloco_outer_worker{worker}.pt"

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytorch_lightning import Callback
-
 from eagerloco.config import OuterConfig
+from eagerloco.extras import require
 from eagerloco.hooks import OuterLoop
+
+#: The base class, or the one line that names the [lightning] extra (Lightning is not a dependency of eagerloco).
+Callback = require("pytorch_lightning", "eagerloco.integrations.lightning").Callback
 
 
 class OuterLoopCallback(Callback):

@@ -22,10 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eagerloco.extras import MissingExtraError, check
 from eagerloco.flags import add_dataclass_flags
 from eagerloco.sim import paper
 from eagerloco.sim.config import GROUPS, Settings, SimConfig
 from eagerloco.sim.model import SimError
+from eagerloco.sim.plot import PLOT_NEEDS, plot_cu
 from eagerloco.sim.report import format_text, jsonable
 from eagerloco.sim.tables import compute
 
@@ -59,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = SimConfig.from_args(args)
         settings = cfg.validate()
-    except SimError as e:
+        if cfg.plot is not None:
+            check("matplotlib", PLOT_NEEDS)  # before simulating, not after
+    except (SimError, MissingExtraError) as e:
         print(f"eagerloco simulate: error: {e}", file=sys.stderr)
         return 2
     text_out = sys.stderr if cfg.json == "-" else sys.stdout
@@ -71,8 +75,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     report, curves, grid = compute(settings)
     if cfg.plot is not None:
-        from eagerloco.sim.plot import plot_cu
-
         written = []
         for m in report["models"]:
             name = m["model"]["name"]

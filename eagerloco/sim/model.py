@@ -43,7 +43,7 @@ class ModelSpec:
         return asdict(self)
 
 
-#: The papers' presets: 60% MFU step times for 1B, 10B and 100B models (ALGORITHMS.md section 9).
+#: The papers' presets: 60% MFU step times for 1B, 10B and 100B models (docs/algorithms.md, section 9).
 PRESETS: dict[str, ModelSpec] = {
     "1b": ModelSpec("1b", 1e9, 24, 0.1),
     "10b": ModelSpec("10b", 1e10, 48, 0.8),

@@ -10,6 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
+from eagerloco.extras import require
+
+#: What the missing-matplotlib message names.
+PLOT_NEEDS = "eagerloco simulate --plot"
+
 
 def plot_cu(
     path: Path,
@@ -19,11 +24,9 @@ def plot_cu(
     targets: Sequence[float] = (),
 ) -> Path:
     """Draw one line per method (log x axis) with the targets as dotted guides; returns the path."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8, 5), dpi=100)
-    FigureCanvasAgg(fig)
+    agg = require("matplotlib.backends.backend_agg", PLOT_NEEDS)
+    fig = require("matplotlib.figure", PLOT_NEEDS).Figure(figsize=(8, 5), dpi=100)
+    agg.FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     styles = ("-", "--", "-.", ":")  # methods with identical curves (e.g. eager and delayed) stay visible
     for i, (label, cu) in enumerate(curves):

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from eagerloco.config import ConfigError, TrainConfig
+from eagerloco.config import TrainConfig
+from eagerloco.extras import require
 from eagerloco.flops import mfu
 from eagerloco.jsonfiles import finite_json
 from eagerloco.units import fmt_bytes
@@ -34,10 +35,9 @@ def tensorboard_writer(cfg: TrainConfig, out: Path) -> Any:
     """A TensorBoard writer under <out>/tensorboard when --tensorboard is set, else None."""
     if not cfg.tensorboard:
         return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'eagerloco[tensorboard]'") from e
+    require("tensorboard", "--tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
     return SummaryWriter(str(out / "tensorboard"))
 
 
