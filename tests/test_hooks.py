@@ -220,6 +220,6 @@ def test_workers_without_a_rendezvous_is_a_clear_error(toy: Toy, monkeypatch: py
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ConfigError, match="outer_addr"):
         eagerloco.outer_loop(toy, torch.optim.SGD(toy.parameters(), lr=0.1), workers=2)
-    with pytest.raises(ConfigError, match="--worker-id"):
+    with pytest.raises(ConfigError, match=r"^worker_id must be an integer in 0\.\.1"):  # the API's name, not the flag
         eagerloco.outer_loop(toy, torch.optim.SGD(toy.parameters(), lr=0.1), outer_addr="127.0.0.1:1", workers=2,
                              worker_id=2)
