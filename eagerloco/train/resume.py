@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from eagerloco import checkpoint as ckpt
+from eagerloco.comm.inprocess import InProcessGroup
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.jsonfiles import finite_json
 
@@ -55,12 +57,12 @@ def resume_checkpoint(cfg: TrainConfig, runtime: str = "inprocess") -> tuple[Pat
     if not cfg.resume:
         return None
     root = ckpt.checkpoint_root(Path(cfg.out))
-    found = ckpt.latest_valid(root, required=("config",))
+    found = ckpt.latest_valid(root, required=("config",), check=lambda meta: meta_problem(meta, cfg))
     if found is None:
         raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh")
     path, meta = found
     written = "distributed" if meta.get("runtime") == "distributed" else "inprocess"
-    if written != runtime or (runtime == "inprocess" and not isinstance(meta.get("group"), dict)):
+    if written != runtime:
         how = {"inprocess": "in one process (`eagerloco train --resume` without a launcher)",
                "distributed": "on several processes (`eagerloco launch --workers M -- ... --resume` or torchrun)"}
         raise ConfigError(
@@ -69,6 +71,29 @@ def resume_checkpoint(cfg: TrainConfig, runtime: str = "inprocess") -> tuple[Pat
         )
     check_resume_config(meta["config"], cfg)
     return found
+
+
+def meta_problem(meta: dict[str, Any], cfg: TrainConfig) -> str:
+    """What in a checkpoint's meta.json, beyond its files and step (:func:`eagerloco.checkpoint.verify`),
+    a run of ``cfg`` cannot resume from, or "": every field the runtimes read is checked here first.
+    """
+    step = meta["step"]
+    if step > cfg.steps:
+        return f"step {step} is past the run's last step ({cfg.steps})"
+    elapsed = meta.get("real_elapsed", 0.0)
+    if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or not math.isfinite(elapsed) or elapsed < 0:
+        return f"real_elapsed {elapsed!r} is not a number of seconds"
+    if meta.get("runtime") != "distributed":
+        return InProcessGroup.state_problem(meta.get("group"))
+    ranks = meta.get("ranks_per_worker", 1)
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        return f"ranks_per_worker {ranks!r} is not a number of ranks"
+    if not isinstance(meta.get("fsdp", False), bool):
+        return f"fsdp {meta['fsdp']!r} is not true or false"
+    members = meta.get("members", [])
+    if not isinstance(members, list) or not all(isinstance(m, int) and not isinstance(m, bool) for m in members):
+        return f"members {members!r} is not a list of worker ids"
+    return ""
 
 
 def announce_resume(path: Path, step: int, cfg: TrainConfig) -> None:
@@ -122,6 +147,7 @@ __all__ = [
     "check_resume_layout",
     "checkpoint_meta",
     "has_worker",
+    "meta_problem",
     "own_last_state",
     "resume_checkpoint",
 ]
