@@ -14,8 +14,10 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,9 @@ import torch
 
 FORMAT_VERSION = 1
 _PREFIX = "step_"
+_STEP_NAME = re.compile(r"step_(\d{8,})")
+#: The files a checkpoint directory holds.
+_FILE_NAME = re.compile(r"worker_\d+\.pt|meta\.json")
 
 
 #: Write errors that mean "no room here" (a full disk, a quota, a file size limit) or "no writing here".
@@ -143,14 +148,31 @@ def publish(root: Path, step: int, entries: list[dict[str, Any]], meta: dict[str
         raise write_failure(root, step, e) from None
     _fsync_dir(stage)
     final = checkpoint_dir(root, step)
-    if final.exists():
-        shutil.rmtree(final)
+    if os.path.lexists(final) and not remove_checkpoint(final):
+        shutil.rmtree(stage, ignore_errors=True)
+        raise CheckpointError(f"cannot write the checkpoint of step {step}: {final} holds files that are not a "
+                              f"checkpoint's (or is a link); move it away, then continue: {resume_hint(root)}")
     os.replace(stage, final)
     _fsync_dir(root)
     if keep > 0:
         for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_checkpoint(old)
     return final
+
+
+def remove_checkpoint(path: Path) -> bool:
+    """Remove a checkpoint directory's own files (meta.json, worker_<m>.pt) and then the directory, which
+    stays when anything else is in it; a symbolic link is left alone. Returns whether it is gone."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    for f in path.iterdir():
+        if _FILE_NAME.fullmatch(f.name) and f.is_file() and not f.is_symlink():
+            f.unlink(missing_ok=True)
+    try:
+        path.rmdir()
+    except OSError:
+        return False
+    return True
 
 
 def save(root: Path, step: int, states: dict[int, dict[str, Any]], meta: dict[str, Any], keep: int = 2) -> Path:
@@ -174,21 +196,19 @@ def remove_staging(root: Path) -> list[Path]:
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Published checkpoints, oldest first."""
+    """Published checkpoints (directories ``step_NNNNNNNN``, not links), oldest first."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP_NAME.fullmatch(p.name)) and p.is_dir() and not p.is_symlink()]
+    return [p for _, p in sorted(found)]
 
 
-def verify(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Meta of a checkpoint whose every file matches its size and checksum.
-
-    Args:
-        path: the checkpoint directory.
-        required: meta keys that must hold a table (the caller's own records, e.g. "config").
+def read_meta(path: Path) -> dict[str, Any]:
+    """A checkpoint's meta.json, checked field by field (its files are not read: :func:`verify`).
 
     Raises:
-        CheckpointError: naming the first problem found.
+        CheckpointError: naming the file and the first problem found.
     """
     meta_path = path / "meta.json"
     try:
@@ -199,8 +219,29 @@ def verify(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
         raise CheckpointError(f"{meta_path} is unreadable or corrupt ({e})") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "files" not in meta:
         raise CheckpointError(f"{meta_path} is not an eagerloco checkpoint of format {FORMAT_VERSION}")
-    problem = _meta_problem(meta) or next(
-        (f"it records no {key!r} table" for key in required if not isinstance(meta.get(key), dict)), "")
+    problem = _meta_problem(meta, path.name)
+    if problem:
+        raise CheckpointError(f"{meta_path} is inconsistent: {problem}")
+    return meta
+
+
+def verify(path: Path, required: tuple[str, ...] = (),
+           check: Callable[[dict[str, Any]], str] | None = None) -> dict[str, Any]:
+    """Meta of a checkpoint whose every file matches its size and checksum.
+
+    Args:
+        path: the checkpoint directory.
+        required: meta keys that must hold a table (the caller's own records, e.g. "config").
+        check: the caller's check of its own records: what is wrong with them, or "".
+
+    Raises:
+        CheckpointError: naming the first problem found.
+    """
+    meta = read_meta(path)
+    meta_path = path / "meta.json"
+    problem = next((f"it records no {key!r} table" for key in required if not isinstance(meta.get(key), dict)), "")
+    if not problem and check is not None:
+        problem = check(meta)
     if problem:
         raise CheckpointError(f"{meta_path} is inconsistent: {problem}")
     for entry in meta["files"]:
@@ -216,8 +257,9 @@ def verify(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
     return meta
 
 
-def _meta_problem(meta: dict[str, Any]) -> str:
-    """What is wrong with a meta.json that parses, or "" (a hand-edited or foreign file must not crash a resume)."""
+def _meta_problem(meta: dict[str, Any], dirname: str) -> str:
+    """What is wrong with the meta.json of the directory ``dirname`` that parses, or "" (a hand-edited or
+    foreign file must not crash a resume)."""
     files = meta["files"]
     if not isinstance(files, list) or not files:
         return "'files' must be a non-empty list"
@@ -234,6 +276,10 @@ def _meta_problem(meta: dict[str, Any]) -> str:
     step = meta.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         return f"step {step!r} is not a step number"
+    named = _STEP_NAME.fullmatch(dirname)
+    if named and int(named.group(1)) != step:
+        return (f"step {step} disagrees with its directory {dirname} (edited, or copied from another checkpoint): "
+                "which step its files hold is unknown")
     return ""
 
 
@@ -252,8 +298,10 @@ def load_worker_state(path: Path, worker: int) -> dict[str, Any]:
         raise CheckpointError(f"{f} cannot be read as a checkpoint ({type(e).__name__}: {e})") from e
 
 
-def latest_valid(root: Path, log: Any = None, required: tuple[str, ...] = ()) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that verifies (see :func:`verify`), skipping (and reporting) corrupt ones.
+def latest_valid(root: Path, log: Any = None, required: tuple[str, ...] = (),
+                 check: Callable[[dict[str, Any]], str] | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that verifies (see :func:`verify`, which ``required`` and ``check`` go to),
+    skipping (and reporting) corrupt ones.
 
     Returns:
         Its path and meta, or None when there is no checkpoint at all.
@@ -264,13 +312,14 @@ def latest_valid(root: Path, log: Any = None, required: tuple[str, ...] = ()) ->
     problems = []
     for path in reversed(list_checkpoints(root)):
         try:
-            return path, verify(path, required)
+            return path, verify(path, required, check)
         except CheckpointError as e:
             problems.append(str(e))
             print(f"eagerloco: skipping checkpoint {path.name}: {e}", file=log or sys.stderr)
     if problems:
+        which = "it" if len(problems) == 1 else f"none of its {len(problems)} checkpoints (each reported above)"
         raise CheckpointError(
-            "no usable checkpoint under " + str(root) + ":\n  " + "\n  ".join(problems)
-            + "\nstart a fresh run (drop --resume) or restore a good copy of the checkpoint directory"
+            f"no usable checkpoint under {root}: {which} verifies (the newest: {problems[0]}); start a fresh run "
+            "(drop --resume) or restore a good copy of the checkpoint directory"
         )
     return None

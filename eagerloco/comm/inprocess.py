@@ -10,7 +10,9 @@ compute utilization are reported as they would be on the configured link.
 
 from __future__ import annotations
 
+import math
 import random
+from typing import Any
 
 import torch
 
@@ -131,9 +133,30 @@ class InProcessGroup:
         return {"link_free": self._link_free, "rng": self._rng.getstate()}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            ValueError: ``state`` is not one (:meth:`state_problem` says why).
+        """
+        problem = self.state_problem(state)
+        if problem:
+            raise ValueError(problem)
         self._link_free = float(state["link_free"])  # type: ignore[arg-type]
-        rng = state["rng"]
-        self._rng.setstate((rng[0], tuple(rng[1]), rng[2]))  # type: ignore[index]
+        self._rng.setstate(_rng_state(state["rng"]))
+
+    @staticmethod
+    def state_problem(state: object) -> str:
+        """What keeps ``state`` (read from a file) from being a :meth:`state_dict` of a group, or ""."""
+        if not isinstance(state, dict):
+            return f"group {_short(state)} is not the simulated link's state (a table with link_free and rng)"
+        free = state.get("link_free")
+        if isinstance(free, bool) or not isinstance(free, (int, float)) or not math.isfinite(free) or free < 0:
+            return f"group.link_free {_short(free)} is not a time in seconds"
+        try:
+            random.Random().setstate(_rng_state(state.get("rng")))
+        except (TypeError, ValueError, IndexError, KeyError, OverflowError):
+            return f"group.rng {_short(state.get('rng'))} is not a random generator's state"
+        return ""
 
     def communicator(self, worker: int) -> InProcessCommunicator:
         return self.communicators[worker]
@@ -176,6 +199,16 @@ class InProcessGroup:
             self._link_free = ex.finish_time
         own = unflatten(own_flat, tensors) if keep_own else []
         return InProcessHandle(self, comm, ex, own, nbytes)
+
+
+def _rng_state(rng: Any) -> tuple[Any, ...]:
+    """random.Random's state from its JSON form (tuples become lists)."""
+    return (rng[0], tuple(rng[1]), rng[2])
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class InProcessCommunicator(Communicator):

@@ -126,6 +126,7 @@ def run_plans(plans: list[PlannedRun], force: bool = False) -> list[dict[str, An
     from eagerloco.units import fmt_bytes
 
     results = []
+    _check_run_dirs([p for p in plans if force or cached_summary(p) is None])
     for i, plan in enumerate(plans, 1):
         head = f"[{i}/{len(plans)}] {plan.entry.label}" + (f" @ H={plan.inner_steps}" if plan.in_sweep else "")
         if plan.seed is not None:
@@ -150,6 +151,18 @@ def run_plans(plans: list[PlannedRun], force: bool = False) -> list[dict[str, An
         r["tolerated_s"] = r["tolerated_steps"] * mean_step if mean_step is not None else None
         r["tolerated"] = tolerated_text(plan.cfg.outer, mean_step)
     return results
+
+
+def _check_run_dirs(plans: list[PlannedRun]) -> None:
+    """Before anything trains: each run directory to (re)train holds nothing but an earlier eagerloco run's
+    files, the only ones its run removes (:func:`eagerloco.train.rundir.check_fresh_start`)."""
+    from eagerloco.train.rundir import check_fresh_start
+
+    for plan in plans:
+        try:
+            check_fresh_start(plan.cfg, plan.run_dir)
+        except ConfigError as e:
+            raise ConfigError(f"compare, run {plan.key}: {e}") from None
 
 
 def _setting_brief(setting: dict[str, Any]) -> str:

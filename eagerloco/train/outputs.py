@@ -7,6 +7,7 @@ their workers with :func:`accounting`, so the files mean the same whatever carri
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from eagerloco.config import TrainConfig
 from eagerloco.extras import require
 from eagerloco.flops import mfu
 from eagerloco.jsonfiles import finite_json
+from eagerloco.train.manifest import RunManifest
 from eagerloco.units import fmt_bytes
 
 #: Seconds between progress lines when stdout is not a terminal.
@@ -31,14 +33,21 @@ SUMMARY_KEYS = (
 )
 
 
-def tensorboard_writer(cfg: TrainConfig, out: Path) -> Any:
-    """A TensorBoard writer under <out>/tensorboard when --tensorboard is set, else None."""
+def tensorboard_writer(cfg: TrainConfig, out: Path, manifest: RunManifest | None = None) -> Any:
+    """A TensorBoard writer under <out>/tensorboard when --tensorboard is set, else None; the event file it
+    creates is listed in ``manifest``."""
     if not cfg.tensorboard:
         return None
     require("tensorboard", "--tensorboard")
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(str(out / "tensorboard"))
+    logdir = out / "tensorboard"
+    before = set(os.listdir(logdir)) if logdir.is_dir() else set()
+    writer = SummaryWriter(str(logdir))
+    if manifest is not None:
+        made = sorted(set(os.listdir(logdir)) - before)
+        manifest.record({f"tensorboard/{name}": "file" for name in made})
+    return writer
 
 
 class RunOutput:
@@ -50,14 +59,16 @@ class RunOutput:
     from the records it kept while it did not report, those of the steps the file lacks (the old
     reporter died between a step and its line). Lines that do not parse (a writer that died
     mid-line) are dropped. The file is opened at the first line, so a run that dies before logging
-    leaves an earlier file as it was.
+    leaves an earlier file as it was; each writer lists the files it creates in ``manifest``.
     """
 
     #: Records a process that does not report keeps for a takeover (the newest ones).
     KEEP_PENDING = 10_000
 
-    def __init__(self, cfg: TrainConfig, start_step: int, is_writer: Callable[[], bool]) -> None:
+    def __init__(self, cfg: TrainConfig, start_step: int, is_writer: Callable[[], bool],
+                 manifest: RunManifest | None = None) -> None:
         self.cfg = cfg
+        self.manifest = manifest
         self.path = Path(cfg.out) / "metrics.jsonl"
         self.start_step = start_step
         self.is_writer = is_writer
@@ -74,9 +85,11 @@ class RunOutput:
             del self.pending[:-self.KEEP_PENDING]
             return
         if self.f is None:
+            if self.manifest is not None:
+                self.manifest.record({"metrics.jsonl": "file"})
             self.f = self._open(int(rec["step"]))
             if self.tb is None:
-                self.tb = tensorboard_writer(self.cfg, Path(self.cfg.out))
+                self.tb = tensorboard_writer(self.cfg, Path(self.cfg.out), self.manifest)
         self.f.write(json.dumps(finite_json(rec)) + "\n")
         self.f.flush()
         if self.tb is not None:

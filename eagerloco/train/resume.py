@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from eagerloco import checkpoint as ckpt
+from eagerloco.comm.inprocess import InProcessGroup
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.jsonfiles import finite_json
 
@@ -55,7 +57,7 @@ def resume_checkpoint(cfg: TrainConfig, runtime: str = "inprocess") -> tuple[Pat
     if not cfg.resume:
         return None
     root = ckpt.checkpoint_root(Path(cfg.out))
-    found = ckpt.latest_valid(root, required=("config",))
+    found = ckpt.latest_valid(root, required=("config",), check=lambda meta: meta_problem(meta, cfg))
     if found is None:
         raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh")
     return check_checkpoint(cfg, runtime, found)
@@ -69,7 +71,7 @@ def check_checkpoint(cfg: TrainConfig, runtime: str, found: tuple[Path, dict[str
     """
     path, meta = found
     written = "distributed" if meta.get("runtime") == "distributed" else "inprocess"
-    if written != runtime or (runtime == "inprocess" and not isinstance(meta.get("group"), dict)):
+    if written != runtime:
         how = {"inprocess": "in one process (`eagerloco train --resume` without a launcher)",
                "distributed": "on several processes (`eagerloco launch --workers M -- ... --resume` or torchrun)"}
         raise ConfigError(
@@ -80,12 +82,36 @@ def check_checkpoint(cfg: TrainConfig, runtime: str, found: tuple[Path, dict[str
     return found
 
 
+def meta_problem(meta: dict[str, Any], cfg: TrainConfig) -> str:
+    """What in a checkpoint's meta.json, beyond its files and step (:func:`eagerloco.checkpoint.verify`),
+    a run of ``cfg`` cannot resume from, or "": every field the runtimes read is checked here first.
+    """
+    step = meta["step"]
+    if step > cfg.steps:
+        return f"step {step} is past the run's last step ({cfg.steps})"
+    elapsed = meta.get("real_elapsed", 0.0)
+    if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or not math.isfinite(elapsed) or elapsed < 0:
+        return f"real_elapsed {elapsed!r} is not a number of seconds"
+    if meta.get("runtime") != "distributed":
+        return InProcessGroup.state_problem(meta.get("group"))
+    ranks = meta.get("ranks_per_worker", 1)
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        return f"ranks_per_worker {ranks!r} is not a number of ranks"
+    if not isinstance(meta.get("fsdp", False), bool):
+        return f"fsdp {meta['fsdp']!r} is not true or false"
+    members = meta.get("members", [])
+    if not isinstance(members, list) or not all(isinstance(m, int) and not isinstance(m, bool) for m in members):
+        return f"members {members!r} is not a list of worker ids"
+    return ""
+
+
 def intact_steps(cfg: TrainConfig) -> list[int]:
     """The steps of the checkpoints under ``<out>/checkpoints`` that verify, oldest first."""
     steps = []
     for path in ckpt.list_checkpoints(ckpt.checkpoint_root(Path(cfg.out))):
         try:
-            steps.append(int(ckpt.verify(path, required=("config",))["step"]))
+            meta = ckpt.verify(path, required=("config",), check=lambda m: meta_problem(m, cfg))
+            steps.append(int(meta["step"]))
         except ckpt.CheckpointError:
             continue
     return steps
@@ -99,7 +125,8 @@ def checkpoint_at(cfg: TrainConfig, runtime: str, step: int) -> tuple[Path, dict
         ConfigError: see :func:`check_checkpoint`.
     """
     path = ckpt.checkpoint_dir(ckpt.checkpoint_root(Path(cfg.out)), step)
-    return check_checkpoint(cfg, runtime, (path, ckpt.verify(path, required=("config",))))
+    meta = ckpt.verify(path, required=("config",), check=lambda m: meta_problem(m, cfg))
+    return check_checkpoint(cfg, runtime, (path, meta))
 
 
 def announce_resume(path: Path, step: int, cfg: TrainConfig) -> None:
@@ -156,6 +183,7 @@ __all__ = [
     "checkpoint_meta",
     "has_worker",
     "intact_steps",
+    "meta_problem",
     "own_last_state",
     "resume_checkpoint",
 ]

@@ -4,13 +4,18 @@ A run refuses to start in a directory that holds another run's files unless it c
 (``--resume``) or replaces it (``--overwrite``), and a lock file naming the holder's process and
 host keeps two runs out of one directory. A lock left by a process that no longer exists on this
 host is taken over with a message.
+
+``--overwrite`` removes exactly the files the earlier run listed in its manifest
+(:mod:`eagerloco.train.manifest`; for a run made before manifests, those recognised by their
+formats) and nothing else: a directory that holds anything else at a run's paths is refused,
+naming it, before anything is removed. Every file a run writes there is checked to be a regular
+file (or absent) first, so that a directory or a link in its place is one line, not a traceback.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import sys
 import time
@@ -19,10 +24,23 @@ from typing import Any
 
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.procs import pid_alive
+from eagerloco.train.manifest import (
+    LOCK_NAME,
+    MANIFEST_NAME,
+    Entries,
+    RunManifest,
+    kind_of,
+    legacy_entries,
+    read_manifest,
+    remove,
+    survey,
+)
 
-LOCK_NAME = ".eagerloco.lock"
-#: What a run leaves in its directory; any of them marks the directory as another run's.
-RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "tensorboard")
+#: The files a run writes at the top of its directory, by what they hold (each must be a regular file or absent).
+RUN_FILE_ROLES = {"metrics.jsonl": "metrics", "summary.json": "summary",
+                  "summary.json.tmp": "summary while it is written", LOCK_NAME: "run lock",
+                  MANIFEST_NAME: "list of the run's files",
+                  MANIFEST_NAME + ".tmp": "list of the run's files while it is written"}
 
 
 def check_out_dir(out: str) -> Path:
@@ -49,67 +67,145 @@ def check_out_dir(out: str) -> Path:
     return path
 
 
-def earlier_run(path: Path) -> list[str]:
-    """The files of a run already in ``path`` (empty when there is none)."""
-    found = []
-    for name in RUN_FILES:
+def check_kinds(cfg: TrainConfig, path: Path) -> None:
+    """Each file a run writes in ``path`` is a regular file or absent, never a directory or a link (a run never
+    writes through a link, nor removes one); ``checkpoints`` (and, with ``--tensorboard``, ``tensorboard``)
+    is a directory or absent.
+
+    Raises:
+        ConfigError: naming the path, what it is, and the fix.
+    """
+    for name, role in RUN_FILE_ROLES.items():
+        kind = kind_of(path / name)
+        if kind not in (None, "file"):
+            what = {"link": "a symbolic link", "dir": "a directory"}.get(kind, "not a regular file")
+            raise ConfigError(f"{path / name} is {what}; eagerloco keeps the run's {role} in that file and never "
+                              "writes through or removes anything else: move it away or pass another --out")
+    for name, needed in (("checkpoints", True), ("tensorboard", cfg.tensorboard)):
         target = path / name
-        if not target.exists():
-            continue
-        if name == "checkpoints":
-            steps = sorted(p.name for p in target.glob("step_*"))
-            if not steps and not any(target.iterdir()):
-                continue
-            found.append(f"checkpoints ({steps[0]} .. {steps[-1]})" if steps else "checkpoints")
-        else:
-            found.append(name)
+        if needed and kind_of(target) is not None and not target.is_dir():
+            what = "a link to nothing" if kind_of(target) == "link" else "a file"
+            raise ConfigError(f"{target} is {what}, not a directory; eagerloco keeps the run's {name} in that "
+                              "directory: move it away or pass another --out")
+
+
+def run_files(path: Path) -> tuple[Entries, list[str], bool]:
+    """What in ``path`` an earlier eagerloco run wrote, and what at a run's paths it did not.
+
+    Returns:
+        (the earlier run's entries present, by its manifest or, for a run made before manifests,
+        recognised by format; the other paths at a run's names; whether the run was recognised by format).
+    """
+    listed = read_manifest(path)
+    legacy = listed is None
+    ours, foreign = survey(path, legacy_entries(path) if listed is None else listed)
+    return ours, foreign, legacy
+
+
+def earlier_run(path: Path) -> list[str]:
+    """The files of an earlier eagerloco run in ``path``, summarized (empty when there is none)."""
+    return _summarize(run_files(path)[0])
+
+
+def _summarize(ours: Entries) -> list[str]:
+    found = [name for name in ("metrics.jsonl", "summary.json", "summary.json.tmp") if name in ours]
+    files = [r for r, k in ours.items() if k == "file"]
+    steps = sorted({r.split("/")[1] for r in files if r.startswith("checkpoints/step_")}, key=lambda s: int(s[5:]))
+    if steps:
+        found.append(f"checkpoints ({steps[0]} .. {steps[-1]})")
+    elif any(r.startswith("checkpoints/") for r in files):
+        found.append("checkpoints")
+    if any(r.startswith("tensorboard/") for r in files):
+        found.append("tensorboard")
     return found
 
 
+def _named(paths: list[str], most: int = 6) -> str:
+    shown = ", ".join(paths[:most])
+    return shown + (f" and {len(paths) - most} more" if len(paths) > most else "")
+
+
 def check_fresh_start(cfg: TrainConfig, path: Path) -> None:
-    """Refuse to start a new run over another run's files; with ``--overwrite``, remove them.
+    """Refuse to start a run over files it would mix with or write over; with ``--overwrite``, over files
+    other than an earlier eagerloco run's (which :func:`claim` then removes). Reads only.
 
     Raises:
-        ConfigError: the directory holds another run and neither --resume nor --overwrite was given.
+        ConfigError: naming what was found and the fix.
     """
+    check_kinds(cfg, path)
     if cfg.resume:
         return
-    found = earlier_run(path)
-    if not found:
+    ours, foreign, legacy = run_files(path)
+    how = (f"no {MANIFEST_NAME} lists them, nor are they in an eagerloco run's formats" if legacy
+           else f"{path / MANIFEST_NAME} does not list them")
+    if cfg.overwrite:
+        if foreign:
+            raise ConfigError(
+                f"--out {path} holds {_named(foreign)}, which eagerloco did not write ({how}); a run that replaces "
+                "an earlier one (--overwrite) deletes only the files eagerloco wrote, so nothing was removed: move "
+                "them away or pass another --out"
+            )
         return
-    if not cfg.overwrite:
+    earlier = _summarize(ours)
+    if earlier and foreign:
         raise ConfigError(
-            f"--out {path} holds an earlier run ({', '.join(found)}); pass --resume to continue it, "
+            f"--out {path} holds an earlier run ({', '.join(earlier)}) and {_named(foreign)}, which eagerloco did not "
+            f"write ({how}); pass --resume to continue the run, or another --out (--overwrite would remove nothing "
+            "while they are there)"
+        )
+    if earlier:
+        raise ConfigError(
+            f"--out {path} holds an earlier run ({', '.join(earlier)}); pass --resume to continue it, "
             "--overwrite to replace it, or another --out"
         )
+    if foreign:
+        raise ConfigError(f"--out {path} holds {_named(foreign)}, which eagerloco did not write ({how}); a run never "
+                          "writes over nor deletes them: move them away or pass another --out")
 
 
-def clear_earlier_run(path: Path) -> None:
-    """Remove an earlier run's files (``--overwrite``), leaving anything else in the directory alone."""
-    for name in RUN_FILES:
-        target = path / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
+def start_manifest(cfg: TrainConfig, path: Path) -> None:
+    """Write the run's manifest: with ``--overwrite`` once the earlier run's files are removed, with
+    ``--resume`` keeping the earlier run's entries (a run made before manifests: those recognised by
+    format), and listing the lock and the directories this run will create."""
+    listed = read_manifest(path)
+    adopted = listed is None
+    ours, _ = survey(path, legacy_entries(path) if listed is None else listed)
+    if cfg.resume:
+        entries = ours
+        if adopted and ours:
+            print(f"eagerloco: listed the {sum(k == 'file' for k in ours.values())} files of the earlier run in "
+                  f"{path / MANIFEST_NAME} (made before runs listed their files)", file=sys.stderr, flush=True)
+    elif cfg.overwrite:
+        removed, kept = remove(path, ours)
+        if removed:
+            print(f"eagerloco: --overwrite removed the earlier run's {sum(ours[r] == 'file' for r in removed)} "
+                  f"files from {path}", file=sys.stderr, flush=True)
+        entries = {r: "dir" for r in kept}
+    else:
+        entries = {r: k for r, k in ours.items() if k == "dir"}  # an earlier run's directories, emptied by hand
+    entries[LOCK_NAME] = "file"
+    for name, used in (("checkpoints", cfg.checkpoint_every > 0), ("tensorboard", cfg.tensorboard)):
+        if used and kind_of(path / name) is None:
+            entries[name] = "dir"
+    RunManifest(path).write(entries)
 
 
 def remove_leftovers(path: Path) -> None:
     """Remove what a run that stopped mid-write left in ``path`` (unfinished checkpoints, a summary.json.tmp),
-    with a line saying so. Call while no process of the run writes."""
-    from eagerloco.checkpoint import checkpoint_root, remove_staging
-
-    gone = [str(p.name) for p in remove_staging(checkpoint_root(path))]
-    tmp = path / "summary.json.tmp"
-    if tmp.exists():
-        tmp.unlink()
-        gone.append(tmp.name)
+    as far as the manifest lists it, with a line saying so. Call while no process of the run writes."""
+    manifest = RunManifest(path)
+    listed = manifest.entries()
+    ours, _ = survey(path, listed)
+    staged = [r for r, k in ours.items() if k == "dir" and r.rsplit("/", 1)[-1].startswith(".partial-")]
+    files = [r for r in ours if r == "summary.json.tmp" or any(r.startswith(s + "/") for s in staged)]
+    removed, _ = remove(path, {r: ours[r] for r in [*staged, *files]})
+    if kind_of(path / (MANIFEST_NAME + ".tmp")) == "file":
+        (path / (MANIFEST_NAME + ".tmp")).unlink()
+    gone = [r.rsplit("/", 1)[-1] for r in removed if r in staged or r == "summary.json.tmp"]
     if gone:
         print(f"eagerloco: removed what an earlier run left unfinished in {path}: {', '.join(gone)}",
               file=sys.stderr, flush=True)
-
-
-    return True
+        manifest.record(drop=removed)
 
 
 class RunLock:
@@ -136,15 +232,16 @@ class RunLock:
             except FileExistsError:
                 holder = self._holder()
                 if holder is None:
-                    continue  # written between our try and our read, or torn: look again
-                if holder.get("host") != me["host"] or pid_alive(int(holder.get("pid", -1))):
+                    continue  # written between our try and our read, or gone: look again
+                pid = holder["pid"]
+                if holder["host"] != me["host"] or (pid is not None and pid_alive(pid)):
                     raise ConfigError(
-                        f"--out {self.path.parent} is in use by another run (process {holder.get('pid')} on "
-                        f"{holder.get('host')}); wait for it to finish or pass another --out "
+                        f"--out {self.path.parent} is in use by another run (process {pid} on "
+                        f"{holder['host']}); wait for it to finish or pass another --out "
                         f"(if that run is gone, delete {self.path})"
                     ) from None
-                print(f"eagerloco: taking over {self.path} from process {holder.get('pid')}, which no longer "
-                      "runs", file=sys.stderr, flush=True)
+                which = f"process {pid}, which no longer runs" if pid is not None else "a run that stopped writing it"
+                print(f"eagerloco: taking over {self.path} from {which}", file=sys.stderr, flush=True)
                 self.path.unlink(missing_ok=True)
                 continue
             try:
@@ -159,12 +256,29 @@ class RunLock:
                           "another run keeps taking it: pass another --out")
 
     def _holder(self) -> dict[str, Any] | None:
+        """The holder, ``{"pid": int, "host": str}``; pid None for a torn lock older than 5 s (stale);
+        None while it is being written or once it is gone.
+
+        Raises:
+            ConfigError: the lock cannot be read, or holds JSON that eagerloco never writes (naming the field).
+        """
         try:
-            holder = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+            text = self.path.read_text()
+            holder = json.loads(text)
+        except FileNotFoundError:
+            return None
+        except ValueError:  # torn (a writer that died mid-write) or being written
             age = time.time() - self.path.stat().st_mtime if self.path.exists() else 0.0
-            return {"pid": -1, "host": socket.gethostname()} if age > 5.0 else None
-        return holder if isinstance(holder, dict) else None
+            return {"pid": None, "host": socket.gethostname()} if age > 5.0 else None
+        except OSError as e:
+            raise ConfigError(f"cannot read the run lock {self.path} ({e.strerror or e}); make it readable, or "
+                              f"delete it if no run uses {self.path.parent}") from None
+        problem = _lock_problem(holder)
+        if problem:
+            shown = text.strip() if len(text.strip()) <= 60 else text.strip()[:57] + "..."
+            raise ConfigError(f"the run lock {self.path} holds {shown}: {problem}, so eagerloco did not write it; "
+                              f"if no run uses {self.path.parent}, delete {self.path}")
+        return holder
 
     def release(self) -> None:
         """Remove the lock if this process holds it."""
@@ -179,8 +293,24 @@ class RunLock:
         self.release()
 
 
+#: The largest process id a lock may name (a C int, as the system's calls take it).
+MAX_PID = 2**31 - 1
+
+
+def _lock_problem(holder: Any) -> str:
+    if not isinstance(holder, dict):
+        return "it is not a table"
+    pid, host = holder.get("pid"), holder.get("host")
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 1 <= pid <= MAX_PID:
+        return f"pid {pid!r} is not a process id"
+    if not isinstance(host, str) or not host:
+        return f"host {host!r} is not a host name"
+    return ""
+
+
 def claim(cfg: TrainConfig) -> RunLock:
-    """Check ``--out``, lock it and check it holds no other run (clearing it with ``--overwrite``).
+    """Check ``--out``, lock it, check it holds no other run (removing an earlier run's files with
+    ``--overwrite``) and start the run's manifest.
 
     Returns:
         The held lock; release it (or use it as a context manager) when the run ends.
@@ -189,11 +319,11 @@ def claim(cfg: TrainConfig) -> RunLock:
         ConfigError: see :func:`check_out_dir`, :meth:`RunLock.acquire` and :func:`check_fresh_start`.
     """
     path = check_out_dir(cfg.out)
+    check_kinds(cfg, path)  # the lock's path too, before it is taken
     lock = RunLock(path).acquire()
     try:
         check_fresh_start(cfg, path)
-        if cfg.overwrite and not cfg.resume:
-            clear_earlier_run(path)
+        start_manifest(cfg, path)
         remove_leftovers(path)
     except BaseException:
         lock.release()
@@ -213,10 +343,12 @@ def guard_run_dir(cfg: TrainConfig, reporting: bool) -> RunLock | None:
     """
     if reporting:
         return claim(cfg)
-    if not cfg.overwrite:
+    if cfg.overwrite:  # what the reporting process removes is in flux: check only what it cannot change
+        check_kinds(cfg, Path(cfg.out))
+    else:
         check_fresh_start(cfg, Path(cfg.out))
     return None
 
 
-__all__ = ["LOCK_NAME", "guard_run_dir", "RunLock", "check_fresh_start", "check_out_dir", "claim", "clear_earlier_run",
-           "earlier_run", "remove_leftovers"]
+__all__ = ["LOCK_NAME", "MAX_PID", "RUN_FILE_ROLES", "RunLock", "check_fresh_start", "check_kinds", "check_out_dir",
+           "claim", "earlier_run", "guard_run_dir", "remove_leftovers", "run_files", "start_manifest"]

@@ -26,6 +26,7 @@ from torch import nn
 from eagerloco import checkpoint as ckpt
 from eagerloco.comm.link import check_exchange_fits, emulated_link
 from eagerloco.config import Environment, LinkConfig, TrainConfig
+from eagerloco.train.manifest import RunManifest
 from eagerloco.train.resume import announce_resume, resume_checkpoint
 from eagerloco.train.rundir import claim
 from eagerloco.train.worker import Worker
@@ -57,6 +58,7 @@ class Runtime:
         checkpoint_kind: which runtime's checkpoints this one resumes ("inprocess" or "distributed").
         doing: what the process is doing, for error messages ("training", "the checkpoint of step 20").
         devices: the accelerators all workers of the run use together (MFU is measured against them).
+        manifest: the run directory's list of the files the run wrote; only the reporting process writes it.
     """
 
     checkpoint_kind = "inprocess"
@@ -66,6 +68,7 @@ class Runtime:
         self.doing = "training"
         self.devices = 1
         self.lock: Any = None
+        self.manifest = RunManifest(cfg.out)
 
     # -- the run's lifetime -------------------------------------------------------------------------
     def __enter__(self) -> Runtime:
@@ -112,6 +115,15 @@ class Runtime:
             if found is not None:
                 announce_resume(found[0], start_step, self.cfg)
             Path(self.cfg.out).mkdir(parents=True, exist_ok=True)
+            first = self.next_checkpoint(start_step)
+            if first is not None:  # listed before any process (the others wait for this one) writes into it
+                self.manifest.record(self.manifest.staging(first))
+
+    def next_checkpoint(self, step: int) -> int | None:
+        """The step of the first checkpoint after ``step`` (None: there is none)."""
+        every = self.cfg.checkpoint_every
+        nxt = (step // every + 1) * every if every else None
+        return nxt if nxt is not None and nxt <= self.cfg.steps else None
 
     # -- who does what ------------------------------------------------------------------------------
     def reports(self) -> bool:

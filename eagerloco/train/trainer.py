@@ -82,6 +82,7 @@ class Trainer:
             summary.update(link_shaping=rt.link_shaping(), num_params=num_params(base), config=asdict(cfg))
             summary = rt.summarize(summary, self.files)
             if summary is not None:
+                rt.manifest.record({"summary.json": "file", "summary.json.tmp": "file"})
                 write_json_atomic(self.out / "summary.json", summary)
             return summary
 
@@ -90,7 +91,7 @@ class Trainer:
         cfg, rt, workers = self.cfg, self.runtime, self.workers
         syncs = [w.sync for w in workers]
         self.perf = model_flops(workers[0], cfg)
-        output = RunOutput(cfg, self.start_step, rt.reports)
+        output = RunOutput(cfg, self.start_step, rt.reports, rt.manifest)
         try:
             progress = (_Progress(cfg, workers, self.perf, self.start_step, rt.devices)
                         if cfg.progress and rt.reports() else None)
@@ -222,9 +223,12 @@ class Trainer:
         entries, problem = rt.gather_checkpoint(step, mine, problem)
         if entries is not None and problem is None:
             meta = checkpoint_meta(cfg, self.real_elapsed + time.perf_counter() - self.t_run, **rt.checkpoint_meta())
+            files = [entries[i] for i in sorted(entries)]
             try:
-                ckpt.publish(root, step, [entries[i] for i in sorted(entries)], meta, keep=cfg.keep_checkpoints)
-            except ckpt.CheckpointError as e:
+                final = ckpt.publish(root, step, files, meta, keep=cfg.keep_checkpoints)
+                # Before the verdict: the next checkpoint's staging directory is listed before any process writes it.
+                rt.manifest.record_checkpoint(final, [e["file"] for e in files], rt.next_checkpoint(step))
+            except (ckpt.CheckpointError, OSError, ValueError) as e:
                 problem = str(e)
         elif entries is not None:
             shutil.rmtree(stage, ignore_errors=True)

@@ -1,0 +1,308 @@
+"""``<out>/.eagerloco-run.json``: the files a run created in its directory, so that ``--overwrite``
+removes exactly those.
+
+The reporting process lists each path before (or as) it creates it: the run lock, metrics.jsonl,
+summary.json, TensorBoard's event files, and every checkpoint directory with its files (a staging
+directory is listed before any process writes into it). The list is rewritten atomically at each
+change and reread first, so a new reporter (an elastic leader) extends it. A directory a run
+created is removed only once empty: a file someone else put in it keeps it.
+
+:func:`survey` tells, at the paths a run writes (:data:`RUN_NAMES`), what is the run's and what is
+not (``checkpoints/resnet``: not); :func:`remove` removes the run's, and never through a symbolic
+link: an entry is removed only while it is still the kind of thing the run made (a regular file,
+a real directory).
+
+Runs made before the list existed are recognised by their formats (:func:`legacy_entries`): a
+checkpoint directory ``step_NNNNNNNN`` whose meta.json is an eagerloco checkpoint's, with the files
+it lists; a summary.json with the run's settings; a metrics.jsonl whose first line is an eagerloco
+metrics line; staging directories holding only a checkpoint's files; TensorBoard event files when
+such a run had ``tensorboard`` on. Anything else is not the run's.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from eagerloco import checkpoint as ckpt
+from eagerloco.config import ConfigError
+from eagerloco.jsonfiles import write_json_atomic
+
+MANIFEST_NAME = ".eagerloco-run.json"
+LOCK_NAME = ".eagerloco.lock"
+FORMAT = 1
+#: What a run writes at the top of its directory, besides the lock and the manifest.
+RUN_NAMES = ("metrics.jsonl", "summary.json", "summary.json.tmp", "checkpoints", "tensorboard")
+#: Those of them that are directories.
+RUN_DIRS = ("checkpoints", "tensorboard")
+#: eagerloco's own bookkeeping files: never a reason to refuse a directory, never removed by --overwrite.
+OWN_NAMES = (LOCK_NAME, MANIFEST_NAME, MANIFEST_NAME + ".tmp")
+
+STEP_DIR = re.compile(r"step_\d{8,}")
+STAGING_DIR = re.compile(r"\.partial-step_\d{8,}")
+CHECKPOINT_FILE = re.compile(r"worker_\d+\.pt|meta\.json")
+METRICS_KEYS = ("step", "tokens", "loss", "bytes_sent")
+
+#: Paths relative to the run directory ("checkpoints/step_00000002/meta.json") -> "file" or "dir".
+Entries = dict[str, str]
+
+
+def kind_of(path: Path) -> str | None:
+    """"link" (a symbolic link, whatever it points to), "dir", "file", "other", or None (nothing there)."""
+    if path.is_symlink():
+        return "link"
+    if path.is_dir():
+        return "dir"
+    if path.is_file():
+        return "file"
+    return "other" if os.path.lexists(path) else None
+
+
+def read_manifest(out: Path) -> Entries | None:
+    """The entries of ``out``'s manifest; None when it has none.
+
+    Raises:
+        ConfigError: the manifest is not a regular file, unreadable, or not one eagerloco wrote.
+    """
+    path = out / MANIFEST_NAME
+    kind = kind_of(path)
+    if kind is None:
+        return None
+    fix = f"restore it, or move the run's files out of {out} and delete it"
+    if kind != "file":
+        raise ConfigError(f"{path} is a {'symbolic link' if kind == 'link' else kind}, not the list of the files of "
+                          f"the eagerloco run in {out}: {fix}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is unreadable ({e}); it lists the files of the eagerloco run in {out}: "
+                          f"{fix}") from None
+    problem = _manifest_problem(raw)
+    if problem:
+        raise ConfigError(f"{path}: {problem}; {fix}")
+    return dict(raw["entries"])
+
+
+def _manifest_problem(raw: Any) -> str:
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        return f"not an eagerloco run manifest of format {FORMAT}"
+    entries = raw.get("entries")
+    if not isinstance(entries, dict):
+        return "'entries' must be a table of paths"
+    for rel, kind in entries.items():
+        if kind not in ("file", "dir"):
+            return f"entry {rel!r} has kind {kind!r}, not 'file' or 'dir'"
+        parts = rel.split("/")
+        if rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts) or rel == MANIFEST_NAME:
+            return f"entry {rel!r} is not a path inside the run directory"
+    return ""
+
+
+class RunManifest:
+    """The manifest of the run directory ``out``; only the process that reports writes it.
+
+    Args:
+        out: the run directory (``--out``).
+    """
+
+    def __init__(self, out: Path | str) -> None:
+        self.out = Path(out)
+        self.path = self.out / MANIFEST_NAME
+
+    def entries(self) -> Entries:
+        """The listed entries (none without a manifest)."""
+        return read_manifest(self.out) or {}
+
+    def write(self, entries: Entries) -> None:
+        """Replace the manifest (atomically)."""
+        write_json_atomic(self.path, {"format": FORMAT, "written_by": "eagerloco",
+                                      "entries": dict(sorted(entries.items()))})
+
+    def record(self, add: Entries | None = None, drop: Iterable[str] = ()) -> None:
+        """Add entries and drop others, rereading the file first (the reporting process can change)."""
+        entries = self.entries()
+        for rel in drop:
+            entries.pop(rel, None)
+        entries.update(add or {})
+        self.write(entries)
+
+    def rel(self, path: Path) -> str:
+        """``path`` relative to the run directory, as listed."""
+        return path.relative_to(self.out).as_posix()
+
+    def staging(self, step: int) -> Entries:
+        """The entry of the staging directory of step's checkpoint (list it before any process writes it)."""
+        return {self.rel(ckpt.staging_dir(ckpt.checkpoint_root(self.out), step)): "dir"}
+
+    def record_checkpoint(self, final: Path, files: Iterable[str], next_step: int | None = None) -> None:
+        """A published checkpoint: its directory, meta.json and files; its staging directory and the
+        checkpoints pruned since are dropped, and the next checkpoint's staging directory listed."""
+        root, name = self.rel(final.parent), final.name
+        entries = self.entries()
+        pruned = [r for r in entries if r.startswith(root + "/step_") and kind_of(self.out / r) is None]
+        add = {f"{root}/{name}": "dir", f"{root}/{name}/meta.json": "file",
+               **{f"{root}/{name}/{f}": "file" for f in files}}
+        if next_step is not None:
+            add.update(self.staging(next_step))
+        self.record(add, drop=[*pruned, f"{root}/.partial-{name}"])
+
+
+def survey(out: Path, listed: Entries) -> tuple[Entries, list[str]]:
+    """What at the paths a run writes is the run's, and what is not.
+
+    Args:
+        out: the run directory.
+        listed: its manifest's entries (or :func:`legacy_entries`).
+
+    Returns:
+        (the listed entries present as the kind they were listed as, with the checkpoint files in
+        listed staging directories; the paths under :data:`RUN_NAMES` that are not the run's, each
+        named at its topmost point: ``checkpoints/resnet``, not every file under it).
+
+    Raises:
+        ConfigError: a directory cannot be read.
+    """
+    try:
+        ours = {rel: kind for rel, kind in listed.items() if rel not in OWN_NAMES and kind_of(out / rel) == kind}
+        for rel in [r for r, k in ours.items() if k == "dir" and STAGING_DIR.fullmatch(r.rsplit("/", 1)[-1])]:
+            for child in (out / rel).iterdir():
+                if CHECKPOINT_FILE.fullmatch(child.name) and kind_of(child) == "file":
+                    ours[f"{rel}/{child.name}"] = "file"
+        foreign: list[str] = []
+        for name in RUN_NAMES:
+            _foreign(out, name, ours, foreign, top=True)
+    except OSError as e:
+        raise ConfigError(f"cannot read {e.filename or out} ({e.strerror or e}); make it readable or pass another "
+                          "--out") from None
+    return ours, foreign
+
+
+def _foreign(out: Path, rel: str, ours: Entries, found: list[str], top: bool = False) -> None:
+    path = out / rel
+    kind = kind_of(path)
+    if kind is None:
+        return
+    # A run's directories are looked into, a symbolic link to one at the top too (a `checkpoints` on another disk).
+    top_dir = top and rel in RUN_DIRS
+    if (kind == "dir" and (top_dir or rel in ours)) or (top_dir and kind == "link" and path.is_dir()):
+        for child in sorted(path.iterdir()):
+            _foreign(out, f"{rel}/{child.name}", ours, found)
+    elif rel not in ours:
+        found.append(rel)
+
+
+def remove(out: Path, entries: Entries) -> tuple[list[str], list[str]]:
+    """Remove the run's entries: files first and deepest first, a directory only once empty, nothing
+    that is no longer the kind of thing listed (a file replaced by a link stays, and its target).
+
+    Returns:
+        (what was removed, the directories kept because something else is in them).
+
+    Raises:
+        ConfigError: a file cannot be removed (permissions); the message names it.
+    """
+    removed: list[str] = []
+    kept: list[str] = []
+    for rel in sorted(entries, key=lambda r: (-r.count("/"), entries[r] == "dir", r)):
+        path, kind = out / rel, entries[rel]
+        if rel in OWN_NAMES or kind_of(path) != kind:
+            continue
+        try:
+            if kind == "file":
+                path.unlink()
+            else:
+                path.rmdir()
+        except OSError as e:
+            if kind == "dir" and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                kept.append(rel)
+                continue
+            raise ConfigError(f"--overwrite: cannot remove {path} ({e.strerror or e}); make it writable or pass "
+                              "another --out") from None
+        removed.append(rel)
+    return removed, kept
+
+
+def legacy_entries(out: Path) -> Entries:
+    """The files of a run made before runs listed theirs, recognised by their formats (see the module's
+    docstring); empty when there is no such run."""
+    found: Entries = {}
+    configs: list[dict[str, Any]] = []
+    summary = _json_file(out / "summary.json")
+    if isinstance(summary, dict) and isinstance(summary.get("config"), dict) and "final_eval_loss" in summary:
+        found["summary.json"] = "file"
+        configs.append(summary["config"])
+    root = out / "checkpoints"
+    if root.is_dir():
+        for d in sorted(root.iterdir()):
+            rel = f"checkpoints/{d.name}"
+            if kind_of(d) != "dir":
+                continue
+            if STEP_DIR.fullmatch(d.name):
+                try:
+                    meta = ckpt.read_meta(d)
+                except ckpt.CheckpointError:
+                    continue
+                found[rel] = "dir"
+                found.update({f"{rel}/{n}": "file" for n in ["meta.json", *(e["file"] for e in meta["files"])]
+                              if kind_of(d / n) == "file"})
+                if isinstance(meta.get("config"), dict):
+                    configs.append(meta["config"])
+            elif STAGING_DIR.fullmatch(d.name):
+                children = list(d.iterdir())
+                if all(CHECKPOINT_FILE.fullmatch(c.name) and kind_of(c) == "file" for c in children):
+                    found[rel] = "dir"
+                    found.update({f"{rel}/{c.name}": "file" for c in children})
+    metrics = _metrics_file(out / "metrics.jsonl")
+    if metrics == "lines":
+        found["metrics.jsonl"] = "file"
+    if not found:
+        return {}
+    if metrics == "empty":  # a run that stopped before its first line
+        found["metrics.jsonl"] = "file"
+    if kind_of(root) == "dir":
+        found["checkpoints"] = "dir"
+    if kind_of(out / "summary.json.tmp") == "file":
+        found["summary.json.tmp"] = "file"
+    tb = out / "tensorboard"
+    if any(c.get("tensorboard") is True for c in configs) and tb.is_dir():
+        found.update({f"tensorboard/{e.name}": "file" for e in tb.iterdir()
+                      if e.name.startswith("events.out.tfevents.") and kind_of(e) == "file"})
+        if kind_of(tb) == "dir":
+            found["tensorboard"] = "dir"
+    return found
+
+
+def _json_file(path: Path) -> Any:
+    if kind_of(path) != "file":
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _metrics_file(path: Path) -> str | None:
+    """"lines" when the file's first line is an eagerloco metrics line, "empty" for an empty file, else None."""
+    if kind_of(path) != "file":
+        return None
+    try:
+        with path.open(errors="replace") as f:
+            first = f.readline(1 << 16)
+    except OSError:
+        return None
+    if not first:
+        return "empty"
+    try:
+        rec = json.loads(first)
+    except ValueError:
+        return None
+    return "lines" if isinstance(rec, dict) and all(k in rec for k in METRICS_KEYS) else None
+
+
+__all__ = ["Entries", "LOCK_NAME", "MANIFEST_NAME", "OWN_NAMES", "RUN_NAMES", "RunManifest", "kind_of",
+           "legacy_entries", "read_manifest", "remove", "survey"]
