@@ -54,7 +54,7 @@ def test_exit_on_errors_ends_with_one_line_and_a_status_of_its_own(error: Except
     (["--steps", str(10**23)], "--steps 100,000,000,000,000,000,000,000 is more inner steps than any run"),
     (["--workers", str(10**8)], "--workers 100,000,000 is more workers than any run of this tool can take"),
     (["--lr", "1e308"], "--lr 1e+308 is past 10, where every AdamW step overflows"),
-    (["--tokenizer", "bpe:4294967296"], "the vocabulary must be an integer in 256..1,048,576"),
+    (["--tokenizer", "bpe:4294967296"], "the vocabulary must be at most 1,048,576"),
     (["--seq-len", str(10**9)], "needs about"),
 ])
 def test_sizes_no_run_could_take_are_refused_before_anything_runs(tmp_path: Path, argv: list[str], needle: str,

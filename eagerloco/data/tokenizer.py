@@ -108,9 +108,11 @@ def parse_tokenizer_name(name: str) -> tuple[str, int | None]:
         return "bpe", DEFAULT_BPE_VOCAB
     if name.startswith("bpe:"):
         raw = name[4:]
-        if not raw.isdigit() or not MIN_BPE_VOCAB <= int(raw) <= MAX_BPE_VOCAB:
-            raise ValueError(f"tokenizer {name!r}: the vocabulary must be an integer in {MIN_BPE_VOCAB}.."
-                             f"{MAX_BPE_VOCAB:,}, e.g. bpe:8192")
+        if not raw.isdigit() or int(raw) < MIN_BPE_VOCAB:
+            raise ValueError(f"tokenizer {name!r}: the vocabulary must be an integer >= {MIN_BPE_VOCAB}, e.g. bpe:8192")
+        if int(raw) > MAX_BPE_VOCAB:
+            raise ValueError(f"tokenizer {name!r}: the vocabulary must be at most {MAX_BPE_VOCAB:,} (the BPE trainer "
+                             "would only allocate past it), e.g. bpe:8192")
         return "bpe", int(raw)
     raise ValueError(f"unknown tokenizer {name!r}; available: {', '.join(TOKENIZER_NAMES)}")
 
