@@ -1,140 +1,36 @@
-"""Bring your own loop: the outer algorithm as step hooks on the user's inner optimizer.
-
-    with eagerloco.outer_loop(model, inner_optimizer, method="eager", inner_steps=50) as outer:
-        for x, y in batches:                 # the loop stays as it was
-            loss_fn(model(x), y).backward()
-            inner_optimizer.step()           # + the outer algorithm, in the optimizer's hooks
-            inner_optimizer.zero_grad()
-
-A pre-step hook runs :meth:`OuterSync.before_inner_step` (the gradient mean of ``dp``; nothing for
-the other methods) and a post-step hook :meth:`OuterSync.after_inner_step`, so the parameters are
-bit for bit those of the explicit per-step calls. Where the workers are:
-
-- ``outer_addr`` / ``worker_id`` / ``workers`` (or EAGERLOCO_OUTER_ADDR / EAGERLOCO_WORKER_ID /
-  EAGERLOCO_WORKERS): every worker is its own job (its own torchrun WORLD, its own DDP or FSDP);
-  the job's rank 0 joins an outer gloo group across the jobs through a TCPStore worker 0 hosts
-  (:func:`eagerloco.comm.groups.join_outer_group`);
-- else under torchrun (RANK and WORLD_SIZE, WORLD_SIZE > 1): one WORLD of M workers x R ranks,
-  as ``eagerloco launch`` runs them;
-- else one worker alone (M = 1): handy for debugging a script before launching it twice.
-"""
+"""The outer algorithm as step hooks on the user's inner optimizer (:class:`OuterLoop`, :func:`outer_loop`)."""
 
 from __future__ import annotations
 
-import functools
-import itertools
-import re
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, fields, replace
+from collections.abc import Sequence
+from dataclasses import asdict
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from eagerloco import events
-from eagerloco.comm.agreement import PREFIX as AGREE_PREFIX
-from eagerloco.comm.agreement import check_agreement, parameter_digest, publish_and_gather, shapes_digest
+from eagerloco.comm.agreement import shapes_digest
 from eagerloco.comm.base import Communicator
-from eagerloco.comm.distributed import TorchDistCommunicator
-from eagerloco.comm.errors import MISMATCH_EXIT_CODE, PEER_EXIT_CODE, PeerError, ScheduleMismatchError
-from eagerloco.comm.groups import (
-    DEFAULT_TIMEOUT_S,
-    OuterRendezvous,
-    init_process_groups,
-    join_outer_group,
-    leave_outer_group,
+from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext
+from eagerloco.config import ConfigError, LinkConfig, OuterConfig
+from eagerloco.hooks.settings import (
+    SETTINGS,
+    EagerWeighting,
+    FragmentPattern,
+    Method,
+    OuterOptimizerName,
+    api_errors,
+    innermost_optimizer,
+    outer_config,
 )
-from eagerloco.comm.init_sync import broadcast_parameters
-from eagerloco.comm.worker import WorkerCommunicator, communicator_for
-from eagerloco.config import ConfigError, Environment, LinkConfig, OuterConfig
-from eagerloco.extras import MissingExtraError
+from eagerloco.hooks.workers import Workers
 from eagerloco.outer import OuterOptimizerFactory, OuterSync
 
-#: torchft's ``DiLoCo`` argument names and the OuterConfig field each means.
-TORCHFT_NAMES = {"sync_every": "inner_steps", "fragment_sync_delay": "overlap_steps",
-                 "fragment_update_alpha": "alpha"}
 #: What ``state_dict()`` writes; a load of another layout is refused.
 STATE_VERSION = 1
-#: The n-th outer loop of this process meets the others under its own keys (every worker makes the same ones).
-_MEETINGS = itertools.count()
-
-
-def outer_config(config: OuterConfig | None = None, **settings: Any) -> OuterConfig:
-    """An OuterConfig from one (copied) and/or settings by field name, torchft's names accepted.
-
-    Without a method, P > 1 fragments mean ``streaming`` and one fragment ``diloco``.
-
-    Raises:
-        ConfigError: an unknown setting, a setting given under both names, or an invalid value.
-    """
-    names = {f.name for f in fields(OuterConfig)}
-    given: dict[str, Any] = {}
-    for key, value in settings.items():
-        field = TORCHFT_NAMES.get(key, key)
-        if field not in names:
-            raise ConfigError(f"unknown outer setting {key!r}; OuterConfig takes {', '.join(sorted(names))} "
-                              f"(and torchft's {', '.join(TORCHFT_NAMES)})")
-        if field in given:
-            raise ConfigError(f"{field} given twice (as {field} and as its torchft name); pass one")
-        given[field] = value
-    if config is None and "method" not in given:
-        given["method"] = "streaming" if int(given.get("fragments", 1)) > 1 else "diloco"
-    return replace(config or OuterConfig(), **given)
-
-
-def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer under a framework's wrapper (accelerate's, Lightning's): the one whose
-    step() really runs, and so the one to hook."""
-    seen = 0
-    while hasattr(optimizer, "optimizer") and isinstance(optimizer.optimizer, torch.optim.Optimizer) and seen < 8:
-        optimizer, seen = optimizer.optimizer, seen + 1
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    return optimizer
-
-
-def rendezvous(outer_addr: str | None, worker_id: int | None, workers: int | None,
-               env: Environment) -> OuterRendezvous | None:
-    """The outer rendezvous of separate jobs from the arguments, else from the environment (None: none)."""
-    if outer_addr:
-        return OuterRendezvous.parse(outer_addr, worker_id, workers)
-    if env.outer_addr:
-        return OuterRendezvous.parse(env.outer_addr, env.worker_id, env.workers)
-    return None
-
-
-#: Flags named by settings' errors, and the argument of outer_loop each one is.
-_API_NAMES = {"dist-timeout": "timeout_s", "no-outer-nesterov": "outer_nesterov=False"}
-
-
-def api_message(text: str) -> str:
-    """A settings error as the Python API says it: the argument (``inner_steps``) where the command
-    line's message names its flag (``--inner-steps``)."""
-    known = {f.name for f in fields(OuterConfig)} | {"outer_addr", "worker_id", "workers", "ranks_per_worker"}
-
-    def name(m: re.Match[str]) -> str:
-        flag = m.group(1)
-        arg = _API_NAMES.get(flag, flag.replace("-", "_"))
-        return arg if arg in known or flag in _API_NAMES else m.group(0)
-
-    return re.sub(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)", name, text)
-
-
-def _api_errors(fn: Callable[..., None]) -> Callable[..., None]:
-    """Settings errors raised by ``fn`` name the arguments (:func:`api_message`), on their own: no chain."""
-    @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> None:
-        try:
-            fn(*args, **kwargs)
-        except ConfigError as e:
-            raise ConfigError(api_message(str(e))) from None
-
-    return wrapped
 
 
 class OuterLoop:
@@ -144,7 +40,7 @@ class OuterLoop:
     framework callbacks call them at the framework's train start and end.
     """
 
-    @_api_errors
+    @api_errors
     def __init__(
         self,
         model: nn.Module,
@@ -184,34 +80,31 @@ class OuterLoop:
             settings["outer_optimizer"] = outer_optimizer
         self.finished = False
         self._hooks: list[Any] = []
+        self._first_forward: Any = None
         self.config = outer_config(config, **settings).validate()  # before connecting: a bad setting meets nobody
         self.model = model
         self.inner_optimizer = innermost_optimizer(inner_optimizer)
         self.apply_in_flight = apply_in_flight
-        self._owns_comm = comm is None
-        self._owns_world = False
-        self._joined = False  # the outer group was formed across jobs (join_outer_group)
-        self.ctx = None
-        #: Elastic membership across jobs (elastic=True): re-forms the outer group when a worker dies.
-        self.membership: Any = None
+        self._init_sync = init_sync
         if elastic and comm is not None:
             raise ConfigError("elastic=True re-forms the outer group it connects itself: pass outer_addr, "
                               "worker_id and workers instead of comm=")
-        if comm is None:
-            comm = (self._connect_elastic(outer_addr, worker_id, workers, link, timeout_s, seed) if elastic
-                    else self._connect(outer_addr, worker_id, workers, ranks_per_worker, link, timeout_s, seed))
-        self.comm = comm
-        self._meeting = f"{AGREE_PREFIX}hooks/{next(_MEETINGS)}/"
-        self._init_sync, self._timeout_s = init_sync, timeout_s
-        self._first_forward: Any = None
+        if comm is not None:
+            self.connection = Workers.given(comm)
+        elif elastic:
+            self.connection = Workers.connect_elastic(outer_addr, worker_id, workers, link, timeout_s, seed,
+                                                      self.config)
+        else:
+            self.connection = Workers.connect(outer_addr, worker_id, workers, ranks_per_worker, link, timeout_s, seed)
+        self.comm = self.connection.comm
         try:
-            if self.ctx is not None:  # this loop joined the other workers: agree with them first
-                self._meet({**asdict(self.config), "seed": seed, "workers": self.ctx.workers,
-                            "model parameters": shapes_digest(model.named_parameters())}, "settings")
+            if self.connection.ctx is not None:  # this loop joined the other workers: agree with them first
+                self.connection.meet({**asdict(self.config), "seed": seed, "workers": self.connection.ctx.workers,
+                                      "model parameters": shapes_digest(model.named_parameters())}, "settings")
                 # The weights are made equal (or compared) at the first forward pass: a resumed run
                 # loads its own state between here and there, and then keeps it.
                 self._first_forward = model.register_forward_pre_hook(self._start_weights)
-            self.sync = OuterSync(model, self.inner_optimizer, comm, self.config, blocks=blocks,
+            self.sync = OuterSync(model, self.inner_optimizer, self.comm, self.config, blocks=blocks,
                                   outer_optimizer=factory, seed=seed)
         except BaseException:
             self._release(cancel=True)
@@ -219,91 +112,21 @@ class OuterLoop:
         self._mark: float | None = None
         self._wall0 = 0.0
 
-    def _meet(self, mine: dict[str, Any], what: str) -> None:
-        """Compare ``mine`` with every other worker's, through the run's store (ConfigError naming each
-        difference)."""
-        ctx = self.ctx
-        assert ctx is not None
-        store = dist.PrefixStore("eagerloco/", ctx.outer_store) if ctx.outer_store is not None else ctx.store
-        if not ctx.is_outer_rank or store is None:
-            return
-        everyone = publish_and_gather(store, ctx.worker, list(range(ctx.workers)), mine, self._timeout_s,
-                                      lambda w: f"worker {w}", prefix=f"{self._meeting}{what}/")
-        fix = ("Pass the same settings to outer_loop on every worker" if what == "settings" else
-               "The workers start from different weights: seed every worker the same way, or leave init_sync=True "
-               "(worker 0's weights are then sent to all)")
-        check_agreement(everyone, lambda w: f"worker {w}", fix)
-
     def _start_weights(self, module: nn.Module, args: Any) -> None:
-        """At the first forward pass of a run that starts afresh: take worker 0's parameters (init_sync),
-        or check that every worker has the same."""
+        """At the first forward pass: the workers' weights made equal (or checked), unless resumed."""
         self._first_forward.remove()
         self._first_forward = None
-        if self.sync.step != 0:  # resumed: each worker continues from its own state
-            return
-        params = list(self.model.parameters())
-        if not self._init_sync:
-            self._guard(lambda: self._meet({"initial parameters": parameter_digest(params)}, "weights"))
-            return
-        ctx = self.ctx
-        assert ctx is not None
-        outer = self.comm.outer if isinstance(self.comm, WorkerCommunicator) else self.comm
-        group = outer.group if ctx.is_outer_rank and isinstance(outer, TorchDistCommunicator) else None
+        self._guard(lambda: self.connection.start_weights(self.model, self.sync, self._init_sync))
 
-        def sync() -> None:
-            broadcast_parameters(params, ctx, group)
-            self.sync.restart_from_model()
+    @property
+    def ctx(self) -> DistContext | None:
+        """Where this process sits among the workers (None: alone, or a communicator given by the caller)."""
+        return self.connection.ctx
 
-        self._guard(sync)
-
-    # ------------------------------------------------------------------ where the workers are
-    def _connect(self, outer_addr: str | None, worker_id: int | None, workers: int | None,
-                 ranks_per_worker: int | None, link: LinkConfig | None, timeout_s: float,
-                 seed: int) -> Communicator:
-        from eagerloco.comm.inprocess import InProcessGroup
-
-        env = Environment.read()
-        rdzv = rendezvous(outer_addr, worker_id, workers, env)
-        if rdzv is not None:
-            self.ctx = join_outer_group(rdzv, timeout_s)
-            self._joined = True
-            return communicator_for(self.ctx, link, seed=seed, timeout_s=timeout_s)
-        world = env.world_size or 1
-        if world > 1 and env.rank is not None:  # one WORLD of M workers x R ranks
-            r = ranks_per_worker or env.ranks_per_worker or 1
-            m = workers or world // r
-            self._owns_world = not dist.is_initialized()
-            self.ctx = init_process_groups(m, r, timeout_s=timeout_s)
-            return communicator_for(self.ctx, link, seed=seed, timeout_s=timeout_s)
-        if workers not in (None, 1):
-            raise ConfigError(f"workers={workers} needs the other workers: pass outer_addr='host:port' and "
-                              "worker_id (each worker its own job), or start the workers with torchrun")
-        return InProcessGroup(1, link, seed=seed).communicator(0)
-
-    def _connect_elastic(self, outer_addr: str | None, worker_id: int | None, workers: int | None,
-                         link: LinkConfig | None, timeout_s: float, seed: int) -> Communicator:
-        from eagerloco.comm.elastic_jobs import JobsMembership
-
-        env = Environment.read()
-        rdzv = rendezvous(outer_addr, worker_id, workers, env)
-        if rdzv is None:
-            raise ConfigError("elastic=True needs each worker as its own job: pass outer_addr='host:port', worker_id "
-                              "and workers (or EAGERLOCO_OUTER_ADDR, ...). In one torchrun WORLD use `eagerloco "
-                              "launch --elastic -- <train args>`, whose trainer survives dead workers")
-        world = env.world_size or 1
-        if world > 1:
-            raise ConfigError(f"elastic=True across jobs needs one process per job, but this job has WORLD_SIZE "
-                              f"{world}: start each worker as one process, or drop elastic")
-        self.ctx = join_outer_group(rdzv, timeout_s)
-        self._joined = True
-        comm = TorchDistCommunicator.from_context(self.ctx, link, seed=seed, timeout_s=timeout_s, elastic=True)
-        cfg = self.config
-        self.membership = JobsMembership(self.ctx.outer_store, rdzv.worker, rdzv.workers, timeout_s,
-                                         group=self.ctx.outer_group, inner_steps=cfg.inner_steps,
-                                         is_dp=cfg.per_step)
-        self.ctx.outer_group = None  # the membership owns the group (and its successors) from here
-        self.membership.attach(comm, None)
-        return comm
+    @property
+    def membership(self) -> Any:
+        """The elastic membership across jobs (elastic=True), else None."""
+        return self.connection.membership
 
     @property
     def worker(self) -> int:
@@ -317,7 +140,7 @@ class OuterLoop:
     @property
     def is_reporting_rank(self) -> bool:
         """Whether this process writes the worker's files and logs (rank 0 of its worker)."""
-        return self.ctx is None or self.ctx.rank_in_worker == 0
+        return self.connection.is_reporting_rank
 
     # ------------------------------------------------------------------ the hooks
     def start(self) -> OuterLoop:
@@ -394,7 +217,7 @@ class OuterLoop:
             self.sync.drain(apply=self.apply_in_flight)
             stats.drain_s += stats.blocked_s - before
             stats.blocked_s = before
-            if self._owns_comm:
+            if self.connection.owns_comm:
                 self.comm.barrier()
         except BaseException:
             self._release(cancel=True)
@@ -415,19 +238,11 @@ class OuterLoop:
         if self.finished:
             return
         self.finished = True
-        if getattr(self, "_first_forward", None) is not None:
+        if self._first_forward is not None:
             self._first_forward.remove()
             self._first_forward = None
-        if self._owns_comm and hasattr(self, "comm"):
-            self.comm.close(cancel=cancel)
-        if self.membership is not None:
-            self.membership.teardown()
-        if self._joined and self.ctx is not None:
-            leave_outer_group(self.ctx)
-        if self._owns_world:
-            from eagerloco.comm.groups import shutdown
-
-            shutdown()
+        if hasattr(self, "connection"):
+            self.connection.release(cancel)
 
     def __enter__(self) -> OuterLoop:
         return self.start()
@@ -478,35 +293,6 @@ class OuterLoop:
     def outer_weights(self) -> Any:
         """Context manager: the outer parameters loaded into the model for the block (evaluation)."""
         return self.sync.outer_weights()
-
-
-@contextmanager
-def exit_on_errors() -> Iterator[None]:
-    """Around a training script's main: eagerloco's errors end it with one line instead of a traceback.
-
-    A dead or frozen peer (:class:`~eagerloco.comm.errors.PeerError`, naming the worker) prints
-    ``eagerloco: error: ...`` on stderr and exits with status 3; an invalid setting (ConfigError) or an
-    optional package not installed (MissingExtraError, naming the extra) does the same with status 2,
-    and workers that launched different exchanges (:class:`~eagerloco.comm.errors.ScheduleMismatchError`)
-    with status 4, as the ``eagerloco`` command does. Other errors pass through unchanged.
-    """
-    try:
-        yield
-    except (PeerError, ConfigError, MissingExtraError, ScheduleMismatchError) as e:
-        code = (PEER_EXIT_CODE if isinstance(e, PeerError) else MISMATCH_EXIT_CODE
-                if isinstance(e, ScheduleMismatchError) else 2)
-        print(f"eagerloco: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(code) from None
-
-
-#: The values of the settings that take a choice (OuterConfig checks them; the types show them to editors).
-Method = Literal["dp", "diloco", "streaming", "delayed", "eager"]
-FragmentPattern = Literal["sequential", "strided"]
-EagerWeighting = Literal["nonlocal", "stale_average"]
-OuterOptimizerName = Literal["sgd", "adam", "adamw"]
-#: outer_loop's parameters that are OuterConfig fields or torchft's names for them.
-_SETTINGS = frozenset({f.name for f in fields(OuterConfig)} - {"fragments", "outer_optimizer"}) | frozenset(
-    TORCHFT_NAMES)
 
 
 def outer_loop(
@@ -596,12 +382,11 @@ def outer_loop(
         PeerError: another worker died or never joined; the message names it.
     """
     given = locals()  # the arguments, by name
-    settings = {name: given[name] for name in sorted(_SETTINGS) if given[name] is not None}
+    settings = {name: given[name] for name in sorted(SETTINGS) if given[name] is not None}
     return OuterLoop(model, inner_optimizer, config, fragments=fragments, blocks=blocks, comm=comm,
                      outer_addr=outer_addr, worker_id=worker_id, workers=workers, ranks_per_worker=ranks_per_worker,
                      link=link, timeout_s=timeout_s, seed=seed, outer_optimizer=outer_optimizer,
                      apply_in_flight=apply_in_flight, elastic=elastic, init_sync=init_sync, **settings)
 
 
-__all__ = ["EagerWeighting", "FragmentPattern", "Method", "OuterLoop", "OuterOptimizerName", "TORCHFT_NAMES",
-           "exit_on_errors", "innermost_optimizer", "outer_config", "outer_loop"]
+__all__ = ["OuterLoop", "STATE_VERSION", "outer_loop"]
