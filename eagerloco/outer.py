@@ -399,6 +399,39 @@ class OuterSync:
         self.in_flight.clear()
         self.comm.add_overhead(time.perf_counter() - t0 - waited)
 
+    def launch_consensus(self) -> list[Handle]:
+        """End of an eager run, first half: launch the mean of every fragment's outer parameters (eager's
+        workers each mix their own fresh outer gradient in, so their outer copies differ at the end; the
+        other methods' are equal already and launch nothing). Call after :meth:`drain`.
+
+        Raises:
+            RuntimeError: exchanges are still in flight (drain first).
+        """
+        if self.config.method != "eager":
+            return []
+        if self.in_flight:
+            raise RuntimeError("launch_consensus() after drain(): exchanges are still in flight")
+        fp32 = get_codec("fp32")
+        return [self.comm.allreduce_mean(frag, fp32, keep_own=False) for frag in self.outer]
+
+    @torch.no_grad()
+    def finish_consensus(self, handles: list[Handle]) -> None:
+        """Second half: the outer parameters become the workers' mean, and the model takes them, so every
+        worker ends with the same model.
+
+        Raises:
+            PeerError: the exchange failed.
+        """
+        for frag_outer, frag_local, handle in zip(self.outer, self.local, handles, strict=False):
+            mean, _ = self._wait(handle)
+            for outer, local, m in zip(frag_outer, frag_local, mean, strict=True):
+                outer.copy_(m)
+                local.copy_(outer)
+
+    def consensus(self) -> None:
+        """Both halves, for a worker alone in its process (:meth:`launch_consensus`)."""
+        self.finish_consensus(self.launch_consensus())
+
     def outer_parameters(self) -> list[torch.Tensor]:
         """The outer (global) parameters in model order (this rank's shards if sharded): what
         evaluation should use."""

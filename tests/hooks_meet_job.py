@@ -8,7 +8,9 @@ otherwise, and runs DiLoCo (H = 2) for 4 steps through ``eagerloco.outer_loop`` 
 
 - ``synced``: init_sync left on: both start from worker 0's weights and end with the same outer parameters;
 - ``unsynced``: init_sync=False: the different weights stop both workers with one line;
-- ``outer_lr``: worker 1 passes another outer lr: both stop with one line naming it.
+- ``outer_lr``: worker 1 passes another outer lr: both stop with one line naming it;
+- ``eager``: eager instead of DiLoCo; the end's consensus leaves both with one model (saved too, as
+  OUTDIR/eager_model_<worker>.pt).
 """
 
 from __future__ import annotations
@@ -31,15 +33,17 @@ def main() -> None:
     kwargs: dict = {"init_sync": scenario != "unsynced"}
     if scenario == "outer_lr" and worker == 1:
         kwargs["outer_lr"] = 0.4
+    method = "eager" if scenario == "eager" else "diloco"
     with eagerloco.exit_on_errors(), eagerloco.outer_loop(
             model, opt, outer_addr=f"127.0.0.1:{port}", worker_id=worker, workers=2, timeout_s=30,
-            method="diloco", inner_steps=2, **kwargs) as outer:
+            method=method, inner_steps=2, **kwargs) as outer:
         for step in range(1, 5):
             g = torch.Generator().manual_seed(zlib.crc32(f"{worker}/{step}".encode()))
             opt.zero_grad()
             ((model(torch.randn(3, 4, generator=g)) - 1.0) ** 2).mean().backward()
             opt.step()
     torch.save(outer.outer_parameters(), out / f"{scenario}_{worker}.pt")
+    torch.save([p.detach() for p in model.parameters()], out / f"{scenario}_model_{worker}.pt")
 
 
 if __name__ == "__main__":

@@ -47,3 +47,11 @@ def test_a_setting_that_differs_stops_both_workers_with_one_line_naming_it(tmp_p
         last = d.stdout.strip().splitlines()[-1]
         assert last == ("eagerloco: error: the workers disagree on settings that must match: outer_lr (worker 0: 0.7, "
                         "worker 1: 0.4). Pass the same settings to outer_loop on every worker"), last
+
+
+def test_eager_workers_end_with_one_model(tmp_path: Path) -> None:
+    done = _pair("eager", tmp_path)
+    assert [d.returncode for d in done] == [0, 0], done[0].stdout[-3000:] + done[1].stdout[-3000:]
+    for name in ("eager", "eager_model"):
+        a, b = (torch.load(tmp_path / f"{name}_{w}.pt") for w in range(2))
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), name
