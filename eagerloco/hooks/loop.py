@@ -205,16 +205,18 @@ class OuterLoop:
         events.inner_step_done(self.worker, self.sync.step)
 
     # ------------------------------------------------------------------ the end
-    def finish(self, consensus: bool = True) -> None:
+    def finish(self, consensus: bool | None = None) -> None:
         """Detach the hooks, wait for what is in flight (drain), meet the other workers, release
         the connection. The drain's wait counts as ``drain_s``, not as blocked training time.
 
         Args:
             consensus: under eager, end with one model on every worker: the mean of the workers' outer
-                parameters, loaded into the model (one more exchange of the model). On by default
-                because a run is expected to end with one model, as DiLoCo's does; eager's workers
-                each mix their own outer gradient in, so without it they end with slightly different
-                ones. False keeps each worker's own. The other methods end with one model anyway.
+                parameters, loaded into the model (one more exchange of the model). On by default (None)
+                where this loop joined the workers itself, because a run is expected to end with one
+                model, as DiLoCo's does; eager's workers each mix their own outer gradient in, so
+                without it they end with slightly different ones. False keeps each worker's own; with
+                ``comm=`` the caller drives the workers and says so itself. The other methods end with
+                one model anyway.
         """
         if self.finished:
             return
@@ -223,7 +225,7 @@ class OuterLoop:
         before = stats.blocked_s
         try:
             self.sync.drain(apply=self.apply_in_flight)
-            if consensus:
+            if self.connection.owns_comm if consensus is None else consensus:
                 self.sync.consensus()
             stats.drain_s += stats.blocked_s - before
             stats.blocked_s = before
