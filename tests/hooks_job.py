@@ -73,6 +73,7 @@ def explicit(settings: dict, port: int, worker: int, workers: int) -> dict:
         opt.step()
         sync.after_inner_step()
     sync.drain()
+    sync.consensus()  # as the hook API ends a run it joined itself: eager's workers end with one model
     comm.barrier()
     comm.close()
     return {"params": [p.detach().clone() for p in model.parameters()], "outer": sync.outer_parameters(),
@@ -94,6 +95,7 @@ def world(out: Path) -> None:
         opt.step()
         sync.after_inner_step()
     sync.drain()
+    sync.consensus()  # as the hook API ends a run it joined itself
     comm.barrier()
     comm.close()
     explicit_params = [p.detach().clone() for p in model.parameters()]
