@@ -11,8 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from test_hooks_jobs import free_ports, job_env, wait_all
+
+import eagerloco
 
 HERE = Path(__file__).resolve().parent
 
@@ -55,3 +58,41 @@ def test_eager_workers_end_with_one_model(tmp_path: Path) -> None:
     for name in ("eager", "eager_model"):
         a, b = (torch.load(tmp_path / f"{name}_{w}.pt") for w in range(2))
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), name
+
+
+def test_a_step_the_grad_scaler_skips_still_counts_so_the_schedule_stays() -> None:
+    """One worker's GradScaler skips a step (an inf): that step counts (the parameters unchanged), so the
+    worker launches the same exchanges as one that skipped nothing."""
+    from conftest import Toy
+
+    from eagerloco.comm.scripted import ScriptedCommunicator
+
+    def run(inf_at: int | None) -> tuple[int, int, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = Toy(num_blocks=2, width=4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        comm = ScriptedCommunicator(num_workers=2)
+        with eagerloco.outer_loop(model, opt, comm=comm, method="diloco", inner_steps=2,
+                                  grad_scaler=scaler) as outer:
+            for step in range(1, 7):
+                opt.zero_grad()
+                loss = ((model(torch.ones(3, 4) * step) - 1.0) ** 2).mean()
+                scaler.scale(loss * (float("inf") if step == inf_at else 1.0)).backward()
+                scaler.step(opt)
+                scaler.update()
+        assert "update" not in vars(scaler)  # its own update() again once the loop ended
+        return outer.sync.step, comm.stats.num_syncs, [p.detach().clone() for p in model.parameters()]
+
+    steps, syncs, _ = run(None)
+    skipped_steps, skipped_syncs, _ = run(3)
+    assert (steps, syncs) == (skipped_steps, skipped_syncs) == (6, 3)
+
+
+def test_a_grad_scaler_with_dp_is_refused_with_the_reason() -> None:
+    from conftest import Toy
+
+    model = Toy(num_blocks=2, width=4)
+    with pytest.raises(eagerloco.ConfigError, match="grad_scaler with method dp"):
+        eagerloco.outer_loop(model, torch.optim.SGD(model.parameters(), lr=0.1), method="dp",
+                             grad_scaler=torch.amp.GradScaler("cpu"))

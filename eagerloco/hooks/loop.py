@@ -61,6 +61,7 @@ class OuterLoop:
         apply_in_flight: bool = False,
         elastic: bool = False,
         init_sync: bool = True,
+        grad_scaler: Any = None,
         **settings: Any,
     ) -> None:
         if fragments is not None and not isinstance(fragments, int):
@@ -86,6 +87,13 @@ class OuterLoop:
         self.inner_optimizer = innermost_optimizer(inner_optimizer)
         self.apply_in_flight = apply_in_flight
         self._init_sync = init_sync
+        if grad_scaler is not None and self.config.per_step:
+            raise ConfigError("grad_scaler with method dp: the gradient mean runs inside the optimizer's step, which "
+                              "the scaler skips on one worker alone; average the gradients with DDP, or use a "
+                              "method with outer rounds")
+        self.grad_scaler = grad_scaler
+        self._scaler_update: Any = None  # the scaler's own update(), while this loop counts its skipped steps
+        self._stepped = False
         if elastic and comm is not None:
             raise ConfigError("elastic=True re-forms the outer group it connects itself: pass outer_addr, "
                               "worker_id and workers instead of comm=")
@@ -150,7 +158,28 @@ class OuterLoop:
             self._hooks = [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
             self._wall0 = time.perf_counter()
             self._mark = self._wall0
+            if self.grad_scaler is not None:
+                self._count_skipped_steps()
         return self
+
+    def _count_skipped_steps(self) -> None:
+        """A GradScaler skips the optimizer's step (an inf or a nan in the gradients) on one worker alone:
+        that worker's hooks would not run, its schedule would fall a step behind the others', and they
+        would wait for an exchange it never launches. The scaler's update(), called every iteration,
+        counts a step it skipped as a step (the parameters unchanged), so every schedule stays the same."""
+        scaler, original = self.grad_scaler, self.grad_scaler.update
+
+        def update(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            if not self._stepped and self._hooks:  # skipped: the step counts, with nothing applied
+                self._count_compute()
+                self._guard(self._after_step)
+                self._mark = time.perf_counter()
+            self._stepped = False
+            return result
+
+        self._scaler_update = original
+        scaler.update = update
 
     def _count_compute(self) -> None:
         now = time.perf_counter()
@@ -192,6 +221,7 @@ class OuterLoop:
         return None
 
     def _post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._stepped = True
         self._count_compute()  # the inner step itself
         self._guard(self._after_step)
         self._mark = time.perf_counter()
@@ -245,6 +275,9 @@ class OuterLoop:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._scaler_update is not None:  # the scaler's own update() again
+            del self.grad_scaler.update
+            self._scaler_update = None
 
     def _release(self, cancel: bool) -> None:
         if self.finished:
@@ -342,6 +375,7 @@ def outer_loop(
     apply_in_flight: bool = False,
     elastic: bool = False,
     init_sync: bool = True,
+    grad_scaler: Any = None,
 ) -> OuterLoop:
     """Run the outer algorithm around an unchanged training loop: ``with outer_loop(...) as outer:``.
 
@@ -384,6 +418,10 @@ def outer_loop(
             seed every worker the same way). Either way the workers compare their settings and model
             shapes first, and any difference stops them all with one line naming it. (With ``comm=``
             the caller has joined the workers itself and none of this happens.)
+        grad_scaler: the ``torch.amp.GradScaler`` the loop steps through (``scaler.step(opt)``), if any: a
+            step it skips (an inf in the gradients) still counts, so every worker's schedule stays the
+            same. Without it a skipped step on one worker leaves the others waiting for an exchange it
+            never launches. Not with method dp.
         elastic: with outer_addr (one process per job), a worker that dies does not stop the others:
             they re-form the outer group over worker 0's store and go on with the mean over the
             workers present (:mod:`eagerloco.comm.elastic_jobs`). Worker 0, which hosts the store,
@@ -398,7 +436,8 @@ def outer_loop(
     return OuterLoop(model, inner_optimizer, config, fragments=fragments, blocks=blocks, comm=comm,
                      outer_addr=outer_addr, worker_id=worker_id, workers=workers, ranks_per_worker=ranks_per_worker,
                      link=link, timeout_s=timeout_s, seed=seed, outer_optimizer=outer_optimizer,
-                     apply_in_flight=apply_in_flight, elastic=elastic, init_sync=init_sync, **settings)
+                     apply_in_flight=apply_in_flight, elastic=elastic, init_sync=init_sync,
+                     grad_scaler=grad_scaler, **settings)
 
 
 __all__ = ["OuterLoop", "STATE_VERSION", "outer_loop"]
