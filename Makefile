@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint data clean
+.PHONY: demo test test-fast lint data clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,8 +24,13 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check eagerloco tests bench examples
 
+# The whole suite (what CI runs), its 15 slowest tests listed at the end.
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
+
+# Lint and the tests that start no process, need no root and are not slow: under a minute on 2 cores.
+test-fast: $(STAMP) lint
+	$(PY) -m pytest -q -m "not processes and not root and not slow"
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

@@ -210,6 +210,7 @@ def test_the_checks_catch_what_they_are_for(planted: Path) -> None:
                                "eagerloco.train.loop imports _hidden from eagerloco.schedule"]
 
 
+@pytest.mark.processes
 def test_the_parser_and_the_simulator_never_import_torch() -> None:
     """`eagerloco simulate` answers in well under a second because nothing on its path imports torch."""
     import subprocess

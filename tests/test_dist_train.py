@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import DIST_ENV, launch_here, train_here
 
 from eagerloco import checkpoint as ckpt
 
@@ -30,58 +31,21 @@ BASE = [
     "--seed",
     "3",
 ]
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-
-
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    for k in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "EAGERLOCO_WORKERS",
-        "EAGERLOCO_RANKS_PER_WORKER",
-    ):
-        env.pop(k, None)
-    env.update(extra or {})
-    return env
 
 
 def launch(
     out: Path, workers: int, args: list[str], ranks: int = 1, timeout: float = 240, kill: str | None = None
 ) -> subprocess.CompletedProcess:
-    """kill: EAGERLOCO_FAULT_KILL ("WORKER:STEP:DELAY_S"), a worker that SIGKILLs itself mid-run."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "eagerloco",
-        "launch",
-        "--workers",
-        str(workers),
-        "--ranks-per-worker",
-        str(ranks),
-        "--",
-        *BASE,
-        "--workers",
-        str(workers),
-        "--ranks-per-worker",
-        str(ranks),
-        "--out",
-        str(out),
-        *args,
-    ]
-    env = _env({"EAGERLOCO_FAULT_KILL": kill} if kill else None)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    """`eagerloco launch` of the trainer, the launcher in this process (tests/runs.py).
+
+    kill: EAGERLOCO_FAULT_KILL ("WORKER:STEP:DELAY_S"), a worker that SIGKILLs itself mid-run."""
+    argv = [*BASE, "--workers", str(workers), "--ranks-per-worker", str(ranks), "--out", str(out), *args]
+    return launch_here(argv, workers, ranks, env={"EAGERLOCO_FAULT_KILL": kill} if kill else None, timeout=timeout)
 
 
 def inprocess(out: Path, workers: int, args: list[str]) -> subprocess.CompletedProcess:
     # One thread, like each launched process, so the matrix products add in the same order.
-    code = "import torch, sys; torch.set_num_threads(1); from eagerloco.cli import main; sys.exit(main(sys.argv[1:]))"
-    cmd = [sys.executable, "-c", code, "train", *BASE, "--workers", str(workers), "--out", str(out), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(ONE_THREAD))
+    return train_here([*BASE, "--workers", str(workers), "--out", str(out), *args])
 
 
 def final_state(out: Path, worker: int) -> dict:
@@ -143,6 +107,7 @@ def _assert_same_state(sa: dict, sb: dict, what: str, exact: bool) -> None:
             torch.testing.assert_close(x, y, **tol, msg=what)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("method", list(METHODS))
 def test_multiprocess_equals_inprocess(tmp_path: Path, clean: _CleanRuns, method: str) -> None:
     a, b = clean.get(method), tmp_path / "inproc"
@@ -157,6 +122,7 @@ def test_multiprocess_equals_inprocess(tmp_path: Path, clean: _CleanRuns, method
     assert sa["final_eval_loss"] == pytest.approx(sb["final_eval_loss"], rel=1e-5)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("method", list(METHODS))
 def test_resume_after_a_killed_worker_gives_the_uninterrupted_numbers(
     tmp_path: Path, clean: _CleanRuns, method: str
@@ -185,6 +151,7 @@ def test_resume_after_a_killed_worker_gives_the_uninterrupted_numbers(
     assert sa["final_eval_loss"] == sb["final_eval_loss"]
 
 
+@pytest.mark.processes
 def test_overlap_is_real_on_an_emulated_link(tmp_path: Path) -> None:
     """A full exchange takes ~0.3 s (several inner steps): DiLoCo waits it out every round, eager hides it."""
     n_bytes = 820_352 * 4  # tiny preset, fp32
@@ -216,6 +183,7 @@ def test_overlap_is_real_on_an_emulated_link(tmp_path: Path) -> None:
     assert out["eager"]["compute_utilization"] > out["diloco"]["compute_utilization"]
 
 
+@pytest.mark.processes
 def test_fixed_step_time_paces_real_processes_and_counts_overruns(tmp_path: Path) -> None:
     """--sim-step-time on real processes: every step lasts at least that long and counts as compute;
     a step time no real step can meet is reported step by step and warned about."""
@@ -238,6 +206,7 @@ def test_fixed_step_time_paces_real_processes_and_counts_overruns(tmp_path: Path
     assert "took longer than --sim-step-time" in r.stdout + r.stderr
 
 
+@pytest.mark.processes
 def test_two_ranks_per_worker_stay_identical_and_count_one_exchange(tmp_path: Path) -> None:
     args = ["--method", "diloco", "--inner-steps", "4", "--steps", "10", "--checkpoint-every", "10"]  # mid-round
     r = launch(tmp_path, 2, args, ranks=2)
@@ -263,6 +232,7 @@ def _full(shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(shards) if shards[0].dim() else shards[0]
 
 
+@pytest.mark.processes
 def test_fsdp_shards_each_worker_and_exchanges_shards_with_the_replicated_numbers(tmp_path: Path) -> None:
     """--fsdp: each of a worker's 2 ranks holds half of every parameter and exchanges that half; the
     run ends bit for bit where the replicated run (2 ranks per worker, data-parallel) ends, with the
@@ -295,6 +265,7 @@ def test_fsdp_shards_each_worker_and_exchanges_shards_with_the_replicated_number
     assert len(sf["per_worker"]) == 2
 
 
+@pytest.mark.processes
 def test_fsdp_ranks_share_the_workers_emulated_link(tmp_path: Path) -> None:
     """Each of a worker's 2 ranks sends half the payload over half the link's bandwidth, so a DiLoCo
     round blocks for the whole payload's link time, as with one rank sending it all."""
@@ -309,6 +280,7 @@ def test_fsdp_ranks_share_the_workers_emulated_link(tmp_path: Path) -> None:
     assert s["blocked_s"] >= 0.95 * 2 * link_time, s["blocked_s"]  # 2 rounds; the full link would halve it
 
 
+@pytest.mark.processes
 def test_fsdp_resume_after_a_killed_worker_gives_the_uninterrupted_numbers(tmp_path: Path) -> None:
     """Sharded checkpoints: every rank writes its shards; after worker 1 dies the others stop naming it,
     and resuming (4-bit eager, two rounds in flight) ends bit for bit where an uninterrupted run ends.
@@ -335,6 +307,7 @@ def test_fsdp_resume_after_a_killed_worker_gives_the_uninterrupted_numbers(tmp_p
     assert sa["final_eval_loss"] == sb["final_eval_loss"]
 
 
+@pytest.mark.processes
 def test_fsdp_needs_several_ranks_per_worker(tmp_path: Path) -> None:
     r = launch(tmp_path, 2, [*METHODS["diloco"], "--steps", "2", "--fsdp"], ranks=1)
     assert r.returncode != 0
@@ -381,6 +354,7 @@ def _pid_of_rank(marker: str, rank: int, deadline: float) -> int:
     raise AssertionError(f"rank {rank} never started")
 
 
+@pytest.mark.processes
 def test_killed_worker_makes_the_others_stop_with_a_clear_error(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [
@@ -407,7 +381,8 @@ def test_killed_worker_makes_the_others_stop_with_a_clear_error(tmp_path: Path) 
         "--out",
         str(out),
     ]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     victim = _pid_of_rank(str(out), 2, time.time() + 60)
     while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
         assert p.poll() is None

@@ -21,6 +21,8 @@ from eagerloco.comm.base import wire_bytes
 
 HERE = Path(__file__).resolve().parent
 
+pytestmark = pytest.mark.processes
+
 
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
