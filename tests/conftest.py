@@ -1,19 +1,24 @@
-"""Shared toy models and an in-process driver for closed-form tests of the outer algorithm."""
+"""Shared toy models and an in-process driver for closed-form tests of the outer algorithm; the
+tiers' hooks (tests/tiers.py)."""
 
 from __future__ import annotations
 
 import copy
-import functools
-import multiprocessing.util
 import os
-import platform
 import signal
-import subprocess
 import zlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 
 import pytest
 import torch
+
+# The tiers' hooks: a test that starts a process must be marked `processes`; the longest files first under xdist.
+from tiers import (  # noqa: F401 - pytest hooks, found by name in this module
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+)
 from torch import nn
 
 from eagerloco.comm.inprocess import InProcessGroup
@@ -111,69 +116,3 @@ def plain_sgd_outer(lr: float = 1.0) -> dict[str, object]:
 def toy() -> Toy:
     torch.manual_seed(0)
     return Toy()
-
-
-# -- Tiers ----------------------------------------------------------------------------------------------
-# `make test-fast` runs the tests marked neither `processes`, `root` nor `slow` (see pyproject.toml).
-# A test that starts an OS process without the `processes` marker fails at teardown, naming what it
-# started: every way a Python process starts one (subprocess, multiprocessing, os.fork/posix_spawn/
-# system) is watched while the suite runs. Module- and session-scoped fixtures count for the test whose
-# setup or teardown runs them.
-
-
-class _ProcessWatch:
-    def __init__(self) -> None:
-        self.item: pytest.Item | None = None
-        self.started: list[str] = []
-
-    def note(self, what: str) -> None:
-        item = self.item
-        if item is not None and item.get_closest_marker("processes") is None:
-            self.started.append(what)
-
-    def wrap(self, owner: object, name: str, describe: Callable[..., str]) -> None:
-        real = getattr(owner, name, None)
-        if real is None:
-            return
-
-        @functools.wraps(real)
-        def watched(*args: object, **kwargs: object) -> object:
-            self.note(describe(*args, **kwargs))
-            return real(*args, **kwargs)
-
-        setattr(owner, name, watched)
-
-
-_WATCH = _ProcessWatch()
-
-
-def _command(cmd: object) -> str:
-    return " ".join(map(str, cmd)) if isinstance(cmd, (list, tuple)) else str(cmd)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    # platform.processor() runs `uname -p` once per process and caches it (eagerloco.device names the
-    # CPU with it): asked here, so that no test is blamed for whichever first asks.
-    platform.processor()
-    _WATCH.wrap(subprocess.Popen, "_execute_child", lambda popen, args, *a, **k: _command(args))
-    _WATCH.wrap(multiprocessing.util, "spawnv_passfds", lambda path, args, *a, **k: _command(args))
-    _WATCH.wrap(os, "fork", lambda: "os.fork()")
-    _WATCH.wrap(os, "forkpty", lambda: "os.forkpty()")
-    _WATCH.wrap(os, "system", lambda cmd: _command(cmd))
-    for name in ("posix_spawn", "posix_spawnp"):
-        _WATCH.wrap(os, name, lambda path, argv, *a, **k: _command(argv))
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    _WATCH.item, _WATCH.started = item, []
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
-    result = yield
-    started, _WATCH.started = _WATCH.started, []
-    if started:
-        pytest.fail(f"{item.nodeid} started {len(started)} process(es) without the `processes` marker "
-                    f"(add @pytest.mark.processes, or pytestmark for the module): {started[0]}", pytrace=False)
-    return result
