@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint data clean
+.PHONY: demo test test-fast lint data clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,8 +24,17 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check eagerloco tests bench examples
 
+# Tests run on 2 pytest-xdist workers, a whole file each at a time (a file's runs are shared by its
+# tests), longest files first (tests/conftest.py): the tests that wait overlap the ones that compute.
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
+
+# The whole suite (what CI runs), its 15 slowest tests listed at the end.
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST) --durations=15
+
+# Lint and the tests that start no process, need no root and are not slow: under a minute on 2 cores.
+test-fast: $(STAMP) lint
+	$(PY) -m pytest -q $(XDIST) -m "not processes and not root and not slow"
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

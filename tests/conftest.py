@@ -1,4 +1,5 @@
-"""Shared toy models and an in-process driver for closed-form tests of the outer algorithm."""
+"""Shared toy models and an in-process driver for closed-form tests of the outer algorithm; the
+tiers' hooks (tests/tiers.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,14 @@ from collections.abc import Callable
 
 import pytest
 import torch
+
+# The tiers' hooks: a test that starts a process must be marked `processes`; the longest files first under xdist.
+from tiers import (  # noqa: F401 - pytest hooks, found by name in this module
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+)
 from torch import nn
 
 from eagerloco.comm.inprocess import InProcessGroup
@@ -25,6 +34,11 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 torch.set_num_threads(1)
+# The processes the tests start use one thread each too: on 2 shared cores two OpenMP threads per
+# process spin against each other (a 24-step tiny run: 18 s with 2, 5 s with 1), and runs compared
+# bit for bit with this process's add in the same order. The launcher gives its ranks one thread each
+# already (as torchrun does); the rest inherit this.
+os.environ["OMP_NUM_THREADS"] = "1"
 
 # Every process the tests start can have faults injected (EAGERLOCO_FAULT_KILL, EAGERLOCO_FAULT_EVAL_DELAY):
 # the testing package's sitecustomize installs them at interpreter start when the variables ask for them.

@@ -58,6 +58,7 @@ def test_every_exception_says_why_in_one_line() -> None:
         assert why.strip() and "\n" not in why, (path, name)
 
 
+@pytest.mark.processes
 def test_the_parser_and_the_simulator_never_import_torch() -> None:
     """`eagerloco simulate` answers in well under a second because nothing on its path imports torch."""
     code = ("import sys; from eagerloco.cli import main; "

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import train_here
 
 from eagerloco import checkpoint as ckpt
 
@@ -79,6 +80,7 @@ def test_missing_or_corrupt_meta(tmp_path: Path) -> None:
 
 
 def _train(out: Path, *extra: str) -> subprocess.Popen:
+    """A run in a process of its own (one thread, as in this process), for the test that kills it."""
     cmd = [sys.executable, "-m", "eagerloco", "train", *ARGS, "--out", str(out), *extra]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -89,16 +91,19 @@ def _result(out: Path) -> tuple[dict, list[dict]]:
     return summary, metrics
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("method", ["eager", "streaming"])
 def test_killed_run_resumes_to_the_same_numbers(tmp_path: Path, method: str) -> None:
+    """SIGKILL mid-run, exchanges in flight: resuming (in this process) from the newest checkpoint the
+    killed process left ends where a run never interrupted (in this process too) ends."""
     extra = ["--method", method, "--steps", "24", "--checkpoint-every", "6"]
     if method == "streaming":
         extra += ["--fragments", "2", "--overlap-steps", "1", "--alpha", "0.5", "--codec", "e2m1"]
     else:
         extra += ["--eager-rounds", "2", "--codec", "int4", "--stochastic-rounding"]
     clean = tmp_path / "clean"
-    p = _train(clean, *extra)
-    assert p.wait(timeout=300) == 0, p.stderr.read().decode()
+    r = train_here([*ARGS, "--out", str(clean), *extra])
+    assert r.returncode == 0, r.stderr[-3000:]
     killed = tmp_path / "killed"
     p = _train(killed, *extra)
     deadline = time.time() + 300
@@ -109,8 +114,8 @@ def test_killed_run_resumes_to_the_same_numbers(tmp_path: Path, method: str) -> 
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=30)
     assert not (killed / "summary.json").exists()
-    p = _train(killed, *extra, "--resume")
-    assert p.wait(timeout=300) == 0, p.stderr.read().decode()
+    r = train_here([*ARGS, "--out", str(killed), *extra, "--resume"])
+    assert r.returncode == 0, r.stderr[-3000:]
     a, am = _result(clean)
     b, bm = _result(killed)
     assert a["final_eval_loss"] == b["final_eval_loss"]
@@ -121,18 +126,18 @@ def test_killed_run_resumes_to_the_same_numbers(tmp_path: Path, method: str) -> 
 
 def test_resume_with_changed_settings_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    p = _train(out, "--method", "diloco", "--steps", "12", "--checkpoint-every", "6")
-    assert p.wait(timeout=300) == 0
-    p = _train(out, "--method", "eager", "--steps", "12", "--resume")
-    assert p.wait(timeout=300) == 2
-    err = p.stderr.read().decode()
-    assert "different settings" in err and "method" in err
+    r = train_here([*ARGS, "--out", str(out), "--method", "diloco", "--steps", "12", "--checkpoint-every", "6"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = train_here([*ARGS, "--out", str(out), "--method", "eager", "--steps", "12", "--resume"])
+    assert r.returncode == 2
+    assert "different settings" in r.stderr and "method" in r.stderr
 
 
 class _Interrupted(Exception):
     """Stands for the process dying right after a checkpoint was published."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["dp", "diloco", "delayed"])
 def test_interrupted_run_resumes_to_the_same_numbers_every_method(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str

@@ -107,6 +107,7 @@ def test_tensorboard_events_hold_the_logged_metrics(tmp_path: Path) -> None:
     assert losses[-1].value == pytest.approx(s["_metrics"][-1]["loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_bpe_tokenizer_and_zero_shot_evals(tmp_path: Path) -> None:
     s = _run(tmp_path, "--steps", "2", "--inner-steps", "2", "--tokenizer", "bpe:512", "--eval-tasks", "piqa",
              "--eval-limit", "8")

@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import inspect
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 import torch
+from runs import launch_here
 
 from eagerloco.comm.base import Communicator, WorkerStats
 from eagerloco.comm.distributed import TorchDistCommunicator
@@ -51,19 +50,14 @@ def test_a_worker_of_several_ranks_passes_cancel_to_its_outer_communicator() -> 
     WorkerCommunicator(_ctx(1), None).close(cancel=True)  # the other ranks: nothing to release, no error
 
 
+@pytest.mark.processes
 def test_a_killed_worker_of_two_ranks_stops_the_others_with_a_peer_error(tmp_path: Path) -> None:
     """2 workers x 2 ranks, DiLoCo: both ranks of worker 1 kill themselves at step 6. The survivors stop
     with the PeerError naming worker 1 (not a TypeError from close(cancel=True)), no traceback."""
-    common = ["--workers", "2", "--ranks-per-worker", "2"]
-    cmd = [sys.executable, "-m", "eagerloco", "launch", *common, "--", "--model", "tiny", "--batch-size", "2",
-           "--seq-len", "32", "--eval-batches", "2", "--no-progress", "--log-every", "4", "--seed", "3",
-           *common, "--method", "diloco", "--inner-steps", "4", "--steps", "12", "--dist-timeout", "20",
-           "--out", str(tmp_path)]
-    env = {k: v for k, v in os.environ.items() if k not in (
-        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-        "EAGERLOCO_WORKERS", "EAGERLOCO_RANKS_PER_WORKER")}
-    env["EAGERLOCO_FAULT_KILL"] = "1:6:0.01"
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    argv = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "2", "--no-progress",
+            "--log-every", "4", "--seed", "3", "--workers", "2", "--ranks-per-worker", "2", "--method", "diloco",
+            "--inner-steps", "4", "--steps", "12", "--dist-timeout", "20", "--out", str(tmp_path)]
+    r = launch_here(argv, 2, 2, env={"EAGERLOCO_FAULT_KILL": "1:6:0.01"})
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
     assert "unexpected keyword argument 'cancel'" not in out, out[-3000:]

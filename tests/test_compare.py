@@ -77,6 +77,7 @@ def _table_rows(report: str) -> dict[str, dict[str, str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_paper_grid_report_plots_summary_and_cache(text_dir: Path, tmp_path: Path, counted: CountingTrain,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cmp"

@@ -197,6 +197,7 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(ln)["loss"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_seeds_change_data_order_and_initialization_and_repeat_bit_for_bit(text_dir: Path, tmp_path: Path,
                                                                             counted: CountingTrain) -> None:
     from eagerloco.data import get_tokenizer, load_corpus, worker_streams
@@ -247,6 +248,7 @@ def test_seeds_change_data_order_and_initialization_and_repeat_bit_for_bit(text_
     assert _compare(*argv) == 0 and counted.calls == []  # finished runs are reused
 
 
+@pytest.mark.slow
 def test_tuner_picks_the_known_best_and_variants_follow_their_method(text_dir: Path, tmp_path: Path,
                                                                       counted: CountingTrain) -> None:
     # Outer SGD without momentum: an outer lr of 1e-4 leaves the outer parameters at their
@@ -290,6 +292,7 @@ def test_tuner_picks_the_known_best_and_variants_follow_their_method(text_dir: P
     assert (sweep_out / "loss_vs_inner_steps.png").read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.slow
 def test_divergence_is_warned_and_marked(text_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(seeded, "data_entropy", lambda cfg: 0.5)  # below any loss these runs reach

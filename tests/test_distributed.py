@@ -1,8 +1,10 @@
-"""Multi-process tests of the torch.distributed transport and the local launcher.
+"""Multi-process tests of the torch.distributed transport and the local launcher: what needs real
+processes (a dead or hung peer, WORLD and its groups under torchrun, the launcher's exits and signals).
 
 Real processes talk gloo over 127.0.0.1 (no mocks): each scenario in dist_worker.py runs once per
 module (fixtures), writes what it measured, and the tests assert on those numbers. Every spawn is
-guarded by a timeout so that a hang fails the test instead of stalling the suite.
+guarded by a timeout so that a hang fails the test instead of stalling the suite. The transport's
+exact results, byte accounting and emulated link are checked on threads in test_transport.py.
 """
 
 from __future__ import annotations
@@ -16,15 +18,13 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from eagerloco.codecs import get_codec
-from eagerloco.comm.base import flatten, mean_of_payloads, wire_bytes
+from eagerloco.comm.base import flatten
 from eagerloco.launch import launch
 from eagerloco.procs import pid_stopped
 
@@ -37,45 +37,12 @@ _spec.loader.exec_module(dist_worker)
 
 SPAWN_TIMEOUT_S = 60.0
 PEER_TIMEOUT_S = 4.0  # collective timeout in the dead/hung peer scenarios
-L = dist_worker.LATENCY_S
+
+pytestmark = pytest.mark.processes
 
 
 def _pythonpath() -> str:
     return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-
-
-def _spawn(args: list[str], nproc: int, logdir: Path) -> list[int | None]:
-    """Run nproc workers with torchrun's environment, independently of launch(); return their exit codes.
-
-    The test process hosts the rendezvous store, as torchrun's agent would.
-    """
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=30))
-    procs, logs = [], []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
-                   TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1", PYTHONPATH=_pythonpath())
-        log = open(logdir / f"log_{args[0]}_{rank}.txt", "w")  # noqa: SIM115 - closed below
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        hung = [r for r, p in enumerate(procs) if p.poll() is None]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for log in logs:
-            log.close()
-    if hung:
-        pytest.fail(f"ranks {hung} of {args[0]} still running after {SPAWN_TIMEOUT_S} s:\n"
-                    + _logs(logdir, args[0]))
-    return [p.returncode for p in procs]
 
 
 def _logs(logdir: Path, scenario: str) -> str:
@@ -87,154 +54,6 @@ def _read(outdir: Path, scenario: str, rank: int) -> dict:
     f = outdir / f"{scenario}_{rank}.json"
     assert f.exists(), f"rank {rank} wrote no result:\n{_logs(outdir, scenario)}"
     return json.loads(f.read_text())
-
-
-# --------------------------------------------------------------------------------------------------
-# Exact results: every rank's mean equals the single-process mean of the same payloads, bit for bit
-# (fp32 beyond 2 workers: up to the all-reduce's summation order)
-
-
-@pytest.fixture(scope="module")
-def main_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The exactness and timing scenarios, run once by 3 processes."""
-    out = tmp_path_factory.mktemp("main")
-    codes = _spawn(["main", str(out)], 3, out)
-    assert codes == [0, 0, 0], _logs(out, "main")
-    return out
-
-
-@pytest.fixture(scope="module")
-def exact(main_run: Path) -> dict[int, dict]:
-    return {r: torch.load(main_run / f"exact_{r}.pt", weights_only=True) for r in range(3)}
-
-
-def _expected(name: str, ci: int, workers: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The in-process computation: every worker packs its input, mean_of_payloads in worker order."""
-    stochastic = name == "e2m1"
-    codec = get_codec(name, stochastic=stochastic)
-    payloads = []
-    for w in range(workers):
-        gen = dist_worker.rounding_generator(w) if stochastic else None
-        payloads.append(codec.pack(flatten(dist_worker.inputs(w, ci)), gen))
-    numel = payloads[0].numel() and flatten(dist_worker.inputs(0, ci)).numel()
-    return mean_of_payloads(codec, payloads, numel), payloads
-
-
-@pytest.mark.parametrize("label,workers", [("all", 3), ("pair", 2)])
-@pytest.mark.parametrize("ci,name", list(enumerate(dist_worker.CODECS)))
-def test_mean_is_bit_exact_with_single_process(exact: dict[int, dict], label: str, workers: int,
-                                               ci: int, name: str) -> None:
-    expected, payloads = _expected(name, ci, workers)
-    codec = get_codec(name)
-    numel = expected.numel()
-    for rank in range(workers):
-        got = exact[rank][f"{label}/{name}"]
-        assert [tuple(t.shape) for t in got["mean"]] == [tuple(s) for s in dist_worker.SHAPES]
-        mean = flatten(got["mean"])
-        if codec.summable and workers > 2:
-            # One all-reduce: its ring adds in another order than worker order (last-bit rounding),
-            # but every rank gets the same bits.
-            torch.testing.assert_close(mean, expected, rtol=1e-6, atol=1e-7)
-            assert torch.equal(mean, flatten(exact[0][f"{label}/{name}"]["mean"])), f"rank {rank} differs from rank 0"
-        else:
-            assert torch.equal(mean.view(torch.int32), expected.view(torch.int32)), (
-                f"rank {rank}: max diff {(mean - expected).abs().max().item():g}"
-            )
-        assert got["kept_intact"], f"rank {rank}: writing into wait()'s result changed the kept mean"
-        if "mean_no_own" in got:
-            assert torch.equal(flatten(got["mean_no_own"]), flatten(got["mean"])), f"rank {rank}: keep_own=False"
-        own = flatten(got["own"])
-        assert torch.equal(own.view(torch.int32), codec.unpack(payloads[rank], numel).view(torch.int32))
-        assert got["payload_bytes"] == codec.packed_nbytes(numel)
-    if name != "fp32":  # a lossy codec really is lossy: the test would see a wrong transport
-        exact_mean = sum(flatten(dist_worker.inputs(w, ci)) for w in range(workers)) / workers
-        assert not torch.equal(expected, exact_mean)
-
-
-@pytest.mark.parametrize("label,workers", [("all", 3), ("pair", 2)])
-def test_byte_accounting_is_wire_bytes(exact: dict[int, dict], label: str, workers: int) -> None:
-    numel = flatten(dist_worker.inputs(0, 0)).numel()
-    codecs = [get_codec(n) for n in dist_worker.CODECS]
-    wires = [wire_bytes(c.packed_nbytes(numel), workers, c.summable) for c in codecs]
-    # Every deterministic codec also ran a second exchange, without keep_own.
-    wires += [w for w, n in zip(wires, dist_worker.CODECS, strict=True) if n != "e2m1"]
-    for rank in range(workers):
-        st = exact[rank][f"{label}/stats"]
-        assert exact[rank][f"{label}/workers"] == workers
-        assert st["num_syncs"] == len(wires)
-        assert st["bytes_sent"] == sum(wires)
-        assert st["bytes_received"] == sum(wires)
-        assert st["peak_sync_bytes"] == max(c.packed_nbytes(numel) for c in codecs)
-
-
-def test_mismatched_exchange_is_a_clear_error_on_every_rank(exact: dict[int, dict]) -> None:
-    for rank in range(3):
-        msg = exact[rank]["mismatch"]
-        assert "10 values" in msg and "11 values" in msg and "same exchanges" in msg, msg
-
-
-def test_agreed_schedule_skips_the_per_exchange_header(main_run: Path) -> None:
-    """OuterSync's exchanges: one agreement (header + schedule digest), then payloads only; on an
-    emulated link a header per exchange and no agreement; the outer parameters agree either way."""
-    runs = [_read(main_run, "agreement", r) for r in range(3)]
-    header, digest = 5 * 8, 32  # bytes of one header row, of one schedule digest
-    for r in runs:
-        plain, emulated = r["plain"], r["emulated"]
-        assert plain["agreed"] is True and emulated["agreed"] is False, r
-        assert plain["syncs"] == emulated["syncs"] == 2, r
-        assert plain["gathers"] == [header, digest], r  # no header for the 2 exchanges
-        assert emulated["gathers"] == [header, header], r
-    for mode in ("plain", "emulated"):
-        assert len({tuple(r[mode]["outer"]) for r in runs}) == 1, [r[mode]["outer"] for r in runs]
-    assert runs[0]["plain"]["outer"] == runs[0]["emulated"]["outer"]
-
-
-def test_different_schedules_are_a_clear_error_on_every_rank(main_run: Path) -> None:
-    runs = [_read(main_run, "agreement", r) for r in range(3)]
-    for rank, r in enumerate(runs):
-        msg = r["mismatch"].get("error", "no error")
-        assert "different exchange schedule" in msg and "same settings" in msg, msg
-        others = ["worker 1", "worker 2"] if rank == 0 else ["worker 0"]
-        assert all(w in msg.split(" run(s)")[0] for w in others), msg
-        assert ("[144] values" if rank == 0 else "[162] values") in msg, msg  # its own schedule, in words
-
-
-# --------------------------------------------------------------------------------------------------
-# Background exchange, blocking and the emulated link
-
-
-@pytest.fixture(scope="module")
-def timing(main_run: Path) -> list[dict]:
-    return [_read(main_run, "timing", r) for r in range(3)]
-
-
-def test_exchange_runs_in_background(timing: list[dict]) -> None:
-    for r in timing:
-        assert r["launch_s"] < 0.2 * L, r
-        assert r["done_right_after"] is False, r
-        # Compute of about the link time hid the exchange: little left to wait for.
-        assert r["blocked_overlap_s"] < 0.25 * L, r
-
-
-def test_waiting_at_once_blocks_for_the_link_time(timing: list[dict]) -> None:
-    for r in timing:
-        assert r["elapsed_immediate_s"] >= L, r
-        # blocked_s starts at wait(), microseconds after the launch stamp the link counts from.
-        assert r["blocked_immediate_s"] >= L - 0.01, r
-        assert r["blocked_immediate_s"] < L + 0.5, r
-
-
-def test_queued_exchanges_use_the_link_in_turn(timing: list[dict]) -> None:
-    for r in timing:
-        assert r["first_of_two_s"] >= L, r
-        assert r["second_done_with_first"] is False, r
-        assert r["second_of_two_s"] >= 2 * L, r
-
-
-def test_bandwidth_term_of_the_link(timing: list[dict]) -> None:
-    for r in timing:
-        assert r["bandwidth_s"] >= r["bandwidth_expected_s"], r
-        assert r["bandwidth_s"] < r["bandwidth_expected_s"] + 1.0, r
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,7 +128,7 @@ def _check_groups(outdir: Path) -> None:
             assert "outer_sum" not in r, r
         assert "WORLD_SIZE is 4" in r["mismatch"], r
     # Every rank, first of its worker or not, gets the workers' mean through communicator_for.
-    expected, payloads = _expected("int8", 1, 2)
+    expected, payloads = dist_worker.expected_mean("int8", 1, 2)
     codec = get_codec("int8")
     for rank in range(4):
         got = torch.load(outdir / f"groups_{rank}.pt", weights_only=True)

@@ -8,15 +8,14 @@ timeout, so a hang fails the test instead of stalling the suite.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from runs import launch_here
 
 from eagerloco import checkpoint as ckpt
 from eagerloco.cli import main
@@ -26,22 +25,14 @@ from eagerloco.outer import OuterSync
 
 BASE = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "2", "--no-progress",
         "--log-every", "2", "--seed", "5", "--dist-timeout", "20"]
-_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "EAGERLOCO_WORKERS", "EAGERLOCO_RANKS_PER_WORKER", "EAGERLOCO_REJOIN", "EAGERLOCO_FAULT_KILL")
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    env.update(extra)
-    return env
-
-
-def _launch(out: Path, workers: int, args: list[str], launch_args: list[str] = (), kill: str | None = None,
-            timeout: float = 180) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "eagerloco", "launch", "--workers", str(workers), *launch_args, "--",
-           *BASE, "--workers", str(workers), "--out", str(out), *args]
-    env = _env(**({"EAGERLOCO_FAULT_KILL": kill} if kill else {}))
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+def _launch(out: Path, workers: int, args: list[str], kill: str | None = None, timeout: float = 180,
+            **launch_kwargs: object) -> subprocess.CompletedProcess:
+    """`eagerloco launch --workers M [launch_kwargs] -- ...`, the launcher in this process (tests/runs.py)."""
+    argv = [*BASE, "--workers", str(workers), "--out", str(out), *args]
+    env = {"EAGERLOCO_FAULT_KILL": kill} if kill else None
+    return launch_here(argv, workers, env=env, timeout=timeout, **launch_kwargs)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -52,6 +43,7 @@ def _metrics(out: Path) -> list[dict]:
 # A worker dies and comes back (multi-process)
 
 
+@pytest.mark.processes
 def test_eager_survives_a_killed_worker_which_then_rejoins_from_a_live_peer(tmp_path: Path) -> None:
     """3-worker eager: kill worker 2 at a random inner step; the others go on; the launcher restarts
     it, it is admitted at a round boundary with the current state of a live peer, and all three end
@@ -64,7 +56,7 @@ def test_eager_survives_a_killed_worker_which_then_rejoins_from_a_live_peer(tmp_
     # the restarted process to start and come back.
     slow = [a for w in range(3) for a in ("--slow-worker", f"{w}:3")]
     args = ["--method", "eager", "--inner-steps", str(h), "--steps", str(steps), *slow]
-    r = _launch(tmp_path, 3, args, ["--elastic", "--max-restarts", "1"], kill=f"2:{kill_step}:{delay}")
+    r = _launch(tmp_path, 3, args, kill=f"2:{kill_step}:{delay}", elastic=True, max_restarts=1)
     where = f"(kill at step {kill_step} + {delay} s, seed {seed})\n" + r.stdout[-6000:] + r.stderr[-3000:]
     assert r.returncode == 0, where
     assert "restarting it to rejoin" in r.stdout, where
@@ -91,6 +83,7 @@ def test_eager_survives_a_killed_worker_which_then_rejoins_from_a_live_peer(tmp_
     assert steps_logged == sorted(set(steps_logged)) and steps_logged[-1] == steps
 
 
+@pytest.mark.processes
 def test_leader_dies_the_others_finish_and_a_resume_refills_the_group(tmp_path: Path) -> None:
     """4-worker DiLoCo: worker 0 (evaluation, metrics, checkpoint manifest) dies; workers 1-3 go on
     at once (worker 2, not next to 0 in gloo's ring, is not left waiting for the timeout). Their
@@ -98,7 +91,7 @@ def test_leader_dies_the_others_finish_and_a_resume_refills_the_group(tmp_path: 
     out = tmp_path / "run"
     args = ["--method", "diloco", "--inner-steps", "4", "--steps", "16", "--checkpoint-every", "4",
             "--keep-checkpoints", "0"]
-    r = _launch(out, 4, args, ["--elastic"], kill="0:5:0.01")
+    r = _launch(out, 4, args, kill="0:5:0.01", elastic=True)
     where = r.stdout[-5000:] + r.stderr[-2000:]
     assert r.returncode == 0, where
     s = json.loads((out / "summary.json").read_text())
@@ -121,7 +114,7 @@ def test_leader_dies_the_others_finish_and_a_resume_refills_the_group(tmp_path: 
     assert meta8["members"] == [1, 2, 3] and not (by_step[8] / "worker_0.pt").exists()
     for step in (12, 16):  # resume from step 8
         shutil.rmtree(by_step[step])
-    r = _launch(out, 4, [*args, "--resume"], ["--elastic"])
+    r = _launch(out, 4, [*args, "--resume"], elastic=True)
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-2000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["members"] == [0, 1, 2, 3] and s["faults"] == []
@@ -192,6 +185,7 @@ def _inprocess(out: Path, method: str, extra: list[str]) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_a_straggler_costs_time_not_numbers_and_eager_absorbs_its_lag(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     blocked = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -21,14 +22,28 @@ from eagerloco.comm.base import wire_bytes
 
 HERE = Path(__file__).resolve().parent
 
+pytestmark = pytest.mark.processes
+
 
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """n ports nobody listens on, for a TCPStore a worker process will host.
+
+    Picked below the kernel's ephemeral range (32768-60999 by default), where connections take their
+    local ports: between this pick and the worker's bind, which takes seconds (the process starts), no
+    connection of another test can take one. Each pytest-xdist worker picks in a share of its own.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    lo = 20000 + 1500 * (int(worker) % 8 if worker.isdigit() else 0)
+    ports: list[int] = []
+    while len(ports) < n:
+        port = random.randrange(lo, lo + 1500)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
     return ports
 
 

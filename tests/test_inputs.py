@@ -82,6 +82,8 @@ def test_out_naming_a_file_or_a_path_under_one(tmp_path: Path, capsys) -> None:
     assert f.read_text() == "keep me"
 
 
+@pytest.mark.root
+@pytest.mark.processes
 def test_out_in_a_read_only_directory(tmp_path: Path, capsys) -> None:
     """A read-only mount (root writes through a chmod, not through a read-only file system)."""
     ro = tmp_path / "ro"
@@ -119,6 +121,7 @@ def test_a_new_run_never_mixes_with_an_earlier_one(tmp_path: Path, capsys) -> No
     assert not (out / LOCK_NAME).exists()
 
 
+@pytest.mark.processes
 def test_a_live_lock_keeps_a_second_run_out(tmp_path: Path, capsys) -> None:
     out = tmp_path / "run"
     out.mkdir()

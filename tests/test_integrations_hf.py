@@ -15,11 +15,22 @@ from test_hooks_jobs import free_ports, job_env, wait_all
 
 from eagerloco.comm.base import wire_bytes
 
-pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402  (comes with transformers)
+pytestmark = pytest.mark.processes
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
+
+
+@pytest.fixture(autouse=True)
+def _needs_transformers() -> None:
+    # At setup, not at import: collecting the suite (and the tiers that skip these) stays fast.
+    pytest.importorskip("transformers")
+
+
+def load_file(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file  # comes with transformers
+
+    return load_file(path)
 
 
 def run_pair(out: Path, args: list[str], ranks: tuple[int, int] = (1, 1), resume: str | None = None,

@@ -16,6 +16,8 @@ from test_hooks_jobs import free_ports, job_env, wait_all
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.processes
+
 
 def run_killed_pair(example: str, out: Path, kill: str, args: list[str]) -> list[subprocess.CompletedProcess]:
     """Both workers of a run, worker ``kill``'s WORKER:STEP SIGKILLing itself (EAGERLOCO_FAULT_KILL)."""

@@ -13,11 +13,17 @@ from test_hooks_jobs import free_ports, job_env, wait_all
 
 from eagerloco.comm.base import wire_bytes
 
-pytest.importorskip("pytorch_lightning")
+pytestmark = pytest.mark.processes
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "lightning_module.py"
 STEPS_PER_EPOCH = 8  # 32 windows, batches of 4
+
+
+@pytest.fixture(autouse=True)
+def _needs_lightning() -> None:
+    # At setup, not at import: collecting the suite (and the tiers that skip these) stays fast.
+    pytest.importorskip("pytorch_lightning")
 
 
 def run_pair(out: Path, args: list[str], resume: str | None = None, timeout: float = 400) -> None:

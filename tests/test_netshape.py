@@ -6,6 +6,7 @@ sch_tbf; where any is missing it is skipped (the error paths are tested everywhe
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -52,14 +53,11 @@ def test_without_root_the_error_says_so_and_names_the_alternative(monkeypatch: p
         KernelLink.check()
 
 
-def test_launch_refuses_a_second_bandwidth(tmp_path: Path) -> None:
-    r = subprocess.run(
-        [sys.executable, "-m", "eagerloco", "launch", "--workers", "2", "--kernel-link-gbps", "0.1", "--",
-         "--bandwidth-gbps", "0.1", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert r.returncode == 2
-    assert "drop --bandwidth-gbps" in r.stderr
+def test_launch_refuses_a_second_bandwidth(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["launch", "--workers", "2", "--kernel-link-gbps", "0.1", "--", "--bandwidth-gbps", "0.1", "--out",
+            str(tmp_path)]
+    assert main(argv) == 2  # refused before any namespace or process
+    assert "drop --bandwidth-gbps" in capsys.readouterr().err
 
 
 def test_under_a_kernel_shaped_link_only_latency_and_jitter_are_emulated() -> None:
@@ -84,8 +82,10 @@ def test_under_a_kernel_shaped_link_only_latency_and_jitter_are_emulated() -> No
         Environment.read({KERNEL_LINK_ENV: "fast"})
 
 
+@functools.cache
 def _can_shape() -> str | None:
-    """None when this machine can build a shaped namespace, else why not."""
+    """None when this machine can build a shaped namespace, else why not (asked once, by the first
+    test that needs it: building a namespace at collection would slow every run of the suite)."""
     try:
         KernelLink.check()
     except LinkShapingError as e:
@@ -97,12 +97,22 @@ def _can_shape() -> str | None:
         return str(e)
 
 
-_WHY_NOT = _can_shape()
+
+
+@pytest.fixture
+def shaping() -> None:
+    """Skips the test where kernel shaping is not possible."""
+    why = _can_shape()
+    if why is not None:
+        pytest.skip(f"kernel shaping not possible here: {why}")
+
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "EAGERLOCO_WORKERS", "EAGERLOCO_RANKS_PER_WORKER", KERNEL_LINK_ENV)
 
 
-@pytest.mark.skipif(_WHY_NOT is not None, reason=f"kernel shaping not possible here: {_WHY_NOT}")
+@pytest.mark.processes
+@pytest.mark.root
+@pytest.mark.usefixtures("shaping")
 def test_a_kernel_shaped_link_blocks_diloco_and_eager_hides_it(tmp_path: Path) -> None:
     """2 workers, tiny model (3.28 MB per FP32 exchange; the M = 2 ring sends one payload per worker):
     at 0.08 Gbit/s one exchange needs about 0.33 s on the wire, several inner steps. DiLoCo waits for it
@@ -134,7 +144,9 @@ def test_a_kernel_shaped_link_blocks_diloco_and_eager_hides_it(tmp_path: Path) -
     assert not [n for n in left if (pid := kernel_link.owner_pid(n)) is not None and not pid_alive(pid)], left
 
 
-@pytest.mark.skipif(_WHY_NOT is not None, reason=f"kernel shaping not possible here: {_WHY_NOT}")
+@pytest.mark.processes
+@pytest.mark.root
+@pytest.mark.usefixtures("shaping")
 def test_concurrent_links_get_their_own_subnets_and_leave_nothing_behind() -> None:
     tags = (os.getpid(), os.getppid())  # both alive: neither set is taken for a stale one
     with KernelLink(2, 0.5, tag=tags[0]) as a, KernelLink(1, 0.5, tag=tags[1]) as b:
@@ -150,7 +162,9 @@ def test_concurrent_links_get_their_own_subnets_and_leave_nothing_behind() -> No
     assert a.bridge not in links and b.bridge not in links
 
 
-@pytest.mark.skipif(_WHY_NOT is not None, reason=f"kernel shaping not possible here: {_WHY_NOT}")
+@pytest.mark.processes
+@pytest.mark.root
+@pytest.mark.usefixtures("shaping")
 def test_what_a_killed_launcher_left_is_removed_at_the_next_start() -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # its pid names the leftovers and is no longer alive
@@ -181,7 +195,9 @@ def test_jobs_behind_a_kernel_link_need_the_loopback_address() -> None:
         launch([], 2, outer_addr="10.0.0.1:29600", worker_id=0, kernel_link_gbps=1.0)
 
 
-@pytest.mark.skipif(_WHY_NOT is not None, reason=f"kernel shaping not possible here: {_WHY_NOT}")
+@pytest.mark.processes
+@pytest.mark.root
+@pytest.mark.usefixtures("shaping")
 def test_separate_jobs_share_one_shaped_bridge_and_train_as_unshaped(tmp_path: Path) -> None:
     """Two `eagerloco launch --outer-addr 127.0.0.1:P --worker-id I --kernel-link-gbps B` jobs, tiny model,
     two blocking DiLoCo rounds of 3.28 MB each (about 0.52 s on the wire at 0.05 Gbit/s): each round waits
@@ -221,7 +237,9 @@ def test_separate_jobs_share_one_shaped_bridge_and_train_as_unshaped(tmp_path: P
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.skipif(_WHY_NOT is not None, reason=f"kernel shaping not possible here: {_WHY_NOT}")
+@pytest.mark.processes
+@pytest.mark.root
+@pytest.mark.usefixtures("shaping")
 def test_job_links_share_a_bridge_refuse_a_second_worker_and_the_last_one_out_removes_it() -> None:
     port = 1  # a port no run's bridge is named after while this test runs
     with JobLink(port, 0, 2, 0.5) as a:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from runs import launch_here, train_here
 
 from eagerloco.data import DataError, load_corpus
 
@@ -90,11 +90,11 @@ def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def _train(argv: list[str]) -> subprocess.CompletedProcess:
-    code = "import torch, sys; torch.set_num_threads(1); from eagerloco.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, "train", *FAST, *argv], capture_output=True, text=True,
-                          timeout=600)
+    return train_here([*FAST, *argv])
 
 
+@pytest.mark.root
+@pytest.mark.processes
 def test_a_full_disk_is_named_cleaned_up_and_the_run_resumes_once_there_is_room(tmp_path: Path,
                                                                                    small_disk: Path) -> None:
     out = small_disk / "run"
@@ -122,6 +122,8 @@ def test_a_full_disk_is_named_cleaned_up_and_the_run_resumes_once_there_is_room(
     assert steps == [2, 4, 6, 8]
 
 
+@pytest.mark.root
+@pytest.mark.processes
 def test_a_read_only_cache_is_read_and_what_it_lacks_is_named(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """A data cache on a read-only mount (a lab's shared copy): what it holds is read as is, token
@@ -162,16 +164,14 @@ def test_a_read_only_cache_is_read_and_what_it_lacks_is_named(tmp_path: Path,
         subprocess.run(["umount", "-l", str(cache)], capture_output=True)
 
 
+@pytest.mark.root
+@pytest.mark.processes
 def test_a_full_disk_stops_every_rank_with_the_same_line(tmp_path: Path, small_disk: Path) -> None:
     """Two processes share the full disk: the rank that cannot write its file tells the other, both
     end with the same line, the staging directory is removed, and the run resumes once there is room."""
-    import os
-
     out = small_disk / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "eagerloco", "launch", "--workers", "2", "--", *FAST, "--out", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    argv = [*FAST, "--out", str(out)]
+    r = launch_here(argv, 2, timeout=600)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-2000:]
     assert "Traceback" not in r.stdout + r.stderr, r.stdout[-4000:]
     lines = {ln.split("] ", 1)[0]: ln.split("] ", 1)[1] for ln in r.stdout.splitlines()
@@ -181,7 +181,7 @@ def test_a_full_disk_stops_every_rank_with_the_same_line(tmp_path: Path, small_d
     assert "No space left on device" in message and "step_00000002 (step 2)" in message, message
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]
     subprocess.run(["mount", "-o", "remount,size=256m", str(small_disk)], check=True)
-    r = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=600, env=env)
+    r = launch_here([*argv, "--resume"], 2, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2, 4, 6, 8]

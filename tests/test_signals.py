@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from runs import launch_here, train_here
 
 from eagerloco import checkpoint as ckpt
 from eagerloco.cli import main
@@ -88,6 +89,7 @@ def _steps_logged(out: Path) -> list[int]:
     return [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines() if ln]
 
 
+@pytest.mark.processes
 def test_sigint_sigterm_sighup_stop_an_in_process_run_with_one_line_and_it_resumes(tmp_path: Path) -> None:
     out, tag, steps = tmp_path / "run", uuid.uuid4().hex, 24
     cmd = [sys.executable, "-m", "eagerloco", "train", *BASE, "--steps", str(steps), "--out", str(out)]
@@ -106,12 +108,13 @@ def test_sigint_sigterm_sighup_stop_an_in_process_run_with_one_line_and_it_resum
                          "with --resume to continue from it"], text[-3000:]
         assert not (out / ".eagerloco.lock").exists()
     assert tagged(tag) == []
-    r = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600, env=_env(tag))
+    r = train_here([*BASE, "--steps", str(steps), "--out", str(out), "--resume"])  # the rest, in this process
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert _steps_logged(out) == list(range(2, steps + 1, 2))  # nothing lost, nothing twice
     assert json.loads((out / "summary.json").read_text())["steps"] == steps
 
 
+@pytest.mark.processes
 def test_launcher_stopped_by_a_signal_or_killed_takes_every_rank_with_it(tmp_path: Path) -> None:
     """SIGINT and SIGHUP to `eagerloco launch`: forwarded, every rank says so in one line; SIGKILL to
     it: the kernel stops the ranks (PR_SET_PDEATHSIG). No process is left, and the run resumes."""
@@ -136,7 +139,8 @@ def test_launcher_stopped_by_a_signal_or_killed_takes_every_rank_with_it(tmp_pat
         for rank in (0, 1):
             mine = [ln for ln in text.splitlines() if ln.startswith(f"[rank {rank}] ") and "stopped by" in ln]
             assert len(mine) == 1 and f"stopped by {sig.name}" in mine[0] and "--resume" in mine[0], text[-3000:]
-    r = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600, env=_env(tag))
+    # The rest, the launcher in this process (tests/runs.py).
+    r = launch_here([*cmd[cmd.index("--") + 1:], "--resume"], 2, env={TAG: tag}, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert _steps_logged(out) == list(range(2, steps + 1, 2))
     assert json.loads((out / "summary.json").read_text())["steps"] == steps
@@ -153,6 +157,7 @@ def test_a_rendezvous_port_in_use_is_named_with_the_fix(capsys: pytest.CaptureFi
     assert err.count("\n") == 1, err
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("elastic", [False, True])
 def test_an_evaluation_longer_than_the_dist_timeout_loses_nothing(tmp_path: Path, elastic: bool) -> None:
     """Rank 0 (the elastic leader) evaluates, mid-run and final, for longer than --dist-timeout: the
@@ -188,6 +193,7 @@ def _pid_of_rank(tag: str, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_dead_or_frozen_inner_rank_is_named_by_its_global_rank(tmp_path: Path, sig: signal.Signals) -> None:
     """2 workers x 2 ranks, checkpoints every step: global rank 1 (worker 0's second rank, no link

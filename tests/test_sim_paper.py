@@ -151,6 +151,7 @@ def test_eager_steady_state_is_bounded_by_the_payload_per_round() -> None:
     assert cold[-1] is not None and cold[-1] < 0.25
 
 
+@pytest.mark.slow
 def test_plan_picks_the_first_candidate_in_rank_order_that_meets() -> None:
     model = paper.paper_model("10b")
     report = plan(model, 2.0, 0.95)
@@ -176,6 +177,7 @@ def test_codec_sizes_match_the_codecs() -> None:
                 assert packed_nbytes(name, n, block) == codec.packed_nbytes(n), (name, block, n)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("module", ["eagerloco.sim.cli", "eagerloco.sim", "eagerloco.codec_sizes"])
 def test_simulator_imports_no_torch(module: str) -> None:
     code = (
@@ -187,6 +189,7 @@ def test_simulator_imports_no_torch(module: str) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+@pytest.mark.processes
 def test_simulate_command_runs_without_torch() -> None:
     code = (
         "import sys\n"

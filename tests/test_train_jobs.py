@@ -19,6 +19,7 @@ FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batch
         "--log-every", "4", "--dist-timeout", "30"]
 
 
+@pytest.mark.processes
 def test_two_jobs_agree_after_every_blocking_diloco_sync_and_count_the_bytes(tmp_path: Path) -> None:
     port = free_ports(1)[0]
     args = [*FAST, "--method", "diloco", "--inner-steps", "4", "--steps", "8", "--checkpoint-every", "4"]
@@ -48,6 +49,7 @@ def test_a_worker_id_without_an_outer_address_is_refused(capsys: pytest.CaptureF
     assert "--outer-addr must be host:port" in capsys.readouterr().err
 
 
+@pytest.mark.processes
 def test_launch_forwards_the_outer_rendezvous_and_starts_only_this_workers_process(tmp_path: Path) -> None:
     from eagerloco.launch import launch
 
