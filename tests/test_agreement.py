@@ -99,6 +99,7 @@ def _jobs(tmp_path: Path, args: list[list[str]], port: int) -> list[subprocess.C
     return wait_all(procs, 240)
 
 
+@pytest.mark.processes
 def test_jobs_started_with_different_settings_both_stop_with_one_line_naming_them(tmp_path: Path) -> None:
     done = _jobs(tmp_path, [["--steps", "4", "--seed", "0"], ["--steps", "6", "--seed", "1", "--outer-lr", "0.4"]],
                  free_ports(1)[0])
@@ -113,6 +114,7 @@ def test_jobs_started_with_different_settings_both_stop_with_one_line_naming_the
         assert not (tmp_path / f"w{w}" / "metrics.jsonl").exists()  # nothing trained
 
 
+@pytest.mark.processes
 def test_jobs_resumed_from_different_steps_resume_from_the_newest_they_all_have(tmp_path: Path) -> None:
     first = _jobs(tmp_path, [["--steps", "6", "--checkpoint-every", "2", "--keep-checkpoints", "3"]] * 2,
                   free_ports(1)[0])

@@ -40,9 +40,8 @@ OUTSIDE_EXCEPTIONS: dict[tuple[str, str], str] = {
        for name in ("_gather", "_sum", "_execute")},
     ("tests/test_outer.py", "_spare"): "checks that the in-process group reuses a mean's buffer (no public view)",
     ("tests/test_outer.py", "_ex"): "checks that the in-process group reuses a payload's memory (no public view)",
-    ("tests/dist_worker.py", "_gather"): "counts the all-gathers of one communicator: the agreed schedule skips the "
-                                          "header round trip",
-    ("tests/dist_worker.py", "_agreement"): "whether OuterSync agreed its schedule, beside the all-gathers it saved",
+    ("tests/test_transport.py", "_gather"): "counts the all-gathers of one communicator: the agreed schedule skips "
+                                             "the header round trip",
 }
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "archive_metrics.py"
 spec = importlib.util.spec_from_file_location("archive_metrics", SCRIPT)
 assert spec and spec.loader
@@ -34,6 +36,7 @@ def test_pack_removes_the_logs_and_unpack_puts_them_back(tmp_path: Path) -> None
     assert {str(p.relative_to(d)): p.read_text() for p in d.rglob("metrics.jsonl")} == LOGS
 
 
+@pytest.mark.processes
 def test_the_archive_is_the_same_bytes_for_the_same_logs(tmp_path: Path) -> None:
     a = comparison(tmp_path / "a", LOGS)
     b = comparison(tmp_path / "b", dict(reversed(LOGS.items())))  # other creation order and times
@@ -55,6 +58,7 @@ def test_a_second_pack_adds_new_logs_and_replaces_rerun_ones(tmp_path: Path) -> 
     assert (d / "tune/eager-1/outer_lr=0.2/metrics.jsonl").read_text() == '{"step": 2}\n'
 
 
+@pytest.mark.processes
 def test_the_command_line_and_plain_tar_unpack_alike(tmp_path: Path) -> None:
     d = comparison(tmp_path / "cmp", LOGS)
     done = subprocess.run([sys.executable, str(SCRIPT), "pack", str(d)], capture_output=True, text=True)

@@ -28,6 +28,7 @@ def _pair(scenario: str, out: Path) -> list[subprocess.CompletedProcess]:
     return wait_all(procs, 120)
 
 
+@pytest.mark.processes
 def test_workers_seeded_differently_start_from_worker_0s_weights_and_agree(tmp_path: Path) -> None:
     done = _pair("synced", tmp_path)
     assert [d.returncode for d in done] == [0, 0], done[0].stdout[-3000:] + done[1].stdout[-3000:]
@@ -35,6 +36,7 @@ def test_workers_seeded_differently_start_from_worker_0s_weights_and_agree(tmp_p
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))  # DiLoCo: one outer model
 
 
+@pytest.mark.processes
 def test_without_init_sync_different_weights_stop_both_workers_with_one_line(tmp_path: Path) -> None:
     for d in _pair("unsynced", tmp_path):
         assert d.returncode == 2, d.stdout[-3000:]
@@ -44,6 +46,7 @@ def test_without_init_sync_different_weights_stop_both_workers_with_one_line(tmp
         assert "seed every worker the same way, or leave init_sync=True" in last and "Traceback" not in d.stdout
 
 
+@pytest.mark.processes
 def test_a_setting_that_differs_stops_both_workers_with_one_line_naming_it(tmp_path: Path) -> None:
     for d in _pair("outer_lr", tmp_path):
         assert d.returncode == 2, d.stdout[-3000:]
@@ -52,6 +55,7 @@ def test_a_setting_that_differs_stops_both_workers_with_one_line_naming_it(tmp_p
                         "worker 1: 0.4). Pass the same settings to outer_loop on every worker"), last
 
 
+@pytest.mark.processes
 def test_eager_workers_end_with_one_model(tmp_path: Path) -> None:
     done = _pair("eager", tmp_path)
     assert [d.returncode for d in done] == [0, 0], done[0].stdout[-3000:] + done[1].stdout[-3000:]

@@ -170,6 +170,7 @@ def _clean_env() -> dict[str, str]:
                          "EAGERLOCO_WORKERS")}
 
 
+@pytest.mark.processes
 def test_without_the_extras_the_hook_api_runs_and_each_command_names_its_extra() -> None:
     done = subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS], capture_output=True, text=True, timeout=300,
                           cwd=REPO, env=_clean_env())
@@ -193,6 +194,7 @@ def test_without_the_extras_the_hook_api_runs_and_each_command_names_its_extra()
 
 # ---------------------------------------------------------------- the public API
 
+@pytest.mark.processes
 def test_dir_shows_only_the_public_api() -> None:
     code = ("import eagerloco; before = dir(eagerloco); eagerloco.outer_loop; eagerloco.OuterSync; "
             "print(before == dir(eagerloco) == sorted([*eagerloco.__all__, '__version__']))")

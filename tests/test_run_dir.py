@@ -256,6 +256,7 @@ def test_compare_never_deletes_a_run_directory_it_did_not_write(tmp_path: Path, 
     assert not (out / "runs" / "no-overlap" / "metrics.jsonl").exists()
 
 
+@pytest.mark.processes
 def test_a_launched_run_lists_every_rank_s_files_and_overwrite_removes_them(tmp_path: Path, capsys) -> None:
     """Only the reporting process writes the manifest; it lists the files every rank wrote."""
     out = tmp_path / "run"
