@@ -6,6 +6,7 @@ Each subcommand's module is imported only when it runs, so `eagerloco simulate` 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from eagerloco.config import ConfigError
@@ -74,6 +75,22 @@ def _exit_code(e: BaseException) -> int | None:
     return None
 
 
+#: The level below which torch's C++ log lines are dropped, unless the caller's environment sets one.
+CPP_LOG_LEVEL = "ERROR"
+
+
+def quiet_cpp_warnings() -> None:
+    """Drop torch's C++ warnings from the command's output, before torch is loaded (it reads
+    ``TORCH_CPP_LOG_LEVEL`` once, when its library loads; a level set by the caller is kept).
+
+    A store whose host is gone makes every later store call log a warning that carries the C++ stack
+    frames of the error (``TCPStore.cpp: sendBytes failed ... frame #0 ...``) before it raises the
+    error the run turns into one line naming the worker.
+    """
+    if "torch" not in sys.modules:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", CPP_LOG_LEVEL)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the `eagerloco` command.
 
@@ -85,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         workers that launched different exchanges, 130 for Ctrl-C before the command started.
     """
     argv = sys.argv[1:] if argv is None else argv
+    quiet_cpp_warnings()
     parser = make_parser()
     args = parser.parse_args(argv)
     try:
