@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from eagerloco.config import ConfigError
+from eagerloco.environment import quiet_torch_cpp_warnings
 from eagerloco.flags import add_train_flags
 
 
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         workers that launched different exchanges, 130 for Ctrl-C before the command started.
     """
     argv = sys.argv[1:] if argv is None else argv
+    quiet_torch_cpp_warnings()
     parser = make_parser()
     args = parser.parse_args(argv)
     try:

@@ -3,13 +3,16 @@
 A launcher (``eagerloco launch``, torchrun) tells each process where it stands through environment
 variables; the user may set a few as defaults of flags. Everything eagerloco reads from the
 environment is a field of :class:`Environment`, read by :meth:`Environment.read` (no other module
-reads ``os.environ``; nothing writes it: a launcher passes the variables to the processes it starts).
+reads ``os.environ``). No setting passes through it: a launcher passes the variables to the processes
+it starts (:meth:`Environment.for_child`). The one variable written here is torch's own log level,
+which the command line lowers before torch loads (:func:`quiet_torch_cpp_warnings`).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,6 +33,22 @@ LAUNCHER_PID_ENV = "EAGERLOCO_LAUNCHER_PID"
 KERNEL_LINK_ENV = "EAGERLOCO_KERNEL_LINK_GBPS"
 #: The data cache (default of ``--data-dir``).
 DATA_DIR_ENV = "EAGERLOCO_DATA_DIR"
+
+
+#: The level below which torch's C++ log lines are dropped by the command line, unless the caller sets one.
+TORCH_CPP_LOG_LEVEL = "ERROR"
+
+
+def quiet_torch_cpp_warnings() -> None:
+    """Drop torch's C++ warnings from the command's output, before torch is loaded (it reads
+    ``TORCH_CPP_LOG_LEVEL`` once, when its library loads; a level set by the caller is kept).
+
+    A store whose host is gone makes every later store call log a warning that carries the C++ stack
+    frames of the error (``TCPStore.cpp: sendBytes failed ... frame #0 ...``) before it raises the
+    error the run turns into one line naming the worker.
+    """
+    if "torch" not in sys.modules:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", TORCH_CPP_LOG_LEVEL)
 
 
 @dataclass(frozen=True)
@@ -120,6 +139,7 @@ class Environment:
 
 __all__ = [
     "DATA_DIR_ENV",
+    "TORCH_CPP_LOG_LEVEL",
     "Environment",
     "INCARNATION_ENV",
     "KERNEL_LINK_ENV",
@@ -129,4 +149,5 @@ __all__ = [
     "REJOIN_ENV",
     "WORKERS_ENV",
     "WORKER_ID_ENV",
+    "quiet_torch_cpp_warnings",
 ]

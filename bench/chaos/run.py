@@ -32,12 +32,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.chaoslib import default_signals, reap, tagged, tagged_env  # noqa: E402
 from eagerloco import checkpoint as ckpt  # noqa: E402
 
-_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "EAGERLOCO_WORKERS", "EAGERLOCO_RANKS_PER_WORKER", "EAGERLOCO_REJOIN", "EAGERLOCO_FAULT_KILL",
-             "EAGERLOCO_LAUNCHER_PID")
-TAG = "EAGERLOCO_CHAOS_TAG"
 #: (target, signal): a training rank or the launcher.
 FAULTS = [("rank", signal.SIGKILL), ("rank", signal.SIGTERM), ("rank", signal.SIGSTOP),
           ("launcher", signal.SIGINT), ("launcher", signal.SIGTERM), ("launcher", signal.SIGHUP),
@@ -54,31 +51,6 @@ def train_args(args: argparse.Namespace, out: Path) -> list[str]:
 def command(args: argparse.Namespace, out: Path, resume: bool) -> list[str]:
     return [sys.executable, "-m", "eagerloco", "launch", "--workers", str(args.workers), "--grace-s", "10", "--",
             *train_args(args, out), *(["--resume"] if resume else [])]
-
-
-def env(tag: str) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    e.update({TAG: tag, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    return e
-
-
-def tagged(tag: str) -> dict[int, dict[str, str]]:
-    """Live processes carrying the tag: pid -> their RANK (if any)."""
-    found: dict[int, dict[str, str]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            items = (d / "environ").read_bytes().split(b"\0")
-            if f"{TAG}={tag}".encode() not in items:
-                continue
-            if (d / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-        except OSError:
-            continue
-        kv = dict(i.decode(errors="replace").split("=", 1) for i in items if b"=" in i)
-        found[int(d.name)] = {"rank": kv.get("RANK", "")}
-    return found
 
 
 def newest_step(out: Path) -> int:
@@ -99,7 +71,7 @@ def one_attempt(args: argparse.Namespace, out: Path, tag: str, resume: bool, fau
     before = newest_step(out)
     t0 = time.monotonic()
     with log.open("w") as f:
-        p = subprocess.Popen(command(args, out, resume), stdout=f, stderr=subprocess.STDOUT, env=env(tag),
+        p = subprocess.Popen(command(args, out, resume), stdout=f, stderr=subprocess.STDOUT, env=tagged_env(tag, ROOT),
                              cwd=ROOT)
         injected = None
         while fault is not None and p.poll() is None and time.monotonic() - t0 < args.timeout:
@@ -121,15 +93,7 @@ def one_attempt(args: argparse.Namespace, out: Path, tag: str, resume: bool, fau
         except subprocess.TimeoutExpired:
             p.kill()
             rc = p.wait()
-    deadline = time.monotonic() + 30
-    while tagged(tag) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    orphans = tagged(tag)
-    for pid in orphans:  # clean up what was left, after counting it
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    orphans = reap(tag)  # counted, then killed
     text = log.read_text(errors="replace")
     newest = ckpt.list_checkpoints(ckpt.checkpoint_root(out))
     intact = True
@@ -139,7 +103,7 @@ def one_attempt(args: argparse.Namespace, out: Path, tag: str, resume: bool, fau
         except ckpt.CheckpointError:
             intact = False
     return {"rc": rc, "fault": injected, "tracebacks": text.count("Traceback (most recent call last)"),
-            "orphans": len(orphans), "newest_checkpoint_intact": intact, "newest_step": newest_step(out),
+            "orphans": orphans, "newest_checkpoint_intact": intact, "newest_step": newest_step(out),
             "seconds": round(time.monotonic() - t0, 1), "log": str(log)}
 
 
@@ -156,10 +120,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300, help="per attempt")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
-    # Started from nohup or a background job, this process may ignore SIGHUP or SIGINT, and its
-    # children would inherit that (a signal ignored at start stays ignored): give them the defaults.
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    default_signals()  # children of a background job would inherit an ignored SIGINT
     seed = args.seed if args.seed is not None else random.randrange(10**6)
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix="eagerloco-chaos-"))

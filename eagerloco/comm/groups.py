@@ -10,6 +10,7 @@ worker, and every rank exchanges its own shard.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from eagerloco.comm.errors import PeerError, describe_exception
-from eagerloco.comm.waiting import bounded, wait_for_workers
+from eagerloco.comm.waiting import bounded, wait_for_listener, wait_for_workers
 from eagerloco.config import ConfigError
 from eagerloco.environment import Environment
 
@@ -261,10 +262,14 @@ def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S
     where = f"{rdzv.host}:{rdzv.port}"
     me = f"worker {rdzv.worker}"
     what = "start the outer store at" if rdzv.worker == 0 else "reach worker 0's outer store at"
+    waiting = f"{me}: waiting for worker 0's outer store at {where}"
+    started = time.monotonic()
     try:  # a connection that never answers must not hold the job past the timeout, nor ignore Ctrl-C
+        if rdzv.worker != 0:  # the store's client only once worker 0 listens: its own retries print C++ frames
+            wait_for_listener(rdzv.host, rdzv.port, timeout_s, waiting)
         store = bounded(lambda: dist.TCPStore(rdzv.host, rdzv.port, is_master=rdzv.worker == 0,
                                               wait_for_workers=False, timeout=timedelta(seconds=timeout_s)),
-                        timeout_s, f"{me}: waiting for worker 0's outer store at {where}")
+                        timeout_s, waiting, started=started)
     except TimeoutError:
         raise PeerError(f"{me} cannot {what} {where}: no answer within {timeout_s:g} s; check --outer-addr and "
                         "that worker 0 runs", [0]) from None
