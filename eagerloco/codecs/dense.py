@@ -1,4 +1,4 @@
-"""Low-precision codecs for exchanging outer gradients, with real packed payloads.
+"""The dense codecs: every value of the outer gradient in a low-precision format, packed for real.
 
 See :class:`Codec` for how it works.
 """
