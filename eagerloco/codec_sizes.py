@@ -18,6 +18,7 @@ CODEC_BITS: dict[str, int] = {
     "e3m0": 4,
     "int8": 8,
     "int4": 4,
+    "2bit": 2,
 }
 
 CODEC_NAMES: tuple[str, ...] = tuple(CODEC_BITS)
@@ -53,3 +54,42 @@ def packed_nbytes(codec: str, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) 
     if codec not in BLOCK_SCALED:
         return body
     return body + math.ceil(numel / block_size) * SCALE_BYTES
+
+
+def chunk_position_bits(length: int, k: int) -> int:
+    """Bits that say which k of a chunk's length values a sparse payload keeps: k indices of
+    ceil(log2 length) bits each, or a mask of length bits, whichever is smaller (the mask on a tie).
+
+    Args:
+        length: values in the chunk (>= 1; the last chunk of a vector may be shorter than the others).
+        k: values kept in it (at most length).
+    """
+    index_bits = (length - 1).bit_length()  # ceil(log2 length): 0 for a chunk of one value
+    return min(k * index_bits, length)
+
+
+def sparse_nbytes(codec: str, numel: int, chunk: int, k: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Bytes of one sparse (top-k) payload: the kept values in the named codec, then their positions.
+
+    numel values are split into chunks of ``chunk`` values (the last may be shorter); each chunk keeps
+    min(k, its length) values. The kept values, in chunk order, form one payload of ``codec`` (its blocks
+    of ``block_size`` values each carry a scale); the positions follow as one bit stream, each chunk's
+    :func:`chunk_position_bits`, padded to a whole byte at the end.
+
+    Raises:
+        ValueError: unknown codec, numel < 0, chunk or k below 1.
+    """
+    if chunk < 1 or k < 1:
+        raise ValueError(f"chunk and k must be >= 1, got chunk={chunk}, k={k}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    full, last = divmod(numel, chunk)
+    kept = full * min(k, chunk) + min(k, last)
+    bits = full * chunk_position_bits(chunk, min(k, chunk)) + (chunk_position_bits(last, min(k, last)) if last else 0)
+    return packed_nbytes(codec, kept, block_size) + -(-bits // 8)
+
+
+def sparse_bits_per_value(codec: str, chunk: int, k: int, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
+    """Bits on the wire per value of the vector (not per kept value) of a long sparse payload: what the
+    simulator charges. FP32 is 32; top 64 of 4096 in 2 bits with scales per 32 is about 0.23."""
+    return 8 * sparse_nbytes(codec, chunk * 1024, chunk, k, block_size) / (chunk * 1024)

@@ -34,7 +34,8 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 from eagerloco.config import SECTIONS, ConfigError, Environment, TrainConfig, train_config_from_tables
 
 #: The --help sections, in order, with their titles; a field goes to its setting's group, else its class's.
-GROUPS = {"algorithm": "algorithm", "link": "link", "training": "training", "device": "device",
+GROUPS = {"algorithm": "algorithm", "compression": "compression (sparse exchange, error feedback)", "link": "link",
+          "training": "training", "device": "device",
           "multi-process": "multi-process (under `eagerloco launch`, torchrun, or one job per worker)",
           "faults": "faults"}
 _CLASS_GROUP = {"OuterConfig": "algorithm", "LinkConfig": "link", "TrainConfig": "training"}

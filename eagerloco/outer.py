@@ -17,6 +17,7 @@ from torch import nn
 from eagerloco.codecs import get_codec
 from eagerloco.comm.base import Communicator, Handle, ReadyHandle
 from eagerloco.config import OuterConfig
+from eagerloco.error_feedback import ErrorFeedback
 from eagerloco.fragments import assign_fragments, find_blocks, trainable_fragments
 from eagerloco.fsdp import like_param, local_shard
 from eagerloco.schedule import apply_delay, fragment_offsets, fragments_due
@@ -25,7 +26,8 @@ OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
 def make_outer_optimizer(config: OuterConfig) -> OuterOptimizerFactory:
-    """The configured outer optimizer (default: SGD, lr 0.7, momentum 0.9, Nesterov)."""
+    """The configured outer optimizer (default: SGD, lr 0.7, momentum 0.9, Nesterov; ``average``: SGD
+    without momentum, whatever --outer-momentum says)."""
 
     def factory(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         # foreach: one kernel per op over the fragment's tensors (PyTorch picks it by itself only on
@@ -37,6 +39,8 @@ def make_outer_optimizer(config: OuterConfig) -> OuterOptimizerFactory:
                 params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_nesterov,
                 foreach=True,
             )
+        if config.outer_optimizer == "average":  # plain averaging: outer <- outer - lr * D (SparseLoCo)
+            return torch.optim.SGD(params, lr=config.outer_lr, foreach=True)
         if config.outer_optimizer == "adam":
             return torch.optim.Adam(params, lr=config.outer_lr, foreach=True)
         return torch.optim.AdamW(params, lr=config.outer_lr, foreach=True)
@@ -120,7 +124,8 @@ class OuterSync:
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.comm = comm
-        self.codec = get_codec(cfg.codec, block_size=cfg.codec_block, stochastic=cfg.stochastic_rounding)
+        self.codec = get_codec(cfg.codec, block_size=cfg.codec_block, stochastic=cfg.stochastic_rounding,
+                               topk=cfg.topk, chunk=cfg.topk_chunk)
         # On the parameters' device: the codecs draw their rounding noise where they encode.
         first = next(iter(model.parameters()), None)
         where = local_shard(first).device if first is not None else torch.device("cpu")
@@ -152,6 +157,8 @@ class OuterSync:
         self.outer = [[p.detach().clone().to(torch.float32) for p in f] for f in self.local]
         factory = outer_optimizer or make_outer_optimizer(cfg)
         self.outer_opts = [factory(params) for params in self.outer]
+        #: What this worker's compressed exchanges have not sent yet (None: --error-feedback off).
+        self.feedback = None if cfg.error_feedback is None else ErrorFeedback(self.outer, cfg.error_feedback)
         self.offsets = fragment_offsets(cfg.inner_steps, cfg.fragments)
         self.delay = apply_delay(cfg.method, cfg.inner_steps, cfg.overlap_steps, cfg.eager_rounds)
 
@@ -243,10 +250,17 @@ class OuterSync:
         for p in fragments_due(self.step, cfg.inner_steps, self.offsets):
             with torch.no_grad():
                 delta = [o - l.detach().to(torch.float32) for o, l in zip(self.outer[p], self.local[p], strict=True)]
-            # Only eager reads its own share back (handle.own); the others let the runtime reuse it.
-            handle = self.comm.allreduce_mean(delta, self.codec, self.generator, keep_own=cfg.method == "eager",
+            feedback = self.feedback
+            # Only eager and error feedback read their own share back (handle.own); the others let the
+            # runtime reuse it.
+            handle = self.comm.allreduce_mean(delta if feedback is None else feedback.add(p, delta), self.codec,
+                                              self.generator, keep_own=cfg.method == "eager" or feedback is not None,
                                               **self._agreed())
-            fresh = delta if cfg.method == "eager" else None
+            if feedback is not None:
+                feedback.sent(p, handle.own)
+            # Eager applies its own share now: the outer gradient itself, or with error feedback what it
+            # sent (C_m), so that every value sent is applied once and the unsent rest stays in the buffer.
+            fresh = (delta if feedback is None else handle.own) if cfg.method == "eager" else None
             self.in_flight.append(
                 _InFlight(p, handle, self.step, self.step + self.delay, fresh, self.comm.num_workers)
             )
@@ -304,7 +318,8 @@ class OuterSync:
             sizes = [sum(t.numel() for t in frag) for frag in self.local]
             describe = (f"method {cfg.method}, H {cfg.inner_steps}, {cfg.fragments} fragment(s) of "
                         f"{sizes} values ({cfg.fragment_pattern}), overlap {cfg.overlap_steps}, "
-                        f"eager rounds {cfg.eager_rounds}, codec {cfg.codec}/{cfg.codec_block}, "
+                        f"eager rounds {cfg.eager_rounds}, codec {self.codec.name}/{cfg.codec_block}, "
+                        f"error feedback {cfg.error_feedback}, "
                         f"at step {self.step} of {self.num_workers} workers")
             self._agreement = self.comm.agree(describe.encode(), describe)
         return {"agreed": True} if self._agreement else {}
@@ -470,7 +485,8 @@ class OuterSync:
 
         Returns:
             method, step, outer copies, outer-optimizer states, stochastic-rounding generator
-            state, and the exchanges in flight with their results (``in_flight``).
+            state, the exchanges in flight with their results (``in_flight``), and the error-feedback
+            buffers (``error_feedback``; None when off).
 
         Raises:
             PeerError: an exchange in flight failed while being resolved.
@@ -492,6 +508,7 @@ class OuterSync:
             "outer_opts": [opt.state_dict() for opt in self.outer_opts],
             "in_flight": in_flight,
             "generator": self.generator.get_state(),
+            "error_feedback": None if self.feedback is None else self.feedback.state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -501,8 +518,9 @@ class OuterSync:
             state: what :meth:`state_dict` returned, possibly from an older checkpoint.
 
         Raises:
-            ValueError: the state is for another method, or its fragments do not match this model
-                and fragment setting.
+            ValueError: the state is for another method, its fragments do not match this model
+                and fragment setting, or it was saved with error feedback on where this run has it off
+                (or the reverse).
         """
         if state.get("method") != self.config.method:
             raise ValueError(f"state is for method {state.get('method')!r}, this run uses {self.config.method!r}")
@@ -519,6 +537,14 @@ class OuterSync:
         for opt, s in zip(self.outer_opts, state["outer_opts"], strict=True):
             opt.load_state_dict(s)
         self.generator.set_state(state["generator"])
+        saved_feedback = state.get("error_feedback")  # absent in checkpoints made before error feedback
+        if (saved_feedback is None) != (self.feedback is None):
+            raise ValueError(
+                f"state was saved with error feedback {'off' if saved_feedback is None else 'on'} and this run "
+                f"has it {'off' if self.feedback is None else 'on'}: resume with the same --error-feedback setting"
+            )
+        if saved_feedback is not None and self.feedback is not None:
+            self.feedback.load(saved_feedback)
         self.in_flight = [
             _InFlight(
                 x["fragment"],

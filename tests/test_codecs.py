@@ -19,7 +19,9 @@ from eagerloco.codecs import CODEC_NAMES, Codec, get_codec
 from eagerloco.comm.base import encode, mean_of_payloads
 
 BLOCK_FORMATS = ("fp8", "e2m1", "e3m0", "int8", "int4")
-BITS = {"fp32": 32, "bf16": 16, "fp8": 8, "e2m1": 4, "e3m0": 4, "int8": 8, "int4": 4}
+#: Every format with a scale per block: the nearest-level ones above and 2bit (sign and 1/2 or 1, no zero).
+SCALED_FORMATS = (*BLOCK_FORMATS, "2bit")
+BITS = {"fp32": 32, "bf16": 16, "fp8": 8, "e2m1": 4, "e3m0": 4, "int8": 8, "int4": 4, "2bit": 2}
 SCALE_BYTES = 2  # one bfloat16 scale per block
 
 
@@ -92,7 +94,7 @@ def _reference_nearest(name: str, q: torch.Tensor) -> torch.Tensor:
 
 
 def test_names_attributes_and_summability() -> None:
-    assert CODEC_NAMES == ("fp32", "bf16", "fp8", "e2m1", "e3m0", "int8", "int4")
+    assert CODEC_NAMES == ("fp32", "bf16", "fp8", "e2m1", "e3m0", "int8", "int4", "2bit")
     for name in CODEC_NAMES:
         c = get_codec(name, block_size=16, stochastic=True)
         assert (c.name, c.bits, c.block_size, c.stochastic) == (name, BITS[name], 16, True)
@@ -134,7 +136,7 @@ def test_bad_inputs_are_rejected() -> None:
 def test_payload_length_is_the_closed_form(name: str, n: int) -> None:
     c = get_codec(name)
     buf = c.pack(_normal(n, n))
-    blocks = math.ceil(n / 32) if name in BLOCK_FORMATS else 0
+    blocks = math.ceil(n / 32) if name in SCALED_FORMATS else 0
     expected = math.ceil(n * BITS[name] / 8) + blocks * SCALE_BYTES
     assert buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
     assert buf.numel() == c.packed_nbytes(n) == expected
@@ -349,7 +351,11 @@ def test_fp32_accumulation_of_dequantized_payloads(name: str) -> None:
 
     expected = torch.zeros(n)
     for x, buf in zip(xs, payloads, strict=True):
-        if name in BLOCK_FORMATS:
+        if name == "2bit":  # |q| >= 3/4 to 1, the rest (zero included) to 1/2, with q's sign
+            s = _scales(c, buf, n)
+            q = x / s
+            expected += torch.where(q.abs() >= 0.75, 1.0, 0.5) * torch.where(q < 0, -1.0, 1.0) * s
+        elif name in BLOCK_FORMATS:
             s = _scales(c, buf, n)
             expected += _reference_nearest(name, x / s) * s
         elif name == "bf16":

@@ -1,6 +1,8 @@
 """Formats of the outer gradient on the wire, with real packed payloads: dense low-precision codecs
-(:mod:`eagerloco.codecs.dense`).
+(:mod:`eagerloco.codecs.dense`) and the sparse top-k exchange (:mod:`eagerloco.codecs.sparse`).
 """
+
+from __future__ import annotations
 
 from eagerloco.codecs.dense import (
     CODEC_NAMES,
@@ -12,8 +14,30 @@ from eagerloco.codecs.dense import (
     Fp32Codec,
     Int4Codec,
     Int8Codec,
-    get_codec,
+    TwoBitCodec,
+    dense_codec,
 )
+from eagerloco.codecs.sparse import TopKCodec
+
+
+def get_codec(name: str, block_size: int = 32, stochastic: bool = False, *, topk: int | None = None,
+              chunk: int = 4096) -> Codec:
+    """The exchange's codec: the dense codec called name, or, with ``topk``, the sparse exchange keeping
+    that many values of every chunk of ``chunk`` values, in that dense codec.
+
+    Args:
+        name: one of :data:`CODEC_NAMES` (the values' format).
+        block_size: values sharing one scale in the block formats (validated even where unused).
+        stochastic: stochastic instead of nearest rounding.
+        topk: values kept per chunk (None: every value is sent).
+        chunk: values per chunk of the sparse exchange.
+
+    Raises:
+        ValueError: an unknown name, a block size below 1, or k outside 1..chunk.
+    """
+    dense = dense_codec(name, block_size, stochastic)
+    return dense if topk is None else TopKCodec(dense, chunk, topk)
+
 
 __all__ = ["CODEC_NAMES", "Bf16Codec", "Codec", "E2m1Codec", "E3m0Codec", "Fp32Codec", "Fp8Codec", "Int4Codec",
-           "Int8Codec", "get_codec"]
+           "Int8Codec", "TopKCodec", "TwoBitCodec", "dense_codec", "get_codec"]

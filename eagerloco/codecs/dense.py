@@ -25,7 +25,7 @@ _LOW16 = 0xFFFF
 _HIGH16 = -0x10000  # int32 mask keeping the upper 16 bits
 
 
-def _as_vector(x: torch.Tensor) -> torch.Tensor:
+def as_vector(x: torch.Tensor) -> torch.Tensor:
     """Validate the input of pack and return it as a contiguous FP32 vector."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"codecs encode a torch.Tensor, got {type(x).__name__}")
@@ -58,7 +58,7 @@ class Codec(ABC):
     length is exactly :meth:`Codec.packed_nbytes`, so the bytes a transport moves are the bytes the
     format costs. Sums always happen in FP32 after decoding; only :class:`Fp32Codec` is summable as is.
 
-    Layout of a block-scaled payload (fp8, e2m1, e3m0, int8, int4)::
+    Layout of a block-scaled payload (fp8, e2m1, e3m0, int8, int4, 2bit)::
 
         [ scales: 2 bytes per block ][ codes: ceil(numel * bits / 8) bytes ]
 
@@ -85,8 +85,8 @@ class Codec(ABC):
     devices (each device has its own random generator).
 
     An all-zero block stores scale 0 and decodes to exact zeros. Codes for the 4-bit formats are packed
-    two per byte, the first value in the low nibble; the stream is not padded per block, only the last
-    byte may hold a single code.
+    two per byte, the first value in the low nibble (2-bit codes four per byte, the first in the lowest
+    bits); the stream is not padded per block, only the last byte may be partly empty.
 
     Rounding is round-to-nearest, ties to the even significand (for e3m0, which has no mantissa bits,
     a tie between two powers of two goes to the larger one, a tie between 0 and 2^-6 to 0) or, with
@@ -157,7 +157,7 @@ class Fp32Codec(Codec):
     summable = True
 
     def pack(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        return _as_vector(x).clone().view(torch.uint8)
+        return as_vector(x).clone().view(torch.uint8)
 
     def unpack(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
         self._check_buf(buf, numel)
@@ -185,7 +185,7 @@ class Bf16Codec(Codec):
     bits = 16
 
     def pack(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        v = _as_vector(x).clamp(-_BF16_MAX, _BF16_MAX)
+        v = as_vector(x).clamp(-_BF16_MAX, _BF16_MAX)
         if not self.stochastic:
             return v.to(torch.bfloat16).view(torch.uint8)
         # Adding a uniform 16-bit integer to the magnitude bits and truncating rounds up with
@@ -220,9 +220,13 @@ class _BlockCodec(Codec):
         while _bits_to_float(bits) * self.max_level > _FP32_MAX:
             bits -= 0x10000
         self._max_scale_bits = bits
-        if self.bits == 4:  # one lookup per byte decodes both nibbles
-            b = torch.arange(256)
-            self._pair_table = torch.stack((table[b & 15], table[b >> 4]), dim=1).contiguous()
+        #: Codes per byte: 2 for the 4-bit formats (the first in the low nibble), 4 for 2-bit ones.
+        self.per_byte = 8 // self.bits
+        if self.per_byte > 1:  # one lookup per byte decodes every code in it
+            b, mask = torch.arange(256), (1 << self.bits) - 1
+            self._byte_table = torch.stack(
+                [table[(b >> (self.bits * j)) & mask] for j in range(self.per_byte)], dim=1
+            ).contiguous()
         self._tables: dict[torch.device, torch.Tensor] = {}  # the decode table on each device, copied once
 
     def _decode_table(self, device: torch.device) -> torch.Tensor:
@@ -230,7 +234,7 @@ class _BlockCodec(Codec):
         wait for its queue every time)."""
         table = self._tables.get(device)
         if table is None:
-            table = self._tables[device] = (self._pair_table if self.bits == 4 else self._table).to(device)
+            table = self._tables[device] = (self._byte_table if self.per_byte > 1 else self._table).to(device)
         return table
 
     @abstractmethod
@@ -263,15 +267,17 @@ class _BlockCodec(Codec):
         return (bits >> 16).to(torch.int16), bits.view(torch.float32)
 
     def _chunk_blocks(self, device: torch.device, num_blocks: int) -> int:
-        """Blocks per chunk: about _CHUNK values (cache-sized), an even number of values; on a GPU,
-        which has no cache to fit and pays a kernel launch per pass, every block at once."""
+        """Blocks per chunk: about _CHUNK values (cache-sized), whole bytes of codes; on a GPU, which
+        has no cache to fit and pays a kernel launch per pass, every block at once."""
         if device.type != "cpu":
             return max(1, num_blocks + num_blocks % 2)
         k = max(1, _CHUNK // self.block_size)
-        return k + (k * self.block_size) % 2
+        while (k * self.block_size) % self.per_byte:
+            k += 1
+        return k
 
     def pack(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        v = _as_vector(x)
+        v = as_vector(x)
         n, bs = v.numel(), self.block_size
         nb = self.num_blocks(n)
         out = torch.empty(self.packed_nbytes(n), dtype=torch.uint8, device=v.device)
@@ -294,11 +300,14 @@ class _BlockCodec(Codec):
             q = blocks / torch.where(scales > 0, scales, 1.0)[:, None]
             u = torch.rand(q.shape, generator=generator, device=q.device) if self.stochastic else None
             codes = self._encode(q, u).view(-1)[: i1 - i0]
-            if self.bits == 4:
-                if codes.numel() % 2:  # only in the last chunk: a lone code in the low nibble
-                    codes = torch.cat((codes, codes.new_zeros(1)))
-                codes = codes[0::2] | (codes[1::2] << 4)
-                code_out[i0 // 2 : i0 // 2 + codes.numel()] = codes
+            per = self.per_byte
+            if per > 1:
+                if codes.numel() % per:  # only in the last chunk: its last byte is partly empty
+                    codes = torch.cat((codes, codes.new_zeros(-codes.numel() % per)))
+                packed = codes[0::per]
+                for j in range(1, per):
+                    packed = packed | (codes[j::per] << (self.bits * j))
+                code_out[i0 // per : i0 // per + packed.numel()] = packed
             else:
                 code_out[i0:i1] = codes
         return out
@@ -320,8 +329,8 @@ class _BlockCodec(Codec):
         for b0 in range(0, nb, step):
             b1 = min(nb, b0 + step)
             i0, i1 = b0 * bs, min(numel, b1 * bs)
-            if self.bits == 4:
-                codes = code_in[i0 // 2 : (i1 + 1) // 2]
+            if self.per_byte > 1:
+                codes = code_in[i0 // self.per_byte : -(-i1 // self.per_byte)]
                 rel = torch.index_select(table, 0, codes.to(torch.int32)).view(-1)[: i1 - i0]
             else:
                 rel = torch.index_select(table, 0, code_in[i0:i1].to(torch.int32))
@@ -435,13 +444,37 @@ class Int4Codec(_IntCodec):
     max_level = 7.0
 
 
+class TwoBitCodec(_BlockCodec):
+    """Sign and one bit of magnitude: {+-1/2, +-1} times the block scale (absmax maps to 1), four codes a
+    byte. Meant for the values a sparse exchange keeps (the largest of their chunk, so none is near
+    zero); error feedback carries the rounding to the next round.
+
+    Code bits: bit 0 the magnitude (0: 1/2, 1: 1), bit 1 the sign. Nearest rounding sends |q| >= 3/4 to
+    1 and everything below, zero included, to 1/2 (an all-zero block has scale 0 and decodes to zeros);
+    stochastic rounding sends |q| in [1/2, 1] to 1 with probability 2|q| - 1 (unbiased there) and |q|
+    below 1/2 to 1/2. Values already on the grid decode to themselves.
+    """
+
+    name = "2bit"
+    bits = 2
+    max_level = 1.0
+
+    def _encode(self, q: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+        mag = q.abs()
+        big = mag >= 0.75 if u is None else u < mag.mul_(2.0).sub_(1.0)
+        return big.to(torch.int32) | ((q < 0).to(torch.int32) << 1)
+
+    def _code_values(self) -> torch.Tensor:
+        return torch.tensor([0.5, 1.0, -0.5, -1.0])
+
+
 _CODECS: dict[str, type[Codec]] = {
-    c.name: c for c in (Fp32Codec, Bf16Codec, Fp8Codec, E2m1Codec, E3m0Codec, Int8Codec, Int4Codec)
+    c.name: c for c in (Fp32Codec, Bf16Codec, Fp8Codec, E2m1Codec, E3m0Codec, Int8Codec, Int4Codec, TwoBitCodec)
 }
 assert tuple(_CODECS) == CODEC_NAMES
 
 
-def get_codec(name: str, block_size: int = 32, stochastic: bool = False) -> Codec:
+def dense_codec(name: str, block_size: int = 32, stochastic: bool = False) -> Codec:
     """Build the codec called name (see CODEC_NAMES); block_size is validated even where unused."""
     if name not in _CODECS:
         raise ValueError(f"unknown --codec {name!r}; choose one of: {', '.join(CODEC_NAMES)}")

@@ -269,8 +269,10 @@ class Membership:
                 self.event({"event": "left", "workers": lost, "members": members,
                             "last_included_step": last, "last_seen_step": seen, "rerun_exchanges": len(jobs),
                             "cause": cause, **phases})
+            dropped = ("; what their error feedback had not sent yet is lost with them"
+                       if lost and self.trainer is not None and self.trainer.sync.feedback is not None else "")
             print(f"eagerloco: worker {self.worker}: lost {', '.join(map(str, lost)) or 'no worker'}; "
-                  f"continuing with workers {members} (epoch {e}, step {self.step}; {phases})", flush=True)
+                  f"continuing with workers {members} (epoch {e}, step {self.step}; {phases}){dropped}", flush=True)
         finally:
             self._busy = False
             self.recovery_s += time.perf_counter() - t0
@@ -434,6 +436,9 @@ class Membership:
             trainer.sync.load_state_dict(state["sync"])
             # Its own rounding noise, not a copy of the source's (that would correlate their errors).
             trainer.sync.generator.manual_seed(trainer.cfg.seed * 1_000_003 + self.worker + 7919 * self.epoch)
+            # Its own error feedback, empty: the source's unsent rest is the source's to send.
+            if trainer.sync.feedback is not None:
+                trainer.sync.feedback.clear()
             trainer.last_loss = state["last_loss"]
             comm.adopt_sequence(int(state["launched"]))
         dist.barrier()

@@ -11,7 +11,8 @@ from eagerloco.schedule import PATTERNS, apply_delay
 
 METHODS = ("dp", "diloco", "streaming", "delayed", "eager")
 WEIGHTINGS = ("nonlocal", "stale_average")
-OUTER_OPTIMIZERS = ("sgd", "adam", "adamw")
+#: average: plain averaging with an outer lr (SGD without momentum), as SparseLoCo steps its outer model.
+OUTER_OPTIMIZERS = ("sgd", "average", "adam", "adamw")
 MAX_ROUNDS_IN_FLIGHT = 64
 #: Slower than this (1 kbit/s) no link carries a model's outer gradient in any useful time.
 MIN_BANDWIDTH_GBPS = 1e-6
@@ -52,6 +53,16 @@ class OuterConfig:
     """Values sharing one scale in the block formats (MX uses 32)."""
     stochastic_rounding: bool = False
     """Round the quantized payload stochastically instead of to nearest."""
+    topk: int | None = setting(None, metavar="K", group="compression", shown_default="off: every value is sent")
+    """Sparse exchange: send only the K entries of largest magnitude of every chunk of --topk-chunk values
+    (their positions packed beside them, the values in --codec, e.g. 2bit). SparseLoCo: 64 of 4096."""
+    topk_chunk: int = setting(4096, metavar="C", group="compression")
+    """C: values per chunk of the sparse exchange (the fragment's values in model order; the last chunk may
+    be shorter)."""
+    error_feedback: float | None = setting(None, metavar="BETA", group="compression",
+                                           shown_default="off")
+    """Error feedback with decay BETA in [0, 1]: each worker keeps what its compressed exchange did not send,
+    e <- BETA*e + outer gradient, sends Q(TopK(e)) and keeps the rest (SparseLoCo: 0.95)."""
     outer_optimizer: str = setting("sgd", choices=OUTER_OPTIMIZERS)
     """The outer optimizer applied to the averaged outer gradient: sgd, adam or adamw."""
     outer_lr: float = 0.7
@@ -81,6 +92,7 @@ class OuterConfig:
             )
         check_int_at_least("overlap_steps", self.overlap_steps, 0)
         check_int_at_least("codec_block", self.codec_block, 1)
+        self._validate_compression()
         if not is_finite(self.alpha) or not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"{flag_name('alpha')} must be in [0, 1] (weight of the local parameters), "
                               f"got {self.alpha}")
@@ -95,6 +107,23 @@ class OuterConfig:
             )
         self._validate_combination(num_blocks)
         return self
+
+    def _validate_compression(self) -> None:
+        check_int_at_least("topk_chunk", self.topk_chunk, 1)
+        if self.topk is not None:
+            check_int_at_least("topk", self.topk, 1)
+            if self.topk > self.topk_chunk:
+                raise ConfigError(f"{flag_name('topk')} ({self.topk}) must not exceed {flag_name('topk_chunk')} "
+                                  f"({self.topk_chunk}): it counts the values kept in each chunk")
+        beta = self.error_feedback
+        if beta is not None and (not is_finite(beta) or not 0.0 <= beta <= 1.0):
+            raise ConfigError(f"{flag_name('error_feedback')} must be a decay in [0, 1] (SparseLoCo: 0.95), "
+                              f"got {beta!r}")
+        if self.method == "dp" and (self.topk is not None or beta is not None):
+            raise ConfigError(
+                f"{flag_name('topk')} and {flag_name('error_feedback')} compress outer gradients; "
+                f"{flag_name('method')} dp exchanges gradients every step: choose diloco, streaming, delayed or eager"
+            )
 
     def _validate_combination(self, num_blocks: int | None) -> None:
         method, fragments = flag_name("method"), flag_name("fragments")
@@ -129,6 +158,11 @@ class OuterConfig:
                 f"{fragments} ({self.fragments}) is larger than the model's number of blocks "
                 f"({num_blocks}); choose 1..{max(num_blocks, 1)}"
             )
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the exchange sends only the top entries of each chunk (--topk)."""
+        return self.topk is not None
 
     @property
     def per_step(self) -> bool:

@@ -356,6 +356,9 @@ def outer_loop(
     codec: str | None = None,
     codec_block: int | None = None,
     stochastic_rounding: bool | None = None,
+    topk: int | None = None,
+    topk_chunk: int | None = None,
+    error_feedback: float | None = None,
     outer_optimizer: OuterOptimizerName | OuterOptimizerFactory | None = None,
     outer_lr: float | None = None,
     outer_momentum: float | None = None,
@@ -400,7 +403,13 @@ def outer_loop(
         codec: the outer gradient's format on the link (fp32, bf16, fp8, int8, e2m1, ...) [fp32].
         codec_block: values sharing one scale in the block formats [32].
         stochastic_rounding: round the quantized payload stochastically [False].
-        outer_optimizer: "sgd", "adam", "adamw" [sgd], or a factory taking the list of FP32 outer tensors.
+        topk, topk_chunk: send only the ``topk`` entries of largest magnitude of every chunk of
+            ``topk_chunk`` values, with their positions [None: every value; 4096].
+        error_feedback: beta, keep what the compressed exchange did not send and add it to the next
+            round's outer gradient, decayed by beta [None: off]. SparseLoCo: ``topk=64, codec="2bit",
+            error_feedback=0.95, outer_optimizer="average", outer_lr=1.0``.
+        outer_optimizer: "sgd", "average" (no momentum), "adam", "adamw" [sgd], or a factory taking the
+            list of FP32 outer tensors.
         outer_lr, outer_momentum, outer_nesterov: the outer optimizer's settings [0.7, 0.9, True].
         sync_every, fragment_sync_delay, fragment_update_alpha: torchft's names for ``inner_steps``,
             ``overlap_steps`` and ``alpha`` (give one name of each pair).

@@ -24,7 +24,7 @@ TORCHFT_NAMES = {"sync_every": "inner_steps", "fragment_sync_delay": "overlap_st
 Method = Literal["dp", "diloco", "streaming", "delayed", "eager"]
 FragmentPattern = Literal["sequential", "strided"]
 EagerWeighting = Literal["nonlocal", "stale_average"]
-OuterOptimizerName = Literal["sgd", "adam", "adamw"]
+OuterOptimizerName = Literal["sgd", "average", "adam", "adamw"]
 #: outer_loop's parameters that are OuterConfig fields or torchft's names for them.
 SETTINGS = frozenset({f.name for f in fields(OuterConfig)} - {"fragments", "outer_optimizer"}) | frozenset(
     TORCHFT_NAMES)

@@ -1,0 +1,158 @@
+"""The sparse exchange: the k values of largest magnitude of every chunk, their positions packed beside
+them, the values in any dense codec (2 bits by default).
+
+See :class:`TopKCodec` for the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagerloco.codec_sizes import chunk_position_bits, sparse_nbytes
+from eagerloco.codecs.dense import Codec, as_vector
+
+_BYTE_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """A vector of 0/1 values as bytes, eight a byte, the first in the lowest bit (zeros pad the last)."""
+    pad = -bits.numel() % 8
+    if pad:
+        bits = torch.cat((bits, bits.new_zeros(pad)))
+    weights = _BYTE_WEIGHTS.to(bits.device)
+    return (bits.to(torch.uint8).view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(buf: torch.Tensor, count: int) -> torch.Tensor:
+    """The first count bits of a byte stream written by :func:`pack_bits`, as bools."""
+    weights = _BYTE_WEIGHTS.to(buf.device)
+    return ((buf[:, None] & weights) != 0).view(-1)[:count]
+
+
+def _uint_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Non-negative integers as ``width`` bits each (lowest first), one value after the other."""
+    shifts = torch.arange(width, device=values.device, dtype=torch.int64)
+    return ((values.to(torch.int64)[..., None] >> shifts) & 1).view(-1)
+
+
+def _bits_uint(bits: torch.Tensor, width: int) -> torch.Tensor:
+    """Inverse of :func:`_uint_bits`: every ``width`` bits (lowest first) as one int64."""
+    shifts = torch.arange(width, device=bits.device, dtype=torch.int64)
+    return (bits.view(-1, width).to(torch.int64) << shifts).sum(1)
+
+
+class TopKCodec(Codec):
+    """Keep the k entries of largest magnitude of every chunk of ``chunk`` values; send them and where they are.
+
+    The vector is cut into chunks of ``chunk`` values in order (the last may be shorter and keeps
+    min(k, its length)). In each chunk the k entries of largest |x| are kept, ties to the lower index
+    (deterministic on every device), and listed in increasing position. Everything else decodes to zero.
+
+    Layout of a payload::
+
+        [ the kept values, chunk after chunk, as one payload of ``values`` (its scales first) ]
+        [ positions: one bit stream, chunk after chunk, padded to a whole byte at the end ]
+
+    A chunk's positions are k indices of ceil(log2 length) bits each (lowest bit first), or a mask of
+    length bits (the first value in the lowest bit), whichever is smaller; the choice follows from the
+    chunk's length and k alone (:func:`~eagerloco.codec_sizes.chunk_position_bits`), so it costs no flag.
+    With the default 2-bit values, 64 of 4096 take 12-bit indices: about 0.23 bits per value of the
+    vector, 141x fewer bytes than FP32 (:func:`~eagerloco.codec_sizes.sparse_bits_per_value`).
+
+    Encoding is vectorized over chunks (one threshold per chunk from ``torch.topk``, ties settled by a
+    running count), so its cost grows with the vector, not with a Python loop. A payload decoded and
+    encoded again gives the same values: the kept entries are the only nonzeros (unless fewer than k
+    were nonzero, which the 2-bit grid turns into +-scale/2).
+
+    Args:
+        values: the dense codec of the kept values (its blocks run over the kept values in order).
+        chunk: values per chunk (C).
+        k: values kept per chunk (at most C).
+    """
+
+    summable = False
+
+    def __init__(self, values: Codec, chunk: int, k: int) -> None:
+        if chunk < 1 or not 1 <= k <= chunk:
+            raise ValueError(f"a sparse exchange keeps 1 <= k <= chunk values of each chunk, got k={k}, chunk={chunk}")
+        super().__init__(values.block_size, values.stochastic)
+        self.values = values
+        self.chunk = chunk
+        self.k = k
+        self.name = f"top{k}of{chunk}+{values.name}"
+        self.bits = values.bits
+
+    def __repr__(self) -> str:
+        return f"TopKCodec({self.values!r}, chunk={self.chunk}, k={self.k})"
+
+    def packed_nbytes(self, numel: int) -> int:
+        return sparse_nbytes(self.values.name, numel, self.chunk, self.k, self.values.block_size)
+
+    def _split(self, numel: int) -> tuple[int, int, int, int]:
+        """(full chunks, length of the last partial chunk, values kept in it, kept values in all)."""
+        full, last = divmod(numel, self.chunk)
+        k_last = min(self.k, last)
+        return full, last, k_last, full * self.k + k_last
+
+    def _keep(self, rows: torch.Tensor, k: int) -> torch.Tensor:
+        """The mask of the k largest |x| in every row, ties to the lower index."""
+        mag = rows.abs()
+        threshold = torch.topk(mag, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+        above = mag > threshold
+        tie = mag == threshold
+        room = k - above.sum(dim=1, keepdim=True)  # how many of the ties fit, in index order
+        return above | (tie & (tie.cumsum(dim=1) <= room))
+
+    def _position_bits(self, mask: torch.Tensor, k: int) -> torch.Tensor:
+        """Rows of a keep-mask as their position bits (indices or the mask itself, per the rule)."""
+        rows, length = mask.shape
+        if length == 1:
+            return mask.new_zeros(0)
+        if chunk_position_bits(length, k) == length:
+            return mask.reshape(-1)
+        index = mask.nonzero()[:, 1]  # row-major: each row's positions, increasing
+        return _uint_bits(index, (length - 1).bit_length())
+
+    def _positions(self, bits: torch.Tensor, rows: int, length: int, k: int) -> torch.Tensor:
+        """The keep-mask of ``rows`` chunks of ``length`` values back from their position bits."""
+        if length == 1:  # one value, kept: no bits needed
+            return torch.ones(rows, 1, dtype=torch.bool, device=bits.device)
+        if chunk_position_bits(length, k) == length:
+            return bits.view(rows, length)
+        index = _bits_uint(bits, (length - 1).bit_length()).view(rows, k)
+        mask = torch.zeros(rows, length, dtype=torch.bool, device=bits.device)
+        return mask.scatter_(1, index, True)
+
+    def pack(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        v = as_vector(x)
+        full, last, k_last, _ = self._split(v.numel())
+        parts = [(v[: full * self.chunk].view(full, self.chunk), self.k)] if full else []
+        if last:
+            parts.append((v[full * self.chunk :].view(1, last), k_last))
+        kept, position_bits = [], []
+        for rows, k in parts:  # the full chunks at once, then the partial one
+            mask = self._keep(rows, k)
+            kept.append(rows[mask])
+            position_bits.append(self._position_bits(mask, k))
+        empty = v.new_zeros(0)
+        values = self.values.pack(torch.cat(kept) if kept else empty, generator)
+        positions = pack_bits(torch.cat(position_bits) if position_bits else empty.to(torch.uint8))
+        return torch.cat((values, positions))
+
+    def unpack(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
+        self._check_buf(buf, numel)
+        full, last, k_last, kept = self._split(numel)
+        values_nbytes = self.values.packed_nbytes(kept)
+        values = self.values.unpack(buf[:values_nbytes], kept)
+        full_bits = full * chunk_position_bits(self.chunk, self.k)
+        bits = unpack_bits(buf[values_nbytes:], full_bits + (chunk_position_bits(last, k_last) if last else 0))
+        masks = [self._positions(bits[:full_bits], full, self.chunk, self.k).view(-1)] if full else []
+        if last:
+            masks.append(self._positions(bits[full_bits:], 1, last, k_last).view(-1))
+        out = torch.zeros(numel, dtype=torch.float32, device=buf.device)
+        if masks:
+            out[torch.cat(masks)] = values
+        return out
+
+
+__all__ = ["TopKCodec", "pack_bits", "unpack_bits"]

@@ -1,0 +1,66 @@
+"""Error feedback for compressed exchanges (section 10 of docs/algorithms.md): what a worker's exchanges
+have not sent yet, carried into its next ones."""
+
+from __future__ import annotations
+
+import torch
+
+
+class ErrorFeedback:
+    """One worker's FP32 buffers e, one list of tensors per fragment, all zero at the start.
+
+    At a fragment's sync, with its outer gradient Delta: :meth:`add` makes e <- beta * e + Delta, which is
+    what the exchange compresses and sends; :meth:`sent` takes the decoded payload C away, e <- e - C, so
+    nothing is lost (beta * e_before + Delta == e_after + C) and nothing is sent twice.
+
+    Args:
+        fragments: the tensors of each fragment (the buffers take their shapes, FP32, on their device).
+        beta: the decay in [0, 1] (SparseLoCo: 0.95); 0 sends each round's outer gradient afresh.
+    """
+
+    def __init__(self, fragments: list[list[torch.Tensor]], beta: float) -> None:
+        self.beta = beta
+        self.buffers = [[torch.zeros_like(t, dtype=torch.float32) for t in frag] for frag in fragments]
+
+    @torch.no_grad()
+    def add(self, p: int, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        """e <- beta * e + Delta for fragment p; returns the buffer (the exchange copies it at launch)."""
+        for e, d in zip(self.buffers[p], delta, strict=True):
+            e.mul_(self.beta).add_(d)
+        return self.buffers[p]
+
+    @torch.no_grad()
+    def sent(self, p: int, payload: list[torch.Tensor]) -> None:
+        """e <- e - C: what fragment p's exchange sent, as the others decode it, leaves the buffer."""
+        for e, c in zip(self.buffers[p], payload, strict=True):
+            e.sub_(c)
+
+    @torch.no_grad()
+    def clear(self) -> None:
+        """Empty every buffer (a worker that joins with another's state: that worker's unsent rest is its own)."""
+        for frag in self.buffers:
+            for e in frag:
+                e.zero_()
+
+    def state(self) -> list[list[torch.Tensor]]:
+        """Copies of the buffers, for a checkpoint."""
+        return [[e.clone() for e in frag] for frag in self.buffers]
+
+    @torch.no_grad()
+    def load(self, saved: list[list[torch.Tensor]]) -> None:
+        """Take the buffers of :meth:`state`.
+
+        Raises:
+            ValueError: the saved buffers do not match these fragments' shapes.
+        """
+        if len(saved) != len(self.buffers) or any(
+            len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True))
+            for a, b in zip(saved, self.buffers, strict=True)
+        ):
+            raise ValueError("the saved error-feedback buffers do not match this model's fragments")
+        for frag, frag_saved in zip(self.buffers, saved, strict=True):
+            for e, s in zip(frag, frag_saved, strict=True):
+                e.copy_(s)
+
+
+__all__ = ["ErrorFeedback"]
