@@ -39,6 +39,17 @@ class GridEntry:
 # method (say streaming with overlap) cannot leak into an entry where it would be invalid.
 METHOD_FIELDS = {"method": "diloco", "fragments": 1, "overlap_steps": 0, "eager_rounds": 1}
 
+#: The sparse exchanges compared: percent of the values kept -> k of every chunk of 4096.
+SPARSE_DENSITIES = {"25": 1024, "6": 256, "1.5": 64}
+
+
+def _sparse(k: int) -> dict[str, Any]:
+    """SparseLoCo's exchange as OuterConfig fields: top k of 4096 in 2 bits, error feedback 0.95, plain
+    averaging as the outer step (the decayed buffer plays the outer momentum's part)."""
+    return {"method": "diloco", "topk": k, "topk_chunk": 4096, "codec": "2bit", "error_feedback": 0.95,
+            "outer_optimizer": "average"}
+
+
 ENTRIES: dict[str, GridEntry] = {
     e.name: e
     for e in (
@@ -75,6 +86,17 @@ ENTRIES: dict[str, GridEntry] = {
                   {"method": "streaming", "fragments": 2, "overlap_steps": 1, "codec": "e2m1"}),
         GridEntry("streaming-2-eager-1-4bit", "streaming P=2, 1-outer-step eager, 4-bit",
                   {"method": "eager", "fragments": 2, "codec": "e2m1"}),
+        # Compressed exchanges (SparseLoCo, MuLoCo): the top k of every chunk of 4096 values in 2 bits,
+        # error feedback 0.95 and plain averaging, at about 25%, 6% and 1.5% of the values; the same
+        # without error feedback (what the buffer buys); and composed with eager, Streaming and Muon.
+        GridEntry("no-overlap-4bit", "no overlap, 4-bit", {"method": "diloco", "codec": "e2m1"}),
+        *(GridEntry(f"sparseloco-{pct}", f"SparseLoCo, top {k} of 4096 ({pct}%), 2-bit", {**_sparse(k)})
+          for pct, k in SPARSE_DENSITIES.items()),
+        *(GridEntry(f"topk-{pct}-no-ef", f"top {k} of 4096 ({pct}%), 2-bit, no error feedback",
+                    {**_sparse(k), "error_feedback": None}) for pct, k in SPARSE_DENSITIES.items()),
+        GridEntry("eager-1-sparseloco-1.5", "1-outer-step eager, SparseLoCo 1.5%", {**_sparse(64), "method": "eager"}),
+        GridEntry("streaming-2-sparseloco-1.5", "streaming P=2, SparseLoCo 1.5%",
+                  {**_sparse(64), "method": "streaming", "fragments": 2}),
     )
 }
 
@@ -86,7 +108,11 @@ SWEEP_GRID = ["no-overlap", "delayed-1", "eager-1"]
 #: Put in every seeded or tuned comparison (``--seeds``, ``--tune``) so a reader sees whether the outer
 #: optimizer helps at all: data-parallel, one worker alone, plain averaging.
 BASELINES = ["dp", "single", "averaging"]
-GRIDS = {"paper": PAPER_GRID, "all": ALL_GRID, "baselines": BASELINES}
+#: The loss-per-byte comparison of compressed exchanges (bench/results/compression).
+COMPRESSION_GRID = ["no-overlap", "no-overlap-4bit", *(f"sparseloco-{p}" for p in SPARSE_DENSITIES),
+                    *(f"topk-{p}-no-ef" for p in SPARSE_DENSITIES), "eager-1-sparseloco-1.5",
+                    "streaming-2-sparseloco-1.5"]
+GRIDS = {"paper": PAPER_GRID, "all": ALL_GRID, "baselines": BASELINES, "compression": COMPRESSION_GRID}
 
 #: Eval loss the eager paper reports for its 500M model at H = 30 (docs/algorithms.md, section 6).
 PAPER_EVAL_LOSS = {"no-overlap": 2.67, "overlap-1": 2.67, "delayed-1": 3.01, "delayed-1-lowlr": 2.73,
