@@ -27,6 +27,8 @@ METHODS = {
     "delayed": {"method": "delayed", "inner_steps": 3},
     "eager": {"method": "eager", "inner_steps": 2, "eager_rounds": 2, "fragments": 2},
     "eager_int8": {"method": "eager", "inner_steps": 3, "codec": "int8"},
+    "eager_sparse": {"method": "eager", "inner_steps": 3, "topk": 2, "topk_chunk": 8, "codec": "2bit",
+                     "error_feedback": 0.9, "outer_optimizer": "average", "outer_lr": 1.0},
 }
 STEPS = 13
 
@@ -160,7 +162,7 @@ def test_hugging_face_layers_are_found() -> None:
     outer.close()
 
 
-@pytest.mark.parametrize("name", ["streaming", "eager"])
+@pytest.mark.parametrize("name", ["streaming", "eager", "eager_sparse"])
 def test_state_dict_resumes_with_the_uninterrupted_numbers(name: str, toy: Toy) -> None:
     settings = METHODS[name]
     ref, _ = _hooked(toy, settings)
