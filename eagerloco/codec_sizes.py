@@ -79,6 +79,18 @@ def sparse_nbytes(codec: str, numel: int, chunk: int, k: int, block_size: int = 
     Raises:
         ValueError: unknown codec, numel < 0, chunk or k below 1.
     """
+    kept, position_bytes = sparse_counts(numel, chunk, k)
+    return packed_nbytes(codec, kept, block_size) + position_bytes
+
+
+def sparse_counts(numel: int, chunk: int, k: int) -> tuple[int, int]:
+    """The two parts of a sparse payload of numel values that do not depend on the codec: how many values
+    it keeps (min(k, length) of every chunk) and the bytes of their positions (every chunk's
+    :func:`chunk_position_bits`, one bit stream padded to a whole byte).
+
+    Raises:
+        ValueError: numel < 0, chunk or k below 1.
+    """
     if chunk < 1 or k < 1:
         raise ValueError(f"chunk and k must be >= 1, got chunk={chunk}, k={k}")
     if numel < 0:
@@ -86,7 +98,7 @@ def sparse_nbytes(codec: str, numel: int, chunk: int, k: int, block_size: int = 
     full, last = divmod(numel, chunk)
     kept = full * min(k, chunk) + min(k, last)
     bits = full * chunk_position_bits(chunk, min(k, chunk)) + (chunk_position_bits(last, min(k, last)) if last else 0)
-    return packed_nbytes(codec, kept, block_size) + -(-bits // 8)
+    return kept, -(-bits // 8)
 
 
 def sparse_bits_per_value(codec: str, chunk: int, k: int, block_size: int = DEFAULT_BLOCK_SIZE) -> float:

@@ -110,7 +110,7 @@ def test_bad_values_through_an_old_spelling_are_named(argv: list[str], needle: s
 #: Settings both commands have: the simulator must call them what train calls them.
 SHARED = {"--method": "eager", "--workers": "3", "--inner-steps": "7", "--fragments": "4", "--overlap-steps": "2",
           "--eager-rounds": "2", "--codec": "fp8", "--codec-block": "16", "--fragment-pattern": "sequential",
-          "--bandwidth-gbps": "5", "--latency-ms": "10", "--peak-tflops": "400"}
+          "--bandwidth-gbps": "5", "--latency-ms": "10", "--peak-tflops": "400", "--topk": "64", "--topk-chunk": "1024"}
 
 
 @pytest.mark.parametrize("flag", list(SHARED))

@@ -8,9 +8,11 @@ Entry points for the main console script::
 Modes: the default tables (least bandwidth per target, utilization per bandwidth, bytes);
 ``--paper`` (the papers' accounting, printed with the table); ``--paper --compare-reference``
 (ours beside the papers' published tables, cell by cell); ``--plan`` (the cheapest settings that
-reach ``--target-cu`` at ``--bandwidth-gbps``). Everything printed is also in the report
-dictionary that ``--json`` writes. The flags are made from :class:`~eagerloco.sim.config.SimConfig`,
-with train's names where they mean the same. Nothing here imports torch.
+reach ``--target-cu`` at ``--bandwidth-gbps``, per model; with several models, their report is
+``{"bandwidth_gbps", "target", "plans": [one per model]}`` and a summary follows the tables).
+Everything printed is also in the report dictionary that ``--json`` writes. The flags are made
+from :class:`~eagerloco.sim.config.SimConfig`, with train's names where they mean the same.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -101,11 +103,16 @@ def special(cfg: SimConfig, s: Settings) -> tuple[dict[str, Any], str]:
         mfu = paper.PRESET_MFU if cfg.mfu is None else cfg.mfu
         report = paper.compare(mfu, s.cold_rounds, s.pattern)
         return report, paper.format_compare(report)
-    from eagerloco.sim.plan import format_plan, plan
+    from eagerloco.sim.plan import SPARSE, format_plan, format_summary, plan
 
-    report = plan(s.models[0], s.bandwidths[0], s.targets[0], s.workers, s.fragment_layers, s.scale_bytes,
-                  s.transport, s.latency_ms, s.pattern, s.dp_bits)
-    return report, format_plan(report) + "".join(f"\nnote: {n}" for n in s.notes)
+    sparse = SPARSE if s.sparse is None or s.sparse in SPARSE else (*SPARSE, s.sparse)
+    reports = [plan(m, s.bandwidths[0], s.targets[0], s.workers, s.fragment_layers, s.scale_bytes, s.transport,
+                    s.latency_ms, s.pattern, s.dp_bits, s.block, sparse) for m in s.models]
+    notes = "".join(f"\nnote: {n}" for n in s.notes)
+    if len(reports) == 1:
+        return reports[0], format_plan(reports[0]) + notes
+    text = "\n\n".join([*map(format_plan, reports), format_summary(reports)])
+    return {"bandwidth_gbps": s.bandwidths[0], "target": s.targets[0], "plans": reports}, text + notes
 
 
 def write_json(path: str | None, report: dict[str, Any]) -> None:

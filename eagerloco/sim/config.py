@@ -3,9 +3,9 @@
 :class:`SimConfig` holds the flags as given (a comma list is a sweep, one table row per value);
 its field docstrings are the ``--help`` (:func:`eagerloco.flags.add_dataclass_flags` makes the
 flags from them). A setting that is the same thing as one of ``eagerloco train`` has train's name:
-``--inner-steps``, ``--overlap-steps``, ``--codec``, ``--codec-block``, ``--fragment-pattern``,
-``--workers``, ``--bandwidth-gbps``, ``--latency-ms``, ``--peak-tflops``; the simulator's earlier
-spellings are read for one release with a warning. :meth:`SimConfig.validate` checks every flag
+``--inner-steps``, ``--overlap-steps``, ``--codec``, ``--codec-block``, ``--topk``, ``--topk-chunk``,
+``--fragment-pattern``, ``--workers``, ``--bandwidth-gbps``, ``--latency-ms``, ``--peak-tflops``; the
+simulator's earlier spellings are read for one release with a warning. :meth:`SimConfig.validate` checks every flag
 (an error names it) and returns :class:`Settings`: the models, the rows and the numbers of each list.
 """
 
@@ -108,6 +108,13 @@ class SimConfig:
     """How blocks map to fragments: sequential (contiguous) or strided (block b in fragment b mod P)."""
     codec_block: int = setting(32, group="exchange", aliases=("--block",))
     """Values sharing one scale in the block formats (MX uses 32)."""
+    topk: int | None = setting(None, metavar="K", group="exchange", shown_default="off: every value is sent")
+    """Sparse exchange (train's --topk): the outer rows send only the K values of largest magnitude of every
+    chunk of --topk-chunk values, in --codec (e.g. 2bit), with their positions (SparseLoCo: 64 of 4096); a
+    sparse payload is all-gathered whatever --transport. Data-parallel and the --low-codec row stay dense."""
+    topk_chunk: int = setting(4096, metavar="C", group="exchange")
+    """C: values per chunk of the sparse exchange (the fragment's values in model order; the last chunk may
+    be shorter)."""
     scale_bytes: int | None = setting(None, group="exchange",
                                       shown_default=f"{SCALE_BYTES}, what the codecs store; 0 with --paper")
     """Bytes per block scale below 16 bits (the runtime's codecs always store bfloat16 scales)."""
@@ -144,7 +151,8 @@ class SimConfig:
     compare_reference: bool = setting(False, group="output")
     """With --paper: ours beside the papers' published tables, ratio per cell."""
     plan: bool = setting(False, group="output")
-    """The cheapest settings reaching --target-cu at --bandwidth-gbps (one model)."""
+    """The cheapest settings reaching --target-cu at --bandwidth-gbps, per model: dense codecs and 2-bit
+    top-k exchanges (and --topk's own setting when given), then a summary when several models are given."""
     tokens: float = setting(25e9, group="output", shown_default="2.5e10")
     """Training tokens for the total-bytes column (bytes per worker per token times this)."""
     plot: str | None = setting(None, metavar="DIR", group="output")
@@ -194,6 +202,7 @@ class SimConfig:
         _choice("--transport", self.transport, TRANSPORTS)
         _at_least("--codec-block", self.codec_block, 1)
         _at_least("--scale-bytes", scale_bytes, 0)
+        self._check_topk()
         taus = _ints("--overlap-steps", self.overlap_steps, 0)
         eager_ks = _ints("--eager-rounds", self.eager_rounds, 1)
         delayed_ks = _ints("--delayed-rounds", self.delayed_rounds, 1)
@@ -209,13 +218,18 @@ class SimConfig:
             delayed_rounds=tuple(dict.fromkeys(delayed_ks)),
             eager_rounds=tuple(dict.fromkeys(eager_ks)),
             eager_fragmented=self.eager_streaming,
+            topk=self.topk,
+            topk_chunk=self.topk_chunk,
         )
         wanted = [x.lower() for x in _split("--method", self.method)] if self.method is not None else None
         variants = select_variants(rows, wanted)
+        if self.topk is not None and all(v.method == "dp" for v in variants):
+            raise SimError("--topk compresses outer gradients; --method dp exchanges gradients every step (its "
+                           "--dp-codec, dense): choose diloco, streaming, delayed or eager, or drop --topk")
         bandwidths, targets = self._link_and_targets()
         self._check_grid_and_outputs()
-        if self.plan and (len(bandwidths) != 1 or len(targets) != 1 or len(models) != 1):
-            raise SimError("--plan needs one --model, one --bandwidth-gbps and one --target-cu")
+        if self.plan and (len(bandwidths) != 1 or len(targets) != 1):
+            raise SimError("--plan needs one --bandwidth-gbps and one --target-cu (one plan per --model)")
         s = Settings(
             models=models, variants=variants, dp_bits=bits["dp_codec"], workers=workers,
             inner_steps=self.inner_steps, fragment_layers=self.fragment_layers, fragments=self.fragments,
@@ -224,9 +238,30 @@ class SimConfig:
             per_decade=self.grid_per_decade, warmup_rounds=self.warmup_rounds, rounds=self.measure_rounds,
             tokens_per_step=self.tokens_per_step, tokens=self.tokens, pattern=self.fragment_pattern,
             cold_rounds=self.rounds, paper=self.paper, grid=paper.paper_grid() if self.paper else None,
+            sparse=None if self.topk is None else (bits["codec"], self.topk, self.topk_chunk),
         )
         s.add_notes()
+        if self.topk is not None:
+            s.notes.extend(self._topk_notes(variants, workers))
         return s
+
+    def _check_topk(self) -> None:
+        """The sparse exchange's flags, checked as train checks them."""
+        _at_least("--topk-chunk", self.topk_chunk, 1)
+        _at_least("--topk", self.topk, 1)
+        if self.topk is not None and self.topk > self.topk_chunk:
+            raise SimError(f"--topk ({self.topk}) must not exceed --topk-chunk ({self.topk_chunk}): it counts "
+                           "the values kept in each chunk")
+
+    def _topk_notes(self, variants: list[Variant], workers: int) -> list[str]:
+        notes = []
+        if any(v.method == "dp" for v in variants):
+            notes.append(f"--topk applies to the outer exchanges; the data-parallel row sends its {self.dp_codec} "
+                         "gradients dense, every step")
+        if self.transport == "ring" and workers > 2 and any(v.sparse for v in variants):
+            notes.append(f"sparse rows are all-gathered ({workers - 1} payloads per worker), not ring-reduced: "
+                         "the workers keep different positions")
+        return notes
 
     def _models(self) -> list[ModelSpec]:
         names = [x.lower() for x in _split("--model", self.model)]
@@ -347,6 +382,7 @@ class Settings:
     cold_rounds: int | None = None
     paper: bool = False
     grid: np.ndarray | None = None  # explicit grid (--paper), else bw_min..bw_max per_decade
+    sparse: tuple[int, int, int] | None = None  # --topk: (bits of --codec, K, --topk-chunk)
     notes: list[str] = field(default_factory=list)
 
     def fragments_for(self, model: ModelSpec) -> int:

@@ -4,7 +4,8 @@ Everything here is arithmetic on sizes; the timing lives in :mod:`eagerloco.sim.
 This module imports no torch (scale sizes come from :mod:`eagerloco.codec_sizes`), so
 ``eagerloco simulate`` starts instantly; payload sizes are computed from bits per value plus
 per-block scale bytes, the same layout the runtime codecs pack (values, then one scale per block
-for formats below 16 bits).
+for formats below 16 bits); a sparse (top-k) exchange adds the positions of the values it keeps, as
+:class:`eagerloco.codecs.TopKCodec` packs them (:func:`eagerloco.codec_sizes.sparse_counts`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from eagerloco.codec_sizes import SCALE_BYTES
+from eagerloco.codec_sizes import SCALE_BYTES, sparse_counts
 from eagerloco.config import METHODS
 from eagerloco.schedule import block_groups
 
@@ -68,6 +69,8 @@ class Variant:
 
     fragmented: the exchange is split into the P streaming fragments (streaming always; delayed
     and eager only when asked, as the eager paper's main setting syncs the whole model).
+    topk: the exchange sends only the topk values of largest magnitude of every chunk of topk_chunk
+    values (train's --topk, --topk-chunk), at ``bits`` a value, with their positions; None: every value.
     """
 
     key: str
@@ -77,9 +80,20 @@ class Variant:
     fragmented: bool = False
     overlap_steps: int = 0
     eager_rounds: int = 1
+    topk: int | None = None
+    topk_chunk: int = 4096
+
+    @property
+    def sparse(self) -> bool:
+        return self.topk is not None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def payload_label(bits: int, topk: int | None = None, topk_chunk: int = 4096) -> str:
+    """How a row's label names its exchange format: "4-bit", or "2-bit top64/4096" for a sparse one."""
+    return f"{bits}-bit" + (f" top{topk}/{topk_chunk}" if topk is not None else "")
 
 
 def default_variants(
@@ -90,24 +104,27 @@ def default_variants(
     delayed_rounds: tuple[int, ...] = (1,),
     eager_rounds: tuple[int, ...] = (1, 2),
     eager_fragmented: bool = False,
+    topk: int | None = None,
+    topk_chunk: int = 4096,
 ) -> list[Variant]:
     """The rows of the papers' comparison, parameterized by the CLI flags.
 
     data-parallel, DiLoCo, Streaming (blocking), Streaming with each tau of overlap, Streaming with
     the first tau at low_bits (the papers' "4-bit overlapped" headline row), naive delayed and eager
-    with k rounds of tolerance.
+    with k rounds of tolerance. topk makes the rows at ``bits`` sparse; data-parallel and the
+    low_bits row stay dense.
     """
+    sp = {"topk": topk, "topk_chunk": topk_chunk}
+    fmt = payload_label(bits, topk, topk_chunk)
     rows = [
         Variant("dp", f"data-parallel {dp_bits}-bit", "dp", dp_bits),
-        Variant("diloco", f"DiLoCo {bits}-bit", "diloco", bits),
-        Variant("streaming", f"Streaming {bits}-bit", "streaming", bits, fragmented=True),
+        Variant("diloco", f"DiLoCo {fmt}", "diloco", bits, **sp),
+        Variant("streaming", f"Streaming {fmt}", "streaming", bits, fragmented=True, **sp),
     ]
     for tau in taus:
         if tau > 0:
             rows.append(
-                Variant(
-                    f"streaming-tau{tau}", f"Streaming tau={tau} {bits}-bit", "streaming", bits, True, tau
-                )
+                Variant(f"streaming-tau{tau}", f"Streaming tau={tau} {fmt}", "streaming", bits, True, tau, **sp)
             )
     if taus and low_bits != bits:
         tau = taus[0]
@@ -116,8 +133,8 @@ def default_variants(
         rows.append(Variant(f"streaming{suffix}-{low_bits}bit", label, "streaming", low_bits, True, tau))
     for method, ks, name in (("delayed", delayed_rounds, "naive delayed"), ("eager", eager_rounds, "eager")):
         for k in ks:
-            label = f"{name} k={k} {bits}-bit" + (" streamed" if eager_fragmented else "")
-            rows.append(Variant(f"{method}-k{k}", label, method, bits, eager_fragmented, 0, k))
+            label = f"{name} k={k} {fmt}" + (" streamed" if eager_fragmented else "")
+            rows.append(Variant(f"{method}-k{k}", label, method, bits, eager_fragmented, 0, k, **sp))
     return rows
 
 
@@ -142,7 +159,7 @@ def fragment_count(layers: int, fragment_layers: int) -> int:
 
 PATTERNS = ("strided", "sequential")
 #: The codec that an earlier release's bit count meant (``--bits 16``: bf16); a bit count outside it has none.
-CODEC_FOR_BITS = {32: "fp32", 16: "bf16", 8: "fp8", 4: "e2m1"}
+CODEC_FOR_BITS = {32: "fp32", 16: "bf16", 8: "fp8", 4: "e2m1", 2: "2bit"}
 
 
 def fragment_layers(layers: int, fragments: int, pattern: str = "strided") -> list[tuple[int, ...]]:
@@ -183,16 +200,46 @@ def payload_bytes(numel: float, bits: int, block: int = 32, scale_bytes: int = S
     return body + math.ceil(numel / block) * scale_bytes
 
 
-def wire_bytes(payload: float, workers: int, bits: int, transport: str = "ring") -> float:
+def sparse_payload_bytes(
+    numel: float, bits: int, chunk: int, k: int, block: int = 32, scale_bytes: int = SCALE_BYTES
+) -> float:
+    """Encoded size of a sparse exchange of numel values (rounded to a whole count): the values it keeps
+    (k of every chunk of ``chunk``) at ``bits`` each with their block scales, then their positions.
+
+    With the default scale bytes it is exactly :func:`eagerloco.codec_sizes.sparse_nbytes` of the
+    codec of ``bits`` bits; ``scale_bytes`` changes the scales as it does for a dense payload.
+    """
+    kept, position_bytes = sparse_counts(round(numel), chunk, k)
+    return math.ceil(payload_bytes(kept, bits, block, scale_bytes)) + position_bytes
+
+
+def exchange_payload_bytes(numel: float, variant: Variant, block: int = 32, scale_bytes: int = SCALE_BYTES) -> float:
+    """Encoded size of one outer exchange of numel values in the variant's format, dense or sparse."""
+    if variant.topk is None:
+        return payload_bytes(numel, variant.bits, block, scale_bytes)
+    return sparse_payload_bytes(numel, variant.bits, variant.topk_chunk, variant.topk, block, scale_bytes)
+
+
+def bits_per_value(variant: Variant, block: int = 32, scale_bytes: int = SCALE_BYTES) -> float:
+    """Bits on the link per value of the vector of a long exchange in the variant's format (scales and
+    positions included): 16 for bf16, 4.5 for e2m1 with a 2-byte scale per 32, about 0.23 for 2-bit
+    top 64 of 4096."""
+    numel = 1024 * (variant.topk_chunk if variant.topk is not None else block)
+    return 8 * exchange_payload_bytes(numel, variant, block, scale_bytes) / numel
+
+
+def wire_bytes(payload: float, workers: int, bits: int, transport: str = "ring", sparse: bool = False) -> float:
     """Bytes one worker sends for one exchange of payload bytes.
 
     ring: a ring all-reduce, 2(M-1)/M of the payload, for every format (the papers' model).
     allgather: what the runtime does for quantized payloads so that sums stay in FP32: each
     worker sends (M-1) payloads; FP32 payloads still use the ring. Identical for M = 2.
+    sparse: a top-k payload is all-gathered whatever the transport (every worker keeps other
+    positions, so no ring can sum them on the way), as the runtime and SparseLoCo do.
     """
     if workers <= 1:
         return 0.0
-    if transport == "allgather" and bits < 32:
+    if sparse or (transport == "allgather" and bits < 32):
         return (workers - 1) * payload
     return 2 * (workers - 1) / workers * payload
 
@@ -229,9 +276,9 @@ def traffic(
 ) -> Traffic:
     """Sizes of the transfers one period puts on the link, and the blocks each one carries.
 
-    dp: one gradient all-reduce per block per step (always a ring). Outer methods: one exchange
-    per fragment per round of H steps (one fragment of every block unless the variant is
-    fragmented, then the fragments of the given pattern).
+    dp: one gradient all-reduce per block per step (always a ring, never sparse). Outer methods: one
+    exchange per fragment per round of H steps (one fragment of every block unless the variant is
+    fragmented, then the fragments of the given pattern), dense or sparse (:func:`exchange_payload_bytes`).
     """
     per_layer = model.params_per_layer
     if variant.method == "dp":
@@ -244,9 +291,8 @@ def traffic(
     )
     counts = [len(g) for g in groups]
     sizes = [
-        wire_bytes(
-            payload_bytes(c * per_layer, variant.bits, block, scale_bytes), workers, variant.bits, transport
-        )
+        wire_bytes(exchange_payload_bytes(c * per_layer, variant, block, scale_bytes), workers, variant.bits,
+                   transport, variant.sparse)
         for c in counts
     ]
     return Traffic(sizes, inner_steps, tuple(groups))

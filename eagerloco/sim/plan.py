@@ -2,9 +2,13 @@
 
 "Cheapest" means giving up the least, in the order the papers' quality results suggest: a
 smaller H first (the papers' loss grows with H), then the simpler method (data-parallel,
-DiLoCo, Streaming, Streaming with tau overlap, eager), then more bits (FP4 costs little in the
-papers, but nothing is cheaper than not quantizing), then a smaller tau. Every candidate is
-simulated at the one bandwidth asked for; the table lists each with the utilization it reaches.
+DiLoCo, Streaming, Streaming with tau overlap, eager), then more bits on the link per value
+(nothing is cheaper than not compressing; FP4 costs little in the papers; a sparse exchange,
+which sends only the top k of every chunk, gives up more the fewer it keeps), then a smaller
+tau. The exchange formats tried are the dense codecs (bf16, fp8, e2m1) and SparseLoCo's 2-bit
+top-k at 25%, 6.25% and 1.56% of the values (1024, 256 and 64 of every 4096; plus --topk's own
+setting when given). Every candidate is simulated at the one bandwidth asked for; the table lists
+each with the utilization it reaches, and a second table the cheapest per exchange format.
 Naive delayed updates are left out: the eager paper finds them clearly worse than eager at the
 same overlap.
 """
@@ -14,12 +18,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from eagerloco.codec_sizes import SCALE_BYTES
 from eagerloco.sim.engine import simulate
-from eagerloco.sim.model import CODEC_FOR_BITS, ModelSpec, Variant, fragment_count, traffic
+from eagerloco.sim.model import CODEC_FOR_BITS, ModelSpec, Variant, bits_per_value, fragment_count, traffic
 from eagerloco.sim.search import meets
 
 #: Method order of the ranking (simplest first).
 METHOD_RANK = {"dp": 0, "diloco": 1, "streaming": 2, "streaming-tau": 3, "eager": 4}
+#: The dense formats tried, in bits per value.
+DENSE_BITS: tuple[int, ...] = (16, 8, 4)
+#: The sparse formats tried: (bits per kept value, k, chunk): SparseLoCo's 2-bit top 64 of 4096 and
+#: denser ones (25%, 6.25% and 1.56% of the values).
+SPARSE: tuple[tuple[int, int, int], ...] = ((2, 1024, 4096), (2, 256, 4096), (2, 64, 4096))
 
 
 @dataclass(frozen=True)
@@ -32,35 +42,50 @@ class Candidate:
     tau: int
     bits: int
     variant: Variant
+    bits_per_value: float = 0.0  # on the link, scales and positions included (ranks the formats)
 
-    def rank(self) -> tuple[int, int, int, int]:
-        return (self.inner_steps, METHOD_RANK[self.family], -self.bits, self.tau)
+    def rank(self) -> tuple[int, int, float, int]:
+        return (self.inner_steps, METHOD_RANK[self.family], -self.bits_per_value, self.tau)
+
+
+def format_name(bits: int, topk: int | None = None, topk_chunk: int = 4096) -> str:
+    """The exchange format as train's flags name it: "e2m1", or "2bit top64/4096" for a sparse one."""
+    codec = CODEC_FOR_BITS.get(bits, f"{bits}-bit")
+    return codec if topk is None else f"{codec} top{topk}/{topk_chunk}"
 
 
 def candidates(
     model: ModelSpec,
     fragment_layers: int = 3,
     inner_steps: tuple[int, ...] = (30, 50, 100, 200, 500),
-    bits: tuple[int, ...] = (16, 8, 4),
+    bits: tuple[int, ...] = DENSE_BITS,
     taus: tuple[int, ...] = (1, 2, 5),
     dp_bits: int = 16,
+    sparse: tuple[tuple[int, int, int], ...] = SPARSE,
+    block: int = 32,
+    scale_bytes: int = SCALE_BYTES,
 ) -> list[Candidate]:
     """Every setting considered, in rank order (cheapest first).
 
+    bits: the dense formats; sparse: (bits, k, chunk) of each sparse one (data-parallel stays dense).
     Streaming with tau overlap is kept only where tau * P < H, as training requires.
     """
     P = fragment_count(model.layers, fragment_layers)
-    out = [Candidate("dp", 1, 1, 0, dp_bits, Variant("dp", f"data-parallel {dp_bits}-bit", "dp", dp_bits))]
+    dp = Variant("dp", f"data-parallel {dp_bits}-bit", "dp", dp_bits)
+    out = [Candidate("dp", 1, 1, 0, dp_bits, dp, bits_per_value(dp, block, scale_bytes))]
+    formats = [(b, None, 4096) for b in bits] + [(b, k, c) for b, k, c in sparse]
     for H in inner_steps:
         p = min(P, H)
-        for b in bits:
-            out.append(Candidate("diloco", H, 1, 0, b, Variant("diloco", "DiLoCo", "diloco", b)))
-            out.append(Candidate("streaming", H, p, 0, b, Variant("streaming", "Streaming", "streaming", b, True)))
-            for tau in taus:
-                if tau * p < H:
-                    v = Variant(f"streaming-tau{tau}", f"Streaming tau={tau}", "streaming", b, True, tau)
-                    out.append(Candidate("streaming-tau", H, p, tau, b, v))
-            out.append(Candidate("eager", H, p, 0, b, Variant("eager-k1", "eager k=1", "eager", b, True, 0, 1)))
+        for b, k, c in formats:
+            sp = {"topk": k, "topk_chunk": c}
+            bpv = bits_per_value(Variant("x", "x", "diloco", b, **sp), block, scale_bytes)
+            rows = [("diloco", 1, 0, Variant("diloco", "DiLoCo", "diloco", b, **sp)),
+                    ("streaming", p, 0, Variant("streaming", "Streaming", "streaming", b, True, **sp))]
+            rows += [("streaming-tau", p, tau,
+                      Variant(f"streaming-tau{tau}", f"Streaming tau={tau}", "streaming", b, True, tau, **sp))
+                     for tau in taus if tau * p < H]
+            rows.append(("eager", p, 0, Variant("eager-k1", "eager k=1", "eager", b, True, 0, 1, **sp)))
+            out += [Candidate(family, H, frags, tau, b, v, bpv) for family, frags, tau, v in rows]
     return sorted(out, key=Candidate.rank)
 
 
@@ -70,11 +95,13 @@ def plan(
     target: float,
     workers: int = 2,
     fragment_layers: int = 3,
-    scale_bytes: int = 2,
+    scale_bytes: int = SCALE_BYTES,
     transport: str = "ring",
     latency_ms: float = 0.0,
     pattern: str = "strided",
     dp_bits: int = 16,
+    block: int = 32,
+    sparse: tuple[tuple[int, int, int], ...] = SPARSE,
 ) -> dict[str, Any]:
     """Simulate every candidate at one bandwidth; the first in rank order that meets the target wins.
 
@@ -82,53 +109,108 @@ def plan(
         model: the model (a preset or the user's own: layers, parameters, step time).
         bandwidth_gbps: the link, Gbit/s.
         target: compute utilization to reach, in (0, 1].
-        workers, fragment_layers, scale_bytes, transport, latency_ms, pattern, dp_bits: accounting
+        workers, fragment_layers, scale_bytes, transport, latency_ms, pattern, dp_bits, block: accounting
             as in :func:`eagerloco.sim.model.traffic` and :func:`eagerloco.sim.engine.simulate`.
+        sparse: the sparse formats to try, (bits, k, chunk) each.
 
     Returns:
-        {"model", "bandwidth_gbps", "target", "best" (a row or None), "candidates": [rows]}; a row
-        holds method, inner_steps, fragments, tau, bits, codec, cu and meets.
+        {"model", "bandwidth_gbps", "target", "best" (a row or None), "by_format": [rows],
+        "candidates": [rows]}; a row holds method, inner_steps, fragments, tau, bits, codec, topk,
+        topk_chunk, format, bits_per_value, cu and meets. by_format has, per exchange format (densest
+        first), the cheapest row that meets the target, or else the one with the highest CU.
     """
     rows = []
-    for c in candidates(model, fragment_layers, dp_bits=dp_bits):
-        tr = traffic(model, c.variant, workers, c.inner_steps, c.fragments, 32, scale_bytes, transport, pattern)
-        cu = float(simulate(model, c.variant, tr, bandwidth_gbps, latency_ms, c.inner_steps).cu[0])
+    for c in candidates(model, fragment_layers, dp_bits=dp_bits, sparse=sparse, block=block,
+                        scale_bytes=scale_bytes):
+        v = c.variant
+        tr = traffic(model, v, workers, c.inner_steps, c.fragments, block, scale_bytes, transport, pattern)
+        cu = float(simulate(model, v, tr, bandwidth_gbps, latency_ms, c.inner_steps).cu[0])
         rows.append({
-            "method": c.variant.method, "family": c.family, "inner_steps": c.inner_steps,
+            "method": v.method, "family": c.family, "inner_steps": c.inner_steps,
             "fragments": c.fragments, "tau": c.tau,
-            "eager_rounds": c.variant.eager_rounds if c.family == "eager" else 0,
-            "bits": c.bits, "codec": CODEC_FOR_BITS.get(c.bits, f"{c.bits}-bit"), "cu": cu,
-            "meets": bool(meets(cu, target)),
+            "eager_rounds": v.eager_rounds if c.family == "eager" else 0,
+            "bits": c.bits, "codec": CODEC_FOR_BITS.get(c.bits, f"{c.bits}-bit"),
+            "topk": v.topk, "topk_chunk": v.topk_chunk if v.sparse else None,
+            "format": format_name(c.bits, v.topk, v.topk_chunk), "bits_per_value": c.bits_per_value,
+            "cu": cu, "meets": bool(meets(cu, target)),
         })
     best = next((r for r in rows if r["meets"]), None)
     return {"model": model.as_dict(), "bandwidth_gbps": bandwidth_gbps, "target": target, "best": best,
-            "candidates": rows}
+            "by_format": by_format(rows), "candidates": rows}
+
+
+def by_format(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per exchange format of the outer methods (most bits per value first): its cheapest row that meets
+    the target (rows are in rank order), or else its row with the highest CU."""
+    formats = sorted({r["format"]: r["bits_per_value"] for r in rows if r["family"] != "dp"}.items(),
+                     key=lambda x: -x[1])
+    out = []
+    for name, _ in formats:
+        mine = [r for r in rows if r["format"] == name and r["family"] != "dp"]
+        out.append(next((r for r in mine if r["meets"]), None) or max(mine, key=lambda r: r["cu"]))
+    return out
 
 
 def format_plan(report: dict[str, Any]) -> str:
-    """The answer first, then every candidate with the utilization it reaches."""
+    """The answer first, then the cheapest setting per exchange format, then every candidate with its CU."""
     m, best = report["model"], report["best"]
     lines = [f"plan for {m['name']} ({m['params']:.3g} params, {m['layers']} layers, step {m['step_time']:.3g} s) "
              f"at {report['bandwidth_gbps']:g} Gbit/s, target CU {100 * report['target']:g}%"]
     if best is None:
         top = max(report["candidates"], key=lambda r: r["cu"])
-        lines.append(f"no candidate reaches the target; the best reaches CU {top['cu']:.3f} ({_describe(top)})")
+        lines.append(f"no candidate reaches the target; the best reaches CU {top['cu']:.3f} ({describe(top)})")
     else:
-        lines.append(f"cheapest: {_describe(best)} -> CU {best['cu']:.4f}")
+        lines.append(f"cheapest: {describe(best)} -> CU {best['cu']:.4f}")
     lines.append("")
-    head = ["rank", "method", "H", "P", "tau", "codec", "CU", "meets"]
+    head = ["format", "bits/value", "cheapest reaching the target", "CU"]
+    body = [[r["format"], f"{r['bits_per_value']:.3g}",
+             describe(r) if r["meets"] else f"none (best: {describe(r)})", f"{r['cu']:.4f}"]
+            for r in report["by_format"]]
+    lines += _table(head, body, right=(1, 3))
+    lines.append("")
+    head = ["rank", "method", "H", "P", "tau", "codec", "topk", "bits/value", "CU", "meets"]
     body = [[str(i + 1), r["family"], str(r["inner_steps"]), str(r["fragments"]), str(r["tau"]), r["codec"],
+             "-" if r["topk"] is None else f"{r['topk']}/{r['topk_chunk']}", f"{r['bits_per_value']:.3g}",
              f"{r['cu']:.4f}", "yes" if r["meets"] else ""] for i, r in enumerate(report["candidates"])]
-    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-    for n, x in enumerate([head, *body]):
-        lines.append("  ".join(c.rjust(w) if i in (0, 2, 3, 4, 6) else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(x, widths, strict=True))).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines += _table(head, body, right=(0, 2, 3, 4, 6, 7, 8))
     return "\n".join(lines)
 
 
-def _describe(r: dict[str, Any]) -> str:
+def format_summary(reports: list[dict[str, Any]]) -> str:
+    """One line per model: the cheapest setting that reaches the target, and the cheapest dense and sparse."""
+    first = reports[0]
+    lines = [f"answer at {first['bandwidth_gbps']:g} Gbit/s, target CU {100 * first['target']:g}%"]
+
+    def cheapest(rows: list[dict[str, Any]]) -> str:
+        hit = next((r for r in rows if r["meets"]), None)
+        if hit is not None:
+            return f"{describe(hit)} (CU {hit['cu']:.3f})"
+        top = max(rows, key=lambda r: r["cu"], default=None)
+        return "none" if top is None else f"none (best CU {top['cu']:.3f})"
+
+    body = []
+    for rep in reports:
+        rows = rep["candidates"]
+        body.append([rep["model"]["name"], cheapest(rows),
+                     cheapest([r for r in rows if r["topk"] is None]),
+                     cheapest([r for r in rows if r["topk"] is not None])])
+    lines += _table(["model", "cheapest", "cheapest dense", "cheapest sparse"], body, right=())
+    return "\n".join(lines)
+
+
+def _table(head: list[str], body: list[list[str]], right: tuple[int, ...]) -> list[str]:
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    lines = []
+    for n, x in enumerate([head, *body]):
+        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(x, widths, strict=True))).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines
+
+
+def describe(r: dict[str, Any]) -> str:
+    """A candidate row in words: method, H, P, tau, k, then its exchange format."""
     if r["family"] == "dp":
         return f"data-parallel, {r['codec']} gradients"
     parts = [r["family"], f"H={r['inner_steps']}"]
@@ -138,5 +220,5 @@ def _describe(r: dict[str, Any]) -> str:
         parts.append(f"tau={r['tau']}")
     if r["family"] == "eager":
         parts.append("k=1")
-    parts.append(r["codec"])
+    parts.append(r.get("format", r["codec"]))
     return " ".join(parts)
