@@ -60,9 +60,9 @@ class TopKCodec(Codec):
     vector, 141x fewer bytes than FP32 (:func:`~eagerloco.codec_sizes.sparse_bits_per_value`).
 
     Encoding is vectorized over chunks (one threshold per chunk from ``torch.topk``, ties settled by a
-    running count), so its cost grows with the vector, not with a Python loop. A payload decoded and
-    encoded again gives the same values: the kept entries are the only nonzeros (unless fewer than k
-    were nonzero, which the 2-bit grid turns into +-scale/2).
+    running count), so its cost grows with the vector, not with a Python loop. Encoding what a payload
+    decodes to gives the same values again (the decoded kept entries are what TopK keeps again; where
+    a chunk had fewer than k nonzeros, the 2-bit grid has turned the zeros it kept into +-scale/2).
 
     Args:
         values: the dense codec of the kept values (its blocks run over the kept values in order).
