@@ -252,3 +252,30 @@ def test_invalid_settings_name_the_flag(field: str, value: object, flag: str) ->
         TrainConfig(**{field: value}).validate()
     assert "\n" not in str(info.value)
 
+
+def test_the_muloco_grid_entry_resolves_to_a_valid_muon_config() -> None:
+    from eagerloco import compare
+
+    base = TrainConfig(outer=OuterConfig(inner_steps=20))
+    [plan] = compare.plan_runs(base, compare.resolve_grid("muloco"), Path("unused"), 0.35)
+    assert plan.cfg.inner_optimizer == "muon" and plan.cfg.outer.method == "diloco"
+    plan.cfg.validate()
+    assert compare.ENTRIES["muloco"].fixes("inner_optimizer")
+
+
+def test_the_demo_says_a_muon_run_is_no_sample_of_the_seeded_adamw_comparison() -> None:
+    """The shipped comparison ran before --inner-optimizer existed: it counts as adamw, and a muon run
+    is named as a change of its protocol."""
+    from dataclasses import asdict, replace
+
+    from eagerloco.compare import demo
+    from eagerloco.compare.reference import load_reference, protocol_of
+
+    ref = load_reference()
+    assert ref["protocol"]["inner_optimizer"] == "adamw"
+    base = TrainConfig(**{k: v for k, v in ref["protocol"].items() if k in ("steps", "tokenizer", "batch_size")})
+    old = {k: v for k, v in asdict(base).items() if k != "inner_optimizer"}  # a summary from before the setting
+    assert protocol_of(old)["inner_optimizer"] == "adamw"
+    changes = demo.protocol_changes(replace(base, inner_optimizer="muon"), ref)
+    assert "inner_optimizer muon (seeded: adamw)" in changes
+    assert not any("inner_optimizer" in c for c in demo.protocol_changes(base, ref))

@@ -75,6 +75,9 @@ ENTRIES: dict[str, GridEntry] = {
                   {"method": "streaming", "fragments": 2, "overlap_steps": 1, "codec": "e2m1"}),
         GridEntry("streaming-2-eager-1-4bit", "streaming P=2, 1-outer-step eager, 4-bit",
                   {"method": "eager", "fragments": 2, "codec": "e2m1"}),
+        # MuLoCo: DiLoCo with Muon for the blocks' matrices in the inner steps (AdamW for the rest).
+        GridEntry("muloco", "DiLoCo, Muon inner steps (MuLoCo)", {"method": "diloco"},
+                  train={"inner_optimizer": "muon"}),
     )
 }
 
