@@ -24,7 +24,7 @@ FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batch
 
 @pytest.mark.parametrize(("settings", "message"), [
     ({"method": "Diloco"}, "method must be one of dp, diloco, streaming, delayed, eager; got 'Diloco'"),
-    ({"codec": "fp7"}, "codec must be one of fp32, bf16, fp8, e2m1, e3m0, int8, int4; got 'fp7'"),
+    ({"codec": "fp7"}, "codec must be one of fp32, bf16, fp8, e2m1, e3m0, int8, int4, 2bit; got 'fp7'"),
     ({"inner_steps": 0}, "inner_steps must be an integer >= 1, got 0"),
     ({"method": "diloco", "fragments": 2}, "so fragments must be 1 (got 2)"),
     ({"method": "streaming", "fragments": 9, "inner_steps": 20}, "fragments (9) is larger than the model's number"),

@@ -97,6 +97,12 @@ ENTRIES: dict[str, GridEntry] = {
         GridEntry("eager-1-sparseloco-1.5", "1-outer-step eager, SparseLoCo 1.5%", {**_sparse(64), "method": "eager"}),
         GridEntry("streaming-2-sparseloco-1.5", "streaming P=2, SparseLoCo 1.5%",
                   {**_sparse(64), "method": "streaming", "fragments": 2}),
+        # MuLoCo: Muon for the blocks' matrices in the inner steps (AdamW for the rest), with DiLoCo's
+        # FP32 exchange and with SparseLoCo's.
+        GridEntry("muloco", "DiLoCo, Muon inner steps (MuLoCo)", {"method": "diloco"},
+                  train={"inner_optimizer": "muon"}),
+        GridEntry("muloco-sparseloco-1.5", "Muon inner steps, SparseLoCo 1.5% (MuLoCo)", {**_sparse(64)},
+                  train={"inner_optimizer": "muon"}),
     )
 }
 
@@ -111,7 +117,7 @@ BASELINES = ["dp", "single", "averaging"]
 #: The loss-per-byte comparison of compressed exchanges (bench/results/compression).
 COMPRESSION_GRID = ["no-overlap", "no-overlap-4bit", *(f"sparseloco-{p}" for p in SPARSE_DENSITIES),
                     *(f"topk-{p}-no-ef" for p in SPARSE_DENSITIES), "eager-1-sparseloco-1.5",
-                    "streaming-2-sparseloco-1.5"]
+                    "streaming-2-sparseloco-1.5", "muloco", "muloco-sparseloco-1.5"]
 GRIDS = {"paper": PAPER_GRID, "all": ALL_GRID, "baselines": BASELINES, "compression": COMPRESSION_GRID}
 
 #: Eval loss the eager paper reports for its 500M model at H = 30 (docs/algorithms.md, section 6).

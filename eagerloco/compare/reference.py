@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from eagerloco.compare.grid import BASELINES
 from eagerloco.compare.seeded import TUNE_SEED_OFFSET
 from eagerloco.compare.stats import LEVEL, mean_interval
-from eagerloco.config import ConfigError
+from eagerloco.config import ConfigError, TrainConfig
 
 REFERENCE_FILE = Path(__file__).resolve().with_name("tuned_400.json")
 SOURCE = "bench/results/compare_seeds_400"
@@ -30,7 +31,8 @@ PROTOCOL_FLAGS = (("tokenizer", "--tokenizer"), ("batch_size", "--batch-size"), 
 #: The settings a run must share with the comparison for its numbers to be one more sample of it.
 PROTOCOL_KEYS = ("model", "data", "tokenizer", "iid", "batch_size", "seq_len", "steps", "lr", "weight_decay",
                  "warmup_steps", "grad_clip", "eval_batches", "workers", "inner_steps", "outer_optimizer",
-                 "outer_momentum", "outer_nesterov", "codec", "bandwidth_gbps", "latency_ms", "sim_step_time")
+                 "outer_momentum", "outer_nesterov", "codec", "bandwidth_gbps", "latency_ms", "sim_step_time",
+                 "inner_optimizer")
 
 
 def _interval(values: list[float]) -> dict[str, float] | None:
@@ -42,13 +44,20 @@ def protocol_of(base: dict[str, Any]) -> dict[str, Any]:
     """The settings of :data:`PROTOCOL_KEYS` from a TrainConfig as a dict (outer and link fields flattened).
 
     Args:
-        base: ``asdict(TrainConfig)`` (a summary's ``base_config``).
+        base: ``asdict(TrainConfig)`` (a summary's ``base_config``; a setting it lacks, added since the
+            summary was written, had its default).
 
     Returns:
         {key: value} in :data:`PROTOCOL_KEYS` order.
     """
-    flat = {**base, **base["outer"], **base["link"]}
+    flat = {**_defaults(), **base, **base["outer"], **base["link"]}
     return {k: flat[k] for k in PROTOCOL_KEYS}
+
+
+def _defaults() -> dict[str, Any]:
+    """Every setting's default, flattened: what a summary or reference written before a setting existed ran."""
+    d = asdict(TrainConfig())
+    return {**d, **d["outer"], **d["link"]}
 
 
 def seeded_command(summary: dict[str, Any], out: str = "runs/compare_seeds_400") -> str:
@@ -139,6 +148,10 @@ def load_reference(path: Path = REFERENCE_FILE) -> dict[str, Any]:
         data = json.loads(path.read_text())
         if not isinstance(data, dict) or not isinstance(data.get("rows"), dict):
             raise ValueError("no rows")
+        if not isinstance(data.get("protocol"), dict):
+            raise ValueError("no protocol")
+        # A setting added since the comparison ran had its default then.
+        data["protocol"] = {**{k: v for k, v in _defaults().items() if k in PROTOCOL_KEYS}, **data["protocol"]}
     except (OSError, ValueError) as e:
         raise ConfigError(f"the demo's tuned settings {path} are missing or unreadable ({e}); reinstall eagerloco "
                           "(`pip install -e .` from the repository)") from e

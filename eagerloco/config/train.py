@@ -25,6 +25,10 @@ MAX_STEPS = 10**9
 MAX_WORKERS = 4096
 #: The inner AdamW's learning rate: past this every step overflows.
 MAX_LR = 10.0
+INNER_OPTIMIZERS = ("adamw", "muon")
+#: Muon's usual peak lr (with torch.optim.Muon's default shape adjustment) and momentum.
+MUON_LR = 0.02
+MUON_MOMENTUM = 0.95
 _DEVICE = "device"
 
 
@@ -57,7 +61,16 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate of the inner AdamW."""
     weight_decay: float = 0.1
-    """Weight decay of the inner AdamW."""
+    """Weight decay of the inner AdamW (and of Muon with --inner-optimizer muon: decoupled, lr x decay a step)."""
+    inner_optimizer: str = setting("adamw", choices=INNER_OPTIMIZERS)
+    """The inner steps' optimizer: adamw; or muon (MuLoCo): torch.optim.Muon for the transformer blocks' 2-D
+    weights at --muon-lr, AdamW for the rest (embeddings, head, norms) at --lr, both on the one warmup and
+    cosine schedule, each from its own peak."""
+    muon_lr: float = MUON_LR
+    """Peak learning rate of Muon (--inner-optimizer muon), its update scaled by sqrt(max(1, rows/cols))
+    as torch.optim.Muon does; the usual Muon lr, not AdamW's."""
+    muon_momentum: float = MUON_MOMENTUM
+    """Muon's (Nesterov) momentum, in [0, 1) (--inner-optimizer muon)."""
     warmup_steps: int = 20
     """Linear warmup of the inner learning rate, then cosine decay to 10% of the peak."""
     grad_clip: float = 1.0
@@ -145,6 +158,7 @@ class TrainConfig:
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (name == "lr" and v == 0):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0 (lr > 0), got {v!r}")
         self._validate_sizes()
+        self._validate_inner_optimizer()
         self._validate_device()
         if self.sim_step_time is not None and not (math.isfinite(self.sim_step_time) and self.sim_step_time > 0):
             raise ConfigError(f"--sim-step-time must be a positive number of seconds, got {self.sim_step_time}")
@@ -198,6 +212,15 @@ class TrainConfig:
         if self.lr > MAX_LR:
             raise ConfigError(f"--lr {self.lr:g} is past {MAX_LR:g}, where every AdamW step overflows; the papers' "
                               "inner learning rates are about 1e-4 to 1e-2")
+
+    def _validate_inner_optimizer(self) -> None:
+        check_choice("inner_optimizer", self.inner_optimizer, INNER_OPTIMIZERS)
+        if not is_finite(self.muon_lr) or not 0 < self.muon_lr <= MAX_LR:
+            raise ConfigError(f"--muon-lr must be a finite number > 0 and at most {MAX_LR:g} (Muon's usual peak is "
+                              f"about 0.02), got {self.muon_lr!r}")
+        if not is_finite(self.muon_momentum) or not 0 <= self.muon_momentum < 1:
+            raise ConfigError(f"--muon-momentum must be a number in [0, 1) (Muon's usual is 0.95), "
+                              f"got {self.muon_momentum!r}")
 
     def _validate_data(self) -> None:
         from eagerloco.model import model_config  # local imports: both import torch
@@ -299,4 +322,4 @@ def parse_slow_workers(specs: Any, workers: int | None = None) -> dict[int, floa
     return out
 
 
-__all__ = ["MAX_SEED", "TrainConfig", "parse_slow_workers"]
+__all__ = ["INNER_OPTIMIZERS", "MAX_SEED", "MUON_LR", "MUON_MOMENTUM", "TrainConfig", "parse_slow_workers"]

@@ -165,6 +165,8 @@ class Trainer:
             rec["mfu"] = run_mfu
         if eval_loss is not None:
             rec["eval_loss"] = eval_loss
+        if cfg.inner_optimizer == "muon":  # AdamW's lr is "lr" (the first group), Muon's the last group's
+            rec["muon_lr"] = workers[0].sched.get_last_lr()[-1]
         rec.update(self.runtime.log_fields())
         return rec
 

@@ -1,4 +1,4 @@
-"""A worker of the loop: a model replica with its inner AdamW, its data stream and its outer algorithm.
+"""A worker of the loop: a model replica with its inner optimizer, its data stream and its outer algorithm.
 
 Also what every runtime builds workers from: the data and initial model (:func:`prepare`), the
 evaluation, and the model's FLOPs. The loop that drives workers is :class:`~eagerloco.train.trainer.Trainer`.
@@ -27,7 +27,11 @@ from eagerloco.device import (
 )
 from eagerloco.flops import flops_per_token
 from eagerloco.fsdp import load_model_state, local_state, shard_optimizer_state
+from eagerloco.optim import muon_with_adamw
 from eagerloco.outer import OuterSync
+
+#: AdamW's betas for the inner steps.
+BETAS = (0.9, 0.95)
 
 
 def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
@@ -40,6 +44,15 @@ def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
+
+
+def build_inner_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The inner optimizer of --inner-optimizer: AdamW over every parameter, or Muon for the blocks'
+    matrices with AdamW for the rest, combined into one (:func:`eagerloco.optim.muon_with_adamw`)."""
+    if cfg.inner_optimizer == "muon":
+        return muon_with_adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS,
+                               muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum)
+    return inner_optimizer(model.parameters(), device, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=BETAS)
 
 
 class Worker:
@@ -65,8 +78,7 @@ class Worker:
         self.precision = resolve_precision(cfg.precision, self.device)
         #: What the inner steps call: the compiled model with --compile (same parameters), else the model.
         self.forward = compile_model(model) if cfg.compile else model
-        self.opt = inner_optimizer(model.parameters(), self.device, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                   betas=(0.9, 0.95))
+        self.opt = build_inner_optimizer(model, cfg, self.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps, cfg.steps))
         self.sync = OuterSync(model, self.opt, comm, cfg.outer, seed=cfg.seed)
         self._loss: torch.Tensor | float = float("nan")
@@ -260,4 +272,5 @@ def task_evals(cfg: TrainConfig, tok: Any) -> Callable[[nn.Module], dict[str, fl
     return run
 
 
-__all__ = ["Worker", "build_model", "evaluate", "lr_lambda", "model_flops", "prepare", "task_evals"]
+__all__ = ["BETAS", "Worker", "build_inner_optimizer", "build_model", "evaluate", "lr_lambda", "model_flops", "prepare",
+           "task_evals"]
