@@ -1,0 +1,157 @@
+"""Loss per byte of the compressed exchanges, read off a seeded, tuned comparison (`eagerloco compare
+--grid compression --seeds 3 --tune ...`): the table, the plot and which settings are on the frontier.
+
+    python bench/compression/pareto.py RUN_DIR [--out bench/results/compression]
+
+RUN_DIR is the comparison's --out (its summary.json). Writes <out>/pareto.md and <out>/pareto.png and
+prints the table. Differences to DiLoCo (fp32, "no overlap") are paired by seed; "reaches DiLoCo's loss"
+means the paired 90% interval of the difference includes 0 or lies below it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from eagerloco.compare.stats import Interval, paired_difference  # noqa: E402
+from eagerloco.units import fmt_bytes  # noqa: E402
+
+REFERENCE = "no-overlap"
+BASELINES = ("dp", "single", "averaging")
+
+
+@dataclass
+class Point:
+    name: str
+    label: str
+    setting: str
+    bytes_per_worker: float
+    loss: Interval
+    delta: Interval | None  # paired, against DiLoCo fp32
+    per_seed: dict[int, float]
+    marks: str
+
+    @property
+    def reaches_reference(self) -> bool:
+        return self.delta is not None and self.delta.lo <= 0.0
+
+
+def _losses(summary: dict, unit: str) -> dict[int, float]:
+    return {int(r["seed"]): float(r["final_eval_loss"]) for r in summary["runs"] if r["unit"] == unit}
+
+
+def points(summary: dict) -> list[Point]:
+    """Every row of the comparison but the baselines that exchange nothing comparable."""
+    ref = _losses(summary, REFERENCE)
+    out = []
+    for row in summary["rows"]:
+        if row["name"] in BASELINES:
+            continue
+        mine = _losses(summary, row["unit"])
+        loss = row["loss"]
+        setting = ", ".join(f"{k}={v:g}" for k, v in (row.get("setting") or {}).items()) or "-"
+        marks = ("†" if row.get("diverged_seeds") else "") + ("‡" if row.get("spiked_seeds") else "")
+        out.append(Point(row["name"], row["label"], setting, float(row["bytes_sent_per_worker"]),
+                         Interval(loss["mean"], loss["lo"], loss["hi"], loss["n"], loss["sd"]),
+                         paired_difference(mine, ref), mine, marks))
+    return out
+
+
+def frontier(pts: list[Point]) -> set[str]:
+    """Names of the points no other point beats on both bytes and mean loss (lower is better on both)."""
+    return {p.name for p in pts
+            if not any(q.bytes_per_worker <= p.bytes_per_worker and q.loss.mean < p.loss.mean
+                       or q.bytes_per_worker < p.bytes_per_worker and q.loss.mean <= p.loss.mean for q in pts)}
+
+
+def render(summary: dict, pts: list[Point], command: str) -> str:
+    ref = next(p for p in pts if p.name == REFERENCE)
+    front = frontier(pts)
+    pts = sorted(pts, key=lambda p: -p.bytes_per_worker)
+    seeds = ", ".join(str(s) for s in summary["seeds"])
+    tune = "; ".join(f"{a['key']} in {{{', '.join(f'{v:g}' for v in a['values'])}}}" for a in summary.get("tune") or [])
+    lines = [
+        "# Compressed exchanges: final eval loss against bytes sent",
+        "",
+        f"tiny GPT, 2 workers x batch 8 x 64 tokens, 400 steps, H = 20, seeds {seeds}, outer lr tuned per "
+        f"method on seed {summary.get('tune_seed')} ({tune}). Made by:",
+        "",
+        f"    {command}",
+        "    python bench/compression/pareto.py <that --out> --out bench/results/compression",
+        "",
+        "| method | outer lr | bytes / worker | x fewer than DiLoCo fp32 | eval loss, mean [90% CI] "
+        "| Δ vs DiLoCo fp32, paired [90% CI] | reaches DiLoCo's loss | on the frontier |",
+        "|---|---|---:|---:|---|---|---|---|",
+    ]
+    for p in pts:
+        d = "0 (reference)" if p.name == REFERENCE else (
+            f"{p.delta.mean:+.4f} [{p.delta.lo:+.4f}, {p.delta.hi:+.4f}]" if p.delta else "n/a")
+        lines.append(
+            f"| {p.label}{' ' + p.marks if p.marks else ''} | {p.setting} | {fmt_bytes(p.bytes_per_worker)} | "
+            f"{ref.bytes_per_worker / p.bytes_per_worker:.1f}x | {p.loss.mean:.4f} [{p.loss.lo:.4f}, {p.loss.hi:.4f}] "
+            f"| {d} | {'yes' if p.reaches_reference or p.name == REFERENCE else 'no'} "
+            f"| {'yes' if p.name in front else ''} |")
+    reach = [p for p in pts if p.reaches_reference and p.bytes_per_worker < ref.bytes_per_worker]
+    best = max(reach, key=lambda p: ref.bytes_per_worker / p.bytes_per_worker, default=None)
+    lines += ["", "**Reaches DiLoCo's loss**: the paired 90% interval of the difference to DiLoCo fp32 (same seed, "
+              "same data) includes 0 or lies below it. **Frontier**: no other row sends fewer bytes with a lower "
+              "mean loss. † diverged, ‡ spiked on some seed (see the comparison's report)."]
+    if best is not None:
+        lines += ["", f"Best compression at DiLoCo's loss: **{best.label}**, "
+                  f"{ref.bytes_per_worker / best.bytes_per_worker:.0f}x fewer bytes than DiLoCo fp32 "
+                  f"(Δ {best.delta.mean:+.4f} [{best.delta.lo:+.4f}, {best.delta.hi:+.4f}])." if best.delta else ""]
+    return "\n".join(lines) + "\n"
+
+
+def plot(pts: list[Point], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    front = frontier(pts)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for p in pts:
+        on = p.name in front
+        ax.errorbar(p.bytes_per_worker, p.loss.mean, yerr=[[p.loss.mean - p.loss.lo], [p.loss.hi - p.loss.mean]],
+                    fmt="o" if on else "s", color="C0" if on else "C7", capsize=3)
+        ax.annotate(p.name, (p.bytes_per_worker, p.loss.mean), textcoords="offset points", xytext=(5, 4),
+                    fontsize=7)
+    line = sorted((p for p in pts if p.name in front), key=lambda p: p.bytes_per_worker)
+    ax.plot([p.bytes_per_worker for p in line], [p.loss.mean for p in line], "-", color="C0", alpha=0.5,
+            label="frontier")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes sent per worker (log)")
+    ax.set_ylabel("final eval loss (mean, 90% CI over seeds)")
+    ax.set_title("Compressed exchanges: loss against bytes")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--out", type=Path, default=Path("bench/results/compression"))
+    p.add_argument("--command", default="eagerloco compare --grid compression --tokenizer bpe:1024 --batch-size 8 "
+                   "--seq-len 64 --steps 400 --inner-steps 20 --sim-step-time 0.1 --threads 1 --seeds 3 "
+                   "--tune outer_lr=0.2,0.5,1.0 --out runs/compression")
+    args = p.parse_args(argv)
+    summary = json.loads((args.run_dir / "summary.json").read_text())
+    pts = points(summary)
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = render(summary, pts, args.command)
+    (args.out / "pareto.md").write_text(text)
+    plot(pts, args.out / "pareto.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
