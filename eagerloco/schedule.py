@@ -96,3 +96,18 @@ def block_groups(num_blocks: int, fragments: int, pattern: str) -> list[list[int
             start += n
         return groups
     raise ValueError(f"unknown fragment pattern {pattern!r}; choose one of {', '.join(PATTERNS)}")
+
+
+def short_run_note(steps: int, inner_steps: int) -> str | None:
+    """What to tell a user whose run is shorter than one round: no outer step happens, so the outer
+    parameters (what is evaluated, and what a run ends with) stay the initial ones. None otherwise.
+
+    Args:
+        steps: inner steps the run takes.
+        inner_steps: H, inner steps per round (only for methods that sync once a round).
+    """
+    if steps >= inner_steps:
+        return None
+    return (f"{steps} inner step(s) is less than one round (--inner-steps {inner_steps}): no outer step happens, "
+            "so the outer parameters, which are evaluated, stay the initial ones; run at least "
+            f"{inner_steps} steps or lower --inner-steps")

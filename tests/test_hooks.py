@@ -7,6 +7,7 @@ every method runs with M = 2 semantics and no processes; tests/test_hooks_jobs.p
 from __future__ import annotations
 
 import copy
+import warnings
 import zlib
 
 import pytest
@@ -225,3 +226,27 @@ def test_workers_without_a_rendezvous_is_a_clear_error(toy: Toy, monkeypatch: py
     with pytest.raises(ConfigError, match=r"^worker_id must be an integer in 0\.\.1"):  # the API's name, not the flag
         eagerloco.outer_loop(toy, torch.optim.SGD(toy.parameters(), lr=0.1), outer_addr="127.0.0.1:1", workers=2,
                              worker_id=2)
+
+
+@pytest.mark.parametrize(("steps", "warned"), [(4, True), (5, False), (7, False)])
+def test_a_run_shorter_than_one_round_is_told_its_outer_parameters_are_the_initial_ones(
+    steps: int, warned: bool, toy: Toy
+) -> None:
+    """Fewer steps than inner_steps: no outer step happens, and what is evaluated (the outer parameters)
+    is the initial model; the loop says so at the end instead of leaving the user to find a loss at
+    its initial value."""
+    model = copy.deepcopy(toy)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with eagerloco.outer_loop(model, opt, comm=_comm(), inner_steps=5) as outer:
+            for step in range(1, steps + 1):
+                opt.zero_grad()
+                _loss(model, step).backward()
+                opt.step()
+            stuck = all(torch.equal(a, b) for a, b in zip(outer.outer_parameters(), toy.parameters(), strict=True))
+    assert stuck is warned
+    notes = [str(w.message) for w in caught if "less than one round" in str(w.message)]
+    assert len(notes) == int(warned)
+    if warned:
+        assert "inner_steps 5" in notes[0] and "--" not in notes[0]

@@ -246,3 +246,11 @@ def test_a_link_slower_than_the_timeout_is_refused_on_processes(tmp_path: Path) 
         check_exchange_fits(LinkConfig(bandwidth_gbps=1e-5), cfg.outer, cfg.workers, num_params=250_000,
                             timeout_s=300.0)
     check_exchange_fits(LinkConfig(bandwidth_gbps=1e-3), cfg.outer, cfg.workers, num_params=250_000, timeout_s=300.0)
+
+
+def test_a_run_shorter_than_one_round_says_the_outer_parameters_stay_the_initial_ones(tmp_path: Path,
+                                                                                      capsys) -> None:
+    assert main(["train", *FAST, "--workers", "1", "--steps", "3", "--inner-steps", "4", "--out",
+                 str(tmp_path / "short")]) == 0
+    out = capsys.readouterr().out
+    assert "eagerloco: warning: 3 inner step(s) is less than one round (--inner-steps 4)" in out

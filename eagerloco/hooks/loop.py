@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
 from types import TracebackType
@@ -23,11 +24,13 @@ from eagerloco.hooks.settings import (
     Method,
     OuterOptimizerName,
     api_errors,
+    api_message,
     innermost_optimizer,
     outer_config,
 )
 from eagerloco.hooks.workers import Workers
 from eagerloco.outer import OuterOptimizerFactory, OuterSync
+from eagerloco.schedule import short_run_note
 
 #: What ``state_dict()`` writes; a load of another layout is refused.
 STATE_VERSION = 1
@@ -253,6 +256,9 @@ class OuterLoop:
         self._remove_hooks()
         stats = self.comm.stats
         before = stats.blocked_s
+        short = None if self.sync.is_dp else short_run_note(self.sync.step, self.sync.config.inner_steps)
+        if short is not None and self.sync.step > 0:
+            warnings.warn(f"eagerloco.outer_loop: {api_message(short)}", stacklevel=3)
         try:
             self.sync.drain(apply=self.apply_in_flight)
             if self.connection.owns_comm if consensus is None else consensus:

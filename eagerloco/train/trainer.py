@@ -26,6 +26,7 @@ from eagerloco.config import TrainConfig
 from eagerloco.flops import mfu
 from eagerloco.jsonfiles import write_json_atomic
 from eagerloco.outer import after_inner_step_all, before_inner_step_all
+from eagerloco.schedule import short_run_note
 from eagerloco.train.agree import agree_before_start
 from eagerloco.train.outputs import ProgressLines, RunOutput, accounting, add_throughput
 from eagerloco.train.resume import checkpoint_meta
@@ -92,6 +93,9 @@ class Trainer:
         syncs = [w.sync for w in workers]
         self.perf = model_flops(workers[0], cfg)
         output = RunOutput(cfg, self.start_step, rt.reports, rt.manifest)
+        short = None if cfg.outer.per_step else short_run_note(cfg.steps, cfg.outer.inner_steps)
+        if short is not None and rt.reports():
+            print(f"eagerloco: warning: {short}", flush=True)
         try:
             progress = (_Progress(cfg, workers, self.perf, self.start_step, rt.devices)
                         if cfg.progress and rt.reports() else None)
