@@ -1,11 +1,12 @@
 """Loss per byte of the compressed exchanges, read off a seeded, tuned comparison (`eagerloco compare
 --grid compression --seeds 3 --tune ...`): the table, the plot and which settings are on the frontier.
 
-    python bench/compression/pareto.py RUN_DIR [--out bench/results/compression]
+    python bench/compression/pareto.py RUN_DIR [RUN_DIR ...] [--out bench/results/compression]
 
-RUN_DIR is the comparison's --out (its summary.json). Writes <out>/pareto.md and <out>/pareto.png and
-prints the table. Differences to DiLoCo (fp32, "no overlap") are paired by seed; "reaches DiLoCo's loss"
-means the paired 90% interval of the difference includes 0 or lies below it.
+Each RUN_DIR is a comparison's --out (its summary.json), all with the same protocol and seeds; a method in
+several takes its row from the last (a wider tuning sweep, say). Writes <out>/pareto.md and
+<out>/pareto.png and prints the table. Differences to DiLoCo (fp32, "no overlap") are paired by seed;
+"reaches DiLoCo's loss" means the paired 90% interval of the difference includes 0 or lies below it.
 """
 
 from __future__ import annotations
@@ -45,11 +46,14 @@ def _losses(summary: dict, unit: str) -> dict[int, float]:
     return {int(r["seed"]): float(r["final_eval_loss"]) for r in summary["runs"] if r["unit"] == unit}
 
 
-def points(summary: dict) -> list[Point]:
-    """Every row of the comparison but the baselines that exchange nothing comparable."""
-    ref = _losses(summary, REFERENCE)
+def points(summaries: list[dict]) -> list[Point]:
+    """Every method of the comparisons but the baselines that exchange nothing comparable, each from the
+    last comparison that has it."""
+    rows = {row["name"]: (row, summary) for summary in summaries for row in summary["rows"]}
+    ref_row, ref_summary = rows[REFERENCE]
+    ref = _losses(ref_summary, ref_row["unit"])
     out = []
-    for row in summary["rows"]:
+    for row, summary in rows.values():
         if row["name"] in BASELINES:
             continue
         mine = _losses(summary, row["unit"])
@@ -69,20 +73,26 @@ def frontier(pts: list[Point]) -> set[str]:
                        or q.bytes_per_worker < p.bytes_per_worker and q.loss.mean <= p.loss.mean for q in pts)}
 
 
-def render(summary: dict, pts: list[Point], command: str) -> str:
+def _tune_text(summary: dict) -> str:
+    return "; ".join(f"{a['key']} in {{{', '.join(f'{v:g}' for v in a['values'])}}}" for a in summary.get("tune") or [])
+
+
+def render(summaries: list[dict], pts: list[Point], commands: list[str]) -> str:
     ref = next(p for p in pts if p.name == REFERENCE)
     front = frontier(pts)
     pts = sorted(pts, key=lambda p: -p.bytes_per_worker)
+    summary = summaries[-1]
     seeds = ", ".join(str(s) for s in summary["seeds"])
-    tune = "; ".join(f"{a['key']} in {{{', '.join(f'{v:g}' for v in a['values'])}}}" for a in summary.get("tune") or [])
+    tune = " / ".join(dict.fromkeys(_tune_text(s) for s in summaries))
     lines = [
         "# Compressed exchanges: final eval loss against bytes sent",
         "",
         f"tiny GPT, 2 workers x batch 8 x 64 tokens, 400 steps, H = 20, seeds {seeds}, outer lr tuned per "
-        f"method on seed {summary.get('tune_seed')} ({tune}). Made by:",
+        f"method on seed {summary.get('tune_seed')} ({tune}; a method takes its row from the last comparison "
+        "that has it). Made by:",
         "",
-        f"    {command}",
-        "    python bench/compression/pareto.py <that --out> --out bench/results/compression",
+        *(f"    {c}" for c in commands),
+        "    python bench/compression/pareto.py <their --out, in that order> --out bench/results/compression",
         "",
         "| method | outer lr | bytes / worker | x fewer than DiLoCo fp32 | eval loss, mean [90% CI] "
         "| Δ vs DiLoCo fp32, paired [90% CI] | reaches DiLoCo's loss | on the frontier |",
@@ -137,16 +147,15 @@ def plot(pts: list[Point], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("run_dir", type=Path)
+    p.add_argument("run_dirs", type=Path, nargs="+")
     p.add_argument("--out", type=Path, default=Path("bench/results/compression"))
-    p.add_argument("--command", default="eagerloco compare --grid compression --tokenizer bpe:1024 --batch-size 8 "
-                   "--seq-len 64 --steps 400 --inner-steps 20 --sim-step-time 0.1 --threads 1 --seeds 3 "
-                   "--tune outer_lr=0.2,0.5,1.0 --out runs/compression")
+    p.add_argument("--command", action="append", default=[],
+                   help="the command that made each comparison, in order (repeat), for the page")
     args = p.parse_args(argv)
-    summary = json.loads((args.run_dir / "summary.json").read_text())
-    pts = points(summary)
+    summaries = [json.loads((d / "summary.json").read_text()) for d in args.run_dirs]
+    pts = points(summaries)
     args.out.mkdir(parents=True, exist_ok=True)
-    text = render(summary, pts, args.command)
+    text = render(summaries, pts, args.command)
     (args.out / "pareto.md").write_text(text)
     plot(pts, args.out / "pareto.png")
     print(text)
