@@ -98,10 +98,16 @@ class TopKCodec(Codec):
         """The mask of the k largest |x| in every row, ties to the lower index."""
         mag = rows.abs()
         threshold = torch.topk(mag, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
-        above = mag > threshold
-        tie = mag == threshold
-        room = k - above.sum(dim=1, keepdim=True)  # how many of the ties fit, in index order
-        return above | (tie & (tie.cumsum(dim=1) <= room))
+        keep = mag >= threshold
+        counts = keep.sum(dim=1)
+        tied = (counts != k).nonzero()[:, 0]  # rows with more than k at or above their k-th value
+        if tied.numel():  # rare with real data: settle those rows' ties by index, lower first
+            sub, thr = mag[tied], threshold[tied]
+            above = sub > thr
+            tie = sub == thr
+            room = k - above.sum(dim=1, keepdim=True)
+            keep[tied] = above | (tie & (tie.cumsum(dim=1) <= room))
+        return keep
 
     def _position_bits(self, mask: torch.Tensor, k: int) -> torch.Tensor:
         """Rows of a keep-mask as their position bits (indices or the mask itself, per the rule)."""
