@@ -40,6 +40,23 @@ def test_an_invalid_setting_through_the_hook_api_is_itself_and_names_the_argumen
     assert e.value.__cause__ is None and e.value.__suppress_context__  # no chained traceback to read through
 
 
+@pytest.mark.parametrize("framework", ["hf", "lightning"])
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"codec": "fp7"}, "codec must be one of"),
+    ({"sync_evry": 50}, "unknown outer setting 'sync_evry'"),
+    ({"method": "diloco", "fragments": 2}, "so fragments must be 1 (got 2)"),
+    ({"topk": 9, "topk_chunk": 8}, "topk (9) must not exceed topk_chunk (8)"),
+])
+def test_a_callback_checks_its_settings_when_it_is_made(framework: str, settings: dict, message: str) -> None:
+    """A framework callback is made long before training starts (after the model and data load): a bad
+    setting fails there, as outer_loop says it, not minutes later at train start."""
+    module = pytest.importorskip(f"eagerloco.integrations.{'hf' if framework == 'hf' else 'lightning'}")
+    with pytest.raises(ConfigError) as e:
+        module.OuterLoopCallback(**settings)
+    assert message in str(e.value) and "--" not in str(e.value), str(e.value)
+    module.OuterLoopCallback(method="eager", sync_every=5, outer_addr="127.0.0.1:1", worker_id=0, workers=2)
+
+
 @pytest.mark.parametrize(("error", "code"), [(ConfigError("bad"), 2), (eagerloco.PeerError("gone"), 3),
                                               (ScheduleMismatchError("differ"), 4)])
 def test_exit_on_errors_ends_with_one_line_and_a_status_of_its_own(error: Exception, code: int,

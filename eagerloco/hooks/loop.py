@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 from collections.abc import Sequence
@@ -42,6 +43,26 @@ class OuterLoop:
     ``with`` calls :meth:`start` and :meth:`finish` (or ``close(cancel=True)`` on an exception);
     framework callbacks call them at the framework's train start and end.
     """
+
+    @staticmethod
+    @api_errors
+    def check_settings(config: OuterConfig | None = None, **settings: Any) -> None:
+        """Check the settings as the loop will, without a model or peers: for a framework callback made
+        long before training starts, so that a bad setting fails where it is written.
+
+        Args:
+            config, settings: what the loop will be given (``OuterLoop``'s keywords, the outer settings).
+
+        Raises:
+            ConfigError: an unknown or invalid setting, named as the API names it.
+        """
+        own = set(inspect.signature(OuterLoop.__init__).parameters) - {"self", "settings"}
+        outer = {k: v for k, v in settings.items() if k not in own}
+        if isinstance(settings.get("fragments"), int):
+            outer["fragments"] = settings["fragments"]
+        if isinstance(settings.get("outer_optimizer"), str):
+            outer["outer_optimizer"] = settings["outer_optimizer"]
+        outer_config(config, **outer).validate()
 
     @api_errors
     def __init__(

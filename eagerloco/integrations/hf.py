@@ -41,6 +41,7 @@ class OuterLoopCallback(TrainerCallback):
 
     def __init__(self, config: OuterConfig | None = None, *, resume_from: str | Path | None = None,
                  **settings: Any) -> None:
+        OuterLoop.check_settings(config, **settings)  # a bad setting fails here, not at train start
         self.config, self.settings, self.resume_from = config, settings, resume_from
         self.outer: OuterLoop | None = None
 

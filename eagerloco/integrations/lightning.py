@@ -29,6 +29,7 @@ class OuterLoopCallback(Callback):
     :func:`~eagerloco.hooks.outer_loop` takes (an OuterConfig, its fields, the rendezvous, the link)."""
 
     def __init__(self, config: OuterConfig | None = None, *, log_every: int = 1, **settings: Any) -> None:
+        OuterLoop.check_settings(config, **settings)  # a bad setting fails here, not at train start
         self.config, self.settings, self.log_every = config, settings, log_every
         self.outer: OuterLoop | None = None
         self._restored: dict[str, Any] | None = None
