@@ -264,6 +264,31 @@ def test_error_feedback_keeps_what_it_did_not_send_unweighted() -> None:
     assert torch.equal(kept, torch.tensor([1.0, -2.0, 0.0]))  # the largest (4.0, sent as 2.0) left the buffer
 
 
+def test_the_hook_api_runs_this_worker_s_share_of_every_tick() -> None:
+    """outer_loop(adaptive_steps=True) on the user's own loop, ended on ``outer.ticks``: the slow worker (H_m = 1
+    of H = 3) takes one step a round, and sends and applies what the explicit calls do, bit for bit."""
+    from eagerloco import outer_loop
+
+    g = torch.tensor([2.0, -4.0, 8.0])
+    peers = lambda i: [[torch.tensor([[6.0, -12.0, 24.0]])]]  # noqa: E731
+    explicit = ScriptedCommunicator(num_workers=2, rank=1, peers=peers)
+    t = _one("eager", explicit, g).run(9)
+    hooked = ScriptedCommunicator(num_workers=2, rank=1, peers=peers)
+    model = _linear()
+    opt = torch.optim.SGD(model.parameters(), lr=ETA)
+    steps = 0
+    with outer_loop(model, opt, method="eager", inner_steps=3, adaptive_steps=True, worker_speeds=(1.0, 1 / 3),
+                    comm=hooked, blocks=[model[0]], **PLAIN) as outer:
+        while outer.ticks < 9:
+            opt.zero_grad()
+            (model[0].weight.view(-1) * g).sum().backward()
+            opt.step()
+            steps += 1
+        assert torch.equal(outer.sync.outer[0][0], t.syncs[0].outer[0][0])
+    assert steps == t.own[0] == 3
+    assert [c.tensors[0].tolist() for c in hooked.calls] == [c.tensors[0].tolist() for c in explicit.calls]
+
+
 # ---------------------------------------------------------------- measured speeds: agreed, a round ahead
 
 
