@@ -382,3 +382,42 @@ def test_the_flags_read_a_comma_list_and_refuse_elastic() -> None:
         parse("--adaptive-steps", "--elastic")
     with pytest.raises(SystemExit):
         parse("--worker-speeds", "1,fast")
+
+
+# ---------------------------------------------------------------- the simulator
+
+
+def _simulate(*flags: str) -> dict:
+    import argparse
+
+    from eagerloco.sim.cli import add_arguments, compute
+    from eagerloco.sim.config import SimConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return compute(SimConfig.from_args(parser.parse_args(list(flags))).validate())[0]
+
+
+def test_the_simulator_predicts_each_worker_s_utilization_with_and_without_adaptive_steps() -> None:
+    """Without a link limit: a fixed H leaves worker m busy r_m / r_min of the slowest's round (1/4, 1/2, 1); with
+    adaptive steps (H_m = 8, 4, 2) every worker computes the whole round. Speeds 1 and 0.35 at H = 10 give H_m = 4,
+    4/0.35 = 11.43 fast-steps of compute: that worker paces the round and the fastest computes 10/11.43 of it."""
+    report = _simulate("--model", "1b", "--workers", "3", "--worker-speeds", "1,0.5,0.25", "--method", "diloco",
+                       "--inner-steps", "8", "--bandwidth-gbps", "inf")
+    cus = report["models"][0]["rows"][0]["cu_per_worker"]
+    assert cus["fixed"]["inf"] == pytest.approx([0.25, 0.5, 1.0])
+    assert cus["adaptive"]["inf"] == pytest.approx([1.0, 1.0, 1.0])
+    rounded = _simulate("--model", "1b", "--workers", "2", "--worker-speeds", "1,0.35", "--method", "eager",
+                        "--inner-steps", "10", "--bandwidth-gbps", "1e6")
+    cus = rounded["models"][0]["rows"][0]["cu_per_worker"]
+    assert cus["adaptive"]["1000000.0"] == pytest.approx([10 / (4 / 0.35), 1.0], rel=1e-6)
+    assert cus["fixed"]["inf"] == pytest.approx([0.35, 1.0])
+
+
+@pytest.mark.parametrize(("speeds", "text"), [("1,0.5", "gives 2 speed\\(s\\) for --workers 3"),
+                                              ("1,0,1", "must be positive"), ("1,fast,1", "takes numbers")])
+def test_the_simulator_refuses_bad_speeds(speeds: str, text: str) -> None:
+    from eagerloco.sim.model import SimError
+
+    with pytest.raises(SimError, match=text):
+        _simulate("--workers", "3", "--worker-speeds", speeds)
