@@ -11,6 +11,7 @@ fraction, so the closed forms hold exactly (torch.equal).
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 
 import pytest
@@ -421,3 +422,52 @@ def test_the_simulator_refuses_bad_speeds(speeds: str, text: str) -> None:
 
     with pytest.raises(SimError, match=text):
         _simulate("--workers", "3", "--worker-speeds", speeds)
+
+
+# ---------------------------------------------------------------- the trainer
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("speeds", [["--worker-speeds", "1,0.5"], ["--slow-worker", "1:2"]], ids=["given", "measured"])
+def test_an_interrupted_in_process_run_resumes_to_the_same_numbers(tmp_path, monkeypatch, speeds) -> None:  # noqa: ANN001
+    """`eagerloco train --adaptive-steps` in this process, stopped right after the step-12 checkpoint (mid-run:
+    exchanges and speeds in flight under eager k = 2), resumed: the same losses and final state as a run never
+    stopped; the slow worker ran fewer steps and the tokens count them."""
+    from eagerloco import checkpoint as ckpt
+    from eagerloco.cli import make_parser
+    from eagerloco.flags import build_train_config
+    from eagerloco.train import train
+
+    args = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "2", "--no-progress",
+            "--workers", "2", "--inner-steps", "4", "--log-every", "2", "--sim-step-time", "0.05", "--steps", "24",
+            "--checkpoint-every", "6", "--method", "eager", "--eager-rounds", "2", "--adaptive-steps", *speeds]
+
+    def cfg(out, *more):  # noqa: ANN001, ANN202
+        return build_train_config(make_parser().parse_args(["train", *args, "--out", str(out), *more]))
+
+    clean = train(cfg(tmp_path / "clean"))
+    publish = ckpt.publish
+
+    def publish_then_stop(root, step, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        path = publish(root, step, *a, **k)
+        if step == 12:
+            raise _Interrupted
+        return path
+
+    monkeypatch.setattr(ckpt, "publish", publish_then_stop)
+    with pytest.raises(_Interrupted):
+        train(cfg(tmp_path / "cut"))
+    monkeypatch.undo()
+    resumed = train(cfg(tmp_path / "cut", "--resume"))
+    assert clean is not None and resumed is not None
+    assert clean["final_eval_loss"] == resumed["final_eval_loss"]
+    assert clean["worker_steps"] == resumed["worker_steps"]
+    expected = [24, 12] if speeds[0] == "--worker-speeds" else [24, 8 + 8]  # measured: rounds 3 on at H_m = 2
+    assert clean["worker_steps"] == expected and clean["tokens"] == sum(expected) * 2 * 32
+    lines = [json.loads(x) for x in (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()]
+    again = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["loss"] for x in lines] == [x["loss"] for x in again]
