@@ -381,6 +381,8 @@ def test_the_flags_read_a_comma_list_and_refuse_elastic() -> None:
         parse("--worker-speeds", "1,0.5,1")
     with pytest.raises(ConfigError, match="--elastic changes it"):
         parse("--adaptive-steps", "--elastic")
+    with pytest.raises(ConfigError, match="under --fsdp every rank exchanges its own"):
+        parse("--adaptive-steps", "--fsdp")
     with pytest.raises(SystemExit):
         parse("--worker-speeds", "1,fast")
 

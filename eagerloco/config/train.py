@@ -53,7 +53,7 @@ class TrainConfig:
     seq_len: int = 128
     """Tokens per sequence."""
     steps: int = 200
-    """Inner steps per worker (T)."""
+    """Inner steps per worker (T); under --adaptive-steps, ticks: the fastest worker's inner steps."""
     lr: float = 3e-3
     """Peak learning rate of the inner AdamW."""
     weight_decay: float = 0.1
@@ -160,6 +160,9 @@ class TrainConfig:
         if self.outer.adaptive_steps and self.runtime.elastic:
             raise ConfigError("--adaptive-steps sizes every round for a fixed set of workers and --elastic changes "
                               "it: drop one of them")
+        if self.outer.adaptive_steps and not self.outer.worker_speeds and self.runtime.fsdp:
+            raise ConfigError("--adaptive-steps measures each rank's speed, and under --fsdp every rank exchanges "
+                              "its own: give the speeds with --worker-speeds")
         self.runtime.validate(self.workers, env, self.device if isinstance(self.device, str) else "auto")
         kernel = self.runtime.kernel_link_gbps
         if kernel is not None:  # the kernel shapes the bandwidth: the run records its rate

@@ -114,7 +114,7 @@ class Trainer:
                 if step % cfg.log_every == 0 or step == cfg.steps or eval_loss is not None:
                     output.log(self.record(step, real_t0, eval_loss))
                 if progress is not None:
-                    progress.update(step, real_t0)
+                    progress.update(step, real_t0, self.tokens(step))
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     self.save(step)
             real_wall = time.perf_counter() - real_t0
@@ -271,9 +271,8 @@ class _Progress:
     def loss(self) -> float:
         return sum(w.last_loss for w in self.workers) / len(self.workers)
 
-    def update(self, step: int, real_t0: float) -> None:
+    def update(self, step: int, real_t0: float, tokens: int) -> None:
         cfg, st = self.cfg, self.workers[0].comm.stats
-        tokens = step * cfg.batch_size * cfg.seq_len * cfg.workers
         if self.lines is not None:
             self.lines.update(step, self.loss, st, tokens=tokens, per_token=self.perf["flops_per_token"],
                               peak=self.perf["peak_tflops"], devices=self.devices)
