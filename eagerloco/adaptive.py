@@ -13,6 +13,7 @@ bytes on the link, do not change; equal windows give the factor 1.0 exactly and 
 
 from __future__ import annotations
 
+import time
 from statistics import median
 from typing import Any
 
@@ -110,13 +111,17 @@ class AdaptiveSteps:
         total, mine = sum(steps), steps[self.comm.rank]
         return len(steps) * mine / total, (total - mine) / total
 
-    def round_end(self, **agreed: bool) -> None:
+    def round_end(self, **agreed: bool) -> float:
         """At a round's end (after the tick's outer exchanges): measuring, take the speeds launched a round ago
-        for the round that starts, and launch this round's."""
+        for the round that starts, and launch this round's. Returns the real seconds blocked on them (0.0 on a
+        simulated clock, whose wait is the clock's), which the caller leaves out of its overhead."""
         if not self.measured:
-            return
+            return 0.0
+        waited = 0.0
         if self.pending is not None:
+            t0 = time.perf_counter()
             speeds = self.pending.wait()[0].tolist()
+            waited = 0.0 if self.comm.simulated_clock else time.perf_counter() - t0
             self.pending = None
             if min(speeds) > 0:  # every worker has measured a step
                 self.rounds.set_lengths(round_lengths(self.config.inner_steps, speeds))
@@ -125,12 +130,17 @@ class AdaptiveSteps:
         mine[rank] = self.meter.steps_per_s * workers
         self.pending = self.comm.allreduce_mean([mine.to(torch.float32)], get_codec("fp32"), keep_own=False,
                                                 **agreed)
+        return waited
 
-    def drain(self) -> None:
-        """The run's end: wait on the speeds in flight (every handle is waited on once)."""
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
+    def drain(self) -> float:
+        """The run's end: wait on the speeds in flight (every handle is waited on once); returns the real seconds
+        blocked (as :meth:`round_end`)."""
+        if self.pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.pending.wait()
+        self.pending = None
+        return 0.0 if self.comm.simulated_clock else time.perf_counter() - t0
 
     def state_dict(self) -> dict[str, Any]:
         """What the next round needs: the rounds so far, the speed average, the speeds in flight (resolved)."""

@@ -282,7 +282,7 @@ class OuterSync:
                 self._outer_step(item.fragment, mean)
                 self._merge(item.fragment)
         if self.adaptive is not None and self.step % self.config.inner_steps == 0:
-            self.adaptive.round_end(**self._agreed())
+            waited += self.adaptive.round_end(**self._agreed())
         self.comm.add_overhead(time.perf_counter() - t0 - waited)
 
     def after_inner_step(self) -> None:
@@ -410,7 +410,7 @@ class OuterSync:
             self._merge(item.fragment)
         self.in_flight.clear()
         if self.adaptive is not None:
-            self.adaptive.drain()
+            waited += self.adaptive.drain()
         self.comm.add_overhead(time.perf_counter() - t0 - waited)
 
     def launch_consensus(self) -> list[Handle]:
