@@ -314,8 +314,8 @@ class OuterSync:
             describe = (f"method {cfg.method}, H {cfg.inner_steps}, {cfg.fragments} fragment(s) of "
                         f"{sizes} values ({cfg.fragment_pattern}), overlap {cfg.overlap_steps}, "
                         f"eager rounds {cfg.eager_rounds}, codec {self.codec.name}/{cfg.codec_block}, "
-                        f"error feedback {cfg.error_feedback}, adaptive steps {cfg.adaptive_steps} "
-                        f"{cfg.worker_speeds or ''}, "
+                        f"error feedback {cfg.error_feedback}, adaptive steps "
+                        f"{(cfg.worker_speeds or 'measured') if cfg.adaptive_steps else 'off'}, "
                         f"at step {self.step} of {self.num_workers} workers")
             self._agreement = self.comm.agree(describe.encode(), describe)
         return {"agreed": True} if self._agreement else {}

@@ -442,7 +442,8 @@ def outer_loop(
         adaptive_steps: workers of unequal speed: each worker runs H_m = max(1, round(H r_m / r_max)) of its
             own steps per round, r_m its speed (the hooks time the loop's steps, or ``worker_speeds``), and the
             exchange is the token-weighted mean [False]. A round is H *ticks* (the fastest worker's steps), and
-            every worker must run the same ticks: end the loop on ``outer.ticks``, not on a count of steps.
+            every worker must run the same ticks: end the loop on ``outer.ticks`` reaching a multiple of H (the
+            ticks without a step of this worker pass at once after its last step of them), not on a count of steps.
         worker_speeds: fixed relative speeds, one per worker, for ``adaptive_steps`` (reproducible runs)
             [measured].
         sync_every, fragment_sync_delay, fragment_update_alpha: torchft's names for ``inner_steps``,
