@@ -7,8 +7,9 @@ inner step paced (``--sim-step-time``) and each worker slowed to its ``--worker-
 (1, 0.5) and four (1, 1, 0.5, 0.25), DiLoCo and eager, per seed three runs:
 
 - fixed: H on every worker for T ticks (the fastest idles while the slowest finishes its round);
-- adaptive, equal wall: --adaptive-steps for T * r_max / r_min ticks, about the fixed run's wall clock;
-- adaptive, equal tokens: --adaptive-steps for the ticks that train on the fixed run's tokens.
+- adaptive, equal tokens: --adaptive-steps for the rounds that train on the fixed run's tokens;
+- adaptive, equal wall: --adaptive-steps for the rounds that take the fixed run's wall clock, as the two runs
+  before measured it (the fixed run's wall over the equal-tokens run's wall per tick).
 
 Per run: each worker's compute utilization (its compute seconds over the run's wall) beside the simulator's
 prediction (``eagerloco.sim.hetero.per_worker_cu``, a cold start of the run's rounds), tokens per second, the
@@ -36,24 +37,31 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 SETUPS = {2: [1.0, 0.5], 4: [1.0, 1.0, 0.5, 0.25]}
 METHODS = ("diloco", "eager")
-MODES = ("fixed", "adaptive, equal wall", "adaptive, equal tokens")
+MODES = ("fixed", "adaptive, equal tokens", "adaptive, equal wall")
 TINY_BLOCKS = 4
 
 
-def ticks_of(mode: str, speeds: list[float], h: int, ticks: int) -> int:
-    """The run's ticks (a multiple of H): T; T * r_max / r_min; or the ticks giving the fixed run's tokens."""
+def ticks_of(mode: str, speeds: list[float], h: int, ticks: int, done: dict[str, dict[str, Any]]) -> int:
+    """The run's ticks (a multiple of H): T; the ticks giving the fixed run's tokens; or the ticks giving its
+    wall clock at the equal-tokens run's measured wall per tick (``done``: those two runs by mode)."""
     if mode == "fixed":
         return ticks
     if mode == "adaptive, equal wall":
-        return ticks * round(max(speeds) / min(speeds))
+        fixed, short = done["fixed"], done["adaptive, equal tokens"]
+        return h * max(1, round(fixed["wall_s"] / (short["wall_s"] / short["ticks"]) / h))
     per_tick = sum(round_lengths(h, speeds)) / h  # workers' inner steps per tick
     rounds = math.ceil(ticks * len(speeds) / per_tick / h)
     return rounds * h
 
 
-def run_one(args: argparse.Namespace, workers: int, method: str, mode: str, seed: int, out: Path) -> dict[str, Any]:
+def run_one(args: argparse.Namespace, workers: int, method: str, mode: str, seed: int, out: Path,
+            done: dict[str, dict[str, Any]], reuse: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run (or the same run from ``reuse``, an earlier report's runs)."""
     speeds = SETUPS[workers]
-    steps = ticks_of(mode, speeds, args.inner_steps, args.ticks)
+    steps = ticks_of(mode, speeds, args.inner_steps, args.ticks, done)
+    for r in reuse:
+        if (r["workers"], r["method"], r["mode"], r["seed"], r["ticks"]) == (workers, method, mode, seed, steps):
+            return r
     argv = ["--workers", str(workers), "--model", "tiny", "--batch-size", "2", "--seq-len", "32",
             "--steps", str(steps), "--inner-steps", str(args.inner_steps), "--method", method,
             "--eval-batches", "8", "--log-every", str(args.inner_steps), "--seed", str(seed), "--no-progress",
@@ -115,8 +123,9 @@ def render(report: dict[str, Any]) -> str:
         "idles until then; start-up, evaluation and the final drain are left out); `sim`: "
         "`eagerloco simulate --worker-speeds` for the same settings (a cold start of the run's rounds).",
         "",
-        f"Runs: fixed, T = {st['ticks']} ticks (H on every worker); adaptive at equal wall clock, T * r_max / r_min "
-        "ticks; adaptive at equal tokens, the ticks whose tokens match the fixed run's.",
+        f"Runs: fixed, T = {st['ticks']} ticks (H on every worker); adaptive at equal tokens, the rounds whose "
+        "tokens reach the fixed run's; adaptive at equal wall clock, the rounds whose wall clock (at the equal-tokens "
+        "run's measured wall per tick) is the fixed run's. A tick is an inner step of the fastest worker.",
         "",
     ]
     for workers in sorted({r["workers"] for r in runs}):
@@ -150,6 +159,13 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def findings(md_path: Path) -> str:
+    """The hand-written "## Findings" section of an earlier hetero.md, kept when the tables are rewritten."""
+    text = md_path.read_text() if md_path.is_file() else ""
+    at = text.find("\n## Findings")
+    return text[at:] if at >= 0 else ""
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=3)
@@ -165,18 +181,22 @@ def main() -> int:
     p.add_argument("--scratch", type=Path, default=Path("/tmp/eagerloco-bench-hetero"))
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--render-only", action="store_true", help="rewrite hetero.md from hetero.json")
+    p.add_argument("--reuse", action="store_true",
+                   help="take from hetero.json every run it has with the same settings and ticks")
     args = p.parse_args()
     json_path, md_path = args.out_dir / "hetero.json", args.out_dir / "hetero.md"
     if args.render_only:
-        md_path.write_text(render(json.loads(json_path.read_text())))
+        md_path.write_text(render(json.loads(json_path.read_text())) + findings(md_path))
         return 0
+    reuse = json.loads(json_path.read_text())["runs"] if args.reuse and json_path.is_file() else []
     runs = []
     for seed in range(args.seeds):
         for workers in (int(w) for w in args.workers.split(",")):
             for method in METHODS:
+                done: dict[str, dict[str, Any]] = {}
                 for mode in MODES:
                     name = f"m{workers}-{method}-{mode.replace(', ', '-').replace(' ', '_')}-s{seed}"
-                    r = run_one(args, workers, method, mode, seed, args.scratch / name)
+                    r = done[mode] = run_one(args, workers, method, mode, seed, args.scratch / name, done, reuse)
                     print(f"{name}: CU {[round(c, 3) for c in r['cu']]} (sim {[round(c, 3) for c in r['sim_cu']]}), "
                           f"{r['tokens_per_s']:.0f} tokens/s, eval {r['final_eval_loss']:.4f}", flush=True)
                     runs.append(r)
@@ -190,7 +210,7 @@ def main() -> int:
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=1) + "\n")
-    md_path.write_text(render(report))
+    md_path.write_text(render(report) + findings(md_path))
     print(f"wrote {json_path} and {md_path}")
     return 0
 
