@@ -37,7 +37,7 @@ from eagerloco.config import SECTIONS, ConfigError, Environment, TrainConfig, tr
 GROUPS = {"algorithm": "algorithm", "compression": "compression (sparse exchange, error feedback)", "link": "link",
           "training": "training", "device": "device",
           "multi-process": "multi-process (under `eagerloco launch`, torchrun, or one job per worker)",
-          "faults": "faults"}
+          "heterogeneous": "workers of unequal speed", "faults": "faults"}
 _CLASS_GROUP = {"OuterConfig": "algorithm", "LinkConfig": "link", "TrainConfig": "training"}
 
 
@@ -125,7 +125,9 @@ def add_dataclass_flags(groups: dict[str, Any], cls: type, group: str | None = N
             old.update(nargs=0, const=on)
         else:
             kw["type"] = old["type"] = _value_type(tp)
-            if get_origin(tp) is list:
+            if get_origin(tp) is list and meta.get("sep"):
+                kw["type"] = old["type"] = _separated(kw["type"], meta["sep"])
+            elif get_origin(tp) is list:
                 kw["action"], old["append"] = "append", True
             for key in ("choices", "metavar"):
                 if meta.get(key) is not None:
@@ -134,6 +136,19 @@ def add_dataclass_flags(groups: dict[str, Any], cls: type, group: str | None = N
             g.add_argument(flag, **kw)
         for alias in meta.get("aliases", ()):
             g.add_argument(alias, new=flag, **old)
+
+
+def _separated(convert: Any, sep: str) -> Any:
+    """A flag type reading one argument of values separated by sep (``1,0.5``) into a list."""
+
+    def parse(text: str) -> list[Any]:
+        try:
+            return [convert(v.strip()) for v in text.split(sep)]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected {convert.__name__} values separated by {sep!r}, e.g. 1{sep}0.5") from None
+
+    return parse
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:

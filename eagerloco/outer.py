@@ -6,7 +6,7 @@ See :class:`OuterSync` for how it works.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -14,38 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from eagerloco.adaptive import AdaptiveSteps, load_rounds
 from eagerloco.codecs import get_codec
 from eagerloco.comm.base import Communicator, Handle, ReadyHandle
 from eagerloco.config import OuterConfig
 from eagerloco.error_feedback import ErrorFeedback
 from eagerloco.fragments import assign_fragments, find_blocks, trainable_fragments
 from eagerloco.fsdp import like_param, local_shard
+from eagerloco.outer_optimizer import OuterOptimizerFactory, make_outer_optimizer
 from eagerloco.schedule import apply_delay, fragment_offsets, fragments_due
-
-OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
-
-
-def make_outer_optimizer(config: OuterConfig) -> OuterOptimizerFactory:
-    """The configured outer optimizer (default: SGD, lr 0.7, momentum 0.9, Nesterov; ``average``: SGD
-    without momentum, whatever --outer-momentum says)."""
-
-    def factory(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        # foreach: one kernel per op over the fragment's tensors (PyTorch picks it by itself only on
-        # CUDA; on CPU the per-tensor loop costs ~40% more per outer step), same results. Its Nesterov
-        # SGD writes into the gradients; that is safe because OuterSync only ever hands the optimizer
-        # fresh tensors (every Handle.wait() returns a copy the caller owns).
-        if config.outer_optimizer == "sgd":
-            return torch.optim.SGD(
-                params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_nesterov,
-                foreach=True,
-            )
-        if config.outer_optimizer == "average":  # plain averaging: outer <- outer - lr * D (SparseLoCo)
-            return torch.optim.SGD(params, lr=config.outer_lr, foreach=True)
-        if config.outer_optimizer == "adam":
-            return torch.optim.Adam(params, lr=config.outer_lr, foreach=True)
-        return torch.optim.AdamW(params, lr=config.outer_lr, foreach=True)
-
-    return factory
 
 
 @dataclass
@@ -59,6 +36,8 @@ class _InFlight:
     #: share with weight 1/workers and corrects with the same weight, so every outer gradient
     #: counts exactly once even when membership changes while the exchange is in flight.
     workers: int = 1
+    #: The others' weight in the exchange's mean, 1 - w_m: (M-1)/M, or by tokens under adaptive steps.
+    others: float | None = None
 
 
 class OuterSync:
@@ -138,6 +117,8 @@ class OuterSync:
         self._agreement: bool | None = None
         self._grad_handle: Handle | None = None
         self._grad_params: list[nn.Parameter] = []
+        #: Workers of unequal speed (--adaptive-steps): each worker's inner steps and weights; None: off.
+        self.adaptive: AdaptiveSteps | None = None
         #: The model's parameters by fragment, and the tensors the algorithm reads and writes for
         #: them: the parameters themselves, or this rank's shards of sharded ones (same storage).
         self.params: list[list[nn.Parameter]]
@@ -161,6 +142,8 @@ class OuterSync:
         self.feedback = None if cfg.error_feedback is None else ErrorFeedback(self.outer, cfg.error_feedback)
         self.offsets = fragment_offsets(cfg.inner_steps, cfg.fragments)
         self.delay = apply_delay(cfg.method, cfg.inner_steps, cfg.overlap_steps, cfg.eager_rounds)
+        if cfg.adaptive_steps:
+            self.adaptive = AdaptiveSteps(cfg, comm)
 
     @torch.no_grad()
     def restart_from_model(self) -> None:
@@ -182,6 +165,11 @@ class OuterSync:
     def num_workers(self) -> int:
         """Workers present now (the communicator's count; elastic runs change it between rounds)."""
         return self.comm.num_workers
+
+    def inner_steps_due(self) -> int:
+        """Inner steps this worker takes before its next :meth:`after_inner_step`: 1, or under adaptive steps
+        its share of the next tick of the round (0, 1 or more; see :class:`eagerloco.schedule.Rounds`)."""
+        return 1 if self.adaptive is None else self.adaptive.due()
 
     # ------------------------------------------------------------------ data-parallel gradients
     def launch_grads(self) -> None:
@@ -246,23 +234,28 @@ class OuterSync:
         if self.is_dp:
             return
         t0 = time.perf_counter()
-        cfg = self.config
+        cfg, feedback, adaptive = self.config, self.feedback, self.adaptive
+        if adaptive is not None:
+            adaptive.tick()
         for p in fragments_due(self.step, cfg.inner_steps, self.offsets):
             with torch.no_grad():
                 delta = [o - l.detach().to(torch.float32) for o, l in zip(self.outer[p], self.local[p], strict=True)]
-            feedback = self.feedback
+            sent = delta if feedback is None else feedback.add(p, delta)
+            # Adaptive steps: M * w_m times the contribution, so the mean is the token-weighted sum_m w_m Delta_m.
+            scale, others = (1.0, None) if adaptive is None else adaptive.weigh(p)
+            if scale != 1.0:
+                sent = [t * scale for t in sent]
             # Only eager and error feedback read their own share back (handle.own); the others let the
             # runtime reuse it.
-            handle = self.comm.allreduce_mean(delta if feedback is None else feedback.add(p, delta), self.codec,
-                                              self.generator, keep_own=cfg.method == "eager" or feedback is not None,
-                                              **self._agreed())
-            if feedback is not None:
-                feedback.sent(p, handle.own)
+            handle = self.comm.allreduce_mean(sent, self.codec, self.generator,
+                                              keep_own=cfg.method == "eager" or feedback is not None, **self._agreed())
+            if feedback is not None and scale:  # the buffer loses what it sent (unweighted)
+                feedback.sent(p, handle.own if scale == 1.0 else [o / scale for o in handle.own])
             # Eager applies its own share now: the outer gradient itself, or with error feedback what it
             # sent (C_m), so that every value sent is applied once and the unsent rest stays in the buffer.
-            fresh = (delta if feedback is None else handle.own) if cfg.method == "eager" else None
+            fresh = (sent if feedback is None else handle.own) if cfg.method == "eager" else None
             self.in_flight.append(
-                _InFlight(p, handle, self.step, self.step + self.delay, fresh, self.comm.num_workers)
+                _InFlight(p, handle, self.step, self.step + self.delay, fresh, self.comm.num_workers, others)
             )
         self.comm.add_overhead(time.perf_counter() - t0)
 
@@ -288,6 +281,8 @@ class OuterSync:
                 waited += w
                 self._outer_step(item.fragment, mean)
                 self._merge(item.fragment)
+        if self.adaptive is not None and self.step % self.config.inner_steps == 0:
+            waited += self.adaptive.round_end(**self._agreed())
         self.comm.add_overhead(time.perf_counter() - t0 - waited)
 
     def after_inner_step(self) -> None:
@@ -319,7 +314,8 @@ class OuterSync:
             describe = (f"method {cfg.method}, H {cfg.inner_steps}, {cfg.fragments} fragment(s) of "
                         f"{sizes} values ({cfg.fragment_pattern}), overlap {cfg.overlap_steps}, "
                         f"eager rounds {cfg.eager_rounds}, codec {self.codec.name}/{cfg.codec_block}, "
-                        f"error feedback {cfg.error_feedback}, "
+                        f"error feedback {cfg.error_feedback}, adaptive steps "
+                        f"{(cfg.worker_speeds or 'measured') if cfg.adaptive_steps else 'off'}, "
                         f"at step {self.step} of {self.num_workers} workers")
             self._agreement = self.comm.agree(describe.encode(), describe)
         return {"agreed": True} if self._agreement else {}
@@ -355,9 +351,10 @@ class OuterSync:
         weight its own share was applied with when it was launched). nonlocal: the mean less its own
         share, as sent (every outer gradient applied exactly once); stale_average: (M-1)/M of the mean."""
         m = float(item.workers)
-        if self.config.eager_weighting == "nonlocal":
+        if self.config.eager_weighting == "nonlocal":  # own: this worker's weighted contribution, M w_m Delta_m
             return [d - o / m for d, o in zip(mean, item.handle.own, strict=True)]
-        return [d * ((m - 1) / m) for d in mean]
+        others = (m - 1) / m if item.others is None else item.others
+        return [d * others for d in mean]
 
     def _wait(self, handle: Handle, out: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], float]:
         """The mean, and the real seconds spent blocked (which the caller leaves out of overhead_s).
@@ -412,6 +409,8 @@ class OuterSync:
             self._outer_step(item.fragment, mean)
             self._merge(item.fragment)
         self.in_flight.clear()
+        if self.adaptive is not None:
+            waited += self.adaptive.drain()
         self.comm.add_overhead(time.perf_counter() - t0 - waited)
 
     def launch_consensus(self) -> list[Handle]:
@@ -499,7 +498,7 @@ class OuterSync:
             in_flight.append({
                 "fragment": item.fragment, "launch_step": item.launch_step, "apply_step": item.apply_step,
                 "mean": mean, "own": own, "payload_bytes": nbytes, "ready_at": ready_at,
-                "workers": item.workers,
+                "workers": item.workers, "others": item.others,
             })
         return {
             "method": self.config.method,
@@ -509,6 +508,7 @@ class OuterSync:
             "in_flight": in_flight,
             "generator": self.generator.get_state(),
             "error_feedback": None if self.feedback is None else self.feedback.state(),
+            "adaptive": None if self.adaptive is None else self.adaptive.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -519,8 +519,8 @@ class OuterSync:
 
         Raises:
             ValueError: the state is for another method, its fragments do not match this model
-                and fragment setting, or it was saved with error feedback on where this run has it off
-                (or the reverse).
+                and fragment setting, or it was saved with error feedback or adaptive steps on where this
+                run has it off (or the reverse).
         """
         if state.get("method") != self.config.method:
             raise ValueError(f"state is for method {state.get('method')!r}, this run uses {self.config.method!r}")
@@ -545,6 +545,7 @@ class OuterSync:
             )
         if saved_feedback is not None and self.feedback is not None:
             self.feedback.load(saved_feedback)
+        load_rounds(self.adaptive, state.get("adaptive"))  # absent in checkpoints made before adaptive steps
         self.in_flight = [
             _InFlight(
                 x["fragment"],
@@ -553,6 +554,7 @@ class OuterSync:
                 x["apply_step"],
                 None,
                 int(x.get("workers", self.num_workers)),  # older checkpoints: M never changed
+                x.get("others"),
             )
             for x in state["in_flight"]
         ]

@@ -111,3 +111,92 @@ def short_run_note(steps: int, inner_steps: int) -> str | None:
     return (f"{steps} inner step(s) is less than one round (--inner-steps {inner_steps}): no outer step happens, "
             "so the outer parameters, which are evaluated, stay the initial ones; run at least "
             f"{inner_steps} steps or lower --inner-steps")
+
+
+# ---------------------------------------------------------------- workers of unequal speed (adaptive steps)
+#
+# A round is counted in ticks, the inner steps of the fastest worker: round r is ticks (r-1)H+1 .. rH, and
+# every exchange keeps the tick the schedule above gives it, so every worker launches and applies the same
+# exchanges at the same ticks as without adaptive steps. Worker m runs H_m of its own inner steps over a
+# round's H ticks (0, 1 or more at a tick).
+
+
+def round_lengths(inner_steps: int, speeds: list[float]) -> list[int]:
+    """Each worker's inner steps in a round: H_m = max(1, round(H * r_m / r_max)) (round half up); the fastest
+    runs H. Equal speeds give H for every worker."""
+    fastest = max(speeds)
+    return [max(1, int(inner_steps * r / fastest + 0.5)) for r in speeds]
+
+
+def steps_by_tick(inner_steps: int, fragments: int, own: int) -> list[int]:
+    """A worker's own inner steps completed by each tick t = 0..H of a round in which it runs ``own`` of them.
+
+    At fragment p's sync tick round(p*H/P) it has run round(p*own/P), its own fragment offset; between two
+    sync ticks its steps come as early as they can (the count rounds up), so a worker at H_m = H steps at every
+    tick.
+    """
+    knots = list(zip(fragment_offsets(inner_steps, fragments) + [inner_steps],
+                     fragment_offsets(own, fragments) + [own], strict=True))
+    done = [0]
+    for (a, na), (b, nb) in zip(knots, knots[1:], strict=False):
+        done.extend(na + -(-(t - a) * (nb - na) // (b - a)) for t in range(a + 1, b + 1))
+    return done
+
+
+class Rounds:
+    """Every worker's inner steps, tick by tick, as all workers see them (each worker keeps one, the same).
+
+    Args:
+        inner_steps: H, the ticks of a round (the fastest worker's inner steps).
+        fragments: P.
+        lengths: each worker's H_m for the first round (:func:`round_lengths`).
+
+    Attributes:
+        tick: ticks completed.
+        lengths: each worker's H_m in the current round (the round of tick ``tick + 1``).
+        done: each worker's inner steps completed by ``tick``.
+        synced: ``done`` as it was at each fragment's last launch.
+    """
+
+    def __init__(self, inner_steps: int, fragments: int, lengths: list[int]) -> None:
+        self.inner_steps, self.fragments = inner_steps, fragments
+        self.tick = 0
+        self.done = [0] * len(lengths)
+        self.synced = [[0] * len(lengths) for _ in range(fragments)]
+        self.lengths: list[int] = []
+        self._by_tick: list[list[int]] = []
+        self.set_lengths(lengths)
+
+    def set_lengths(self, lengths: list[int]) -> None:
+        """Each worker's H_m from the next round on (call at a round's end, every worker with the same)."""
+        self.lengths = list(lengths)
+        self._by_tick = [steps_by_tick(self.inner_steps, self.fragments, n) for n in self.lengths]
+
+    def due(self, worker: int) -> int:
+        """The worker's inner steps at the next tick (0, 1, or more where its steps outnumber the ticks)."""
+        t = self.tick % self.inner_steps + 1
+        by_tick = self._by_tick[worker]
+        return by_tick[t] - by_tick[t - 1]
+
+    def advance(self) -> None:
+        """Count the next tick: every worker's steps due at it are done."""
+        for m in range(len(self.done)):
+            self.done[m] += self.due(m)
+        self.tick += 1
+
+    def window(self, fragment: int) -> list[int]:
+        """Each worker's inner steps since the fragment's last launch (what its outer gradient is made of);
+        marks the fragment launched now."""
+        steps = [d - s for d, s in zip(self.done, self.synced[fragment], strict=True)]
+        self.synced[fragment] = list(self.done)
+        return steps
+
+    def state(self) -> dict[str, object]:
+        return {"tick": self.tick, "lengths": list(self.lengths), "done": list(self.done),
+                "synced": [list(s) for s in self.synced]}
+
+    def load(self, state: dict[str, object]) -> None:
+        self.tick = int(state["tick"])  # type: ignore[call-overload]
+        self.set_lengths([int(n) for n in state["lengths"]])  # type: ignore[attr-defined]
+        self.done = [int(n) for n in state["done"]]  # type: ignore[attr-defined]
+        self.synced = [[int(n) for n in s] for s in state["synced"]]  # type: ignore[attr-defined]

@@ -245,6 +245,23 @@ def test_benchmark_columns_show_the_accuracies_a_run_recorded() -> None:
     assert rows["1-outer-step eager"]["PIQA"] == "n/a" and rows["1-outer-step eager"]["Δ vs no overlap"] == "+0.1000"
 
 
+def test_workers_of_unequal_speed_get_their_own_columns() -> None:
+    from eagerloco.compare.report import grid_table
+
+    base = {"tolerated": "0", "final_eval_loss": 2.5, "bytes_sent_per_worker": 10, "peak_sync_bytes": 5,
+            "compute_utilization": 0.5, "wall_s": 1.0}
+    plain = _table_rows(grid_table([{**base, "name": "no-overlap", "label": "no overlap"}]))
+    assert "H_m" not in plain["no overlap"]
+    rows = _table_rows(grid_table([
+        {**base, "name": "no-overlap", "label": "fixed", "outer": {"worker_speeds": [1.0, 0.5], "outer_lr": 0.7},
+         "worker_cu": [0.5, 1.0], "worker_idle_s": [3.25, 0.0]},
+        {**base, "name": "eager-1", "label": "adaptive", "round_steps": [8, 4], "worker_cu": [0.97, 0.96],
+         "worker_idle_s": [0.1, 0.2]},
+    ]))
+    assert [rows["fixed"][c] for c in ("H_m", "CU per worker", "idle s per worker")] == ["-", "0.50/1.00", "3.2/0.0"]
+    assert [rows["adaptive"][c] for c in ("H_m", "CU per worker")] == ["8/4", "0.97/0.96"]
+
+
 @pytest.mark.parametrize(("scores", "limit", "chance"), [
     ({"hellaswag": 0.28, "piqa": 0.45, "arc_easy": 0.20}, 100, True),  # 2 SE: 8.7 / 10 / 8.7 points
     ({"hellaswag": 0.34, "piqa": 0.45, "arc_easy": 0.20}, 100, False),  # HellaSwag 9 points above chance

@@ -147,30 +147,45 @@ def fmt_outer_lr(r: dict[str, Any]) -> str:
     return "-" if _per_step(r) or "outer" not in r else f"{r['outer']['outer_lr']:g}"
 
 
+def _unequal(results: list[dict[str, Any]]) -> bool:
+    """Whether some run had workers of unequal speed (--worker-speeds) or sized its rounds to them."""
+    return any("round_steps" in r or r.get("outer", {}).get("worker_speeds") for r in results)
+
+
+def fmt_per_worker(r: dict[str, Any]) -> list[str]:
+    """Workers of unequal speed: each worker's inner steps in the last round (H_m; '-' at a fixed H), its
+    compute utilization (its compute seconds over the run's wall clock) and its seconds idle waiting for peers."""
+    steps = "/".join(str(n) for n in r["round_steps"]) if "round_steps" in r else "-"
+    cu, idle = r.get("worker_cu"), r.get("worker_idle_s")
+    return [steps, "/".join(f"{c:.2f}" for c in cu) if cu else "n/a",
+            "/".join(f"{s:.1f}" for s in idle) if idle else "n/a"]
+
+
 def _columns(results: list[dict[str, Any]], with_ref: bool) -> tuple[list[str], list[tuple[str, tuple[str, ...]]]]:
     bench = benchmark_columns(results)
     headers = (["outer lr"] if _outer_lr_varies(results) else []) + ["tolerated latency", "eval loss"]
     headers += (["Δ vs no overlap"] if with_ref else []) + [c for c, _ in bench]
     headers += ["bytes exchanged / worker", "peak bytes", "CU (link)", "wall (link)", "tokens/s", "MFU"]
+    headers += ["H_m", "CU per worker", "idle s per worker"] if _unequal(results) else []
     return headers, bench
 
 
 def _cells(r: dict[str, Any], ref: dict[str, Any] | None, with_ref: bool, lr_col: bool,
-           bench: list[tuple[str, tuple[str, ...]]]) -> list[str]:
+           bench: list[tuple[str, tuple[str, ...]]], unequal: bool = False) -> list[str]:
     row = ([fmt_outer_lr(r)] if lr_col else []) + [r["tolerated"], fmt_loss(r.get("final_eval_loss"))]
     if with_ref:
         row.append(_delta(r, ref))
     row += [fmt_score(benchmark_score(r, keys)) for _, keys in bench]
     row += [fmt_bytes(r.get("bytes_sent_per_worker")), fmt_bytes(r.get("peak_sync_bytes")), _cu(r), _wall(r),
             fmt_rate(r), fmt_mfu(r)]
-    return row
+    return row + (fmt_per_worker(r) if unequal else [])
 
 
 def grid_table(results: list[dict[str, Any]]) -> str:
     ref = next((r for r in results if r["name"] == REFERENCE), None)
     headers, bench = _columns(results, ref is not None)
     lr_col = headers[0] == "outer lr"
-    rows = [[r["label"], *_cells(r, ref, ref is not None, lr_col, bench)] for r in results]
+    rows = [[r["label"], *_cells(r, ref, ref is not None, lr_col, bench, _unequal(results))] for r in results]
     return markdown_table(["method", *headers], rows)
 
 
@@ -178,7 +193,8 @@ def sweep_table(results: list[dict[str, Any]]) -> str:
     refs = {r["inner_steps"]: r for r in results if r["name"] == REFERENCE}
     headers, bench = _columns(results, bool(refs))
     lr_col = headers[0] == "outer lr"
-    rows = [[str(r["inner_steps"]), r["label"], *_cells(r, refs.get(r["inner_steps"]), bool(refs), lr_col, bench)]
+    rows = [[str(r["inner_steps"]), r["label"],
+             *_cells(r, refs.get(r["inner_steps"]), bool(refs), lr_col, bench, _unequal(results))]
             for r in sorted(results, key=lambda r: r["inner_steps"])]
     return markdown_table(["H", "method", *headers], rows)
 

@@ -174,6 +174,9 @@ def _result(plan: PlannedRun, summary: dict[str, Any], cached: bool) -> dict[str
     compute = summary.get("compute_s")
     step_s = compute / steps if isinstance(compute, (int, float)) and steps else None
     kept = {k: v for k, v in summary.items() if k not in ("config", "per_worker")}
+    wall, per = summary.get("wall_s"), summary.get("per_worker") or []
+    if isinstance(wall, (int, float)) and wall > 0 and per:  # each worker's CU and idle seconds (unequal speeds)
+        kept.update(worker_cu=[w["compute_s"] / wall for w in per], worker_idle_s=[w["blocked_s"] for w in per])
     return {
         "name": plan.entry.name,
         "label": plan.entry.label,

@@ -30,6 +30,7 @@ def setting(
     cli: bool = True,
     shown_default: str | None = None,
     aliases: tuple[str, ...] = (),
+    sep: str | None = None,
 ) -> Any:
     """A dataclass field with what the generated command line needs beyond name, type, default and docstring.
 
@@ -45,9 +46,11 @@ def setting(
         aliases: old spellings of the flag (``("--tau",)``), still read for one release with a warning
             that names the new one; ``--help`` leaves them out and the parser does not check their
             choices (validation does).
+        sep: a list setting whose flag takes its values in one argument, separated by this (``1,0.5``),
+            instead of one value per repeated flag.
     """
     meta = {"flag": flag, "choices": choices, "metavar": metavar, "group": group, "cli": cli,
-            "shown_default": shown_default, "aliases": tuple(aliases)}
+            "shown_default": shown_default, "aliases": tuple(aliases), "sep": sep}
     if factory is not MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)

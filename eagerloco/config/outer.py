@@ -71,6 +71,15 @@ class OuterConfig:
     """Outer momentum (SGD) or beta1 (Adam); the papers use 0.9."""
     outer_nesterov: bool = True
     """Nesterov momentum for the outer SGD, as in the papers (--no-outer-nesterov: plain momentum)."""
+    adaptive_steps: bool = setting(False, group="heterogeneous")
+    """Workers of unequal speed: each worker runs H_m = max(1, round(H * r_m / r_max)) inner steps per round,
+    r_m its speed (measured: an average of its inner step times, agreed by all workers a round ahead; or
+    --worker-speeds), the fastest running H, and the exchange is the token-weighted mean of the outer gradients."""
+    worker_speeds: list[float] = setting(factory=list, metavar="S0,S1,...", group="heterogeneous", sep=",",
+                                         shown_default="equal")
+    """Relative inner-step speed of each worker (1,0.5: worker 1 at half speed). Emulates unequal hardware
+    (a worker's step takes the fastest's time over its speed) and, with --adaptive-steps, fixes the speeds
+    its rounds are sized by instead of measuring them (reproducible runs)."""
 
     def validate(self, num_blocks: int | None = None) -> OuterConfig:
         """Raise ConfigError on the first invalid setting; returns self for chaining.
@@ -93,6 +102,7 @@ class OuterConfig:
         check_int_at_least("overlap_steps", self.overlap_steps, 0)
         check_int_at_least("codec_block", self.codec_block, 1)
         self._validate_compression()
+        self._validate_speeds()
         if not is_finite(self.alpha) or not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"{flag_name('alpha')} must be in [0, 1] (weight of the local parameters), "
                               f"got {self.alpha}")
@@ -124,6 +134,29 @@ class OuterConfig:
                 f"{flag_name('topk')} and {flag_name('error_feedback')} compress outer gradients; "
                 f"{flag_name('method')} dp exchanges gradients every step: choose diloco, streaming, delayed or eager"
             )
+
+    def _validate_speeds(self) -> None:
+        speeds = self.worker_speeds
+        if not isinstance(speeds, list) or not all(is_finite(v) and v > 0 for v in speeds):
+            raise ConfigError(f"{flag_name('worker_speeds')} must be positive numbers, one per worker "
+                              f"(e.g. 1,0.5), got {speeds!r}")
+        if self.adaptive_steps and self.method == "dp":
+            raise ConfigError(f"{flag_name('adaptive_steps')} sizes outer rounds and {flag_name('method')} dp has "
+                              "none (it averages gradients every step): choose diloco, streaming, delayed or eager")
+
+    def speed_factors(self, workers: int) -> list[float]:
+        """Each worker's step time over the fastest's (1.0: as fast as the fastest), from --worker-speeds.
+
+        Raises:
+            ConfigError: --worker-speeds names another number of workers.
+        """
+        if not self.worker_speeds:
+            return [1.0] * workers
+        if len(self.worker_speeds) != workers:
+            raise ConfigError(f"{flag_name('worker_speeds')} gives {len(self.worker_speeds)} speed(s) for {workers} "
+                              "workers: give one speed per worker")
+        fastest = max(self.worker_speeds)
+        return [fastest / v for v in self.worker_speeds]
 
     def _validate_combination(self, num_blocks: int | None) -> None:
         method, fragments = flag_name("method"), flag_name("fragments")

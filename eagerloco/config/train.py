@@ -57,7 +57,7 @@ class TrainConfig:
     seq_len: int = 128
     """Tokens per sequence."""
     steps: int = 200
-    """Inner steps per worker (T)."""
+    """Inner steps per worker (T); under --adaptive-steps, ticks: the fastest worker's inner steps."""
     lr: float = 3e-3
     """Peak learning rate of the inner AdamW."""
     weight_decay: float = 0.1
@@ -170,6 +170,13 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
         parse_slow_workers(self.slow_workers, self.workers)
+        self.outer.speed_factors(self.workers)  # one speed per worker, if any
+        if self.outer.adaptive_steps and self.runtime.elastic:
+            raise ConfigError("--adaptive-steps sizes every round for a fixed set of workers and --elastic changes "
+                              "it: drop one of them")
+        if self.outer.adaptive_steps and not self.outer.worker_speeds and self.runtime.fsdp:
+            raise ConfigError("--adaptive-steps measures each rank's speed, and under --fsdp every rank exchanges "
+                              "its own: give the speeds with --worker-speeds")
         self.runtime.validate(self.workers, env, self.device if isinstance(self.device, str) else "auto")
         kernel = self.runtime.kernel_link_gbps
         if kernel is not None:  # the kernel shapes the bandwidth: the run records its rate
@@ -268,8 +275,9 @@ class TrainConfig:
             raise ConfigError(f"--peak-tflops must be a positive number of TFLOP/s, got {p!r}")
 
     def slowdown(self, worker: int) -> float:
-        """How many times slower than measured this worker's inner steps are (1.0: not a straggler)."""
-        return parse_slow_workers(self.slow_workers).get(worker, 1.0)
+        """How many times slower than measured this worker's inner steps are (1.0: not a straggler): its
+        --slow-worker factor times the fastest --worker-speeds over its own."""
+        return parse_slow_workers(self.slow_workers).get(worker, 1.0) * self.outer.speed_factors(self.workers)[worker]
 
     @property
     def eval_task_list(self) -> list[str]:

@@ -118,6 +118,7 @@ class OuterLoop:
         self.grad_scaler = grad_scaler
         self._scaler_update: Any = None  # the scaler's own update(), while this loop counts its skipped steps
         self._stepped = False
+        self._tick_steps = 0  # this worker's steps in the current tick so far (adaptive steps)
         if elastic and comm is not None:
             raise ConfigError("elastic=True re-forms the outer group it connects itself: pass outer_addr, "
                               "worker_id and workers instead of comm=")
@@ -224,6 +225,8 @@ class OuterLoop:
     def _pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self._count_compute()  # the user's forward and backward
+        if self._tick_steps == 0:  # the run's (or a resumed run's) first ticks may hold none of this worker's steps
+            self._guard(self._skip_empty_ticks)
         # args: step()'s own, the optimizer first.
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if self.sync.is_dp and closure is not None:
@@ -251,12 +254,35 @@ class OuterLoop:
         self._mark = time.perf_counter()
 
     def _after_step(self) -> None:
+        sync = self.sync
+        if sync.adaptive is not None:  # adaptive steps: a tick ends after this worker's steps of it
+            self._tick_steps += 1
+            if self._tick_steps < sync.inner_steps_due():
+                return
+            self._tick_steps = 0
+        self._tick()
+        self._skip_empty_ticks()
+
+    def _tick(self) -> None:
         self.sync.after_inner_step()
         if hasattr(self.comm, "step_hint"):
             self.comm.step_hint = self.sync.step  # published with the heartbeat
         if self.membership is not None:  # a worker gone: the survivors re-form the group and go on
             self.membership.on_step(self.sync.step)
         events.inner_step_done(self.worker, self.sync.step)
+
+    def _skip_empty_ticks(self) -> None:
+        """Adaptive steps: the ticks of the round in which this worker takes no step pass at once (their
+        exchanges launched and applied), so that the user's next step is one of this worker's."""
+        while self.sync.adaptive is not None and self.sync.inner_steps_due() == 0:
+            self._tick()
+
+    @property
+    def ticks(self) -> int:
+        """Ticks completed: inner steps, or under adaptive steps the fastest worker's inner steps (this worker
+        runs its own share of them). Every worker must run the same number of ticks: a loop under adaptive steps
+        ends on ``ticks``, not on its own count of steps."""
+        return self.sync.step
 
     # ------------------------------------------------------------------ the end
     def finish(self, consensus: bool | None = None) -> None:
@@ -390,6 +416,8 @@ def outer_loop(
     outer_lr: float | None = None,
     outer_momentum: float | None = None,
     outer_nesterov: bool | None = None,
+    adaptive_steps: bool | None = None,
+    worker_speeds: Sequence[float] | None = None,
     sync_every: int | None = None,
     fragment_sync_delay: int | None = None,
     fragment_update_alpha: float | None = None,
@@ -438,6 +466,13 @@ def outer_loop(
         outer_optimizer: "sgd", "average" (no momentum), "adam", "adamw" [sgd], or a factory taking the
             list of FP32 outer tensors.
         outer_lr, outer_momentum, outer_nesterov: the outer optimizer's settings [0.7, 0.9, True].
+        adaptive_steps: workers of unequal speed: each worker runs H_m = max(1, round(H r_m / r_max)) of its
+            own steps per round, r_m its speed (the hooks time the loop's steps, or ``worker_speeds``), and the
+            exchange is the token-weighted mean [False]. A round is H *ticks* (the fastest worker's steps), and
+            every worker must run the same ticks: end the loop on ``outer.ticks`` reaching a multiple of H (the
+            ticks without a step of this worker pass at once after its last step of them), not on a count of steps.
+        worker_speeds: fixed relative speeds, one per worker, for ``adaptive_steps`` (reproducible runs)
+            [measured].
         sync_every, fragment_sync_delay, fragment_update_alpha: torchft's names for ``inner_steps``,
             ``overlap_steps`` and ``alpha`` (give one name of each pair).
         blocks: the modules to split into P fragments (default: found automatically).

@@ -48,7 +48,7 @@ def outer_config(config: OuterConfig | None = None, **settings: Any) -> OuterCon
                               f"(and torchft's {', '.join(TORCHFT_NAMES)})")
         if field in given:
             raise ConfigError(f"{field} given twice (as {field} and as its torchft name); pass one")
-        given[field] = value
+        given[field] = list(value) if field == "worker_speeds" and isinstance(value, (tuple, list)) else value
     if config is None and "method" not in given:
         given["method"] = "streaming" if int(given.get("fragments", 1)) > 1 else "diloco"
     return replace(config or OuterConfig(), **given)

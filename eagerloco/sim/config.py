@@ -93,6 +93,9 @@ class SimConfig:
     """k: comma list of outer rounds an exchange may take for naive delayed, one row each."""
     eager_streaming: bool = setting(False, group="method")
     """Delayed and eager rows exchange the streaming fragments instead of the whole model."""
+    worker_speeds: str | None = setting(None, metavar="S0,S1,...", group="method", shown_default="equal")
+    """Relative speed of each worker (train's --worker-speeds; 1,0.5: worker 1 at half speed, the model's step
+    time is the fastest's): adds each worker's compute utilization with a fixed H and with --adaptive-steps."""
 
     # -- the exchange
     codec: str | None = setting(None, choices=CODEC_NAMES, group="exchange", aliases=("--bits",),
@@ -239,11 +242,22 @@ class SimConfig:
             tokens_per_step=self.tokens_per_step, tokens=self.tokens, pattern=self.fragment_pattern,
             cold_rounds=self.rounds, paper=self.paper, grid=paper.paper_grid() if self.paper else None,
             sparse=None if self.topk is None else (bits["codec"], self.topk, self.topk_chunk),
+            speeds=self._speeds(workers),
         )
         s.add_notes()
         if self.topk is not None:
             s.notes.extend(self._topk_notes(variants, workers))
         return s
+
+    def _speeds(self, workers: int) -> list[float] | None:
+        if self.worker_speeds is None:
+            return None
+        speeds = _floats("--worker-speeds", self.worker_speeds)
+        if not all(math.isfinite(v) and v > 0 for v in speeds):
+            raise SimError(f"--worker-speeds must be positive numbers, one per worker, got {self.worker_speeds!r}")
+        if len(speeds) != workers:
+            raise SimError(f"--worker-speeds gives {len(speeds)} speed(s) for --workers {workers}: give one per worker")
+        return speeds
 
     def _check_topk(self) -> None:
         """The sparse exchange's flags, checked as train checks them."""
@@ -383,6 +397,7 @@ class Settings:
     paper: bool = False
     grid: np.ndarray | None = None  # explicit grid (--paper), else bw_min..bw_max per_decade
     sparse: tuple[int, int, int] | None = None  # --topk: (bits of --codec, K, --topk-chunk)
+    speeds: list[float] | None = None  # --worker-speeds
     notes: list[str] = field(default_factory=list)
 
     def fragments_for(self, model: ModelSpec) -> int:

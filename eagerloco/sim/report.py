@@ -55,6 +55,17 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _per_worker_tables(rows: list[dict[str, Any]], speeds: list[float]) -> list[str]:
+    """--worker-speeds: each worker's CU at each bandwidth asked (and without a limit), fixed H and adaptive."""
+    tables = []
+    for key in rows[0]["cu_per_worker"]["fixed"]:
+        header = [f"CU per worker at {key} Gbit/s"] + [f"w{m} ({v:g})" for m, v in enumerate(speeds)]
+        lines = [[f"{r['label']}, {mode}"] + [f"{c:.4f}" for c in cus[key]]
+                 for r in rows for mode, cus in r["cu_per_worker"].items()]
+        tables.append(_table(header, lines))
+    return tables
+
+
 def format_text(report: dict[str, Any]) -> str:
     """The tables a person reads; every number in them is in the report."""
     st = report["settings"]
@@ -86,6 +97,8 @@ def format_text(report: dict[str, Any]) -> str:
             header = ["CU at Gbit/s"] + [f"{b:g}" for b in st["bandwidths_gbps"]]
             rows = [[r["label"]] + [f"{c:.4f}" for c in r["cu_at_bandwidth"].values()] for r in m["rows"]]
             parts.append(_table(header, rows))
+        if st.get("worker_speeds"):
+            parts.extend(_per_worker_tables(m["rows"], st["worker_speeds"]))
         header = [
             "bytes per worker",
             "per token",

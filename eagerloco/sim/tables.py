@@ -13,6 +13,7 @@ import numpy as np
 
 from eagerloco.sim.config import Settings
 from eagerloco.sim.engine import simulate
+from eagerloco.sim.hetero import per_worker_cu
 from eagerloco.sim.model import Variant, fragment_layer_counts, traffic
 from eagerloco.sim.report import cell_key
 from eagerloco.sim.search import bandwidth_grid, least_bandwidth
@@ -40,8 +41,16 @@ def compute(s: Settings) -> tuple[dict[str, Any], dict[str, list[tuple[str, np.n
             curves[model.name].append((v.label, cu_grid))
             if v.method == "dp":
                 dp_bytes_per_step = tr.bytes_per_step
+            row_extra = {}
+            if s.speeds is not None:  # each worker's CU at --bandwidth-gbps and without a limit
+                cus = per_worker_cu(model, v, tr, lanes[len(grid):], s.speeds, s.latency_ms, s.inner_steps,
+                                    s.warmup_rounds, s.rounds, s.cold_rounds)
+                row_extra["cu_per_worker"] = {
+                    mode: {cell_key(b): [float(c) for c in cu[i]]
+                           for i, b in enumerate([*s.bandwidths, math.inf])} for mode, cu in cus.items()}
             rows.append(
                 {
+                    **row_extra,
                     **v.as_dict(),
                     "fragments": len(tr.transfers) if v.method != "dp" else 1,
                     "least_bandwidth_gbps": {cell_key(t): least_bandwidth(grid, cu_grid, t) for t in s.targets},
@@ -86,6 +95,7 @@ def compute(s: Settings) -> tuple[dict[str, Any], dict[str, list[tuple[str, np.n
             "paper": s.paper,
             "tokens_per_step": s.tokens_per_step,
             "tokens": s.tokens,
+            "worker_speeds": s.speeds,
         },
         "grid": {"min_gbps": float(grid[0]), "max_gbps": float(grid[-1]),
                  "per_decade": (len(grid) - 1) / math.log10(grid[-1] / grid[0]), "points": len(grid)},

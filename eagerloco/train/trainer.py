@@ -101,11 +101,14 @@ class Trainer:
                         if cfg.progress and rt.reports() else None)
             real_t0 = time.perf_counter() - self.real_elapsed
             for step in range(self.start_step + 1, cfg.steps + 1):
-                for w in workers:
-                    w.forward_backward()
+                # One tick: an inner step of every worker, or under adaptive steps each worker's own (0 or more)
+                due = [s.inner_steps_due() for s in syncs]
+                for w, n in zip(workers, due, strict=True):
+                    if n:
+                        w.forward_backward()
                 before_inner_step_all(syncs)
-                for w in workers:
-                    w.optimizer_step()
+                for w, n in zip(workers, due, strict=True):
+                    w.finish_tick(n)
                 after_inner_step_all(syncs)
                 rt.on_step(step)  # first: a membership change publishes the step a lost worker got to
                 for w in workers:
@@ -115,7 +118,7 @@ class Trainer:
                 if step % cfg.log_every == 0 or step == cfg.steps or eval_loss is not None:
                     output.log(self.record(step, real_t0, eval_loss))
                 if progress is not None:
-                    progress.update(step, real_t0)
+                    progress.update(step, real_t0, self.tokens(step))
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     self.save(step)
             real_wall = time.perf_counter() - real_t0
@@ -146,10 +149,10 @@ class Trainer:
 
     def record(self, step: int, real_t0: float, eval_loss: float | None) -> dict[str, Any]:
         """One metrics line: loss, link accounting, clock and throughput after ``step``."""
-        cfg, workers = self.cfg, self.workers
+        workers = self.workers
         st, comm = workers[0].comm.stats, workers[0].comm
         clock = comm.clock() if comm.simulated_clock else time.perf_counter() - real_t0
-        tokens = step * cfg.batch_size * cfg.seq_len * cfg.workers
+        tokens = self.tokens(step)
         real = time.perf_counter() - real_t0
         rate = tokens / real if real > 0 else float("nan")
         rec: dict[str, Any] = {
@@ -169,10 +172,24 @@ class Trainer:
             rec["mfu"] = run_mfu
         if eval_loss is not None:
             rec["eval_loss"] = eval_loss
-        if cfg.inner_optimizer == "muon":  # AdamW's lr is "lr" (the first group), Muon's the last group's
+        if self.cfg.inner_optimizer == "muon":  # AdamW's lr is "lr" (the first group), Muon's the last group's
             rec["muon_lr"] = workers[0].sched.get_last_lr()[-1]
         rec.update(self.runtime.log_fields())
+        rec.update(self.rounds())
         return rec
+
+    def tokens(self, step: int) -> int:
+        """Tokens all workers trained on by ``step``: under adaptive steps each worker's own inner steps count."""
+        cfg, adaptive = self.cfg, self.workers[0].sync.adaptive
+        steps = step * cfg.workers if adaptive is None else sum(adaptive.rounds.done)
+        return steps * cfg.batch_size * cfg.seq_len
+
+    def rounds(self) -> dict[str, Any]:
+        """Under adaptive steps: each worker's inner steps in the current round (H_m) and so far."""
+        adaptive = self.workers[0].sync.adaptive
+        if adaptive is None:
+            return {}
+        return {"round_steps": list(adaptive.rounds.lengths), "worker_steps": list(adaptive.rounds.done)}
 
     def drain(self) -> None:
         """Wait for what is still in flight. That wait is shutdown, not training: it goes to ``drain_s``
@@ -197,7 +214,7 @@ class Trainer:
             "method": oc.method, "workers": cfg.workers, "inner_steps": oc.inner_steps, "fragments": oc.fragments,
             "overlap_steps": oc.overlap_steps, "alpha": oc.alpha, "eager_rounds": oc.eager_rounds,
             "eager_weighting": oc.eager_weighting, "codec": oc.codec, "steps": cfg.steps,
-            "tokens": cfg.steps * cfg.batch_size * cfg.seq_len * cfg.workers,
+            "tokens": self.tokens(cfg.steps),
             "final_eval_loss": final_eval,
             "final_train_loss": sum(w.last_loss for w in workers) / len(workers),
             **acc,
@@ -205,6 +222,7 @@ class Trainer:
             "bandwidth_gbps": cfg.link.bandwidth_gbps, "latency_ms": cfg.link.latency_ms,
             "per_worker": per_worker,
             **self.perf,
+            **self.rounds(),
             **extra,
         }
         add_throughput(summary, self.runtime.devices)
@@ -259,9 +277,8 @@ class _Progress:
     def loss(self) -> float:
         return sum(w.last_loss for w in self.workers) / len(self.workers)
 
-    def update(self, step: int, real_t0: float) -> None:
+    def update(self, step: int, real_t0: float, tokens: int) -> None:
         cfg, st = self.cfg, self.workers[0].comm.stats
-        tokens = step * cfg.batch_size * cfg.seq_len * cfg.workers
         if self.lines is not None:
             self.lines.update(step, self.loss, st, tokens=tokens, per_token=self.perf["flops_per_token"],
                               peak=self.perf["peak_tflops"], devices=self.devices)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -193,14 +194,34 @@ class Worker:
         self.last_loss = state["last_loss"]
         torch.set_rng_state(state["torch_rng"])
 
-    def optimizer_step(self) -> None:
+    def optimizer_step(self, schedule: bool = True) -> None:
+        """The inner optimizer's step; schedule: and the learning rate's (one inner step per tick)."""
         t0 = time.perf_counter()
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.opt.step()
-        self.sched.step()
+        if schedule:
+            self.sched.step()
         synchronize(self.device)
         self._compute(time.perf_counter() - t0, 0.0)
+
+    def finish_tick(self, steps: int) -> None:
+        """The rest of this worker's ``steps`` inner steps of a tick (``OuterSync.inner_steps_due``), whose first
+        forward and backward are done when steps > 0: its optimizer step, then the others whole.
+
+        The learning rate follows the ticks, the fastest worker's steps, so that every worker is at the
+        same point of its schedule at the same time: it moves once a tick, whatever the steps in it.
+        """
+        if steps == 1:  # the run without adaptive steps, exactly
+            self.optimizer_step()
+            return
+        for i in range(steps):
+            if i:
+                self.forward_backward()
+            self.optimizer_step(schedule=False)
+        with warnings.catch_warnings():  # a slow worker's first ticks may come before its first step: fine here
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            self.sched.step()
 
 
 @torch.no_grad()

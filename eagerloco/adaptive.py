@@ -1,0 +1,177 @@
+"""Workers of unequal speed (section 11 of docs/algorithms.md): every worker's inner steps per round, agreed
+by all of them, and the token weights of each exchange.
+
+:class:`~eagerloco.outer.OuterSync` holds one :class:`AdaptiveSteps` under ``--adaptive-steps``. The round's
+arithmetic (ticks, H_m, each worker's steps by tick) is :class:`eagerloco.schedule.Rounds`; here is what needs
+the other workers: the speeds, measured and exchanged, and the weight each worker gives its own outer gradient.
+
+The weighted mean needs no change to the exchange: worker m sends (M * w_m) * Delta_m, so that the mean of
+the contributions is sum_m w_m Delta_m, with w_m its share of the tokens of the fragment's window (its inner
+steps since the fragment's last sync over all workers'; batches are equal). The payload's size, and so the
+bytes on the link, do not change; equal windows give the factor 1.0 exactly and the method without the flag.
+"""
+
+from __future__ import annotations
+
+import time
+from statistics import median
+from typing import Any
+
+import torch
+
+from eagerloco.codecs import get_codec
+from eagerloco.comm.base import Communicator, Handle, ReadyHandle
+from eagerloco.config import ConfigError, OuterConfig, flag_name
+from eagerloco.schedule import Rounds, round_lengths
+
+
+class SpeedMeter:
+    """A worker's inner steps per second: an exponential average of its step times, each first clipped to at
+    most ``clip`` times the median of the last ``window`` (one slow step, a checkpoint or a page fault, moves it
+    little).
+
+    Args:
+        decay: the average's weight of the past, in [0, 1).
+        window: recent step times whose median clips the next.
+        clip: how many times that median a step time may count for.
+    """
+
+    def __init__(self, decay: float = 0.9, window: int = 9, clip: float = 2.0) -> None:
+        self.decay, self.window, self.clip = decay, window, clip
+        self.recent: list[float] = []
+        self.average: float | None = None
+
+    def add(self, seconds: float) -> None:
+        """One inner step's time."""
+        counted = min(seconds, self.clip * median(self.recent)) if len(self.recent) >= 3 else seconds
+        self.recent = [*self.recent, seconds][-self.window:]
+        self.average = counted if self.average is None else self.decay * self.average + (1 - self.decay) * counted
+
+    @property
+    def steps_per_s(self) -> float:
+        """The average speed (0.0 before any step: unknown)."""
+        return 1.0 / self.average if self.average else 0.0
+
+    def state(self) -> dict[str, Any]:
+        return {"recent": list(self.recent), "average": self.average}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.recent, self.average = [float(x) for x in state["recent"]], state["average"]
+
+
+class AdaptiveSteps:
+    """One worker's side of the adaptive rounds: when it steps, how it weighs what it sends, and the speeds.
+
+    Speeds come from ``--worker-speeds`` (fixed, no exchange) or are measured: at each round's end every
+    worker launches its averaged speed (at its own index of an M-vector, times M, so the mean is the vector of
+    every worker's speed) after that tick's outer exchanges, and waits on it at the next round's end, after
+    that tick's; the vector then sizes the round that starts. The exchange has a whole round to land, so it
+    never holds up an overlapped method; the speeds lag one round (an average does not move much in one).
+    Rounds before the first vector lands run H on every worker.
+
+    Args:
+        config: the outer settings (``adaptive_steps`` on).
+        comm: this worker's communicator.
+
+    Raises:
+        ConfigError: ``--worker-speeds`` names another number of workers than the communicator has.
+    """
+
+    def __init__(self, config: OuterConfig, comm: Communicator) -> None:
+        self.config, self.comm = config, comm
+        workers = comm.num_workers
+        speeds = config.worker_speeds
+        if speeds and len(speeds) != workers:
+            raise ConfigError(f"{flag_name('worker_speeds')} gives {len(speeds)} speed(s) for {workers} workers: "
+                              "give one speed per worker")
+        self.measured = not speeds
+        self.rounds = Rounds(config.inner_steps, config.fragments,
+                             round_lengths(config.inner_steps, list(speeds) if speeds else [1.0] * workers))
+        self.meter = SpeedMeter()
+        self.pending: Handle | None = None  # the speeds launched at the last round's end
+        self.compute_mark: float | None = None  # compute seconds counted at the last tick
+
+    def due(self) -> int:
+        """This worker's inner steps at the next tick."""
+        return self.rounds.due(self.comm.rank)
+
+    def tick(self) -> None:
+        """The tick's inner steps are done: count them (and, measuring, their time)."""
+        steps = self.rounds.due(self.comm.rank)
+        compute = self.comm.stats.compute_s
+        if self.measured and steps and self.compute_mark is not None:
+            self.meter.add((compute - self.compute_mark) / steps)
+        self.compute_mark = compute
+        self.rounds.advance()
+
+    def weigh(self, fragment: int) -> tuple[float, float]:
+        """For the fragment's exchange launched now: (the factor M * w_m this worker's contribution is sent
+        with, the weight 1 - w_m of the other workers' share), w_m this worker's share of the window's steps."""
+        steps = self.rounds.window(fragment)
+        total, mine = sum(steps), steps[self.comm.rank]
+        return len(steps) * mine / total, (total - mine) / total
+
+    def round_end(self, **agreed: bool) -> float:
+        """At a round's end (after the tick's outer exchanges): measuring, take the speeds launched a round ago
+        for the round that starts, and launch this round's. Returns the real seconds blocked on them (0.0 on a
+        simulated clock, whose wait is the clock's), which the caller leaves out of its overhead."""
+        if not self.measured:
+            return 0.0
+        waited = 0.0
+        if self.pending is not None:
+            t0 = time.perf_counter()
+            speeds = self.pending.wait()[0].tolist()
+            waited = 0.0 if self.comm.simulated_clock else time.perf_counter() - t0
+            self.pending = None
+            if min(speeds) > 0:  # every worker has measured a step
+                self.rounds.set_lengths(round_lengths(self.config.inner_steps, speeds))
+        workers, rank = self.comm.num_workers, self.comm.rank
+        mine = torch.zeros(workers, dtype=torch.float64)
+        mine[rank] = self.meter.steps_per_s * workers
+        self.pending = self.comm.allreduce_mean([mine.to(torch.float32)], get_codec("fp32"), keep_own=False,
+                                                **agreed)
+        return waited
+
+    def drain(self) -> float:
+        """The run's end: wait on the speeds in flight (every handle is waited on once); returns the real seconds
+        blocked (as :meth:`round_end`)."""
+        if self.pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.pending.wait()
+        self.pending = None
+        return 0.0 if self.comm.simulated_clock else time.perf_counter() - t0
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the next round needs: the rounds so far, the speed average, the speeds in flight (resolved)."""
+        pending = None
+        if self.pending is not None:
+            mean, ready_at = self.pending.checkpoint_result()
+            self.pending = ReadyHandle(self.comm, mean, [], 0, ready_at)
+            pending = {"mean": mean, "ready_at": ready_at}
+        return {"rounds": self.rounds.state(), "meter": self.meter.state(), "pending": pending,
+                "compute_mark": self.compute_mark}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rounds.load(state["rounds"])
+        self.meter.load(state["meter"])
+        pending = state["pending"]
+        self.pending = None if pending is None else ReadyHandle(self.comm, pending["mean"], [], 0, pending["ready_at"])
+        self.compute_mark = state["compute_mark"]
+
+
+def load_rounds(adaptive: AdaptiveSteps | None, saved: dict[str, Any] | None) -> None:
+    """Continue the rounds of a checkpoint (``saved``: None when it was made without adaptive steps).
+
+    Raises:
+        ValueError: the checkpoint was made with --adaptive-steps and this run has it off, or the reverse.
+    """
+    if (saved is None) != (adaptive is None):
+        was, now = ("off" if x is None else "on" for x in (saved, adaptive))
+        raise ValueError(f"state was saved with --adaptive-steps {was} and this run has it {now}: resume with the "
+                         "same setting")
+    if saved is not None and adaptive is not None:
+        adaptive.load_state_dict(saved)
+
+
+__all__ = ["AdaptiveSteps", "SpeedMeter", "load_rounds"]
