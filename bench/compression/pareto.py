@@ -107,7 +107,8 @@ def render(summaries: list[dict], pts: list[Point], commands: list[str]) -> str:
             f"| {d} | {'yes' if p.reaches_reference or p.name == REFERENCE else 'no'} "
             f"| {'yes' if p.name in front else ''} |")
     reach = [p for p in pts if p.reaches_reference and p.bytes_per_worker < ref.bytes_per_worker]
-    best = max(reach, key=lambda p: ref.bytes_per_worker / p.bytes_per_worker, default=None)
+    # The most compressed, and among equally compressed the lowest loss.
+    best = min(reach, key=lambda p: (p.bytes_per_worker, p.loss.mean), default=None)
     lines += ["", "**Reaches DiLoCo's loss**: the paired 90% interval of the difference to DiLoCo fp32 (same seed, "
               "same data) includes 0 or lies below it. **Frontier**: no other row sends fewer bytes with a lower "
               "mean loss. † diverged, ‡ spiked on some seed (see the comparison's report)."]
@@ -124,17 +125,19 @@ def plot(pts: list[Point], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    front = frontier(pts)
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
     for p in pts:
-        on = p.name in front
+        muon = "Muon" in p.label
         ax.errorbar(p.bytes_per_worker, p.loss.mean, yerr=[[p.loss.mean - p.loss.lo], [p.loss.hi - p.loss.mean]],
-                    fmt="o" if on else "s", color="C0" if on else "C7", capsize=3)
+                    fmt="^" if muon else "o", color="C1" if muon else "C0", capsize=3)
         ax.annotate(p.name, (p.bytes_per_worker, p.loss.mean), textcoords="offset points", xytext=(5, 4),
                     fontsize=7)
-    line = sorted((p for p in pts if p.name in front), key=lambda p: p.bytes_per_worker)
-    ax.plot([p.bytes_per_worker for p in line], [p.loss.mean for p in line], "-", color="C0", alpha=0.5,
-            label="frontier")
+    for group, color, label in (([p for p in pts if "Muon" not in p.label], "C0", "frontier, AdamW inner steps"),
+                                (pts, "C1", "frontier, all (Muon inner steps)")):
+        names = frontier(group)
+        line = sorted((p for p in group if p.name in names), key=lambda p: p.bytes_per_worker)
+        ax.plot([p.bytes_per_worker for p in line], [p.loss.mean for p in line], "-", color=color, alpha=0.5,
+                label=label)
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent per worker (log)")
     ax.set_ylabel("final eval loss (mean, 90% CI over seeds)")

@@ -40,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("comparison")
     g.add_argument("--grid", default=None,
                    help="'paper' (default: the eager paper's comparison plus data-parallel), 'all', 'baselines', "
+                        "'compression' (bench/results/compression), 'compression-best' (its two best beside DiLoCo), "
                         f"or a comma list of entries: {', '.join(ENTRIES)}")
     g.add_argument("--sweep", choices=("inner-steps",), default=None,
                    help="inner-steps: run each grid entry (default: no-overlap,delayed-1,eager-1) at every H "

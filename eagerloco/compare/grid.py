@@ -118,7 +118,10 @@ BASELINES = ["dp", "single", "averaging"]
 COMPRESSION_GRID = ["no-overlap", "no-overlap-4bit", *(f"sparseloco-{p}" for p in SPARSE_DENSITIES),
                     *(f"topk-{p}-no-ef" for p in SPARSE_DENSITIES), "eager-1-sparseloco-1.5",
                     "streaming-2-sparseloco-1.5", "muloco", "muloco-sparseloco-1.5"]
-GRIDS = {"paper": PAPER_GRID, "all": ALL_GRID, "baselines": BASELINES, "compression": COMPRESSION_GRID}
+#: The two best of bench/results/compression (141x fewer bytes than DiLoCo at its loss or below), beside DiLoCo.
+COMPRESSION_BEST = ["no-overlap", "sparseloco-1.5", "muloco-sparseloco-1.5"]
+GRIDS = {"paper": PAPER_GRID, "all": ALL_GRID, "baselines": BASELINES, "compression": COMPRESSION_GRID,
+         "compression-best": COMPRESSION_BEST}
 
 #: Eval loss the eager paper reports for its 500M model at H = 30 (docs/algorithms.md, section 6).
 PAPER_EVAL_LOSS = {"no-overlap": 2.67, "overlap-1": 2.67, "delayed-1": 3.01, "delayed-1-lowlr": 2.73,
@@ -145,7 +148,7 @@ def grid_help(sep: str = "; ") -> str:
 
 
 def resolve_grid(spec: str) -> list[GridEntry]:
-    """'paper', 'all', 'baselines', or a comma list of entry names, labels without commas, or those grids."""
+    """A named grid (:data:`GRIDS`), or a comma list of entry names, labels without commas, or those grids."""
     by_label = {e.label.lower(): e for e in ENTRIES.values()}
     chosen: list[GridEntry] = []
     unknown = []
