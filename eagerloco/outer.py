@@ -119,6 +119,8 @@ class OuterSync:
         self._grad_params: list[nn.Parameter] = []
         #: Workers of unequal speed (--adaptive-steps): each worker's inner steps and weights; None: off.
         self.adaptive: AdaptiveSteps | None = None
+        #: What this worker's compressed exchanges have not sent yet (None: --error-feedback off, and dp).
+        self.feedback: ErrorFeedback | None = None
         #: The model's parameters by fragment, and the tensors the algorithm reads and writes for
         #: them: the parameters themselves, or this rank's shards of sharded ones (same storage).
         self.params: list[list[nn.Parameter]]
@@ -138,8 +140,8 @@ class OuterSync:
         self.outer = [[p.detach().clone().to(torch.float32) for p in f] for f in self.local]
         factory = outer_optimizer or make_outer_optimizer(cfg)
         self.outer_opts = [factory(params) for params in self.outer]
-        #: What this worker's compressed exchanges have not sent yet (None: --error-feedback off).
-        self.feedback = None if cfg.error_feedback is None else ErrorFeedback(self.outer, cfg.error_feedback)
+        if cfg.error_feedback is not None:
+            self.feedback = ErrorFeedback(self.outer, cfg.error_feedback)
         self.offsets = fragment_offsets(cfg.inner_steps, cfg.fragments)
         self.delay = apply_delay(cfg.method, cfg.inner_steps, cfg.overlap_steps, cfg.eager_rounds)
         if cfg.adaptive_steps:

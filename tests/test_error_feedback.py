@@ -186,3 +186,13 @@ def test_clear_empties_the_buffers() -> None:
 def test_invalid_compression_settings_name_the_flag(kwargs: dict, flag: str) -> None:
     with pytest.raises(ConfigError, match=flag):
         OuterConfig(**kwargs).validate()
+
+
+def test_data_parallel_state_has_no_buffers_and_round_trips() -> None:
+    """dp has no outer copies and takes no error feedback: its state says so and loads back."""
+    model = Toy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = OuterSync(model, opt, ScriptedCommunicator(), OuterConfig(method="dp"))
+    state = sync.state_dict()
+    assert state["error_feedback"] is None and sync.feedback is None
+    sync.load_state_dict(state)
