@@ -12,8 +12,9 @@ import contextlib
 import io
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from subprocess import CompletedProcess
+from typing import Any
 
 from eagerloco.cli import main
 from eagerloco.launch import launch
@@ -66,3 +67,31 @@ def train_here(argv: Sequence[str]) -> CompletedProcess:
     with environment(None), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = main(["train", *argv])
     return CompletedProcess(["train", *argv], rc, out.getvalue(), err.getvalue())
+
+
+class Interrupted(Exception):
+    """Stands for the process dying right after a checkpoint was published."""
+
+
+def stop_after_checkpoint(monkeypatch: Any, step: int, run: Callable[[], object]) -> None:
+    """Call ``run`` (a training run in this process) and stop it right after it publishes the checkpoint of
+    ``step``, as if the process died there; raises unless it got that far. The patch is undone afterwards
+    (``monkeypatch.undo()``: every patch of the test)."""
+    import pytest
+
+    from eagerloco import checkpoint as ckpt
+
+    publish = ckpt.publish
+
+    def publish_then_stop(root: Any, at: int, *args: Any, **kwargs: Any) -> Any:
+        path = publish(root, at, *args, **kwargs)
+        if at == step:
+            raise Interrupted
+        return path
+
+    monkeypatch.setattr(ckpt, "publish", publish_then_stop)
+    try:
+        with pytest.raises(Interrupted):
+            run()
+    finally:
+        monkeypatch.undo()

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from conftest import Toy, seeded_grads
+from runs import stop_after_checkpoint
 from torch import nn
 
 from eagerloco.adaptive import SpeedMeter
@@ -429,17 +430,12 @@ def test_the_simulator_refuses_bad_speeds(speeds: str, text: str) -> None:
 # ---------------------------------------------------------------- the trainer
 
 
-class _Interrupted(Exception):
-    pass
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("speeds", [["--worker-speeds", "1,0.5"], ["--slow-worker", "1:2"]], ids=["given", "measured"])
 def test_an_interrupted_in_process_run_resumes_to_the_same_numbers(tmp_path, monkeypatch, speeds) -> None:  # noqa: ANN001
     """`eagerloco train --adaptive-steps` in this process, stopped right after the step-12 checkpoint (mid-run:
     exchanges and speeds in flight under eager k = 2), resumed: the same losses and final state as a run never
     stopped; the slow worker ran fewer steps and the tokens count them."""
-    from eagerloco import checkpoint as ckpt
     from eagerloco.cli import make_parser
     from eagerloco.flags import build_train_config
     from eagerloco.train import train
@@ -452,18 +448,7 @@ def test_an_interrupted_in_process_run_resumes_to_the_same_numbers(tmp_path, mon
         return build_train_config(make_parser().parse_args(["train", *args, "--out", str(out), *more]))
 
     clean = train(cfg(tmp_path / "clean"))
-    publish = ckpt.publish
-
-    def publish_then_stop(root, step, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-        path = publish(root, step, *a, **k)
-        if step == 12:
-            raise _Interrupted
-        return path
-
-    monkeypatch.setattr(ckpt, "publish", publish_then_stop)
-    with pytest.raises(_Interrupted):
-        train(cfg(tmp_path / "cut"))
-    monkeypatch.undo()
+    stop_after_checkpoint(monkeypatch, 12, lambda: train(cfg(tmp_path / "cut")))
     resumed = train(cfg(tmp_path / "cut", "--resume"))
     assert clean is not None and resumed is not None
     assert clean["final_eval_loss"] == resumed["final_eval_loss"]

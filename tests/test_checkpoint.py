@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import train_here
+from runs import stop_after_checkpoint, train_here
 
 from eagerloco import checkpoint as ckpt
 
@@ -133,10 +133,6 @@ def test_resume_with_changed_settings_is_refused(tmp_path: Path) -> None:
     assert "different settings" in r.stderr and "method" in r.stderr
 
 
-class _Interrupted(Exception):
-    """Stands for the process dying right after a checkpoint was published."""
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["dp", "diloco", "delayed"])
 def test_interrupted_run_resumes_to_the_same_numbers_every_method(
@@ -156,18 +152,7 @@ def test_interrupted_run_resumes_to_the_same_numbers_every_method(
         return build_train_config(make_parser().parse_args(["train", *ARGS, *extra, "--out", str(out), *more]))
 
     train(cfg(tmp_path / "clean"))
-    publish = ckpt.publish
-
-    def publish_then_die(root: Path, step: int, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        path = publish(root, step, *args, **kwargs)
-        if step == 12:
-            raise _Interrupted
-        return path
-
-    monkeypatch.setattr(ckpt, "publish", publish_then_die)
-    with pytest.raises(_Interrupted):
-        train(cfg(tmp_path / "cut"))
-    monkeypatch.undo()
+    stop_after_checkpoint(monkeypatch, 12, lambda: train(cfg(tmp_path / "cut")))
     assert not (tmp_path / "cut" / "summary.json").exists()
     train(cfg(tmp_path / "cut", "--resume"))
     a, am = _result(tmp_path / "clean")
