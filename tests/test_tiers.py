@@ -72,6 +72,7 @@ def test_a_process_started_without_the_marker_fails_the_test_naming_it(tmp_path:
     for name, what in (("test_unmarked_subprocess", f"{sys.executable} -c pass"), ("test_unmarked_fork", "os.fork()"),
                        ("test_unmarked_multiprocessing_spawn", "multiprocessing"),
                        ("test_unmarked_module_fixture", f"{sys.executable} -c pass")):
-        lines = [ln for ln in out.splitlines() if f"test_spawning.py::{name} started" in ln]
+        # the failure's own line; the short summary repeats it after "ERROR ", cut to the terminal's width
+        lines = [ln for ln in out.splitlines() if ln.startswith(f"test_spawning.py::{name} started")]
         assert len(lines) == 1 and "without the `processes` marker" in lines[0] and what in lines[0], out
     assert "test_marked started" not in out and "test_no_process started" not in out, out
