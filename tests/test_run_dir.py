@@ -114,6 +114,12 @@ def test_out_dot_in_a_home_directory_deletes_nothing(tmp_path: Path, capsys, mon
     assert "checkpoints/llama-ft.safetensors" in _error(capsys, ["train", *FAST, "--steps", "2", "--out", ".",
                                                                 "--overwrite"])
     assert _files(home) == before
+    (home / "checkpoints" / "llama-ft.safetensors").rename(home / "llama-ft.safetensors")
+    err = _error(capsys, ["train", *FAST, "--steps", "2", "--out", ".", "--overwrite"])
+    assert "holds .bashrc, checkpoints, llama-ft.safetensors" not in err  # an empty checkpoints dir is a run's path
+    assert "holds .bashrc, llama-ft.safetensors, which eagerloco did not write" in err
+    assert "drop --overwrite to start a run beside them" in err
+    assert set(_files(home)) == {".bashrc", "llama-ft.safetensors"}
 
 
 def test_files_put_into_a_run_directory_are_never_deleted(run: Path, capsys) -> None:
@@ -185,8 +191,14 @@ def test_a_run_made_before_manifests_is_recognised_by_its_formats(run: Path, cap
     assert _files(run) == before
     shutil.rmtree(run / "checkpoints" / "resnet")
     shutil.rmtree(run / "checkpoints" / "step_00000008")
+    # without a manifest, anything else in the directory is refused too: nothing says whose it is
+    err = _error(capsys, ["train", *FAST, "--steps", "2", "--out", str(run), "--overwrite"])
+    assert f"has no {MANIFEST_NAME}" in err and "holds notes.txt, which eagerloco did not write" in err
+    assert "nothing was removed: move them away" in err and set(_files(run)) == set(before) - {
+        "checkpoints/resnet/best.pth", "checkpoints/step_00000008/meta.json"}
+    (run / "notes.txt").unlink()
     assert main(["train", *FAST, "--steps", "2", "--out", str(run), "--overwrite"]) == 0
-    assert set(_files(run)) == {"notes.txt", "metrics.jsonl", "summary.json", MANIFEST_NAME}
+    assert set(_files(run)) == {"metrics.jsonl", "summary.json", MANIFEST_NAME}
 
 
 def test_resume_lists_a_run_made_before_manifests(run: Path, made: Path, capsys) -> None:

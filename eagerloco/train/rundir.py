@@ -8,7 +8,8 @@ host is taken over with a message.
 ``--overwrite`` removes exactly the files the earlier run listed in its manifest
 (:mod:`eagerloco.train.manifest`; for a run made before manifests, those recognised by their
 formats) and nothing else: a directory that holds anything else at a run's paths is refused,
-naming it, before anything is removed. Every file a run writes there is checked to be a regular
+naming it, before anything is removed, and so is a directory without a manifest that holds anything
+else at all (``--out .`` in a home directory). Every file a run writes there is checked to be a regular
 file (or absent) first, so that a directory or a link in its place is one line, not a traceback.
 """
 
@@ -27,6 +28,8 @@ from eagerloco.procs import pid_alive
 from eagerloco.train.manifest import (
     LOCK_NAME,
     MANIFEST_NAME,
+    OWN_NAMES,
+    RUN_NAMES,
     Entries,
     RunManifest,
     kind_of,
@@ -36,6 +39,8 @@ from eagerloco.train.manifest import (
     survey,
 )
 
+#: The name's start of the empty file that checks ``--out`` is writable (removed at once).
+WRITE_PROBE = ".write-test-"
 #: The files a run writes at the top of its directory, by what they hold (each must be a regular file or absent).
 RUN_FILE_ROLES = {"metrics.jsonl": "metrics", "summary.json": "summary",
                   "summary.json.tmp": "summary while it is written", LOCK_NAME: "run lock",
@@ -58,7 +63,7 @@ def check_out_dir(out: str) -> Path:
             raise ConfigError(f"--out {out} {where} a file, not a directory; pass a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
+        probe = path / f"{WRITE_PROBE}{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
@@ -120,6 +125,17 @@ def _summarize(ours: Entries) -> list[str]:
     return found
 
 
+def _unlisted_top(path: Path, ours: Entries) -> list[str]:
+    """The names at the top of ``path`` other than a run's paths (:func:`survey` looked into those) and
+    eagerloco's bookkeeping."""
+    tops = {rel.split("/", 1)[0] for rel in ours} | set(OWN_NAMES) | set(RUN_NAMES)
+    try:
+        names = os.listdir(path) if path.is_dir() else []  # compare checks a run's directory before making it
+        return sorted(n for n in names if n not in tops and not n.startswith(WRITE_PROBE))
+    except OSError as e:
+        raise ConfigError(f"cannot read {path} ({e.strerror or e}); make it readable or pass another --out") from None
+
+
 def _named(paths: list[str], most: int = 6) -> str:
     shown = ", ".join(paths[:most])
     return shown + (f" and {len(paths) - most} more" if len(paths) > most else "")
@@ -139,6 +155,15 @@ def check_fresh_start(cfg: TrainConfig, path: Path) -> None:
     how = (f"no {MANIFEST_NAME} lists them, nor are they in an eagerloco run's formats" if legacy
            else f"{path / MANIFEST_NAME} does not list them")
     if cfg.overwrite:
+        if legacy and not foreign:
+            foreign = _unlisted_top(path, ours)
+            if foreign:
+                fix = ("move them away or pass another --out" if _summarize(ours) else
+                       "drop --overwrite to start a run beside them, or pass another --out")
+                raise ConfigError(
+                    f"--out {path} has no {MANIFEST_NAME} (the list of an eagerloco run's files) and holds "
+                    f"{_named(foreign)}, which eagerloco did not write; --overwrite takes such a directory only when "
+                    f"it holds nothing but an eagerloco run, so nothing was removed: {fix}")
         if foreign:
             raise ConfigError(
                 f"--out {path} holds {_named(foreign)}, which eagerloco did not write ({how}); a run that replaces "
