@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -145,6 +146,15 @@ def init_process_groups(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("--backend nccl needs CUDA, which is not available here; use --backend gloo")
+    r = ranks_per_worker
+    local_world = env.local_world_size or 1
+    # NCCL refuses two ranks of one communicator on the same GPU ("Duplicate GPU detected", then
+    # "invalid usage" at the first collective): say so before any group is built.
+    if backend == "nccl":
+        _refuse_shared_gpu("--backend", range(local_world))
+    if (outer_backend or backend) == "nccl":
+        for i in range(r if sharded_outer else 1):  # the i-th rank of each worker on this machine
+            _refuse_shared_gpu("--outer-backend", range(i, local_world, r))
     if backend == "nccl":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -156,7 +166,6 @@ def init_process_groups(
     elif dist.get_world_size() != world or dist.get_rank() != rank:
         raise RuntimeError("torch.distributed is already initialized with a different rank or world size")
 
-    r = ranks_per_worker
     worker, rank_in_worker = divmod(rank, r)
     inner = None
     if r > 1:
@@ -177,6 +186,28 @@ def init_process_groups(
     ctx.store = heartbeat_store(timeout_s) if ctx.is_outer_rank else None
     return ctx
 
+
+
+def shared_gpu(local_ranks: Iterable[int], device_count: int) -> tuple[int, int] | None:
+    """The first two of these local ranks that land on the same GPU (local rank modulo the GPUs), if any."""
+    seen: dict[int, int] = {}
+    for lr in local_ranks:
+        if lr % device_count in seen:
+            return seen[lr % device_count], lr
+        seen[lr % device_count] = lr
+    return None
+
+
+def _refuse_shared_gpu(flag: str, local_ranks: Iterable[int]) -> None:
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        raise ConfigError(f"{flag} nccl needs CUDA, which is not available here; use {flag} gloo")
+    pair = shared_gpu(local_ranks, n)
+    if pair is not None:
+        raise ConfigError(
+            f"{flag} nccl: local ranks {pair[0]} and {pair[1]} would share GPU {pair[0] % n} (this machine has {n}), "
+            f"and NCCL refuses two ranks of one group on one GPU; use {flag} gloo, or start at most one rank "
+            "of the group per GPU")
 
 
 #: Where the outer group's gloo rendezvous keeps its keys in the store worker 0 hosts.
