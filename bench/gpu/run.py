@@ -79,7 +79,8 @@ def base_config(args: argparse.Namespace, preset: str, **kw: Any) -> Any:
     outer = OuterConfig(**{"inner_steps": args.inner_steps, **kw.pop("outer", {})})
     return TrainConfig(model=preset, data=d[1], data_dir=d[3], tokenizer="bpe", seq_len=args.seq_len,
                        batch_size=args.batch_size, lr=1e-3, warmup_steps=10, eval_batches=2, log_every=10,
-                       progress=False, precision="bf16", outer=outer, link=LinkConfig(), **kw)
+                       progress=False, outer=outer, link=LinkConfig(),
+                       **({"device": "cpu", "precision": "fp32"} if args.cpu_smoke else {"precision": "bf16"}), **kw)
 
 
 # -- results file ---------------------------------------------------------------------------------------
@@ -99,7 +100,8 @@ def save(report: dict[str, Any]) -> None:
 def environment() -> dict[str, Any]:
     import torch
 
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0),
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "device": name,
             "devices": torch.cuda.device_count(), "host_cpus": os.cpu_count(), "python": platform.python_version()}
 
 
@@ -123,9 +125,11 @@ def part_inner(args: argparse.Namespace, report: dict[str, Any], deadline: float
     from eagerloco.flops import mfu
     from eagerloco.train import train
 
-    for preset in ("35m", "100m"):
-        for compiled in (False, True):
-            for workers in (1, 2):
+    # One worker first (the MFU goal is one worker's), the larger preset first: a budget cut short keeps
+    # the measurements that matter most.
+    for workers in (1, 2):
+        for preset in args.presets:
+            for compiled in (False, True):
                 key = f"inner/{preset}/{'compile' if compiled else 'eager'}/M{workers}"
                 if key in report["entries"] or time.time() > deadline:
                     continue
@@ -153,11 +157,11 @@ def part_outer(args: argparse.Namespace, report: dict[str, Any], deadline: float
     from eagerloco.train import train
 
     for name, outer in METHODS.items():
-        key = f"outer/35m/{name}"
+        key = f"outer/{args.outer_preset}/{name}"
         if key in report["entries"] or time.time() > deadline:
             continue
         out = SCRATCH / key.replace("/", "-")
-        cfg = base_config(args, "35m", workers=2, steps=args.outer_steps, out=str(out), overwrite=True,
+        cfg = base_config(args, args.outer_preset, workers=2, steps=args.outer_steps, out=str(out), overwrite=True,
                           outer={**outer, "inner_steps": args.inner_steps})
         s = train(cfg)
         per = s["per_worker"]
@@ -179,16 +183,17 @@ def part_processes(args: argparse.Namespace, report: dict[str, Any], deadline: f
     variants = [("nccl", "gloo"), ("nccl", "nccl"), ("gloo", "gloo")]
     for inner, outer_backend in variants:
         for method in ("diloco", "eager"):
-            key = f"processes/35m/{method}/inner-{inner}/outer-{outer_backend}"
+            key = f"processes/{args.outer_preset}/{method}/inner-{inner}/outer-{outer_backend}"
             if key in report["entries"] or time.time() > deadline:
                 continue
             out = SCRATCH / key.replace("/", "-")
-            cmd = [sys.executable, "-m", "eagerloco", "launch", "--workers", "2", "--", "--model", "35m",
+            cmd = [sys.executable, "-m", "eagerloco", "launch", "--workers", "2", "--", "--model", args.outer_preset,
                    *data_args(), "--method", method, "--inner-steps", str(args.inner_steps),
                    "--steps", str(args.process_steps), "--batch-size", str(args.batch_size), "--seq-len",
                    str(args.seq_len), "--lr", "1e-3", "--warmup-steps", "10", "--eval-batches", "2",
                    "--bandwidth-gbps", str(args.bandwidth_gbps), "--latency-ms", "50", "--backend", inner,
-                   "--outer-backend", outer_backend, "--out", str(out), "--overwrite", "--no-progress"]
+                   "--outer-backend", outer_backend, "--out", str(out), "--overwrite", "--no-progress",
+                   *(["--device", "cpu", "--precision", "fp32"] if args.cpu_smoke else [])]
             t0 = time.time()
             try:
                 done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
@@ -211,7 +216,7 @@ def part_processes(args: argparse.Namespace, report: dict[str, Any], deadline: f
 
 
 def compare_argv(args: argparse.Namespace) -> list[str]:
-    return ["--grid", ",".join(COMPARE_GRID), "--model", "35m", *data_args(), "--workers", "2",
+    return ["--grid", ",".join(COMPARE_GRID), "--model", args.compare_preset, *data_args(), "--workers", "2",
             "--inner-steps", "30", "--batch-size", str(args.compare_batch), "--seq-len", str(args.seq_len),
             "--tokens", str(args.compare_tokens), "--lr", "1e-3", "--warmup-steps", "100", "--eval-every",
             str(args.compare_eval_every), "--eval-batches", "16", "--bandwidth-gbps", str(args.bandwidth_gbps),
@@ -330,13 +335,14 @@ def markdown(report: dict[str, Any]) -> str:
               "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in (e[k] for k in sorted(e)):
         if r.get("part") == "processes":
-            note = "" if r["rc"] == 0 else (r.get("error", "").strip().splitlines() or ["failed"])[-1][:100]
+            errors = [ln.split("error:", 1)[1].strip() for ln in r.get("error", "").splitlines() if "error:" in ln]
+            note = "" if r["rc"] == 0 else (errors or ["failed"])[0][:110]
             cu = r.get("compute_utilization")
             lines.append(f"| {r['method']} | {r['inner_backend']} | {r['outer_backend']} | "
                          f"{cu:.3f} | {r.get('blocked_s', 0):.2f} | " if isinstance(cu, float) else
                          f"| {r['method']} | {r['inner_backend']} | {r['outer_backend']} | n/a | n/a | ")
             lines[-1] += (f"{_num(r.get('tokens_per_s'))} | {_pct(r.get('mfu'))} | "
-                          f"{r.get('final_eval_loss') if r.get('final_eval_loss') is not None else 'n/a'} | {note} |")
+                          f"{f'{loss:.4f}' if isinstance(loss := r.get('final_eval_loss'), float) else 'n/a'} | {note} |")
     st = e.get("compare35m/status")
     lines += ["", "## The eager paper's comparison at 35M", ""]
     if not st or not st.get("done"):
@@ -362,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render-only", action="store_true", help="rewrite gpu.md from gpu.json")
     ap.add_argument("--redo", action="store_true", help="measure again what the part has already measured")
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting work after this (default 540)")
+    ap.add_argument("--presets", default="100m,35m", type=lambda v: [x for x in v.split(",") if x],
+                    help="the inner part's model presets (default 100m,35m)")
+    ap.add_argument("--outer-preset", default="35m", help="the outer and processes parts' preset (default 35m)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run the parts on the CPU (give a tiny preset and small sizes): a check of this script "
+                         "before device time is spent on it; writes under runs/gpu-smoke, not bench/results")
     ap.add_argument("--batch-size", type=int, default=32, help="sequences per worker per step (default 32)")
     ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
     ap.add_argument("--inner-steps", type=int, default=30, help="H (default 30)")
@@ -371,19 +383,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--process-steps", type=int, default=90, help="steps per multi-process run (default 90)")
     ap.add_argument("--bandwidth-gbps", type=float, default=2.5,
                     help="emulated link (default 2.5: a 35M fp32 exchange takes about a quarter of a round)")
+    ap.add_argument("--compare-preset", default="35m", help="35M comparison: the model preset (default 35m)")
     ap.add_argument("--compare-batch", type=int, default=64, help="35M comparison: sequences per worker (64)")
     ap.add_argument("--compare-tokens", type=int, default=120_000_000,
                     help="35M comparison: token budget per run over both workers (default 120M)")
     ap.add_argument("--compare-eval-every", type=int, default=200)
     ap.add_argument("--checkpoint-every", type=int, default=200)
     args = ap.parse_args(argv)
+    if args.cpu_smoke:  # keep the smoke run's numbers out of the committed results
+        global RESULTS, SCRATCH
+        RESULTS, SCRATCH = ROOT / "runs" / "gpu-smoke", ROOT / "runs" / "gpu-smoke" / "runs"
     report = load()
     if args.render_only:
         save(report)
         return 0
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.cpu_smoke:
         print("bench/gpu: no CUDA device here; nothing was measured. Run this on a GPU machine (see "
               "bench/gpu/README.md).", file=sys.stderr)
         return 0
