@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -12,11 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from runs import launch_here
 from test_hooks_jobs import free_ports, job_env
 
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.waiting import bounded, wait_for_workers
 from eagerloco.config import ConfigError
+from eagerloco.train.rundir import LOCK_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress",
@@ -108,3 +111,70 @@ def test_separate_jobs_wait_for_an_evaluation_that_outlasts_the_timeout(tmp_path
     for w, done in enumerate(wait_all(procs, 180)):
         assert done.returncode == 0, f"worker {w}:\n{done.stdout[-3000:]}"
         assert (tmp_path / f"w{w}" / "summary.json").is_file()
+
+
+def _rank(rank: int, port: int, timeout: float, out: Path) -> subprocess.Popen:
+    """Rank ``rank`` of a 2-rank run whose other rank never comes (nobody hosts MASTER_PORT for rank 1)."""
+    env = {**job_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return subprocess.Popen([sys.executable, "-m", "eagerloco", "train", *FAST, "--workers", "2", "--dist-timeout",
+                             str(timeout), "--out", str(out)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.processes
+def test_a_rank_whose_peers_never_come_ends_within_the_timeout_or_at_once_on_sigterm(tmp_path: Path) -> None:
+    """Under a launcher's variables the rendezvous (init_process_group) was a wait in C++: no line until its
+    own timeout, SIGTERM ignored (a launch rank was killed after the grace), C++ frames from the store's
+    client. Rank 0 hosts the store and waits for rank 1; a rank 1 waits for a rank 0 that never listens."""
+    p0, p1 = free_ports(2)
+    t0 = time.monotonic()
+    alone = [_rank(0, p0, 4, tmp_path / "r0"), _rank(1, p1, 4, tmp_path / "r1")]
+    silent = socket.socket()  # "rank 0's store" for a third process: it accepts and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    silent.settimeout(120)
+    term = _rank(1, silent.getsockname()[1], 300, tmp_path / "r1-term")
+    try:
+        silent.accept()  # the rank reached the rendezvous (past start-up, where SIGTERM's default would end it)
+        time.sleep(1)
+        t1 = time.monotonic()
+        term.send_signal(signal.SIGTERM)
+        _, err = term.communicate(timeout=60)
+    finally:
+        silent.close()
+    assert time.monotonic() - t1 < 5, err
+    assert term.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1].startswith("eagerloco: stopped by SIGTERM"), err
+    assert "Traceback" not in err and "frame #" not in err, err
+    for rank, p in enumerate(alone):
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 3, err
+        assert time.monotonic() - t0 < 4 + 15, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith(f"eagerloco: error: rank {rank}: the run's "), err
+        assert "MASTER_ADDR and MASTER_PORT" in last, err
+        assert "Traceback" not in err and "frame #" not in err, err
+
+
+@pytest.mark.processes
+def test_a_launch_into_a_directory_another_run_holds_ends_every_rank_with_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (out / LOCK_NAME).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname()}))
+        t0 = time.monotonic()
+        r = launch_here([*FAST, "--out", str(out), "--dist-timeout", "5"], workers=2, timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.returncode == 2, r.stdout
+    assert took < 5 + 20, r.stdout  # rank 1 waited for rank 0 until the launcher's grace ended (30 s), then killed
+    lines = r.stdout.splitlines()
+    assert any(ln.startswith("[rank 0] eagerloco: error: ") and f"in use by another run (process {holder.pid}" in ln
+               for ln in lines), r.stdout
+    assert any(ln.startswith("[rank 1] eagerloco: error: ") for ln in lines), r.stdout
+    assert "Traceback" not in r.stdout and "frame #" not in r.stdout, r.stdout
+    assert json.loads((out / LOCK_NAME).read_text())["pid"] == holder.pid  # the holder's lock is left alone

@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from eagerloco.comm.errors import PeerError, describe_exception
+from eagerloco.comm.errors import PeerError, describe_exception, is_transport_failure
 from eagerloco.comm.waiting import bounded, wait_for_listener, wait_for_workers
 from eagerloco.config import ConfigError
 from eagerloco.environment import Environment
@@ -162,7 +162,7 @@ def init_process_groups(
         device = torch.device("cpu")
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        init_world(backend, timeout_s, env)
     elif dist.get_world_size() != world or dist.get_rank() != rank:
         raise RuntimeError("torch.distributed is already initialized with a different rank or world size")
 
@@ -186,6 +186,36 @@ def init_process_groups(
     ctx.store = heartbeat_store(timeout_s) if ctx.is_outer_rank else None
     return ctx
 
+
+
+def init_world(backend: str, timeout_s: float, env: Environment) -> None:
+    """``dist.init_process_group`` over the launcher's variables (env://), with a wait that is bounded by the
+    timeout, says every 10 s what it waits for, and ends at once on Ctrl-C or SIGTERM: in C++ it ignores
+    them and prints nothing until its own timeout.
+
+    Raises:
+        PeerError: the run's other processes did not all arrive, or the rendezvous store cannot be reached.
+    """
+    rank, world = env.rank or 0, env.world_size or 1
+    where = f"{env.master_addr or 'localhost'}:{env.master_port or '?'}"
+    me = f"rank {rank}"
+    fix = (f"start all {world} processes of the run (WORLD_SIZE) with the same MASTER_ADDR and MASTER_PORT "
+           "(eagerloco launch and torchrun do), and see the other ranks' logs")
+    waiting = f"{me}: waiting for the run's {world} processes at {where}"
+    started = time.monotonic()
+    try:
+        if rank != 0 and env.master_port is not None:  # the store's client retries with C++ frames: connect once
+            wait_for_listener(env.master_addr or "localhost", env.master_port, timeout_s, waiting)  # it listens
+        bounded(lambda: dist.init_process_group(backend=backend, init_method="env://",
+                                                timeout=timedelta(seconds=timeout_s)),
+                timeout_s, waiting, started=started)
+    except TimeoutError:
+        raise PeerError(f"{me}: the run's {world} processes did not all arrive at {where} within {timeout_s:g} s; "
+                        f"{fix}", []) from None
+    except Exception as e:
+        if not (is_transport_failure(e) or isinstance(e, OSError)):
+            raise
+        raise PeerError(f"{me}: the run's rendezvous at {where} failed ({describe_exception(e)}); {fix}", []) from None
 
 
 def shared_gpu(local_ranks: Iterable[int], device_count: int) -> tuple[int, int] | None:
@@ -274,8 +304,7 @@ def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S
     env = Environment.read()
     rank, world = env.rank or 0, env.world_size or 1
     if not dist.is_initialized() and world > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+        init_world("nccl" if torch.cuda.is_available() else "gloo", timeout_s, env)
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         backend = str(dist.get_backend())
