@@ -341,8 +341,9 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {r['method']} | {r['inner_backend']} | {r['outer_backend']} | "
                          f"{cu:.3f} | {r.get('blocked_s', 0):.2f} | " if isinstance(cu, float) else
                          f"| {r['method']} | {r['inner_backend']} | {r['outer_backend']} | n/a | n/a | ")
+            loss = r.get("final_eval_loss")
             lines[-1] += (f"{_num(r.get('tokens_per_s'))} | {_pct(r.get('mfu'))} | "
-                          f"{f'{loss:.4f}' if isinstance(loss := r.get('final_eval_loss'), float) else 'n/a'} | {note} |")
+                          f"{f'{loss:.4f}' if isinstance(loss, float) else 'n/a'} | {note} |")
     st = e.get("compare35m/status")
     lines += ["", "## The eager paper's comparison at 35M", ""]
     if not st or not st.get("done"):
