@@ -250,7 +250,7 @@ class OuterSync:
             scale = 1.0 if weight is None else weight.scale
             if scale != 1.0:
                 sent = [t * scale for t in sent]
-            # Only eager and error feedback read their own share back (handle.own): the runtime reuses it.
+            # Only eager and error feedback read their own share back (handle.own); elsewhere the runtime may reuse it.
             handle = self.comm.allreduce_mean(sent, self.codec, self.generator,
                                               keep_own=cfg.method == "eager" or feedback is not None, **self._agreed())
             if feedback is not None and scale:  # the buffer loses what it sent (unweighted)
