@@ -35,9 +35,11 @@ class _InFlight:
     #: M of the round this exchange belongs to (workers present at launch). Eager applied its own
     #: share with weight 1/workers and corrects with the same weight, so every outer gradient
     #: counts exactly once even when membership changes while the exchange is in flight.
-    workers: int = 1
+    workers: float = 1
     #: The others' weight in the exchange's mean, 1 - w_m: (M-1)/M, or by tokens under adaptive steps.
     others: float | None = None
+    #: Adaptive steps: every worker's steps in its window, to renormalise the mean over who sent (AdaptiveSteps.settle).
+    window: list[int] | None = None
 
 
 class OuterSync:
@@ -244,11 +246,11 @@ class OuterSync:
                 delta = [o - l.detach().to(torch.float32) for o, l in zip(self.outer[p], self.local[p], strict=True)]
             sent = delta if feedback is None else feedback.add(p, delta)
             # Adaptive steps: M * w_m times the contribution, so the mean is the token-weighted sum_m w_m Delta_m.
-            scale, others = (1.0, None) if adaptive is None else adaptive.weigh(p)
+            weight = None if adaptive is None else adaptive.weigh(p)
+            scale = 1.0 if weight is None else weight.scale
             if scale != 1.0:
                 sent = [t * scale for t in sent]
-            # Only eager and error feedback read their own share back (handle.own); the others let the
-            # runtime reuse it.
+            # Only eager and error feedback read their own share back (handle.own); elsewhere the runtime may reuse it.
             handle = self.comm.allreduce_mean(sent, self.codec, self.generator,
                                               keep_own=cfg.method == "eager" or feedback is not None, **self._agreed())
             if feedback is not None and scale:  # the buffer loses what it sent (unweighted)
@@ -256,9 +258,10 @@ class OuterSync:
             # Eager applies its own share now: the outer gradient itself, or with error feedback what it
             # sent (C_m), so that every value sent is applied once and the unsent rest stays in the buffer.
             fresh = (sent if feedback is None else handle.own) if cfg.method == "eager" else None
-            self.in_flight.append(
-                _InFlight(p, handle, self.step, self.step + self.delay, fresh, self.comm.num_workers, others)
-            )
+            item = _InFlight(p, handle, self.step, self.step + self.delay, fresh, self.comm.num_workers)
+            if weight is not None:
+                item.workers, item.others, item.window = weight.workers, weight.others, weight.window
+            self.in_flight.append(item)
         self.comm.add_overhead(time.perf_counter() - t0)
 
     def finish_outer(self) -> None:
@@ -279,7 +282,7 @@ class OuterSync:
         else:
             for item in [x for x in self.in_flight if x.apply_step == self.step]:
                 self.in_flight.remove(item)
-                mean, w = self._wait(item.handle)
+                mean, w = self._wait(item.handle, window=item.window)
                 waited += w
                 self._outer_step(item.fragment, mean)
                 self._merge(item.fragment)
@@ -332,7 +335,7 @@ class OuterSync:
         mean: list[torch.Tensor] | None = None
         if arrived is not None:
             self.in_flight.remove(arrived)
-            mean, waited = self._wait(arrived.handle)
+            mean, waited = self._wait(arrived.handle, window=arrived.window)
         if cfg.method == "delayed":
             grad = mean
         else:
@@ -358,8 +361,10 @@ class OuterSync:
         others = (m - 1) / m if item.others is None else item.others
         return [d * others for d in mean]
 
-    def _wait(self, handle: Handle, out: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], float]:
-        """The mean, and the real seconds spent blocked (which the caller leaves out of overhead_s).
+    def _wait(self, handle: Handle, out: list[torch.Tensor] | None = None, window: list[int] | None = None
+              ) -> tuple[list[torch.Tensor], float]:
+        """The mean, and the real seconds spent blocked (which the caller leaves out of overhead_s); with the
+        window of adaptive steps, renormalised over the workers whose payloads it holds.
 
         On a real clock the time in wait() is blocking (the communicator counts it as blocked_s). On a
         simulated clock wait() moves the clock itself, and its real seconds are the mean's computation:
@@ -367,6 +372,8 @@ class OuterSync:
         """
         t0 = time.perf_counter()
         mean = handle.wait() if out is None else handle.wait(out)
+        if window is not None:
+            mean = AdaptiveSteps.settle(mean, window, handle.contributors)
         return mean, 0.0 if self.comm.simulated_clock else time.perf_counter() - t0
 
     def _outer_step(self, p: int, grad: list[torch.Tensor]) -> None:
@@ -402,7 +409,7 @@ class OuterSync:
         t0 = time.perf_counter()
         waited = 0.0
         for item in list(self.in_flight):
-            mean, w = self._wait(item.handle)
+            mean, w = self._wait(item.handle, window=item.window)
             waited += w
             if not apply:
                 continue
@@ -496,11 +503,12 @@ class OuterSync:
         for item in self.in_flight:
             mean, ready_at = item.handle.checkpoint_result()
             own, nbytes = item.handle.own, item.handle.payload_bytes
-            item.handle = ReadyHandle(self.comm, mean, own, nbytes, ready_at)
+            who = item.handle.contributors
+            item.handle = ReadyHandle(self.comm, mean, own, nbytes, ready_at, who)
             in_flight.append({
                 "fragment": item.fragment, "launch_step": item.launch_step, "apply_step": item.apply_step,
                 "mean": mean, "own": own, "payload_bytes": nbytes, "ready_at": ready_at,
-                "workers": item.workers, "others": item.others,
+                "workers": item.workers, "others": item.others, "window": item.window, "contributors": who,
             })
         return {
             "method": self.config.method,
@@ -549,24 +557,18 @@ class OuterSync:
             self.feedback.load(saved_feedback)
         load_rounds(self.adaptive, state.get("adaptive"))  # absent in checkpoints made before adaptive steps
         self.in_flight = [
-            _InFlight(
-                x["fragment"],
-                ReadyHandle(self.comm, x["mean"], x["own"], x["payload_bytes"], x["ready_at"]),
-                x["launch_step"],
-                x["apply_step"],
-                None,
-                int(x.get("workers", self.num_workers)),  # older checkpoints: M never changed
-                x.get("others"),
-            )
+            _InFlight(x["fragment"], ReadyHandle(self.comm, x["mean"], x["own"], x["payload_bytes"], x["ready_at"],
+                                                 x.get("contributors")),  # absent in older checkpoints: all
+                      x["launch_step"], x["apply_step"], None,
+                      x.get("workers", self.num_workers),  # older checkpoints: M never changed
+                      x.get("others"), x.get("window"))
             for x in state["in_flight"]
         ]
 
 
 def before_inner_step_all(syncs: Sequence[OuterSync]) -> None:
-    """:meth:`OuterSync.before_inner_step` for M workers in one process, in lockstep.
-
-    Every worker launches before any waits (a worker waiting first would wait for a launch that
-    never comes).
+    """:meth:`OuterSync.before_inner_step` for M workers in one process, in lockstep: every worker launches
+    before any waits (a worker waiting first would wait for a launch that never comes).
 
     Args:
         syncs: one OuterSync per worker, on communicators of the same in-process group.
@@ -581,10 +583,8 @@ def before_inner_step_all(syncs: Sequence[OuterSync]) -> None:
 
 
 def after_inner_step_all(syncs: Sequence[OuterSync]) -> None:
-    """:meth:`OuterSync.after_inner_step` for M workers in one process, in lockstep.
-
-    Every worker launches before any waits (a worker waiting first would wait for a launch that
-    never comes).
+    """:meth:`OuterSync.after_inner_step` for M workers in one process, in lockstep: every worker launches
+    before any waits (a worker waiting first would wait for a launch that never comes).
 
     Args:
         syncs: one OuterSync per worker, on communicators of the same in-process group.

@@ -368,20 +368,23 @@ def test_speeds_for_another_number_of_workers_are_refused() -> None:
         _sync(OuterConfig(adaptive_steps=True, worker_speeds=[1.0, 1.0, 1.0]))
 
 
-def test_the_flags_read_a_comma_list_and_refuse_elastic() -> None:
+def test_the_flags_read_a_comma_list_and_combine_with_elastic() -> None:
     from eagerloco.cli import make_parser
+    from eagerloco.environment import Environment
     from eagerloco.flags import build_train_config
 
-    def parse(*args: str):  # noqa: ANN202 - a TrainConfig
-        return build_train_config(make_parser().parse_args(["train", "--workers", "2", *args]))
+    def parse(*args: str, env: Environment | None = None):  # noqa: ANN202 - a TrainConfig
+        return build_train_config(make_parser().parse_args(["train", "--workers", "2", *args]), env)
 
     cfg = parse("--adaptive-steps", "--worker-speeds", "1,0.5")
     assert cfg.outer.adaptive_steps and cfg.outer.worker_speeds == [1.0, 0.5]
     assert [cfg.slowdown(m) for m in range(2)] == [1.0, 2.0]
     with pytest.raises(ConfigError, match="gives 3 speed"):
         parse("--worker-speeds", "1,0.5,1")
-    with pytest.raises(ConfigError, match="--elastic changes it"):
-        parse("--adaptive-steps", "--elastic")
+    launched = Environment(rank=1, world_size=2, master_addr="127.0.0.1", master_port=29500, workers=2,
+                           ranks_per_worker=1)
+    elastic = parse("--adaptive-steps", "--worker-speeds", "1,0.5", "--elastic", env=launched)
+    assert elastic.runtime.kind(launched) == "elastic" and elastic.outer.adaptive_steps  # weights renormalised
     with pytest.raises(ConfigError, match="under --fsdp every rank exchanges its own"):
         parse("--adaptive-steps", "--fsdp")
     with pytest.raises(SystemExit):

@@ -119,6 +119,9 @@ class Handle(ABC):
     own: list[torch.Tensor]
     #: Size of this worker's encoded payload in bytes.
     payload_bytes: int
+    #: The worker ids whose payloads the mean holds, once it has landed, where the runtime knows them (an
+    #: elastic group may run an exchange again among the survivors of a change); None: every worker.
+    contributors: list[int] | None = None
 
     @abstractmethod
     def wait(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -165,6 +168,8 @@ class JobHandle(Protocol):
     order, and a way to land it (once; later calls are ignored)."""
 
     seq: int
+    #: The worker ids whose payloads the mean holds (:attr:`Handle.contributors`), set before it lands.
+    contributors: list[int] | None
 
     def finish(self, mean: torch.Tensor | None = None, error: BaseException | None = None,
                done: object = None) -> None:
@@ -177,11 +182,12 @@ class ReadyHandle(Handle):
 
     def __init__(
         self, comm: Communicator, mean: list[torch.Tensor], own: list[torch.Tensor], payload_bytes: int,
-        ready_at: float | None,
+        ready_at: float | None, contributors: list[int] | None = None,
     ) -> None:
         self._comm, self._mean, self._ready_at = comm, mean, ready_at
         self.own = own
         self.payload_bytes = payload_bytes
+        self.contributors = None if contributors is None else [int(w) for w in contributors]
 
     def done(self) -> bool:
         return self._ready_at is None or self._ready_at <= self._comm.clock()
@@ -203,6 +209,14 @@ class Communicator(ABC):
     stats: WorkerStats
     #: True when clock() is simulated (in-process runtime) rather than real wall time.
     simulated_clock: bool = False
+    #: True when workers may leave and rejoin during the run (``--elastic``): ``members`` then names the
+    #: workers present, and a handle's ``contributors`` the workers whose payloads its mean holds.
+    elastic: bool = False
+
+    @property
+    def members(self) -> list[int]:
+        """The worker id of each worker of the current group, in group order (0..M-1 unless elastic)."""
+        return list(range(self.num_workers))
 
     @abstractmethod
     def allreduce_mean(

@@ -99,7 +99,7 @@ class TorchDistHandle(Handle):
             return hand_over(unflatten(mean, self._like), out)
         # The caller owns what it gets (an optimizer may write into it). In elastic mode the
         # communicator also keeps the mean for survivors of a membership change: hand out a copy.
-        return unflatten(mean.to(self._device, copy=self._comm._elastic), self._like)
+        return unflatten(mean.to(self._device, copy=self._comm.elastic), self._like)
 
     def finish(self, mean: torch.Tensor | None = None, error: BaseException | None = None, done: Any = None) -> None:
         """Land the exchange (see :class:`~eagerloco.comm.base.JobHandle`); only the first call counts."""
@@ -158,7 +158,7 @@ class TorchDistCommunicator(Communicator):
         self.staging = Staging(device, on_device=backend == "nccl")
         #: The current group, its members and their names, and the emulated link among them.
         self.peers = Peers(group, members, pos, names, link, seed)
-        self._elastic = elastic
+        self.elastic = elastic
         #: Called on the caller's thread when it finds the group broken (elastic); re-forms it.
         self.recover_hook: Any = None
         #: Training step, published with the heartbeat (what a lost worker had done).
@@ -241,7 +241,7 @@ class TorchDistCommunicator(Communicator):
         # Without keep_own the payload is the communicator's alone; outside elastic mode a failed
         # collective ends the run, so no rerun needs it intact either.
         job = Job(handle.seq, numel, time.time(), handle, codec, packed, wire, self.step_hint,
-                  inplace=not keep_own and not self._elastic, checked=not (agreed and self._agreed), ready=ready)
+                  inplace=not keep_own and not self.elastic, checked=not (agreed and self._agreed), ready=ready)
         self.exchanges.put(job)
         return handle
 
@@ -259,7 +259,7 @@ class TorchDistCommunicator(Communicator):
         header carries the launch times the link schedule starts from).
         """
         self._check_open()
-        if self._elastic or not self.link.trivial:
+        if self.elastic or not self.link.trivial:
             return False
         digest = torch.frombuffer(bytearray(hashlib.sha256(schedule).digest()), dtype=torch.uint8)
         self._control(AGREE, digest, describe)
@@ -351,7 +351,7 @@ class TorchDistCommunicator(Communicator):
                 mean, done = self.staging.received(mean)
         except TransportError as e:  # a peer is gone or hung
             self._in_collective_since = None
-            if self._elastic and not self._cancel.is_set():
+            if self.elastic and not self._cancel.is_set():
                 # Keep text only: the exception's traceback would keep the broken group (and its
                 # sockets, which the other survivors wait on) alive.
                 return describe_exception(e.__cause__ or e)
@@ -363,6 +363,7 @@ class TorchDistCommunicator(Communicator):
         else:
             # Elastic mode keeps recent means for survivors that missed them; they are then
             # shared, so wait() hands out copies. Otherwise the mean is the handle's alone.
+            job.handle.contributors = list(self.peers.members)  # the group it ran in
             self.exchanges.land(job, mean, done)
         self._in_collective_since = None
         return None

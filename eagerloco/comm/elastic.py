@@ -439,6 +439,9 @@ class Membership:
             # Its own error feedback, empty: the source's unsent rest is the source's to send.
             if trainer.sync.feedback is not None:
                 trainer.sync.feedback.clear()
+            # Its own speed too (adaptive steps), measured afresh: the source's steps were not its own.
+            if trainer.sync.adaptive is not None:
+                trainer.sync.adaptive.forget_speed()
             trainer.last_loss = state["last_loss"]
             comm.adopt_sequence(int(state["launched"]))
         dist.barrier()

@@ -65,7 +65,9 @@ class Regroup:
         return result
 
     def complete_from_peer(self, job: Job, mean: torch.Tensor | None) -> None:
-        """Finish an exchange with the result another survivor saw complete (elastic recovery)."""
+        """Finish an exchange with the result another survivor saw complete (elastic recovery): its mean
+        holds every worker of the group it ran in, the one not re-formed yet."""
+        job.handle.contributors = list(self.peers.members)
         self.exchanges.land_from_peer(job, mean)
 
     def resume(self, group: dist.ProcessGroup | None, members: list[int], jobs: list[Job], epoch: int,

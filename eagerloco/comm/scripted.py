@@ -82,6 +82,9 @@ class ScriptedCommunicator(Communicator):
         durations: simulated seconds each exchange takes on the link (one value for all, or by index).
         fail: exchange indices whose wait() raises; a mapping gives the exception, else a PeerError.
         agree_result: what :meth:`agree` returns.
+        elastic: an elastic group: the workers present change with :meth:`regroup`.
+        contributors: by exchange index, the worker ids whose payloads its mean holds (``Handle.contributors``:
+            an exchange run again among the survivors of a membership change).
     """
 
     simulated_clock = True
@@ -96,8 +99,12 @@ class ScriptedCommunicator(Communicator):
         durations: float | Mapping[int, float] = 0.0,
         fail: Iterable[int] | Mapping[int, BaseException] = (),
         agree_result: bool = False,
+        elastic: bool = False,
+        contributors: Mapping[int, Sequence[int]] | None = None,
     ) -> None:
-        self.num_workers, self.rank = num_workers, rank
+        self.num_workers, self.rank, self.elastic = num_workers, rank, elastic
+        self.present: list[int] | None = None  # the worker ids present, once regroup() has set them
+        self.contributors = dict(contributors or {})
         self.stats = WorkerStats()
         self.means = dict(means or {})
         self.peers = peers
@@ -144,7 +151,18 @@ class ScriptedCommunicator(Communicator):
         self.stats.bytes_received += wire
         self.stats.peak_sync_bytes = max(self.stats.peak_sync_bytes, call.payload_bytes)
         self.stats.num_syncs += 1
-        return ScriptedHandle(self, call, own if keep_own else [], error)
+        handle = ScriptedHandle(self, call, own if keep_own else [], error)
+        if i in self.contributors:
+            handle.contributors = list(self.contributors[i])
+        return handle
+
+    @property
+    def members(self) -> list[int]:
+        return list(range(self.num_workers)) if self.present is None else list(self.present)
+
+    def regroup(self, members: Sequence[int]) -> None:
+        """An elastic membership change: these worker ids are present from now on."""
+        self.present, self.num_workers = list(members), len(members)
 
     def _mean(self, i: int, own_flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
         if i in self.means:

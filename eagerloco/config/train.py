@@ -171,9 +171,6 @@ class TrainConfig:
             raise ConfigError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
         parse_slow_workers(self.slow_workers, self.workers)
         self.outer.speed_factors(self.workers)  # one speed per worker, if any
-        if self.outer.adaptive_steps and self.runtime.elastic:
-            raise ConfigError("--adaptive-steps sizes every round for a fixed set of workers and --elastic changes "
-                              "it: drop one of them")
         if self.outer.adaptive_steps and not self.outer.worker_speeds and self.runtime.fsdp:
             raise ConfigError("--adaptive-steps measures each rank's speed, and under --fsdp every rank exchanges "
                               "its own: give the speeds with --worker-speeds")
