@@ -119,6 +119,9 @@ class AdaptiveSteps:
         self.rounds = Rounds(config.inner_steps, config.fragments,
                              round_lengths(config.inner_steps, list(speeds) if speeds else [1.0] * workers))
         self.meter = SpeedMeter()
+        #: Each worker's inner steps done while it was present (what it trained; ``rounds.done`` keeps counting a
+        #: worker that left, since every survivor's windows must agree): the tokens reported, not the weights.
+        self.trained = [0] * workers
         self.pending: Handle | None = None  # the speeds launched at the last round's end
         self.compute_mark: float | None = None  # compute seconds counted at the last tick
 
@@ -133,6 +136,8 @@ class AdaptiveSteps:
         if self.measured and steps and self.compute_mark is not None:
             self.meter.add((compute - self.compute_mark) / steps)
         self.compute_mark = compute
+        for m in self.comm.members if self.comm.elastic else range(len(self.trained)):
+            self.trained[m] += self.rounds.due(m)
         self.rounds.advance()
 
     def weigh(self, fragment: int) -> Weight:
@@ -213,7 +218,7 @@ class AdaptiveSteps:
             self.pending = ReadyHandle(self.comm, mean, [], 0, ready_at, who)
             pending = {"mean": mean, "ready_at": ready_at, "contributors": who}
         return {"rounds": self.rounds.state(), "meter": self.meter.state(), "pending": pending,
-                "compute_mark": self.compute_mark}
+                "compute_mark": self.compute_mark, "trained": list(self.trained)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rounds.load(state["rounds"])
@@ -222,6 +227,8 @@ class AdaptiveSteps:
         self.pending = None if p is None else ReadyHandle(self.comm, p["mean"], [], 0, p["ready_at"],
                                                           p.get("contributors"))
         self.compute_mark = state["compute_mark"]
+        # absent in checkpoints made before it was counted apart: every worker was present for every step then
+        self.trained = [int(n) for n in state.get("trained", self.rounds.done)]
 
 
 def load_rounds(adaptive: AdaptiveSteps | None, saved: dict[str, Any] | None) -> None:

@@ -111,6 +111,25 @@ def test_weigh_and_settle_renormalise_over_the_workers_present() -> None:
     assert torch.equal(AdaptiveSteps.settle([mean.clone()], [2, 4, 1], None)[0], mean)
 
 
+def test_the_steps_trained_count_a_worker_only_while_it_is_present() -> None:
+    """The tokens reported: worker 1 trained its round-1 steps (4) and no more, while the rounds keep its steps
+    on the books (every survivor's windows must agree); the others count on; a checkpoint carries the count."""
+    comm = ScriptedCommunicator(3, 0, elastic=True)
+    adaptive = AdaptiveSteps(OuterConfig(inner_steps=4, adaptive_steps=True, worker_speeds=SPEEDS), comm)
+    for _ in range(4):
+        adaptive.tick()
+    comm.regroup([0, 2])
+    for _ in range(4):
+        adaptive.tick()
+    assert adaptive.rounds.done == [4, 8, 2] and adaptive.trained == [4, 4, 2]
+    again = AdaptiveSteps(OuterConfig(inner_steps=4, adaptive_steps=True, worker_speeds=SPEEDS), comm)
+    again.load_state_dict(adaptive.state_dict())
+    assert again.trained == [4, 4, 2]
+    old = {k: v for k, v in adaptive.state_dict().items() if k != "trained"}  # a checkpoint from before the count
+    again.load_state_dict(old)
+    assert again.trained == [4, 8, 2]
+
+
 @pytest.mark.parametrize("leave_at", [4, 8], ids=["seen-before-launch", "rerun-after-launch"])
 @pytest.mark.parametrize("method", ["diloco", "eager"])
 def test_a_worker_leaves_and_the_weights_are_renormalised_over_the_survivors(method: str, leave_at: int) -> None:

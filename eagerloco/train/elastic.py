@@ -216,7 +216,9 @@ class ElasticRuntime(Runtime):
         aggregate(summary, every)
         add_throughput(summary)
         events = membership.events()
-        done_steps = worker_steps(events, cfg.workers, self.start_step, cfg.steps)
+        adaptive = worker.sync.adaptive  # its workers' steps differ: counted while each was present
+        done_steps = (worker_steps(events, cfg.workers, self.start_step, cfg.steps) if adaptive is None
+                      else sum(adaptive.trained))
         summary.update(
             runtime="distributed", ranks_per_worker=1, backend="gloo", elastic=True,
             members=membership.members, epoch=membership.epoch, faults=events,

@@ -181,7 +181,7 @@ class Trainer:
     def tokens(self, step: int) -> int:
         """Tokens all workers trained on by ``step``: under adaptive steps each worker's own inner steps count."""
         cfg, adaptive = self.cfg, self.workers[0].sync.adaptive
-        steps = step * cfg.workers if adaptive is None else sum(adaptive.rounds.done)
+        steps = step * cfg.workers if adaptive is None else sum(adaptive.trained)
         return steps * cfg.batch_size * cfg.seq_len
 
     def rounds(self) -> dict[str, Any]:
