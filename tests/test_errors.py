@@ -40,6 +40,38 @@ def test_an_invalid_setting_through_the_hook_api_is_itself_and_names_the_argumen
     assert e.value.__cause__ is None and e.value.__suppress_context__  # no chained traceback to read through
 
 
+def test_a_peer_that_never_comes_through_the_hook_api_names_the_arguments() -> None:
+    """The rendezvous' PeerError says what to check as outer_loop names it (outer_addr), not as the command
+    line does (--outer-addr)."""
+    from test_hooks_jobs import free_ports
+
+    model = Toy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(eagerloco.PeerError) as e:
+        eagerloco.outer_loop(model, opt, outer_addr=f"127.0.0.1:{free_ports(1)[0]}", workers=2, worker_id=1,
+                             timeout_s=1)
+    assert "check outer_addr and that worker 0 runs" in str(e.value), str(e.value)
+    assert "--" not in str(e.value) and e.value.workers == [0]
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+
+
+def test_a_peer_error_in_the_hooks_names_the_arguments_and_keeps_the_worker_it_blames() -> None:
+    from eagerloco.comm.scripted import ScriptedCommunicator
+
+    frozen = eagerloco.PeerError("worker 1 is frozen or gone while the others waited for it: its last heartbeat is "
+                                 "31.0 s old (--dist-timeout 30 s). Check its log", [1])
+    model = Toy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = eagerloco.outer_loop(model, opt, comm=ScriptedCommunicator(2, fail={0: frozen}), method="diloco",
+                                 inner_steps=2).start()
+    with pytest.raises(eagerloco.PeerError) as e:
+        for _ in range(2):
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+    assert "(timeout_s 30 s)" in str(e.value) and "--" not in str(e.value), str(e.value)
+    assert e.value.workers == [1] and outer.finished
+
+
 @pytest.mark.parametrize("framework", ["hf", "lightning"])
 @pytest.mark.parametrize(("settings", "message"), [
     ({"codec": "fp7"}, "codec must be one of"),

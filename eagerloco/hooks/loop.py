@@ -24,6 +24,7 @@ from eagerloco.hooks.settings import (
     FragmentPattern,
     Method,
     OuterOptimizerName,
+    api_error,
     api_errors,
     api_message,
     innermost_optimizer,
@@ -215,12 +216,15 @@ class OuterLoop:
     def _guard(self, fn: Any) -> None:
         """Run a piece of the outer algorithm; if it fails (a dead peer, a mismatch), drop the connection
         first, so that a framework that does not call back on errors leaves no exchange thread or gloo
-        group behind, then raise the error unchanged."""
+        group behind, then raise the error (one that names flags, as the API names them)."""
         try:
             fn()
-        except BaseException:
+        except BaseException as e:
             self.close(cancel=True)
-            raise
+            said = api_error(e)
+            if said is e:
+                raise
+            raise said.with_traceback(e.__traceback__) from e.__cause__
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:

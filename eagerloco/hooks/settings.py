@@ -82,14 +82,23 @@ def api_message(text: str) -> str:
     return re.sub(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)", name, text)
 
 
+def api_error(e: BaseException) -> BaseException:
+    """``e`` as the Python API says it: a ConfigError or PeerError naming the arguments where its message
+    names flags (:func:`api_message`; a PeerError keeps the workers it blames), else ``e`` itself."""
+    if not isinstance(e, (ConfigError, PeerError)) or api_message(str(e)) == str(e):
+        return e
+    text = api_message(str(e))
+    return ConfigError(text) if isinstance(e, ConfigError) else PeerError(text, e.workers)
+
+
 def api_errors(fn: Callable[..., None]) -> Callable[..., None]:
-    """Settings errors raised by ``fn`` name the arguments (:func:`api_message`), on their own: no chain."""
+    """Settings and peer errors raised by ``fn`` name the arguments (:func:`api_error`), on their own: no chain."""
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> None:
         try:
             fn(*args, **kwargs)
-        except ConfigError as e:
-            raise ConfigError(api_message(str(e))) from None
+        except (ConfigError, PeerError) as e:
+            raise api_error(e) from None
 
     return wrapped
 
@@ -114,4 +123,4 @@ def exit_on_errors() -> Iterator[None]:
 
 
 __all__ = ["EagerWeighting", "FragmentPattern", "Method", "OuterOptimizerName", "SETTINGS", "TORCHFT_NAMES",
-           "api_errors", "api_message", "exit_on_errors", "innermost_optimizer", "outer_config"]
+           "api_error", "api_errors", "api_message", "exit_on_errors", "innermost_optimizer", "outer_config"]
