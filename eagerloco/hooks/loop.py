@@ -30,7 +30,7 @@ from eagerloco.hooks.settings import (
     innermost_optimizer,
     outer_config,
 )
-from eagerloco.hooks.workers import Workers
+from eagerloco.hooks.workers import Workers, outer_optimizer_settings
 from eagerloco.outer import OuterOptimizerFactory, OuterSync
 from eagerloco.schedule import short_run_note
 
@@ -106,7 +106,7 @@ class OuterLoop:
             settings["outer_optimizer"] = outer_optimizer
         self.finished = False
         self._hooks: list[Any] = []
-        self._first_forward: Any = None
+        self._first_forward: list[Any] = []
         self.config = outer_config(config, **settings).validate()  # before connecting: a bad setting meets nobody
         self.model = model
         self.inner_optimizer = innermost_optimizer(inner_optimizer)
@@ -136,10 +136,13 @@ class OuterLoop:
                 self.connection.meet({**asdict(self.config), "seed": seed, "workers": self.connection.ctx.workers,
                                       "model parameters": shapes_digest(model.named_parameters())}, "settings")
                 # The weights are made equal (or compared) at the first forward pass: a resumed run
-                # loads its own state between here and there, and then keeps it.
-                self._first_forward = model.register_forward_pre_hook(self._start_weights)
+                # loads its own state between here and there, and then keeps it. Every module is
+                # watched: torchft's fragments are parts of a model whose own forward the loop calls.
+                self._first_forward = [m.register_forward_pre_hook(self._start_weights) for m in model.modules()]
             self.sync = OuterSync(model, self.inner_optimizer, self.comm, self.config, blocks=blocks,
                                   outer_optimizer=factory, seed=seed)
+            if self.connection.ctx is not None:  # the one that steps: a factory's (torchft's) replaces the settings'
+                self.connection.meet(outer_optimizer_settings(self.sync), "outer optimizer")
         except BaseException:
             self._release(cancel=True)
             raise
@@ -147,9 +150,9 @@ class OuterLoop:
         self._wall0 = 0.0
 
     def _start_weights(self, module: nn.Module, args: Any) -> None:
-        """At the first forward pass: the workers' weights made equal (or checked), unless resumed."""
-        self._first_forward.remove()
-        self._first_forward = None
+        """At the first forward pass (of any of the model's modules): the workers agree on where they start,
+        and a run at step 0 starts from worker 0's weights (or checks that they are equal)."""
+        self._forget_first_forward()
         self._guard(lambda: self.connection.start_weights(self.model, self.sync, self._init_sync))
 
     @property
@@ -336,13 +339,16 @@ class OuterLoop:
             del self.grad_scaler.update
             self._scaler_update = None
 
+    def _forget_first_forward(self) -> None:
+        for h in self._first_forward:
+            h.remove()
+        self._first_forward = []
+
     def _release(self, cancel: bool) -> None:
         if self.finished:
             return
         self.finished = True
-        if self._first_forward is not None:
-            self._first_forward.remove()
-            self._first_forward = None
+        self._forget_first_forward()
         if hasattr(self, "connection"):
             self.connection.release(cancel)
 
@@ -490,9 +496,12 @@ def outer_loop(
             once) instead of only waiting for it.
         init_sync: the workers start from worker 0's parameters, sent to all before the first step (as
             torchft's Manager does). False: each worker keeps its own, which must be equal (checked:
-            seed every worker the same way). Either way the workers compare their settings and model
-            shapes first, and any difference stops them all with one line naming it. (With ``comm=``
-            the caller has joined the workers itself and none of this happens.)
+            seed every worker the same way). Either way the workers compare their settings, model
+            shapes and outer optimizer (the one that steps: its class and settings, a factory's too)
+            first, then at the first forward pass the step and a digest of the outer state (outer
+            copies, outer optimizer state) a resumed run loaded, a torchft-style resume at step 0
+            too; any difference stops them all with one line naming it. (With ``comm=`` the caller
+            has joined the workers itself and none of this happens.)
         grad_scaler: the ``torch.amp.GradScaler`` the loop steps through (``scaler.step(opt)``), if any: a
             step it skips (an inf in the gradients) still counts, so every worker's schedule stays the
             same. Without it a skipped step on one worker leaves the others waiting for an exchange it

@@ -32,7 +32,9 @@ call's sake and change nothing: the outer copies live in FP32 beside the paramet
 fragment moves as one flat buffer. The :class:`Manager` here only says where the other workers are
 (torchft's quorum, lighthouse and live recovery have no counterpart: pass ``elastic=True`` for
 survivors that go on without a dead worker). Only the fragments' parameters are synchronized, as in
-torchft.
+torchft: worker 0's at the first forward pass, where the workers also compare the outer optimizers
+they were given (class and settings) and the outer state each one loaded (a resume from different
+checkpoints stops them all with one line).
 """
 
 from __future__ import annotations
