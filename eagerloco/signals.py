@@ -16,12 +16,36 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from eagerloco.config import Environment
 
 #: The signals that stop a run (SIGINT raises KeyboardInterrupt on its own).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
+
+
+#: Where ``eagerloco launch`` notes, in the run's store, the stop signal it passes on to every rank.
+STOPPING_KEY = "launch/stopping"
+
+
+def launcher_stopping(store: Any) -> int | None:
+    """The stop signal the launcher passes on to the ranks, as noted in the run's store (None: none, or the
+    store cannot be read). A rank whose collective fails because another rank stopped first reads it."""
+    try:
+        return int(store.get(STOPPING_KEY).decode()) if store.check([STOPPING_KEY]) else None
+    except Exception:  # a store gone with the launcher: nothing known
+        return None
+
+
+def stopped_by(signum: int) -> RunStopped:
+    """The RunStopped of a stop signal this process learned of other than through its handler (the launcher's
+    note); the stop signals are ignored from now on, as after the handler's first (cleanup runs once)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, *STOP_SIGNALS):
+            if signal.getsignal(s) not in (signal.SIG_IGN, None):
+                signal.signal(s, signal.SIG_IGN)
+    return RunStopped(signum)
 
 
 class RunStopped(BaseException):
@@ -91,4 +115,5 @@ def die_with_launcher(env: Environment) -> None:
         raise RunStopped(signal.SIGTERM)
 
 
-__all__ = ["STOP_SIGNALS", "RunStopped", "die_with_launcher", "signal_name", "stop_on_signals"]
+__all__ = ["STOPPING_KEY", "STOP_SIGNALS", "RunStopped", "die_with_launcher", "launcher_stopping", "signal_name",
+           "stop_on_signals", "stopped_by"]

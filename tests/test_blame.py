@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch.distributed as dist
 
 from eagerloco.comm.errors import PEER_EXIT_CODE
@@ -34,3 +36,43 @@ def test_only_witnesses_are_named_when_nothing_else_is_known() -> None:
 def test_nothing_known_says_so() -> None:
     err = blame_ranks(_store({}), me=0, world=2, ranks_per_worker=1, what="a checkpoint", wait_s=0.0)
     assert "no other rank looks dead or frozen" in str(err) and "Check every rank's log" in str(err)
+
+
+def test_a_recorded_end_outweighs_the_stale_heartbeats_of_ranks_shutting_down() -> None:
+    # Rank 1 was killed; ranks 0 and 2 gave up for it and stopped beating 3.5 s ago while they shut down (slowly,
+    # on a busy machine), before the launcher saw them end: only rank 1 is the cause.
+    store = _store({1: -9})
+    for rank in (0, 2):
+        store.set(f"rank/hb/{rank}", f"{time.time() - 3.5} 0")
+    err = blame_ranks(store, me=3, world=4, ranks_per_worker=2, what="a checkpoint", wait_s=0.0)
+    assert str(err).count("global rank") == 2 and "global rank 1 (worker 0) was killed by signal 9" in str(err)
+    assert err.workers == [0]
+    # a stale heartbeat alone (a frozen rank) is named once the wait for a recorded end is over
+    frozen = _store({})
+    frozen.set("rank/hb/1", f"{time.time() - 3.5} 0")
+    t0 = time.monotonic()
+    err = blame_ranks(frozen, me=0, world=2, ranks_per_worker=1, what="a checkpoint", wait_s=0.5)
+    assert time.monotonic() - t0 >= 0.5
+    assert "global rank 1 (worker 1) is frozen or gone (last heartbeat 4." in str(err) and err.workers == [1]
+
+
+def test_a_rank_reads_the_stop_signal_the_launcher_passes_on() -> None:
+    """A rank whose collective fails because another rank stopped on the launcher's signal first says it was
+    stopped by that signal (the launcher notes it in the run's store before passing it on)."""
+    import signal
+
+    from eagerloco.signals import STOPPING_KEY, RunStopped, launcher_stopping, stopped_by
+
+    store = dist.HashStore()
+    assert launcher_stopping(store) is None
+    store.set(STOPPING_KEY, str(int(signal.SIGHUP)))
+    assert launcher_stopping(store) == signal.SIGHUP
+    assert launcher_stopping(object()) is None  # a store that cannot be read: nothing known
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        e = stopped_by(signal.SIGHUP)
+        assert isinstance(e, RunStopped) and e.signum == signal.SIGHUP and str(e) == "stopped by SIGHUP"
+        assert all(signal.getsignal(s) == signal.SIG_IGN for s in before)  # cleanup runs once
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

@@ -248,7 +248,11 @@ def blame_ranks(store: dist.Store, me: int, world: int, ranks_per_worker: int, w
     stale_s = max(3 * HEARTBEAT_S, 2.0)
     deadline = time.monotonic() + wait_s
     while True:
-        notes, workers, followers = [], [], []
+        # A recorded end (killed, exited) outweighs a stale heartbeat: ranks that gave up for that failure stop
+        # beating while they shut down, slowly on a busy machine, and would be blamed beside the cause.
+        ended: list[tuple[str, int]] = []
+        stale: list[tuple[str, int]] = []
+        followers = []
         for g in range(world):
             if g == me:
                 continue
@@ -260,19 +264,17 @@ def blame_ranks(store: dist.Store, me: int, world: int, ranks_per_worker: int, w
                         followers.append(f"{who} stopped for a failed peer")
                         continue
                     how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-                    notes.append(f"{who} {how}")
+                    ended.append((f"{who} {how}", g // ranks_per_worker))
                 elif store.check([f"rank/hb/{g}"]):
                     age = time.time() - float(store.get(f"rank/hb/{g}").decode().split()[0])
                     if age > stale_s:
-                        notes.append(f"{who} is frozen or gone (last heartbeat {age:.1f} s ago)")
-                    else:
-                        continue
-                else:
-                    continue
+                        stale.append((f"{who} is frozen or gone (last heartbeat {age:.1f} s ago)",
+                                      g // ranks_per_worker))
             except Exception:
                 break
-            workers.append(g // ranks_per_worker)
-        if notes or time.monotonic() >= deadline:
+        found_ranks = ended or stale
+        notes, workers = [n for n, _ in found_ranks], [w for _, w in found_ranks]
+        if ended or time.monotonic() >= deadline:  # a stale heartbeat alone: the launcher may record an end yet
             break
         time.sleep(0.2)
     notes = notes or followers

@@ -25,7 +25,7 @@ from eagerloco.environment import (
     Environment,
 )
 from eagerloco.procs import pid_stopped
-from eagerloco.signals import STOP_SIGNALS, signal_name
+from eagerloco.signals import STOP_SIGNALS, STOPPING_KEY, signal_name
 
 #: Seconds the other processes get to exit on their own after one fails (they notice a dead peer
 #: at once, or within their collective timeout if it hangs) before they are terminated.
@@ -281,6 +281,14 @@ class _ExitBoard:
         self.store, self.r = store, ranks_per_worker
         self.seen: set[tuple[int, int]] = set()
 
+    def stopping(self, signum: int) -> None:
+        """The launcher got a stop signal and passes it on (``stopping``): a rank whose collective then fails
+        because another rank stopped first says it was stopped by the signal, not that the other failed."""
+        try:
+            self.store.set(STOPPING_KEY, str(signum))
+        except Exception:  # only words a message
+            pass
+
     def record(self, rank: int, pid: int, rc: int) -> None:
         if (rank, pid) in self.seen:
             return
@@ -315,7 +323,7 @@ def _supervise(
         if all(c is not None for c in codes):
             break
         if terminated.is_set():
-            return _stop_on_signal(procs, say, terminated.signum)
+            return _stop_on_signal(procs, say, terminated.signum, exits)
         if deadline is not None and time.monotonic() >= deadline:
             say(f"stopping the processes still running {grace_s:g} s after rank {first[0]} failed")
             _stop(procs, say)
@@ -363,7 +371,7 @@ def _supervise_elastic(
         if all(c is not None for c in final):
             break
         if terminated.is_set():
-            return _stop_on_signal(procs, say, terminated.signum)
+            return _stop_on_signal(procs, say, terminated.signum, exits)
         if deadline is not None and time.monotonic() >= deadline and any(p.poll() is None for p in procs):
             say(f"stopping the processes still running {grace_s:g} s after the run finished")
             _stop(procs, say)
@@ -460,10 +468,13 @@ def _install_stop_signals(flag: _Stop) -> dict[int, Any]:
     return {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS if signal.getsignal(sig) != signal.SIG_IGN}
 
 
-def _stop_on_signal(procs: list[subprocess.Popen[bytes]], say: Any, signum: int) -> int:
+def _stop_on_signal(procs: list[subprocess.Popen[bytes]], say: Any, signum: int,
+                    exits: _ExitBoard | None = None) -> int:
     """Pass the launcher's stop signal on to every process, give them time to save and say so, then
     kill what still runs; returns 128 + signum."""
     say(f"launcher got {signal_name(signum)}: stopping every process")
+    if exits is not None:
+        exits.stopping(signum)
     _signal_all(procs, signum)
     _wait_all(procs, _STOP_GRACE_S)
     _stop(procs, say)

@@ -28,6 +28,7 @@ from eagerloco.config import ConfigError
 from eagerloco.device import DeviceError, resolve_device
 from eagerloco.fragments import find_blocks
 from eagerloco.fsdp import shard_model
+from eagerloco.signals import launcher_stopping, stopped_by
 from eagerloco.train.outputs import add_throughput, aggregate, per_worker
 from eagerloco.train.resume import check_resume_layout, has_worker
 from eagerloco.train.rundir import guard_run_dir
@@ -72,12 +73,14 @@ class DistributedRuntime(Runtime):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        blame = None
+        blame: BaseException | None = None
         if exc is not None and self.gate is not None and is_transport_failure(exc):
             self.close(exc)  # drop what is queued first, then name the rank responsible
             ctx = self.ctx
-            blame = blame_ranks(self.gate, ctx.rank, ctx.world_size, self.cfg.runtime.ranks_per_worker,
-                                f"{self.doing} ({describe_exception(exc)})")
+            signum = launcher_stopping(self.gate)  # a rank that stopped on the launcher's signal first
+            blame = (stopped_by(signum) if signum is not None else
+                     blame_ranks(self.gate, ctx.rank, ctx.world_size, self.cfg.runtime.ranks_per_worker,
+                                 f"{self.doing} ({describe_exception(exc)})"))
         try:
             super().__exit__(exc_type, exc, tb)
         finally:
