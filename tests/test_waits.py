@@ -143,14 +143,14 @@ def test_a_rank_whose_peers_never_come_ends_within_the_timeout_or_at_once_on_sig
         _, err = term.communicate(timeout=60)
     finally:
         silent.close()
-    assert time.monotonic() - t1 < 5, err
+    assert time.monotonic() - t1 < 15, err  # at once against the 300 s wait (exit itself is slow on a busy machine)
     assert term.returncode == 128 + signal.SIGTERM, err
     assert err.strip().splitlines()[-1].startswith("eagerloco: stopped by SIGTERM"), err
     assert "Traceback" not in err and "frame #" not in err, err
     for rank, p in enumerate(alone):
         _, err = p.communicate(timeout=120)
         assert p.returncode == 3, err
-        assert time.monotonic() - t0 < 4 + 15, err
+        assert time.monotonic() - t0 < 4 + 25, err  # the timeout, start-up on a busy machine, the slack
         last = err.strip().splitlines()[-1]
         assert last.startswith(f"eagerloco: error: rank {rank}: the run's "), err
         assert "MASTER_ADDR and MASTER_PORT" in last, err

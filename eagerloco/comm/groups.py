@@ -202,13 +202,19 @@ def init_world(backend: str, timeout_s: float, env: Environment) -> None:
     fix = (f"start all {world} processes of the run (WORLD_SIZE) with the same MASTER_ADDR and MASTER_PORT "
            "(eagerloco launch and torchrun do), and see the other ranks' logs")
     waiting = f"{me}: waiting for the run's {world} processes at {where}"
+    # The current GPU is per thread: the waiting thread starts NCCL on this thread's.
+    gpu = torch.cuda.current_device() if backend == "nccl" and torch.cuda.is_available() else None
+
+    def init() -> None:
+        if gpu is not None:
+            torch.cuda.set_device(gpu)
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+
     started = time.monotonic()
     try:
         if rank != 0 and env.master_port is not None:  # the store's client retries with C++ frames: connect once
             wait_for_listener(env.master_addr or "localhost", env.master_port, timeout_s, waiting)  # it listens
-        bounded(lambda: dist.init_process_group(backend=backend, init_method="env://",
-                                                timeout=timedelta(seconds=timeout_s)),
-                timeout_s, waiting, started=started)
+        bounded(init, timeout_s, waiting, started=started)
     except TimeoutError:
         raise PeerError(f"{me}: the run's {world} processes did not all arrive at {where} within {timeout_s:g} s; "
                         f"{fix}", []) from None
