@@ -114,6 +114,7 @@ class OuterSync:
         self.step = 0  # inner steps completed
         self.is_dp = cfg.method == "dp"
         self.eager_like = cfg.method in ("delayed", "eager")
+        self.own_state = cfg.method == "eager"  # each worker's outer copies and state differ (its own share)
         self.in_flight: list[_InFlight] = []
         #: Whether the workers agreed on this schedule (:meth:`_agreed`; None: not asked yet).
         self._agreement: bool | None = None

@@ -228,7 +228,7 @@ def start_state(model: nn.Module, sync: OuterSync, init_sync: bool) -> dict[str,
     mine: dict[str, Any] = {"step": sync.step, **outer_optimizer_settings(sync)}
     if sync.step == 0 and not init_sync:
         mine["initial parameters"] = parameter_digest(model.parameters())
-    if sync.step == 0 or sync.config.method != "eager":
+    if sync.step == 0 or not sync.own_state:
         mine["outer state"] = outer_state_digest(sync, copies=sync.step != 0)  # at step 0 the copies are the model's
     return mine
 
