@@ -253,12 +253,12 @@ class OuterSync:
                 sent = [t * scale for t in sent]
             # Only eager and error feedback read their own share back (handle.own); elsewhere the runtime may reuse it.
             handle = self.comm.allreduce_mean(sent, self.codec, self.generator,
-                                              keep_own=cfg.method == "eager" or feedback is not None, **self._agreed())
+                                              keep_own=self.own_state or feedback is not None, **self._agreed())
             if feedback is not None and scale:  # the buffer loses what it sent (unweighted)
                 feedback.sent(p, handle.own if scale == 1.0 else [o / scale for o in handle.own])
             # Eager applies its own share now: the outer gradient itself, or with error feedback what it
             # sent (C_m), so that every value sent is applied once and the unsent rest stays in the buffer.
-            fresh = (sent if feedback is None else handle.own) if cfg.method == "eager" else None
+            fresh = (sent if feedback is None else handle.own) if self.own_state else None
             item = _InFlight(p, handle, self.step, self.step + self.delay, fresh, self.comm.num_workers)
             if weight is not None:
                 item.workers, item.others, item.window = weight.workers, weight.others, weight.window
@@ -414,7 +414,7 @@ class OuterSync:
             waited += w
             if not apply:
                 continue
-            if self.config.method == "eager":
+            if self.own_state:
                 mean = self._others_share(mean, item)
             self._outer_step(item.fragment, mean)
             self._merge(item.fragment)
