@@ -30,8 +30,15 @@ STOPPING_KEY = "launch/stopping"
 
 
 def launcher_stopping(store: Any) -> int | None:
-    """The stop signal the launcher passes on to the ranks, as noted in the run's store (None: none, or the
-    store cannot be read). A rank whose collective fails because another rank stopped first reads it."""
+    """The stop signal the launcher passes on to the ranks, as noted in the run's store. A rank whose collective
+    fails because another rank stopped first reads it.
+
+    Args:
+        store: the run's store (a ``torch.distributed.Store``, under the launcher's prefix).
+
+    Returns:
+        The signal's number, or None: none was noted, or the store cannot be read.
+    """
     try:
         return int(store.get(STOPPING_KEY).decode()) if store.check([STOPPING_KEY]) else None
     except Exception:  # a store gone with the launcher: nothing known

@@ -225,7 +225,15 @@ def init_world(backend: str, timeout_s: float, env: Environment) -> None:
 
 
 def shared_gpu(local_ranks: Iterable[int], device_count: int) -> tuple[int, int] | None:
-    """The first two of these local ranks that land on the same GPU (local rank modulo the GPUs), if any."""
+    """The first two of these local ranks that land on the same GPU (local rank modulo the GPUs), if any.
+
+    Args:
+        local_ranks: the local ranks of one process group's members on this machine.
+        device_count: the machine's GPUs.
+
+    Returns:
+        (first, second) local ranks sharing a GPU, or None when each has its own.
+    """
     seen: dict[int, int] = {}
     for lr in local_ranks:
         if lr % device_count in seen:
