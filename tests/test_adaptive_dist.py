@@ -21,10 +21,12 @@ ARGS = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batch
 @pytest.mark.parametrize("speeds", ["given", "measured"])
 def test_two_workers_at_unequal_speeds_agree_after_every_sync(tmp_path: Path, speeds: str) -> None:
     """Given: --worker-speeds 1,0.5 paces worker 1 at 0.1 s a step and sizes its rounds at H_m = 2. Measured: the
-    same pace from --slow-worker 1:2, and the rounds from the speeds the workers measure and exchange (rounds 1
-    and 2 at H before the first exchange lands). At every checkpoint (each round's end) both workers hold the same
-    rounds and the same outer parameters (DiLoCo: the one mean)."""
-    extra = ["--worker-speeds", "1,0.5"] if speeds == "given" else ["--slow-worker", "1:2"]
+    same ratio from --slow-worker 1:2 (0.25 and 0.5 s a step), and the rounds from the speeds the workers measure
+    and exchange (rounds 1 and 2 at H before the first exchange lands). At every checkpoint (each round's end) both
+    workers hold the same rounds and the same outer parameters (DiLoCo: the one mean)."""
+    # Measured at a slower pace: the speeds are what the workers time, and 0.05 s a step is shorter than a step's
+    # real compute on a busy 2-core machine (the fast worker then measures slower than its pace).
+    extra = ["--worker-speeds", "1,0.5"] if speeds == "given" else ["--slow-worker", "1:2", "--sim-step-time", "0.25"]
     r = launch_here([*ARGS, *extra, "--workers", "2", "--out", str(tmp_path)], 2)
     assert r.returncode == 0, r.stdout[-3000:]
     paths = ckpt.list_checkpoints(ckpt.checkpoint_root(tmp_path))

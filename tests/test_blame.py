@@ -76,3 +76,24 @@ def test_a_rank_reads_the_stop_signal_the_launcher_passes_on() -> None:
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+def test_a_member_that_publishes_and_closes_while_the_leader_looks_is_collected() -> None:
+    """The leader finds worker 1's final summary missing, then (worker 1 having published it and closed its
+    heartbeat in between) finds worker 1 gone: collect must still return worker 1's entry, not drop it."""
+    from types import SimpleNamespace
+
+    from eagerloco.comm.elastic import Membership
+
+    store = dist.HashStore()
+
+    class PublishesWhileLooked(Membership):
+        def _gone(self, w: int) -> bool:  # the interleaving: worker 1 finishes between the two reads
+            self.kv.set(f"final/{w}", '{"worker": 1}')
+            self.hb.set(f"hb/{w}", f"{time.time()} 0 closed 9")
+            return super()._gone(w)
+
+    m = PublishesWhileLooked(store, worker=0, workers=2, timeout_s=5.0)
+    m.comm = SimpleNamespace(broken=False)  # type: ignore[assignment]
+    m.kv.set("final/0", '{"worker": 0}')
+    assert m.collect("final") == {0: {"worker": 0}, 1: {"worker": 1}}

@@ -220,7 +220,10 @@ class Membership:
             missing = [w for w in self.members if not self.kv.check([f"{prefix}/{w}"])]
             waiting = [w for w in missing if not self._gone(w)]
             if not waiting:
-                return {w: json.loads(self.kv.get(f"{prefix}/{w}")) for w in self.members if w not in missing}
+                # Read again: a member publishes and then closes its heartbeat, so one found missing above may
+                # have published in between (and is gone now because it finished, not because it died).
+                return {w: json.loads(self.kv.get(f"{prefix}/{w}")) for w in self.members
+                        if self.kv.check([f"{prefix}/{w}"])}
             if comm.broken or self.kv.check([f"ep{self.epoch + 1}/recovering"]):
                 self.recover()
                 continue
