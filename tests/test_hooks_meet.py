@@ -97,7 +97,7 @@ def test_a_grad_scaler_with_dp_is_refused_with_the_reason() -> None:
     from conftest import Toy
 
     model = Toy(num_blocks=2, width=4)
-    with pytest.raises(eagerloco.ConfigError, match="grad_scaler with method dp"):
+    with pytest.raises(eagerloco.ConfigError, match="with method dp: the gradient mean"):
         eagerloco.outer_loop(model, torch.optim.SGD(model.parameters(), lr=0.1), method="dp",
                              grad_scaler=torch.amp.GradScaler("cpu"))
 

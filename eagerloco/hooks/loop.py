@@ -113,9 +113,9 @@ class OuterLoop:
         self.apply_in_flight = apply_in_flight
         self._init_sync = init_sync
         if grad_scaler is not None and self.config.per_step:
-            raise ConfigError("grad_scaler with method dp: the gradient mean runs inside the optimizer's step, which "
-                              "the scaler skips on one worker alone; average the gradients with DDP, or use a "
-                              "method with outer rounds")
+            raise ConfigError("a GradScaler (grad_scaler=, or an fp16 Trainer's) with method dp: the gradient mean "
+                              "runs inside the optimizer's step, which the scaler skips on one worker alone; average "
+                              "the gradients with DDP, train in bf16, or use a method with outer rounds")
         self.grad_scaler = grad_scaler
         self._scaler_update: Any = None  # the scaler's own update(), while this loop counts its skipped steps
         self._stepped = False

@@ -10,6 +10,7 @@ At train begin the hooks go on the Trainer's optimizer (under accelerate's wrapp
 when the Trainer resumes from it. Every log line gets the worker's ``outer_bytes_sent``,
 ``outer_blocked_s`` and ``compute_utilization``. The Trainer's own DDP (a job of several ranks)
 stays inside the worker: the outer group spans the jobs (``outer_addr``), not the job's WORLD.
+Under ``fp16=True`` the loop gets the Trainer's GradScaler as ``grad_scaler`` (so not with method dp).
 """
 
 from __future__ import annotations
@@ -50,7 +51,13 @@ class OuterLoopCallback(TrainerCallback):
         if optimizer is None or model is None:
             raise RuntimeError("the Trainer gave the callback no model or optimizer at train begin")
         model = getattr(model, "module", model)  # the bare model under a DDP wrapper
-        self.outer = OuterLoop(model, optimizer, self.config, **self.settings)
+        settings = dict(self.settings)
+        # Under fp16 accelerate's wrapper holds the GradScaler (None otherwise) and steps through it:
+        # accelerate/optimizer.py, AcceleratedOptimizer.step, calls scaler.step(optimizer) then scaler.update()
+        # once per optimizer step. The loop must count a step that scaler skips on this worker alone, or the
+        # other workers wait for an exchange this one never launches. A grad_scaler= of the user's own wins.
+        settings.setdefault("grad_scaler", getattr(optimizer, "scaler", None))
+        self.outer = OuterLoop(model, optimizer, self.config, **settings)
         if state.global_step > 0:  # resumed: the outer state of the checkpoint it resumed from
             folder = Path(self.resume_from or Path(args.output_dir) / f"checkpoint-{state.global_step}")
             path = folder / STATE_FILE.format(worker=self.outer.worker)

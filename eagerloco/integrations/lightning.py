@@ -10,6 +10,8 @@ backward inside ``optimizer.step``) is handled. The outer state is the callback'
 Lightning checkpoint (saved on every rank at the same point, as its in-flight exchanges resolve
 collectively) and is restored from it on ``fit(ckpt_path=...)``. The worker's link accounting is
 logged every step (``outer/bytes_sent``, ``outer/blocked_s``, ``outer/compute_utilization``).
+Under ``precision="16-mixed"`` the loop gets the precision plugin's GradScaler as ``grad_scaler`` (so not
+with method dp).
 """
 
 from __future__ import annotations
@@ -37,7 +39,14 @@ class OuterLoopCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if len(trainer.optimizers) != 1:
             raise ValueError(f"OuterLoopCallback needs exactly one optimizer, the module has {len(trainer.optimizers)}")
-        self.outer = OuterLoop(pl_module, trainer.optimizers[0], self.config, **self.settings)
+        settings = dict(self.settings)
+        # precision="16-mixed" steps through the precision plugin's GradScaler (None otherwise):
+        # pytorch_lightning/plugins/precision/amp.py, MixedPrecision.optimizer_step (and fsdp.py's
+        # FSDPPrecision.optimizer_step), calls scaler.step(optimizer) then scaler.update() once per optimizer
+        # step. The loop must count a step that scaler skips on this worker alone, or the other workers wait
+        # for an exchange this one never launches. A grad_scaler= of the user's own wins.
+        settings.setdefault("grad_scaler", getattr(trainer.precision_plugin, "scaler", None))
+        self.outer = OuterLoop(pl_module, trainer.optimizers[0], self.config, **settings)
         if self._restored is not None:  # fit(ckpt_path=...): Lightning restored the callbacks first
             self.outer.load_state_dict(self._restored)
             self._restored = None
