@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch.distributed as dist
 
 from eagerloco.comm.errors import PEER_EXIT_CODE
@@ -97,3 +98,24 @@ def test_a_member_that_publishes_and_closes_while_the_leader_looks_is_collected(
     m.comm = SimpleNamespace(broken=False)  # type: ignore[assignment]
     m.kv.set("final/0", '{"worker": 0}')
     assert m.collect("final") == {0: {"worker": 0}, 1: {"worker": 1}}
+
+
+def test_a_backend_failure_during_a_membership_change_is_one_line() -> None:
+    """A joiner or its source failing mid-handover (gloo's send timing out) ends the worker with one PeerError
+    line naming the change and the way on, not gloo's C++ location and frames."""
+    from eagerloco.comm import elastic
+
+    gloo = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting "
+                        "20000ms for send operation to complete\nframe #0 ...")
+    admitting = "worker 0: a failure while admitting workers [2] at step 6"
+    for e in (gloo, RuntimeError("Connection closed by peer [127.0.0.1]:2989. This is typically caused by ...")):
+        with pytest.raises(elastic.PeerError) as caught:
+            try:
+                raise e
+            except RuntimeError as err:
+                raise elastic.Membership.change_failed(err, admitting) from None
+        text = str(caught.value)
+        assert text.startswith(admitting + " (") and text.endswith("; resume from the last checkpoint"), text
+        assert "\n" not in text and ".cc:" not in text and "frame" not in text, text
+    ours = elastic.PeerError("worker 1: another failure during a membership change")
+    assert elastic.Membership.change_failed(ours, admitting) is ours

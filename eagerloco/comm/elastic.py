@@ -407,9 +407,20 @@ class Membership:
                             "flush_s": round(t_flush - t0, 3), "regroup_s": round(time.perf_counter() - t_flush, 3)})
             print(f"eagerloco: worker {self.worker}: workers {joiners} joined at step {step}; "
                   f"members {members} (epoch {self.epoch})", flush=True)
+        except RuntimeError as e:
+            raise self.change_failed(e, f"worker {self.worker}: a failure while admitting workers {joiners} at step "
+                                   f"{step}") from None
         finally:
             self._busy = False
             self.recovery_s += time.perf_counter() - t0
+
+    @staticmethod
+    def change_failed(e: RuntimeError, what: str) -> RuntimeError:
+        """A backend failure during a membership change (a documented limit, see the class) as one line naming
+        the change and the way on, not the backend's C++ frames; a PeerError of ours is passed on as it is."""
+        if isinstance(e, PeerError):
+            return e
+        return PeerError(f"{what} ({describe_exception(e)}); resume from the last checkpoint")
 
     def handover(self, src: int, receivers: list[int]) -> None:
         """src sends its complete training state to each receiver (point to point, default group)."""
@@ -453,9 +464,13 @@ class Membership:
         """The joiner's half of :meth:`_admit` (same collectives, same order): receive the state."""
         trainer = self.trainer
         assert trainer is not None
-        self.handover(src, [self.worker])
-        digests: list[Any] = [None] * len(self.members)
-        dist.all_gather_object(digests, outer_digest(trainer.sync.outer_parameters()))
+        try:
+            self.handover(src, [self.worker])
+            digests: list[Any] = [None] * len(self.members)
+            dist.all_gather_object(digests, outer_digest(trainer.sync.outer_parameters()))
+        except RuntimeError as e:
+            raise self.change_failed(e, f"worker {self.worker}: a failure while joining at step {self.step} with state "
+                                   f"from worker {src}") from None
         print(f"eagerloco: worker {self.worker}: joined at step {self.step} with state from worker {src}; "
               f"members {self.members} (epoch {self.epoch})", flush=True)
 
