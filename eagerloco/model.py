@@ -58,6 +58,9 @@ def _paper(d: int, d_mlp: int, layers: int, heads: int) -> GPTConfig:
 # CPU-sized presets (byte vocabulary) first, then the sizes of the DiLoCo / Streaming DiLoCo papers.
 # Layer counts divisible by small P (fragments) are chosen on purpose.
 PRESETS: dict[str, GPTConfig] = {
+    # micro: for smoke tests and CI on CPUs without bf16 matmul, where Muon's Newton-Schulz (bf16) on tiny's
+    # matrices dominates a run; the same four layers, so fragments and per-matrix state look alike.
+    "micro": GPTConfig(d_model=64, n_layers=4, n_heads=4, d_mlp=256),
     "tiny": GPTConfig(d_model=128, n_layers=4, n_heads=4, d_mlp=512),
     "small": GPTConfig(d_model=192, n_layers=6, n_heads=6, d_mlp=768),
     "base": GPTConfig(d_model=256, n_layers=12, n_heads=4, d_mlp=1024),

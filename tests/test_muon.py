@@ -21,7 +21,7 @@ from eagerloco.optim import CombinedOptimizer, muon_parameters, muon_with_adamw
 from eagerloco.outer import OuterSync
 from eagerloco.train.worker import lr_lambda
 
-ARGS = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "2", "--no-progress",
+ARGS = ["--model", "micro", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "2", "--no-progress",
         "--workers", "2", "--inner-steps", "5", "--log-every", "3", "--warmup-steps", "3", "--steps", "24",
         "--inner-optimizer", "muon"]
 

@@ -37,7 +37,7 @@ class TrainConfig:
     """Everything a training run needs; validated before the first step (:meth:`validate`)."""
 
     model: str = "tiny"
-    """Model preset (``eagerloco.model.PRESETS``): tiny, 35m, 100m, ..."""
+    """Model preset (``eagerloco.model.PRESETS``): micro, tiny, 35m, 100m, ..."""
     data: str = "brown"
     """Text to train on: brown, kjv, austen, a comma list of them, a file or directory, or hf:NAME."""
     data_dir: str | None = setting(None, shown_default="$EAGERLOCO_DATA_DIR or ~/.cache/eagerloco")
