@@ -136,3 +136,18 @@ def test_ctrl_c_while_the_command_starts_ends_with_one_line(tmp_path: Path) -> N
     assert p.returncode == 128 + signal.SIGINT, out + err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert err.startswith("eagerloco: stopped by SIGINT"), err
+
+
+def test_a_schedule_mismatch_through_the_api_names_no_flag() -> None:
+    """The schedule check's advice says --resume on the command line; through the hook API (api_error, used by
+    every OuterLoop entry point) it says how the API resumes, and stays a ScheduleMismatchError (exit 4)."""
+    from eagerloco.comm.jobs import check_schedules
+    from eagerloco.hooks.settings import api_error
+
+    rows = torch.tensor([[1, 2], [1, 3]])
+    with pytest.raises(ScheduleMismatchError) as caught:
+        check_schedules(rows, 0, [0, 1], lambda w: f"worker {w}", "H = 4")
+    assert "--resume from the same checkpoint" in str(caught.value)
+    said = api_error(caught.value)
+    assert isinstance(said, ScheduleMismatchError), said
+    assert "load_state_dict() from the same checkpoint" in str(said) and "--" not in str(said), said

@@ -79,16 +79,20 @@ def api_message(text: str) -> str:
         arg = _API_NAMES.get(flag, flag.replace("-", "_"))
         return arg if arg in known or flag in _API_NAMES else m.group(0)
 
+    # The command line resumes with a flag; the API loads the checkpoint's outer state into the loop.
+    text = text.replace("--resume from the same checkpoint", "load_state_dict() from the same checkpoint")
     return re.sub(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)", name, text)
 
 
 def api_error(e: BaseException) -> BaseException:
-    """``e`` as the Python API says it: a ConfigError or PeerError naming the arguments where its message
-    names flags (:func:`api_message`; a PeerError keeps the workers it blames), else ``e`` itself."""
-    if not isinstance(e, (ConfigError, PeerError)) or api_message(str(e)) == str(e):
+    """``e`` as the Python API says it: a ConfigError, PeerError or ScheduleMismatchError naming the arguments
+    where its message names flags (:func:`api_message`; a PeerError keeps the workers it blames), else ``e``."""
+    if not isinstance(e, (ConfigError, PeerError, ScheduleMismatchError)) or api_message(str(e)) == str(e):
         return e
     text = api_message(str(e))
-    return ConfigError(text) if isinstance(e, ConfigError) else PeerError(text, e.workers)
+    if isinstance(e, PeerError):
+        return PeerError(text, e.workers)
+    return ConfigError(text) if isinstance(e, ConfigError) else ScheduleMismatchError(text)
 
 
 def api_errors(fn: Callable[..., None]) -> Callable[..., None]:
@@ -97,7 +101,7 @@ def api_errors(fn: Callable[..., None]) -> Callable[..., None]:
     def wrapped(*args: Any, **kwargs: Any) -> None:
         try:
             fn(*args, **kwargs)
-        except (ConfigError, PeerError) as e:
+        except (ConfigError, PeerError, ScheduleMismatchError) as e:
             raise api_error(e) from None
 
     return wrapped
