@@ -9,6 +9,7 @@ Usage: python tests/hooks_job.py SCENARIO OUTDIR WORKER WORKERS PORT [PORT ...]
 - ``kill``: DiLoCo through the hooks; worker 1 dies at step 5, worker 0 reports what it raised.
 - ``elastic``: DiLoCo through the hooks with ``elastic=True`` (EAGERLOCO_FAULT_KILL says who dies),
   each worker reports how it ended in OUTDIR/elastic_<worker>.json.
+- ``unfinished``: eager through the hooks, the loop never finished (no ``with``, no finish()).
 - ``world``: one WORLD of two ranks, each a worker (started by ``eagerloco launch``, no rendezvous):
   eager with explicit calls, then through the hooks; writes OUTDIR/world_<rank>.pt.
 """
@@ -161,6 +162,16 @@ def main() -> None:
             report = {"type": type(e).__name__, "message": str(e), "trace": traceback.format_exc()}
         (out / f"elastic_{w}.json").write_text(json.dumps(report))
         sys.exit(1 if "type" in report else 0)
+    elif scenario == "unfinished":  # eager through the hooks, never finished: exits with an exchange in flight
+        model = _init()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        eagerloco.outer_loop(model, opt, outer_addr=f"127.0.0.1:{ports_i[0]}", worker_id=w, workers=m,
+                             timeout_s=20, method="eager", inner_steps=3).start()
+        for step in range(1, STEPS + 1):
+            opt.zero_grad()
+            _loss(model, w, step).backward()
+            opt.step()
+        print(f"worker {w}: trained", flush=True)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 

@@ -147,6 +147,19 @@ def test_a_killed_worker_stops_the_other_with_an_error_naming_it(tmp_path: Path)
     assert "worker 1" in report["message"], report["message"]
 
 
+def test_a_loop_never_finished_is_released_at_exit_without_an_abort(tmp_path: Path) -> None:
+    """A script that never finishes its eager loop exits with an exchange in flight: its gloo group, left to the
+    interpreter's teardown, aborted the process ("terminate called without an active exception", status 134)
+    in about 2 of 3 pairs of jobs. Released at exit, with one warning line, every job ends with status 0."""
+    for attempt in range(2):
+        jobs = run_jobs("unfinished", tmp_path, free_ports(1), timeout=120)
+        assert [done.returncode for done in jobs] == [0, 0], "\n".join(done.stdout[-2000:] for done in jobs)
+        for w, done in enumerate(jobs):
+            where = f"(attempt {attempt}, worker {w})\n{done.stdout[-3000:]}"
+            assert "terminate called" not in done.stdout and f"worker {w}: trained" in done.stdout, where
+            assert done.stdout.count("eagerloco: warning: the outer loop was never finished") == 1, where
+
+
 def test_elastic_across_jobs_cannot_survive_worker_0_the_store_host_and_says_so(tmp_path: Path) -> None:
     done = run_jobs("elastic", tmp_path, free_ports(1), timeout=120, env={"EAGERLOCO_FAULT_KILL": "0:5"})
     assert done[0].returncode == -9

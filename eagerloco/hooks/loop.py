@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import inspect
+import sys
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import asdict
 from types import TracebackType
@@ -146,6 +149,8 @@ class OuterLoop:
         except BaseException:
             self._release(cancel=True)
             raise
+        if self.connection.ctx is not None:  # its own group: released at exit if the script never finishes it
+            atexit.register(_release_at_exit, weakref.ref(self))
         self._mark: float | None = None
         self._wall0 = 0.0
 
@@ -401,6 +406,18 @@ class OuterLoop:
     def outer_weights(self) -> Any:
         """Context manager: the outer parameters loaded into the model for the block (evaluation)."""
         return self.sync.outer_weights()
+
+
+def _release_at_exit(ref: weakref.ref[OuterLoop]) -> None:
+    """At interpreter exit: a loop never finished (no ``with``, no finish()) still holds its gloo group, whose
+    threads, torn down after Python is gone with an exchange in flight, abort the process ("terminate called
+    without an active exception", status 134, output lost). Release it first, and say so."""
+    loop = ref()
+    if loop is None or loop.finished:
+        return
+    print("eagerloco: warning: the outer loop was never finished (use `with outer_loop(...)` or call finish()); "
+          "its connection is closed at exit and the exchanges in flight are dropped", file=sys.stderr, flush=True)
+    loop.close(cancel=True)
 
 
 def outer_loop(
