@@ -93,17 +93,23 @@ def _hf_worker(rank: int, store: dist.Store, start: dict[str, torch.Tensor]) -> 
         comm.close()
 
 
+def assert_same_rounds_and_one_model(w0: dict[str, Any], w1: dict[str, Any]) -> None:
+    """Both workers ran every step and every round, hold equal outer parameters and (the last step ended a round)
+    one model, and each scaler has its own update() back."""
+    assert w0["ticks"] == w1["ticks"] == STEPS and w0["syncs"] == w1["syncs"] == STEPS // H
+    for a, b in zip(w0["outer"], w1["outer"], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(w0["params"], w1["params"], strict=True):
+        assert torch.equal(a, b)
+    assert w0["scaler restored"] and w1["scaler restored"]
+
+
 def test_hf_a_step_skipped_under_fp16_on_one_worker_keeps_both_in_the_same_rounds(accelerator: None) -> None:
     start = _start()
     w0, w1 = run_ranks(lambda rank, store: _hf_worker(rank, store, start), 2, timeout_s=4 * TIMEOUT_S)
     assert w0["skipped"] == [False] * STEPS
     assert w1["skipped"] == [step == INF_STEP for step in range(1, STEPS + 1)]  # the scaler did skip one
-    assert w0["ticks"] == w1["ticks"] == STEPS and w0["syncs"] == w1["syncs"] == STEPS // H
-    for a, b in zip(w0["outer"], w1["outer"], strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(w0["params"], w1["params"], strict=True):  # the last step ended a round: one model
-        assert torch.equal(a, b)
-    assert w0["scaler restored"] and w1["scaler restored"]
+    assert_same_rounds_and_one_model(w0, w1)
 
 
 def test_hf_fp16_with_dp_is_refused_at_train_begin_in_one_line(accelerator: None) -> None:
@@ -194,12 +200,7 @@ def test_lightning_a_step_skipped_under_16_mixed_on_one_worker_keeps_both_in_the
     w0, w1 = run_ranks(lambda rank, store: _lightning_worker(rank, store, start), 2, timeout_s=6 * TIMEOUT_S)
     assert w0["scales"] == [INIT_SCALE] * STEPS
     assert w1["scales"] == [INIT_SCALE if step < INF_STEP else INIT_SCALE / 2 for step in range(1, STEPS + 1)]
-    assert w0["ticks"] == w1["ticks"] == STEPS and w0["syncs"] == w1["syncs"] == STEPS // H
-    for a, b in zip(w0["outer"], w1["outer"], strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(w0["params"], w1["params"], strict=True):  # the last step ended a round: one model
-        assert torch.equal(a, b)
-    assert w0["scaler restored"] and w1["scaler restored"]
+    assert_same_rounds_and_one_model(w0, w1)
 
 
 def test_lightning_16_mixed_with_dp_is_refused_at_train_start_in_one_line() -> None:
