@@ -75,6 +75,15 @@ def _exit_code(e: BaseException) -> int | None:
     return None
 
 
+def is_launched_training(argv: list[str] | None = None) -> bool:
+    """Whether this process is a rank of a launched run (eagerloco launch, torchrun) running ``train``: such a
+    process ends without the interpreter's teardown once the command returns (``python -m eagerloco``)."""
+    from eagerloco.environment import Environment
+
+    argv = sys.argv[1:] if argv is None else argv
+    return argv[:1] == ["train"] and Environment.read().launched
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the `eagerloco` command.
 
