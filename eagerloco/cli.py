@@ -77,7 +77,14 @@ def _exit_code(e: BaseException) -> int | None:
 
 def is_launched_training(argv: list[str] | None = None) -> bool:
     """Whether this process is a rank of a launched run (eagerloco launch, torchrun) running ``train``: such a
-    process ends without the interpreter's teardown once the command returns (``python -m eagerloco``)."""
+    process ends without the interpreter's teardown once the command returns (``python -m eagerloco``).
+
+    Args:
+        argv: the arguments after the program name (default ``sys.argv[1:]``).
+
+    Returns:
+        True for ``train`` under a launcher (RANK and WORLD_SIZE set).
+    """
     from eagerloco.environment import Environment
 
     argv = sys.argv[1:] if argv is None else argv

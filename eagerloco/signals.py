@@ -47,7 +47,14 @@ def launcher_stopping(store: Any) -> int | None:
 
 def stopped_by(signum: int) -> RunStopped:
     """The RunStopped of a stop signal this process learned of other than through its handler (the launcher's
-    note); the stop signals are ignored from now on, as after the handler's first (cleanup runs once)."""
+    note); the stop signals are ignored from now on, as after the handler's first (cleanup runs once).
+
+    Args:
+        signum: the signal's number.
+
+    Returns:
+        The RunStopped to raise.
+    """
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGINT, *STOP_SIGNALS):
             if signal.getsignal(s) not in (signal.SIG_IGN, None):

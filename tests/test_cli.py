@@ -114,3 +114,16 @@ def test_bpe_tokenizer_and_zero_shot_evals(tmp_path: Path) -> None:
     assert 0.0 <= s["piqa"] <= 1.0
     assert s["config"]["tokenizer"] == "bpe:512"
     assert s["num_params"] > 820_352  # a 512-token embedding table instead of 256
+
+
+def test_only_a_launched_train_ends_without_the_interpreters_teardown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m eagerloco`` skips the teardown (os._exit) for a rank of a launched run training, only."""
+    from eagerloco.cli import is_launched_training
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert not is_launched_training(["train", "--steps", "2"])  # alone: the normal teardown
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert is_launched_training(["train", "--steps", "2"])
+    assert not is_launched_training(["simulate", "--model", "1b"]) and not is_launched_training([])

@@ -417,7 +417,15 @@ class Membership:
     @staticmethod
     def change_failed(e: RuntimeError, what: str) -> RuntimeError:
         """A backend failure during a membership change (a documented limit, see the class) as one line naming
-        the change and the way on, not the backend's C++ frames; a PeerError of ours is passed on as it is."""
+        the change and the way on, not the backend's C++ frames; a PeerError of ours is passed on as it is.
+
+        Args:
+            e: the error the change raised.
+            what: who failed doing what, e.g. ``worker 0: a failure while admitting workers [2] at step 6``.
+
+        Returns:
+            The error to raise (``from None``).
+        """
         if isinstance(e, PeerError):
             return e
         return PeerError(f"{what} ({describe_exception(e)}); resume from the last checkpoint")

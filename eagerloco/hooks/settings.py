@@ -66,7 +66,8 @@ def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 
 #: Flags named by settings' errors, and the argument of outer_loop each one is.
-_API_NAMES = {"dist-timeout": "timeout_s", "no-outer-nesterov": "outer_nesterov=False"}
+# resume: the command line resumes with a flag; the API loads the checkpoint's outer state into the loop.
+_API_NAMES = {"dist-timeout": "timeout_s", "no-outer-nesterov": "outer_nesterov=False", "resume": "load_state_dict()"}
 
 
 def api_message(text: str) -> str:
@@ -79,8 +80,6 @@ def api_message(text: str) -> str:
         arg = _API_NAMES.get(flag, flag.replace("-", "_"))
         return arg if arg in known or flag in _API_NAMES else m.group(0)
 
-    # The command line resumes with a flag; the API loads the checkpoint's outer state into the loop.
-    text = text.replace("--resume from the same checkpoint", "load_state_dict() from the same checkpoint")
     return re.sub(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)", name, text)
 
 

@@ -468,13 +468,11 @@ def _install_stop_signals(flag: _Stop) -> dict[int, Any]:
     return {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS if signal.getsignal(sig) != signal.SIG_IGN}
 
 
-def _stop_on_signal(procs: list[subprocess.Popen[bytes]], say: Any, signum: int,
-                    exits: _ExitBoard | None = None) -> int:
+def _stop_on_signal(procs: list[subprocess.Popen[bytes]], say: Any, signum: int, exits: _ExitBoard) -> int:
     """Pass the launcher's stop signal on to every process, give them time to save and say so, then
     kill what still runs; returns 128 + signum."""
     say(f"launcher got {signal_name(signum)}: stopping every process")
-    if exits is not None:
-        exits.stopping(signum)
+    exits.stopping(signum)
     _signal_all(procs, signum)
     _wait_all(procs, _STOP_GRACE_S)
     _stop(procs, say)
