@@ -249,10 +249,24 @@ def _codec_roundtrip(device: torch.device, codec: str) -> tuple[torch.Tensor, to
 
 
 @cuda
-@pytest.mark.parametrize("codec", ["bf16", "fp8", "e2m1", "e3m0", "int8", "int4"])
+@pytest.mark.parametrize("codec", ["bf16", "fp8", "e2m1", "e3m0", "int8", "int4", "2bit"])
 def test_codecs_on_cuda_give_the_cpus_bytes(codec: str) -> None:
     a, b = _codec_roundtrip(torch.device("cpu"), codec), _codec_roundtrip(torch.device("cuda"), codec)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@cuda
+@pytest.mark.parametrize(("values", "k", "chunk"), [("2bit", 64, 4096), ("fp32", 300, 1000), ("e2m1", 5, 7)])
+def test_the_sparse_exchange_on_cuda_gives_the_cpus_bytes(values: str, k: int, chunk: int) -> None:
+    # Positions as indices (64 of 4096), as a mask (300 of 1000), and a short last chunk (5000 = 714 x 7 + 2).
+    c = get_codec(values, topk=k, chunk=chunk)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 1e-3
+    x[100:110] = x[100]  # ties go to the lower index on both devices
+    packed = [c.pack(x.to(d)) for d in (torch.device("cpu"), torch.device("cuda"))]
+    assert packed[1].is_cuda and torch.equal(packed[0], packed[1].cpu())
+    out = [c.unpack(b, x.numel()) for b in packed]
+    assert out[1].is_cuda and torch.equal(out[0], out[1].cpu())
+    assert int((out[0] != 0).sum()) <= k * math.ceil(x.numel() / chunk)
 
 
 @cuda
@@ -281,6 +295,20 @@ def test_a_cuda_worker_defaults_to_bf16_fused_adamw_and_keeps_fp32_outer_state()
     assert all(math.isfinite(x) for x in losses)
     assert all(t.dtype == torch.float32 and t.is_cuda for frag in w.sync.outer for t in frag)
     assert w.sync.generator.device.type == "cuda"
+
+
+@cuda
+@pytest.mark.parametrize("method", ["diloco", "eager"])
+def test_a_cuda_worker_with_muon_and_the_sparse_exchange_keeps_its_error_feedback_on_the_gpu(method: str) -> None:
+    torch.manual_seed(0)
+    cfg = replace(_cfg(inner_optimizer="muon"),
+                  outer=OuterConfig(method=method, inner_steps=2, topk=4, topk_chunk=64, error_feedback=0.9))
+    w = Worker(GPT(SMALL).cuda(), InProcessGroup(1).communicator(0), Stream(), cfg)
+    losses = _steps(w, 6)
+    assert all(math.isfinite(x) for x in losses)
+    buffers = [t for frag in w.sync.feedback.buffers for t in frag]
+    assert all(t.is_cuda and t.dtype == torch.float32 for t in buffers)
+    assert any(bool(t.abs().sum() > 0) for t in buffers)  # what the top 4 of 64 left out is kept
 
 
 def test_ranks_that_would_share_a_gpu_are_named_before_nccl_refuses_them() -> None:

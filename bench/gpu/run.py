@@ -390,10 +390,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="35M comparison: token budget per run over both workers (default 120M)")
     ap.add_argument("--compare-eval-every", type=int, default=200)
     ap.add_argument("--checkpoint-every", type=int, default=200)
+    ap.add_argument("--results", default=None, metavar="DIR",
+                    help="where gpu.json and gpu.md go (default bench/results/gpu); one directory per device kind, "
+                         "since the parts skip what the file already holds")
     args = ap.parse_args(argv)
+    global RESULTS, SCRATCH
     if args.cpu_smoke:  # keep the smoke run's numbers out of the committed results
-        global RESULTS, SCRATCH
         RESULTS, SCRATCH = ROOT / "runs" / "gpu-smoke", ROOT / "runs" / "gpu-smoke" / "runs"
+    if args.results:
+        RESULTS = Path(args.results).resolve()
     report = load()
     if args.render_only:
         save(report)
