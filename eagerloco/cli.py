@@ -91,6 +91,39 @@ def is_launched_training(argv: list[str] | None = None) -> bool:
     return argv[:1] == ["train"] and Environment.read().launched
 
 
+def preload_train() -> None:
+    """Import what the ``train`` command runs (torch, the trainer and the compiler stack every torch
+    optimizer loads on its first step), with torch's C++ warnings as quiet as :func:`main` makes them:
+    the rank server does it once for all the ranks it forks."""
+    quiet_torch_cpp_warnings()
+    import torch._dynamo  # noqa: F401 - the first optimizer step imports it, about half of a rank's start
+
+    import eagerloco.train.command  # noqa: F401
+
+
+def run_rank(argv: list[str], threads: str | None) -> int:
+    """A forked rank's ``python -m eagerloco ARGV``, in the rank server's child (stdout, stderr, the
+    environment and the session already its own).
+
+    Args:
+        argv: the arguments after the program name.
+        threads: the rank's OMP_NUM_THREADS, which a started process's OpenMP reads when it loads.
+
+    Returns:
+        The exit status, as :func:`main` and ``python -m eagerloco`` give it (130 for Ctrl-C before the
+        command installed its own handler).
+    """
+    import torch
+
+    if threads:
+        torch.set_num_threads(max(1, int(threads)))
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        print("eagerloco: stopped by SIGINT before the command started", file=sys.stderr, flush=True)
+        return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the `eagerloco` command.
 

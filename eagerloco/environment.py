@@ -80,11 +80,21 @@ class Environment:
     incarnation: int = 0
     """EAGERLOCO_INCARNATION: how many times the launcher has restarted this rank."""
     launcher_pid: int | None = None
-    """EAGERLOCO_LAUNCHER_PID: the process id of the launcher that started this process."""
+    """EAGERLOCO_LAUNCHER_PID: the process whose end ends this one: the launcher that started it, or the
+    launcher's rank server that forked it."""
     kernel_link_gbps: float | None = None
     """EAGERLOCO_KERNEL_LINK_GBPS: the uplink rate the kernel shapes for this process's worker."""
     data_dir: str | None = None
     """EAGERLOCO_DATA_DIR: the data cache."""
+
+    @staticmethod
+    def adopt(environ: Mapping[str, str]) -> None:
+        """Make this process's environment exactly ``environ``: a rank forked by the rank server
+        (:mod:`eagerloco.rankserver`) takes the one its launcher gave it, as a started process would have
+        it from exec. The one place the process environment is written.
+        """
+        os.environ.clear()
+        os.environ.update(environ)
 
     @staticmethod
     def for_child(**updates: str) -> dict[str, str]:

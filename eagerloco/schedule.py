@@ -59,9 +59,12 @@ def sync_events(
     """Every outer exchange of a run of total_steps inner steps, in launch order (not dp)."""
     offsets = fragment_offsets(inner_steps, fragments)
     delay = apply_delay(method, inner_steps, overlap_steps, eager_rounds)
+    due: dict[int, list[int]] = {}  # step mod H -> the fragments due then, as fragments_due lists them
+    for p, off in enumerate(offsets):
+        due.setdefault(off, []).append(p)
     count = [0] * fragments
     for step in range(1, total_steps + 1):
-        for p in fragments_due(step, inner_steps, offsets):
+        for p in due.get(step % inner_steps, ()):
             count[p] += 1
             yield SyncEvent(p, step, step + delay, count[p])
 

@@ -30,6 +30,8 @@ PACKAGE_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("eagerloco/comm/groups.py", "_set_default_backend"): "the same group: torch's init_process_group does this",
     ("eagerloco/__main__.py", "_exit"): "os._exit is the documented exit without interpreter shutdown, which would "
                                         "turn a Ctrl-C already handled during torch's import into death by SIGINT",
+    ("eagerloco/rankserver.py", "_exit"): "os._exit is how a forked child ends: the rank server's teardown (its "
+                                          "socket, its atexit) is not the rank's",
     ("eagerloco/compare/cli.py", "_SubParsersAction"): "an annotation: argparse gives add_subparsers() no public type",
     ("eagerloco/sim/cli.py", "_SubParsersAction"): "an annotation: argparse gives add_subparsers() no public type",
 }

@@ -152,6 +152,8 @@ def test_paper_grid_report_plots_summary_and_cache(text_dir: Path, tmp_path: Pat
     assert counted.calls == ["no-overlap"]
 
 
+# slow: a whole sweep over H, its runs and its report
+@pytest.mark.slow
 def test_sweep_inner_steps_one_row_per_h_and_method(text_dir: Path, tmp_path: Path, counted: CountingTrain) -> None:
     out = tmp_path / "sweep"
     assert _compare(*_fast(text_dir, out), "--steps", "6", "--sweep", "inner-steps",

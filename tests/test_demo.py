@@ -138,6 +138,8 @@ def test_the_rerun_command_wraps_into_pasteable_lines() -> None:
     assert " ".join(line.removesuffix(" \\").strip() for line in lines) == cmd
 
 
+# slow: the whole demo, its runs and its report
+@pytest.mark.slow
 def test_make_demo_end_to_end_on_tiny_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = tmp_path / "text"
     text.mkdir()

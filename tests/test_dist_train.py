@@ -232,6 +232,7 @@ def test_killed_worker_makes_the_others_stop_with_a_clear_error(tmp_path: Path) 
         "-m",
         "eagerloco",
         "launch",
+        "--spawn-ranks",  # the victim is found by its command line in /proc, which a forked rank shares with its server
         "--workers",
         "3",
         "--grace-s",

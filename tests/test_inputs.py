@@ -140,12 +140,24 @@ def test_a_live_lock_keeps_a_second_run_out(tmp_path: Path, capsys) -> None:
     assert not (out / LOCK_NAME).exists()
 
 
-def _checkpointed_run(tmp_path: Path) -> tuple[Path, list[str]]:
-    out = tmp_path / "run"
-    argv = ["train", *FAST, "--out", str(out), "--method", "diloco", "--inner-steps", "2", "--steps", "6",
+def _checkpointed_argv(out: Path) -> list[str]:
+    return ["train", *FAST, "--out", str(out), "--method", "diloco", "--inner-steps", "2", "--steps", "6",
             "--checkpoint-every", "2", "--keep-checkpoints", "3"]
-    assert main(argv) == 0
-    return out, argv
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One finished run with checkpoints at steps 2, 4 and 6, trained once for the tests that damage a copy."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    assert main(_checkpointed_argv(out)) == 0
+    return out
+
+
+def _checkpointed_run(tmp_path: Path, trained: Path) -> tuple[Path, list[str]]:
+    """A copy of the trained run in this test's directory, and the command that made it (there)."""
+    out = tmp_path / "run"
+    shutil.copytree(trained, out, symlinks=True)
+    return out, _checkpointed_argv(out)
 
 
 @pytest.mark.parametrize(
@@ -158,8 +170,9 @@ def _checkpointed_run(tmp_path: Path) -> tuple[Path, list[str]]:
         (lambda m: json.dumps({k: v for k, v in json.loads(m).items() if k != "config"}), "records no 'config' table"),
     ],
 )
-def test_resume_skips_a_damaged_meta_for_the_previous_good_checkpoint(tmp_path: Path, capsys, damage, needle) -> None:
-    out, argv = _checkpointed_run(tmp_path)
+def test_resume_skips_a_damaged_meta_for_the_previous_good_checkpoint(tmp_path: Path, trained: Path, capsys, damage,
+                                                                     needle) -> None:
+    out, argv = _checkpointed_run(tmp_path, trained)
     clean = json.loads((out / "summary.json").read_text())
     meta = out / "checkpoints" / "step_00000006" / "meta.json"
     meta.write_text(damage(meta.read_text()))
@@ -172,8 +185,8 @@ def test_resume_skips_a_damaged_meta_for_the_previous_good_checkpoint(tmp_path: 
     assert resumed["final_eval_loss"] == clean["final_eval_loss"]
 
 
-def test_a_torn_metrics_line_is_dropped_with_a_message(tmp_path: Path, capsys) -> None:
-    out, argv = _checkpointed_run(tmp_path)
+def test_a_torn_metrics_line_is_dropped_with_a_message(tmp_path: Path, trained: Path, capsys) -> None:
+    out, argv = _checkpointed_run(tmp_path, trained)
     metrics = out / "metrics.jsonl"
     lines = metrics.read_text().splitlines()
     metrics.write_text("\n".join(lines[:4]) + "\n" + lines[4][:7])  # a writer killed mid-line at step 5
@@ -184,11 +197,11 @@ def test_a_torn_metrics_line_is_dropped_with_a_message(tmp_path: Path, capsys) -
     assert [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
 
 
-def test_a_checkpoint_resumes_only_in_the_runtime_that_wrote_it(tmp_path: Path, capsys) -> None:
+def test_a_checkpoint_resumes_only_in_the_runtime_that_wrote_it(tmp_path: Path, trained: Path, capsys) -> None:
     from eagerloco.config import ConfigError
     from eagerloco.flags import build_train_config
 
-    out, argv = _checkpointed_run(tmp_path)
+    out, argv = _checkpointed_run(tmp_path, trained)
     from eagerloco.cli import make_parser
     from eagerloco.train.resume import resume_checkpoint
 

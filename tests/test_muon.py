@@ -192,6 +192,8 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+# slow: two Muon runs and a resume; Newton-Schulz runs in bf16, which these CPUs emulate (about 8 s)
+@pytest.mark.slow
 def test_a_muon_run_trains_and_resumes_bit_for_bit(tmp_path: Path) -> None:
     from eagerloco.train import train
 

@@ -200,8 +200,9 @@ def test_a_dead_or_frozen_inner_rank_is_named_by_its_global_rank(tmp_path: Path,
     of its own) is killed or frozen. Its worker's first rank names it, nobody prints a traceback,
     every process ends, and the newest checkpoint is intact."""
     out, tag = tmp_path / "run", uuid.uuid4().hex
-    cmd = [sys.executable, "-m", "eagerloco", "launch", "--workers", "2", "--ranks-per-worker", "2", "--grace-s", "60",
-           "--", *BASE, "--ranks-per-worker", "2", "--checkpoint-every", "1", "--steps", "400",
+    # --spawn-ranks: the victim is found by its environment in /proc, which a forked rank shares with its server.
+    cmd = [sys.executable, "-m", "eagerloco", "launch", "--spawn-ranks", "--workers", "2", "--ranks-per-worker", "2",
+           "--grace-s", "60", "--", *BASE, "--ranks-per-worker", "2", "--checkpoint-every", "1", "--steps", "400",
            "--dist-timeout", "15", "--out", str(out)]
     log = tmp_path / "run.log"
     p = _start(cmd, tag, log)

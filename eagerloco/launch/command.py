@@ -24,6 +24,7 @@ from eagerloco.environment import (
     WORKERS_ENV,
     Environment,
 )
+from eagerloco.launch.ranks import RankProcess, rank_server
 from eagerloco.procs import pid_stopped
 from eagerloco.signals import STOP_SIGNALS, STOPPING_KEY, signal_name
 
@@ -52,6 +53,7 @@ def launch(
     kernel_link_gbps: float | None = None,
     outer_addr: str | None = None,
     worker_id: int | None = None,
+    fork_ranks: bool = True,
 ) -> int:
     """Run workers * ranks_per_worker local processes; return 0 if all succeed, else the first failure's code.
 
@@ -85,6 +87,9 @@ def launch(
     outer_addr, worker_id: each worker its own job: start only worker ``worker_id`` of ``workers`` (one
     process), which meets the others at the outer rendezvous ``outer_addr`` (``--outer-addr``,
     ``--worker-id`` and ``--workers`` are passed on to train).
+    fork_ranks: on Linux, fork the ranks of the default command from this process's rank server
+    (:mod:`eagerloco.launch.ranks`: torch is imported once, not once per rank) rather than start each as
+    ``python -m eagerloco train``; a custom command and a kernel-shaped link always start processes.
     """
     for name, value in (("--workers", workers), ("--ranks-per-worker", ranks_per_worker)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -113,7 +118,7 @@ def launch(
                          "from the train arguments (latency and jitter flags still apply)")
     if kernel_link_gbps is None:
         return _launch(argv_for_train, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic,
-                       max_restarts, None)
+                       max_restarts, None, fork_ranks)
     if outer_addr is not None:
         assert worker_id is not None
         return _launch_job_behind_link(argv_for_train, run_workers, worker_id, outer_addr, kernel_link_gbps,
@@ -126,7 +131,7 @@ def launch(
             f"Gbit/s (tbf), rendezvous at {link.master_addr}\n")
         (out or sys.stdout).flush()
         return _launch(argv_for_train, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic,
-                       max_restarts, link)
+                       max_restarts, link, False)
 
 
 def _one_job(argv: list[str], workers: int, ranks_per_worker: int, outer_addr: str | None, worker_id: int | None,
@@ -182,12 +187,13 @@ def _launch_job_behind_link(argv: list[str], workers: int, worker_id: int, outer
             f"[launch] kernel-shaped link: worker {worker_id} in network namespace {link.ns}, its uplink "
             f"{gbps:g} Gbit/s (tbf) on bridge {link.bridge}; outer rendezvous {outer_addr} -> {addr}\n")
         (out or sys.stdout).flush()
-        return _launch(argv, 1, 1, master_port, timeout_s, command, out, elastic, 0, link)
+        return _launch(argv, 1, 1, master_port, timeout_s, command, out, elastic, 0, link, False)
 
 
 def _launch(
     argv_for_train: list[str], workers: int, ranks_per_worker: int, master_port: int | None, timeout_s: float,
     command: Sequence[str] | None, out: IO[str] | None, elastic: bool, max_restarts: int, link: Any,
+    fork_ranks: bool,
 ) -> int:
     import torch.distributed as dist  # here, not at module level: `eagerloco --help` stays fast
 
@@ -208,10 +214,11 @@ def _launch(
     lock = threading.Lock()
     cmd = list(command or _default_command()) + list(argv_for_train)
     threads_each = max(1, (os.cpu_count() or 1) // nproc)
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[RankProcess] = []
     readers: list[threading.Thread] = []
+    fork = fork_ranks and command is None and link is None
 
-    def spawn(rank: int, incarnation: int = 0) -> subprocess.Popen[bytes]:
+    def spawn(rank: int, incarnation: int = 0) -> RankProcess:
         env = Environment.for_child()
         env.update(
             RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
@@ -228,9 +235,13 @@ def _launch(
         if link is not None:  # in the worker's network namespace, behind its shaped uplink
             env.update(link.env())
             argv = link.command(cmd, rank // ranks_per_worker)
-        # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it exactly once.
-        p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+        server = rank_server(Environment.for_child()) if fork else None
+        if server is not None:  # forked in a session of its own; it dies with the server, which dies with us
+            env[LAUNCHER_PID_ENV] = str(server.process.pid)
+            p: RankProcess = server.start(["train", *argv_for_train], env)
+        else:  # own session: a terminal's Ctrl-C reaches only the launcher, which forwards it exactly once
+            p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
         tag = f"[rank {rank}] " if not incarnation else f"[rank {rank}.{incarnation}] "
         t = threading.Thread(target=_pump, args=(p, tag, out, lock), daemon=True)
         t.start()
@@ -302,7 +313,7 @@ class _ExitBoard:
 
 
 def _supervise(
-    procs: list[subprocess.Popen[bytes]], grace_s: float, say: Any, terminated: threading.Event,
+    procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
     exits: _ExitBoard | None = None,
 ) -> int:
     """Wait for all processes; after the first failure, give the rest grace_s, then stop them."""
@@ -338,7 +349,7 @@ def _supervise(
 
 
 def _supervise_elastic(
-    procs: list[subprocess.Popen[bytes]], grace_s: float, say: Any, terminated: threading.Event,
+    procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
     spawn: Any, max_restarts: int, exits: _ExitBoard,
 ) -> int:
     """Elastic: a failed rank does not stop the others; restart it (as a returning worker) while
@@ -390,7 +401,7 @@ def _first_line(e: BaseException) -> str:
     return (text[-1] if text else type(e).__name__)[:200]
 
 
-def _pump(p: subprocess.Popen[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+def _pump(p: RankProcess, prefix: str, out: IO[str], lock: threading.Lock) -> None:
     """Copy a process's output line by line, each line prefixed with its rank."""
     assert p.stdout is not None
     for raw in iter(p.stdout.readline, b""):
@@ -404,7 +415,7 @@ def _pump(p: subprocess.Popen[bytes], prefix: str, out: IO[str], lock: threading
     p.stdout.close()
 
 
-def _signal_all(procs: list[subprocess.Popen[bytes]], sig: int) -> None:
+def _signal_all(procs: list[RankProcess], sig: int) -> None:
     for p in procs:
         if p.poll() is None:
             try:
@@ -413,13 +424,13 @@ def _signal_all(procs: list[subprocess.Popen[bytes]], sig: int) -> None:
                 pass
 
 
-def _wait_all(procs: list[subprocess.Popen[bytes]], seconds: float) -> None:
+def _wait_all(procs: list[RankProcess], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.05)
 
 
-def _only_frozen_left(procs: list[subprocess.Popen[bytes]], codes: list[int | None], say: Any) -> bool:
+def _only_frozen_left(procs: list[RankProcess], codes: list[int | None], say: Any) -> bool:
     """After a failure: if every process still running is stopped by a signal (frozen: it can neither
     finish nor handle SIGTERM), kill those now rather than wait out the grace period. Returns whether it did."""
     running = [r for r, c in enumerate(codes) if c is None]
@@ -432,7 +443,7 @@ def _only_frozen_left(procs: list[subprocess.Popen[bytes]], codes: list[int | No
     return True
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], say: Any) -> None:
+def _stop(procs: list[RankProcess], say: Any) -> None:
     """SIGTERM what still runs, then SIGKILL what ignores it."""
     if not any(p.poll() is None for p in procs):
         return
@@ -468,7 +479,7 @@ def _install_stop_signals(flag: _Stop) -> dict[int, Any]:
     return {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS if signal.getsignal(sig) != signal.SIG_IGN}
 
 
-def _stop_on_signal(procs: list[subprocess.Popen[bytes]], say: Any, signum: int, exits: _ExitBoard) -> int:
+def _stop_on_signal(procs: list[RankProcess], say: Any, signum: int, exits: _ExitBoard) -> int:
     """Pass the launcher's stop signal on to every process, give them time to save and say so, then
     kill what still runs; returns 128 + signum."""
     say(f"launcher got {signal_name(signum)}: stopping every process")
@@ -511,6 +522,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="each worker its own job: start only worker --worker-id of --workers, which meets the others "
                    "at the outer rendezvous worker 0 hosts at HOST:PORT (passed on to train)")
     p.add_argument("--worker-id", type=int, default=None, metavar="I", help="with --outer-addr: this job's worker")
+    p.add_argument("--spawn-ranks", action="store_true",
+                   help="start each rank as its own `python -m eagerloco train` (each imports torch: seconds per "
+                   "rank) instead of forking it from one process that has imported it (Linux); for tools that "
+                   "find ranks by their command line or /proc/PID/environ")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the arguments of `eagerloco train`")
     p.set_defaults(func=run)
     return p
@@ -523,7 +538,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return launch(train_args, args.workers, args.ranks_per_worker, args.master_port, args.grace_s,
                       elastic=args.elastic, max_restarts=args.max_restarts, kernel_link_gbps=args.kernel_link_gbps,
-                      outer_addr=args.outer_addr, worker_id=args.worker_id)
+                      outer_addr=args.outer_addr, worker_id=args.worker_id, fork_ranks=not args.spawn_ranks)
     except ValueError as e:  # ConfigError (and so LinkShapingError) is a ValueError too
         print(f"eagerloco launch: error: {e}", file=sys.stderr)
         return 2

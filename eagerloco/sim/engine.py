@@ -117,6 +117,9 @@ def run_schedule(
     L, u = graph.layers, graph.unit
     t = graph.step_time
     share = [seconds(b / len(ls), bandwidths) for b, ls in zip(traffic.transfers, traffic.layers, strict=True)]
+    first_share = [d + latency_s for d in share]  # an exchange's first block share carries its latency
+    grad_done = [graph.weight_grad_done(layer) for layer in range(L)]
+    backward = graph.backward_time
     launch_at: dict[int, list[int]] = defaultdict(list)
     gate_at: dict[int, list[int]] = defaultdict(list)
     for n, ex in enumerate(schedule):
@@ -128,6 +131,8 @@ def run_schedule(
     at_mark = now
     finish: dict[tuple[int, int], np.ndarray] = {}
     prev = 0
+    # The loops below run once per block share (tens of thousands for a large model's schedule): each
+    # operation writes into the array it has just made (out=, +=), the same arithmetic with fewer copies.
     for s in sorted(set(launch_at) | set(gate_at) | {mark_step, total_steps}):
         if s < 1 or s > total_steps:
             continue
@@ -139,22 +144,25 @@ def run_schedule(
                 gates[layer] = np.maximum(gates[layer], done) if layer in gates else done
         cursor, last = now, -1  # cursor: end of the forward node of block `last`
         for layer in sorted(gates):
-            cursor = np.maximum(cursor + (layer - last - 1) * u, gates[layer]) + u
-            last = layer
+            nxt = cursor + (layer - last - 1) * u
+            np.maximum(nxt, gates[layer], out=nxt)
+            nxt += u
+            cursor, last = nxt, layer
         forward_end = cursor + (L - 1 - last) * u
-        shares = sorted(
-            ((layer, n) for n in launch_at.get(s, ()) for layer in traffic.layers[schedule[n].index]),
-            key=lambda x: (-x[0], x[1]),
-        )
+        # In the order their weight gradients finish: the last block first, exchanges in launch order.
         started: set[int] = set()
-        for layer, n in shares:  # in the order their weight gradients finish
-            d = share[schedule[n].index]
-            if n not in started:
-                d = d + latency_s
+        order = sorted((-layer, m) for m in launch_at.get(s, ()) for layer in traffic.layers[schedule[m].index])
+        for neg_layer, n in order:
+            index = schedule[n].index
+            free = forward_end + grad_done[-neg_layer]
+            np.maximum(free, link_free, out=free)
+            if n in started:
+                free += share[index]
+            else:
+                free += first_share[index]
                 started.add(n)
-            link_free = np.maximum(link_free, forward_end + graph.weight_grad_done(layer)) + d
-            finish[(n, layer)] = link_free
-        now = forward_end + graph.backward_time
+            link_free = finish[(n, -neg_layer)] = free
+        now = forward_end + backward
         if s == mark_step:
             at_mark = now
         prev = s

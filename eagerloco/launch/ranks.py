@@ -1,0 +1,253 @@
+"""How `eagerloco launch` starts a rank: forked from a server that has imported torch and the trainer
+once (Linux), or as a process of its own (``python -m eagerloco train``).
+
+Every rank of a launch used to pay for its own interpreter and imports: about 4 CPU-seconds (torch,
+and the compiler stack every torch optimizer loads) before its first step, for each rank of each
+launch. The rank server (:mod:`eagerloco.rankserver`) pays it once per launcher process and forks a
+rank on each request, so a rank starts in milliseconds. A forked rank is what a started one is: its own
+session, its output on a pipe the launcher reads, the environment the launcher gives it, its exit status
+reported to the launcher (negative: killed by that signal). It differs in what an interpreter reads when
+it starts: a rank whose environment differs from the server's in such a variable (:func:`start_keys`:
+``PYTHONPATH``, ``LD_PRELOAD``, ``TORCH_*``, ...) is started as its own process instead.
+
+Why not :mod:`multiprocessing`'s fork server: its server is one per process, started with whatever the
+environment holds at that moment, and it cannot give a child its own session and output pipe before the
+child runs, nor report a status without a pickled ``Process`` object of the caller's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from typing import IO, Any, Protocol
+
+#: The server's module (``python -m``), and the longest a message may be (its environment is most of it).
+SERVER_MODULE = "eagerloco.rankserver"
+MAX_MESSAGE = 1 << 20
+#: Variables an interpreter, torch or its libraries read when they start (the server's, for a forked rank).
+_START_PREFIXES = ("PYTHON", "LD_", "TORCH_", "MKL_", "KMP_", "GOMP_", "OMP_", "OPENBLAS_")
+#: ... except those a forked rank applies itself.
+_APPLIED_BY_RANK = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")
+#: The test faults (:mod:`eagerloco.testing.faults`) install themselves when an interpreter starts, for the
+#: rank that interpreter is: a rank that asks for one is always a process of its own.
+_FAULT_PREFIX = "EAGERLOCO_FAULT"
+
+
+def start_keys(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of an environment that take effect when a process starts (not in a forked one)."""
+    return {k: v for k, v in env.items() if k.startswith(_START_PREFIXES) and k not in _APPLIED_BY_RANK}
+
+
+def send_message(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    """One JSON message (and file descriptors) over a SOCK_SEQPACKET socket: one message per packet."""
+    socket.send_fds(sock, [json.dumps(message).encode()], list(fds))
+
+
+def receive_message(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """The next message and the descriptors that came with it; (None, []) when the other end is gone."""
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
+    except (ConnectionError, OSError):
+        return None, []
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return json.loads(data), fds
+
+
+class RankProcess(Protocol):
+    """What the launcher needs of a rank's process: :class:`subprocess.Popen` and :class:`ForkedRank` have it."""
+
+    pid: int
+    stdout: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+class ForkedRank:
+    """A rank forked by the server, with the part of :class:`subprocess.Popen` the launcher uses
+    (``pid``, ``stdout``, ``poll``, ``wait``, ``kill``, ``returncode``)."""
+
+    def __init__(self, server: RankServer, pid: int, stdout: IO[bytes]) -> None:
+        self.pid = pid
+        self.stdout = stdout
+        self.returncode: int | None = None
+        self._server = server
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            code = self._server.wait_exit(self.pid, timeout)
+            if code is None:
+                raise subprocess.TimeoutExpired(f"rank (pid {self.pid})", timeout or 0.0)
+            self.returncode = code
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class RankServer:
+    """The client side of one :mod:`eagerloco.rankserver` process: start it, ask it for ranks, learn
+    how they end. Thread-safe; the server ends when this process closes its socket (or dies)."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.start_env = start_keys(env)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock = ours
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", SERVER_MODULE, str(theirs.fileno())], env=dict(env), pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self._lock = threading.Lock()  # one request at a time
+        self._changed = threading.Condition()
+        self._replies: list[int | str] = []  # a forked rank's pid, or why the server could not fork it
+        self._exits: dict[int, int] = {}
+        self._live: set[int] = set()
+        self._gone = False
+        self._reader = threading.Thread(target=self._read, name="rank-server", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            message, fds = receive_message(self._sock)
+            for fd in fds:
+                os.close(fd)
+            with self._changed:
+                if message is None:  # the server is gone; its ranks got SIGTERM (parent-death signal)
+                    self._gone = True
+                    for pid in self._live:
+                        self._exits.setdefault(pid, -int(signal.SIGTERM))
+                    self._live.clear()
+                    self._changed.notify_all()
+                    return
+                if "started" in message:
+                    self._replies.append(int(message["started"]))
+                    self._live.add(int(message["started"]))
+                elif "failed" in message:
+                    self._replies.append(str(message["failed"]))
+                elif "exited" in message:
+                    self._exits[int(message["exited"])] = int(message["code"])
+                    self._live.discard(int(message["exited"]))
+                self._changed.notify_all()
+
+    @property
+    def alive(self) -> bool:
+        return not self._gone and self.process.poll() is None
+
+    @property
+    def busy(self) -> bool:
+        with self._changed:
+            return bool(self._live)
+
+    def start(self, argv: Sequence[str], env: Mapping[str, str], timeout_s: float = 600.0) -> ForkedRank:
+        """Fork a rank running ``eagerloco ARGV`` with this environment; its output (stdout and stderr)
+        on the returned rank's ``stdout``.
+
+        Raises:
+            RuntimeError: the server is gone or did not answer within timeout_s (it imports torch first).
+        """
+        read_end, write_end = os.pipe()
+        try:
+            with self._lock:
+                send_message(self._sock, {"argv": list(argv), "env": dict(env)}, [write_end])
+                with self._changed:
+                    if not self._changed.wait_for(lambda: self._replies or self._gone, timeout_s) or not self._replies:
+                        raise RuntimeError("the rank server did not start the rank (it is gone or did not answer in "
+                                           f"{timeout_s:g} s); see its output above")
+                    pid = self._replies.pop(0)
+            if isinstance(pid, str):
+                raise RuntimeError(f"the rank server could not start the rank: {pid}")
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        return ForkedRank(self, pid, os.fdopen(read_end, "rb"))
+
+    def exit_code(self, pid: int) -> int | None:
+        with self._changed:
+            return self._exits.get(pid)
+
+    def wait_exit(self, pid: int, timeout: float | None) -> int | None:
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._exits, timeout)
+            return self._exits.get(pid)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End the server: it stops reading and exits (a rank still running gets its parent-death SIGTERM).
+        An idle one is stopped at once: it may still be importing, and reads its socket only after."""
+        idle = not self.busy
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        if idle and self.process.poll() is None:
+            self.process.terminate()
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+_server: RankServer | None = None
+_server_lock = threading.Lock()
+_registered = False  # whether atexit ends the server
+
+
+def rank_server(env: Mapping[str, str]) -> RankServer | None:
+    """This process's rank server for ranks started with this environment (the launcher's, before the
+    variables of each rank are added), started on first use with it; None where a
+    rank must be a process of its own (not Linux, a test fault asked for, or a start-time variable that
+    differs from the server's while the server has ranks running; an idle server is replaced)."""
+    global _server, _registered
+    if not sys.platform.startswith("linux") or any(k.startswith(_FAULT_PREFIX) for k in env):
+        return None
+    with _server_lock:
+        if _server is not None and (not _server.alive or _server.start_env != start_keys(env)):
+            if _server.alive and _server.busy:
+                return None
+            _server.close()
+            _server = None
+        if _server is None:
+            if not _registered:
+                atexit.register(close_rank_server)
+                _registered = True
+            _server = RankServer(env)
+        return _server
+
+
+def close_rank_server() -> None:
+    """End this process's rank server, if it has one (at exit, and once its ranks are done)."""
+    global _server
+    with _server_lock:
+        if _server is not None:
+            _server.close()
+            _server = None
+
+
+__all__ = ["SERVER_MODULE", "ForkedRank", "RankProcess", "RankServer", "close_rank_server", "rank_server",
+           "receive_message", "send_message", "start_keys"]
