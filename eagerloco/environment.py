@@ -92,6 +92,9 @@ class Environment:
         """Make this process's environment exactly ``environ``: a rank forked by the rank server
         (:mod:`eagerloco.rankserver`) takes the one its launcher gave it, as a started process would have
         it from exec. The one place the process environment is written.
+
+        Args:
+            environ: the whole environment the process is to have.
         """
         os.environ.clear()
         os.environ.update(environ)

@@ -41,17 +41,41 @@ _FAULT_PREFIX = "EAGERLOCO_FAULT"
 
 
 def start_keys(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables of an environment that take effect when a process starts (not in a forked one)."""
+    """The variables of an environment that take effect when a process starts (not in a forked one).
+
+    Args:
+        env: a process environment.
+
+    Returns:
+        Its ``PYTHON*``, ``LD_*``, ``TORCH_*`` and thread-library variables, less those a forked rank
+        applies itself (``PYTHONUNBUFFERED``, ``OMP_NUM_THREADS``).
+    """
     return {k: v for k, v in env.items() if k.startswith(_START_PREFIXES) and k not in _APPLIED_BY_RANK}
 
 
 def send_message(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
-    """One JSON message (and file descriptors) over a SOCK_SEQPACKET socket: one message per packet."""
+    """One JSON message (and file descriptors) over a SOCK_SEQPACKET socket: one message per packet.
+
+    Args:
+        sock: one end of the launcher's socket pair with its rank server.
+        message: what to send (JSON).
+        fds: descriptors that travel with it (the receiver gets its own copies).
+
+    Raises:
+        OSError: the other end is gone.
+    """
     socket.send_fds(sock, [json.dumps(message).encode()], list(fds))
 
 
 def receive_message(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    """The next message and the descriptors that came with it; (None, []) when the other end is gone."""
+    """The next message and the descriptors that came with it.
+
+    Args:
+        sock: one end of the launcher's socket pair with its rank server.
+
+    Returns:
+        The message and the descriptors (the caller closes them); (None, []) when the other end is gone.
+    """
     try:
         data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
     except (ConnectionError, OSError):
@@ -87,11 +111,17 @@ class ForkedRank:
         self._server = server
 
     def poll(self) -> int | None:
+        """The exit status once the rank has ended (negative: killed by that signal), else None."""
         if self.returncode is None:
             self.returncode = self._server.exit_code(self.pid)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        """The exit status, once the rank has ended.
+
+        Raises:
+            subprocess.TimeoutExpired: it still runs after ``timeout`` seconds.
+        """
         if self.returncode is None:
             code = self._server.wait_exit(self.pid, timeout)
             if code is None:
@@ -100,6 +130,7 @@ class ForkedRank:
         return self.returncode
 
     def kill(self) -> None:
+        """SIGKILL the rank, if it still runs."""
         if self.poll() is None:
             try:
                 os.kill(self.pid, signal.SIGKILL)
@@ -154,16 +185,25 @@ class RankServer:
 
     @property
     def alive(self) -> bool:
+        """Whether the server still runs and answers."""
         return not self._gone and self.process.poll() is None
 
     @property
     def busy(self) -> bool:
+        """Whether ranks it forked still run."""
         with self._changed:
             return bool(self._live)
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], timeout_s: float = 600.0) -> ForkedRank:
-        """Fork a rank running ``eagerloco ARGV`` with this environment; its output (stdout and stderr)
-        on the returned rank's ``stdout``.
+        """Fork a rank running ``eagerloco ARGV`` with this environment.
+
+        Args:
+            argv: the arguments after the program name (``train ...``).
+            env: the rank's whole environment.
+            timeout_s: how long to wait for the server's answer.
+
+        Returns:
+            The rank: its output (stdout and stderr) on its ``stdout``, its status from ``poll``/``wait``.
 
         Raises:
             RuntimeError: the server is gone or did not answer within timeout_s (it imports torch first).
@@ -187,10 +227,12 @@ class RankServer:
         return ForkedRank(self, pid, os.fdopen(read_end, "rb"))
 
     def exit_code(self, pid: int) -> int | None:
+        """How the rank ``pid`` ended (negative: the signal that killed it), or None while it runs."""
         with self._changed:
             return self._exits.get(pid)
 
     def wait_exit(self, pid: int, timeout: float | None) -> int | None:
+        """:meth:`exit_code` once the rank ``pid`` has ended, or None after ``timeout`` seconds."""
         with self._changed:
             self._changed.wait_for(lambda: pid in self._exits, timeout)
             return self._exits.get(pid)
@@ -219,10 +261,16 @@ _registered = False  # whether atexit ends the server
 
 
 def rank_server(env: Mapping[str, str]) -> RankServer | None:
-    """This process's rank server for ranks started with this environment (the launcher's, before the
-    variables of each rank are added), started on first use with it; None where a
-    rank must be a process of its own (not Linux, a test fault asked for, or a start-time variable that
-    differs from the server's while the server has ranks running; an idle server is replaced)."""
+    """This process's rank server for ranks started with this environment, started on first use with it.
+
+    Args:
+        env: the launcher's environment for its ranks, before the variables of each rank are added.
+
+    Returns:
+        The server; None where a rank must be a process of its own (not Linux, a test fault asked for,
+        or a start-time variable that differs from the server's while the server has ranks running; an
+        idle server with other settings is replaced).
+    """
     global _server, _registered
     if not sys.platform.startswith("linux") or any(k.startswith(_FAULT_PREFIX) for k in env):
         return None
