@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -13,7 +14,8 @@ from archcheck.source import Module, import_call_target, is_private, ours, where
 ATTR_FUNCS = {"getattr", "hasattr", "setattr", "delattr"}
 
 
-def defined_names(tree: ast.AST) -> set[str]:
+@functools.cache  # a tree is asked again for each check and each file of the tests; trees hash by identity
+def defined_names(tree: ast.AST) -> frozenset[str]:
     """Names this source defines: defs, classes, assignments, ``self._x = ...``, class annotations, slots."""
     names: set[str] = set()
     for node in ast.walk(tree):
@@ -31,7 +33,7 @@ def defined_names(tree: ast.AST) -> set[str]:
                                                   for t in node.targets):
             names.update(c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)
                          and isinstance(c.value, str))
-    return names
+    return frozenset(names)
 
 
 def _is_own(node: ast.AST) -> bool:
@@ -128,7 +130,7 @@ def private_uses(tree: ast.AST, here: str | None, top: str, bindings: dict[str, 
     return uses
 
 
-def _reach(line: int, obj: ast.AST, name: str, text: str, own: set[str], bindings: dict[str, str]):
+def _reach(line: int, obj: ast.AST, name: str, text: str, own: frozenset[str], bindings: dict[str, str]):
     base = _base_name(obj)
     if base is not None and base.id in bindings:
         yield PrivateUse(line, name, text, bindings[base.id])
