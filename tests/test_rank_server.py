@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from runs import DIST_ENV, launch_here
 
+from eagerloco.cli import main
 from eagerloco.environment import Environment
 from eagerloco.launch.ranks import RankServer, close_rank_server, rank_server, start_keys
 
@@ -41,11 +43,18 @@ def _until(check, seconds: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def test_a_forked_rank_writes_to_its_pipe_and_reports_its_status(server: RankServer) -> None:
-    r = server.start(["simulate", "--model", "1b", "--paper", "--bandwidth-gbps", "5"], _env())
+def test_a_forked_rank_writes_to_its_pipe_and_reports_its_status(server: RankServer, capsys) -> None:
+    argv = ["simulate", "--model", "1b", "--paper", "--bandwidth-gbps", "5"]
+    r = server.start(argv, _env())
     out = r.stdout.read().decode()
     assert r.wait(60) == 0 and r.poll() == 0
-    assert "eager" in out and "DiLoCo" in out or "diloco" in out.lower(), out
+    assert main(argv) == 0
+    here = capsys.readouterr().out
+
+    def timeless(text: str) -> str:  # the one line that says how long the simulation took
+        return re.sub(r"in \d+\.\d+ s", "in T s", text)
+
+    assert timeless(out) == timeless(here) and "DiLoCo" in out  # every line the command prints here
     r = server.start(["train", "--steps", "-1"], _env())
     out = r.stdout.read().decode()
     assert r.wait(60) == 2 and "eagerloco: error:" in out and "steps" in out, out

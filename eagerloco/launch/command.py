@@ -219,7 +219,8 @@ def _launch(
     fork = fork_ranks and command is None and link is None
 
     def spawn(rank: int, incarnation: int = 0) -> RankProcess:
-        env = Environment.for_child()
+        ours = Environment.for_child()  # what every rank inherits; a rank server is chosen by it
+        env = dict(ours)
         env.update(
             RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
             WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
@@ -235,7 +236,7 @@ def _launch(
         if link is not None:  # in the worker's network namespace, behind its shaped uplink
             env.update(link.env())
             argv = link.command(cmd, rank // ranks_per_worker)
-        server = rank_server(Environment.for_child()) if fork else None
+        server = rank_server(ours) if fork else None
         if server is not None:  # forked in a session of its own; it dies with the server, which dies with us
             env[LAUNCHER_PID_ENV] = str(server.process.pid)
             p: RankProcess = server.start(["train", *argv_for_train], env)

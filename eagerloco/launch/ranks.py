@@ -257,7 +257,6 @@ class RankServer:
 
 _server: RankServer | None = None
 _server_lock = threading.Lock()
-_registered = False  # whether atexit ends the server
 
 
 def rank_server(env: Mapping[str, str]) -> RankServer | None:
@@ -271,7 +270,7 @@ def rank_server(env: Mapping[str, str]) -> RankServer | None:
         or a start-time variable that differs from the server's while the server has ranks running; an
         idle server with other settings is replaced).
     """
-    global _server, _registered
+    global _server
     if not sys.platform.startswith("linux") or any(k.startswith(_FAULT_PREFIX) for k in env):
         return None
     with _server_lock:
@@ -281,9 +280,6 @@ def rank_server(env: Mapping[str, str]) -> RankServer | None:
             _server.close()
             _server = None
         if _server is None:
-            if not _registered:
-                atexit.register(close_rank_server)
-                _registered = True
             _server = RankServer(env)
         return _server
 
@@ -296,6 +292,8 @@ def close_rank_server() -> None:
             _server.close()
             _server = None
 
+
+atexit.register(close_rank_server)  # a no-op in a process that never started one
 
 __all__ = ["SERVER_MODULE", "ForkedRank", "RankProcess", "RankServer", "close_rank_server", "rank_server",
            "receive_message", "send_message", "start_keys"]
