@@ -16,6 +16,7 @@ Usage: python tests/hooks_job.py SCENARIO OUTDIR WORKER WORKERS PORT [PORT ...]
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -47,7 +48,14 @@ def _init() -> Toy:
     return Toy(num_blocks=4, width=8)
 
 
+def gloo_threads() -> int:
+    """How many of this process's threads are gloo's (a group's workers, a transport's event loop)."""
+    tasks = Path("/proc/self/task")
+    return sum((t / "comm").read_text().strip() in ("pt_gloo_runloop", "gloo_tcp_loop") for t in tasks.iterdir())
+
+
 def hooked(settings: dict, port: int, worker: int, workers: int, **kwargs: object) -> dict:
+    gc.collect()  # the explicit run before this one may leave its group to the collector
     model = _init()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     with eagerloco.outer_loop(model, opt, outer_addr=f"127.0.0.1:{port}", worker_id=worker, workers=workers,
@@ -56,7 +64,9 @@ def hooked(settings: dict, port: int, worker: int, workers: int, **kwargs: objec
             opt.zero_grad()
             _loss(model, worker, step).backward()
             opt.step()
+    left = gloo_threads()  # the loop is finished but still referenced (by `outer`): its group must be freed
     return {"params": [p.detach().clone() for p in model.parameters()], "outer": outer.outer_parameters(),
+            "gloo_threads_after": left,
             "bytes_sent": outer.comm.stats.bytes_sent, "num_syncs": outer.comm.stats.num_syncs,
             "sizes": [sum(p.numel() for p in f) for f in outer.sync.params], "metrics": outer.metrics()}
 

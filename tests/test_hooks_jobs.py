@@ -96,6 +96,15 @@ def test_hooks_are_bit_for_bit_the_explicit_calls_across_jobs(methods: list[dict
         assert h["bytes_sent"] == e["bytes_sent"] > 0
 
 
+def test_a_finished_loop_frees_its_group_at_once(methods: list[dict]) -> None:
+    """A finished loop leaves no gloo thread behind, though the script (or a framework's trainer) still holds
+    it: freed at the interpreter's exit instead, the group's threads can abort a run that succeeded."""
+    for w in range(2):
+        for name in [*sorted(METHODS), "link"]:
+            got = methods[w][name] if name == "link" else methods[w][name]["hooked"]
+            assert got["gloo_threads_after"] == 0, (w, name)
+
+
 @pytest.mark.parametrize("name", ["diloco", "dp", "streaming"])
 def test_blocking_methods_keep_identical_outer_parameters_and_count_the_wire_bytes(methods: list[dict],
                                                                                   name: str) -> None:

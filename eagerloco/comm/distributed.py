@@ -301,6 +301,9 @@ class TorchDistCommunicator(Communicator):
             )
         # "failed": gave up because of a peer (others must not blame it); "closed": left on its own.
         self.heartbeat.stop("failed" if isinstance(self._error, PeerError) else "closed")
+        # Let go of the group, so that whoever formed it can free it (its gloo threads and sockets) now:
+        # see groups.leave_outer_group.
+        self.peers.group = None
 
     # -- caller's side ------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ worker, and every rank exchanges its own shard.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 import warnings
@@ -418,17 +419,23 @@ def heartbeat_store(timeout_s: float) -> dist.Store | None:
 
 
 def leave_outer_group(ctx: DistContext) -> None:
-    """Shut down a group formed across jobs (:func:`join_outer_group`) now, and let go of its store.
+    """Shut down a group formed across jobs (:func:`join_outer_group`) now, and free it and its store.
 
-    Such a group is not WORLD's, so ``destroy_process_group`` does not know it; left to the
-    interpreter's exit, its gloo threads are torn down after Python is gone, which can abort the
-    process ("terminate called without an active exception") after a run that succeeded.
+    Such a group is not WORLD's, so ``destroy_process_group`` does not know it, and gloo's
+    ``shutdown()`` stops none of its threads: they end only when the group is freed. Left to the
+    interpreter's exit (a framework's trainer holding the loop in a reference cycle), the group is
+    freed while Python is being torn down, which can abort the process ("terminate called without
+    an active exception", status 134) after a run that succeeded. The communicator has let go of it
+    at its close; the cycles that still hold it are collected here, so that its threads, sockets and
+    the store's connection end now.
     """
     group = ctx.outer_group
     if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
         group.shutdown()
     ctx.outer_group = None
     ctx.store = ctx.outer_store = None
+    del group
+    gc.collect()
 
 
 def shutdown() -> None:
