@@ -2,10 +2,14 @@
 trainer once, then forks one rank per request that comes over the socket FD (:mod:`eagerloco.launch.ranks`
 is the other end, and says why).
 
-Requests: ``{"argv": [...], "env": {...}}`` with the write end of the rank's output pipe; answers:
-``{"started": pid}`` (or ``{"failed": why}``), and ``{"exited": pid, "code": status}`` when a rank ends
-(negative: the signal that killed it). The server ends when the launcher closes the socket or dies; its
-ranks then get SIGTERM, their parent-death signal, as they do when a launcher dies.
+Requests: ``{"argv": [...], "env": {...}}`` (and ``"cwd"``, where the child is to start in another
+directory) with the write end of the rank's output; answers: ``{"started": pid}`` (or ``{"failed": why}``),
+and ``{"exited": pid, "code": status}`` when a rank ends (negative: the signal that killed it). The server
+ends when the launcher closes the socket or dies; its ranks then get SIGTERM, their parent-death signal,
+as they do when a launcher dies.
+
+:func:`serve` takes what to import and what a child runs, so that another program can fork other children
+the same way (the project's tests fork their job scripts from a server of their own).
 """
 
 from __future__ import annotations
@@ -18,32 +22,55 @@ import socket
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 from eagerloco.environment import Environment
 from eagerloco.launch.ranks import receive_message, send_message
 
+#: What runs in a forked child: the request, its output's descriptor, the handshake's write end.
+Child = Callable[[dict[str, Any], int, int], None]
 
-def _run_rank(argv: list[str], env: dict[str, str], output: int, ready: int) -> None:
+
+def become_child(message: dict[str, Any], output: int, ready: int) -> None:
+    """In a forked child: become the process a launcher would have started for this request.
+
+    Its own session, as the launcher starts every rank (Ctrl-C reaches only the launcher), announced to
+    the server by closing ``ready`` (the launcher may signal it at once); stdout and stderr on ``output``,
+    line-buffered as with PYTHONUNBUFFERED; default signal handlers; the request's environment and
+    working directory.
+
+    Args:
+        message: the request (``env``, and ``cwd`` where given).
+        output: the descriptor its output goes to (closed here once duplicated).
+        ready: the write end of the server's handshake pipe (closed here).
+    """
+    os.setsid()
+    os.close(ready)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.close(output)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    Environment.adopt(message["env"])
+    if message.get("cwd"):
+        os.chdir(message["cwd"])
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True,
+                                  errors="backslashreplace")
+
+
+def _run_rank(message: dict[str, Any], output: int, ready: int) -> None:
     """In the forked child: become the rank ``python -m eagerloco ARGV`` would be, run it, and exit."""
     code = 1
     try:
-        os.setsid()  # its own session, as the launcher starts every rank: Ctrl-C reaches only the launcher
-        os.close(ready)  # the server answers once the session exists: the launcher may signal it at once
-        os.dup2(output, 1)
-        os.dup2(output, 2)
-        os.close(output)
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        Environment.adopt(env)
-        # PYTHONUNBUFFERED, as a started rank has it: every line reaches the launcher as it is written.
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True,
-                                      errors="backslashreplace")
+        become_child(message, output, ready)
+        argv = message["argv"]
         sys.argv = ["eagerloco", *argv]
         from eagerloco.cli import run_rank
 
-        code = run_rank(argv, env.get("OMP_NUM_THREADS"))
+        code = run_rank(argv, message["env"].get("OMP_NUM_THREADS"))
     except SystemExit as e:  # argparse's usage errors
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if isinstance(e.code, str):
@@ -58,6 +85,12 @@ def _run_rank(argv: list[str], env: dict[str, str], output: int, ready: int) -> 
             os._exit(code)
 
 
+def _preload_ranks() -> None:
+    from eagerloco.cli import preload_train
+
+    preload_train()
+
+
 def _tell(sock: socket.socket, message: dict[str, object]) -> bool:
     """Send the launcher a message; False when it is gone (then the server ends)."""
     try:
@@ -67,11 +100,14 @@ def _tell(sock: socket.socket, message: dict[str, object]) -> bool:
     return True
 
 
-def serve(fd: int) -> int:
-    """Import what a rank needs, then fork ranks on request until the launcher goes away.
+def serve(fd: int, preload: Callable[[], None] = _preload_ranks, child: Child = _run_rank) -> int:
+    """Import what a child needs, then fork children on request until the launcher goes away.
 
     Args:
         fd: the server's end of the launcher's SOCK_SEQPACKET socket pair.
+        preload: imports what every child needs, once (default: the trainer's, for ranks).
+        child: runs in each forked child with the request, its output's descriptor and the handshake's
+            (:func:`become_child` first), and never returns: it ends the process (default: a rank).
 
     Returns:
         0 once the launcher closed the socket.
@@ -81,9 +117,7 @@ def serve(fd: int) -> int:
     # handles them (and stops the ranks); the server must outlive them to report how the ranks end.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    from eagerloco.cli import preload_train
-
-    preload_train()
+    preload()
     # Python 3.12 warns on fork in a process with threads: here numpy's BLAS pool, which registers its own
     # fork handlers; nothing else runs a thread in this process.
     warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
@@ -108,7 +142,7 @@ def serve(fd: int) -> int:
                 selector.close()
                 sock.close()
                 os.close(wait_ready)
-                _run_rank(message["argv"], message["env"], fds[0], ready)
+                child(message, fds[0], ready)
             for f in (*fds, ready):
                 os.close(f)
             os.read(wait_ready, 1)  # end of file: the child has its session (or has died)
@@ -124,6 +158,8 @@ def serve(fd: int) -> int:
             if not _tell(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)}):
                 return 0
 
+
+__all__ = ["Child", "become_child", "serve"]
 
 if __name__ == "__main__":
     sys.exit(serve(int(sys.argv[1])))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from jobs import popen
 from test_hooks_jobs import free_ports, job_env, wait_all
 
 from eagerloco.comm.agreement import check_agreement, parameter_digest, publish_and_gather, shapes_digest
@@ -91,10 +92,9 @@ def test_the_agreed_settings_are_every_setting_but_the_local_ones() -> None:
 def _jobs(tmp_path: Path, args: list[list[str]], port: int) -> list[subprocess.CompletedProcess]:
     base = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress",
             "--log-every", "2", "--dist-timeout", "60", "--method", "diloco", "--inner-steps", "2"]
-    procs = [subprocess.Popen([sys.executable, "-m", "eagerloco", "train", *base, *extra, "--outer-addr",
-                               f"127.0.0.1:{port}", "--worker-id", str(w), "--workers", "2",
-                               "--out", str(tmp_path / f"w{w}")],
-                              env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [popen([sys.executable, "-m", "eagerloco", "train", *base, *extra, "--outer-addr", f"127.0.0.1:{port}",
+                    "--worker-id", str(w), "--workers", "2", "--out", str(tmp_path / f"w{w}")],
+                   env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for w, extra in enumerate(args)]
     return wait_all(procs, 240)
 

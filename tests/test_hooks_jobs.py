@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobs import popen
 from test_hooks import METHODS
 
 from eagerloco.comm.base import wire_bytes
@@ -58,9 +59,10 @@ def job_env() -> dict[str, str]:
 
 def run_jobs(scenario: str, outdir: Path, ports: list[int], timeout: float = 240,
              env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
-    procs = [subprocess.Popen([sys.executable, str(HERE / "hooks_job.py"), scenario, str(outdir), str(w), "2",
-                               *map(str, ports)], env={**job_env(), **(env or {})}, cwd=HERE.parent,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for w in range(2)]
+    # The never-finished loop is about the interpreter's own exit: those jobs are interpreters of their own.
+    procs = [popen([sys.executable, str(HERE / "hooks_job.py"), scenario, str(outdir), str(w), "2", *map(str, ports)],
+                   env={**job_env(), **(env or {})}, cwd=HERE.parent, stdout=subprocess.PIPE,
+                   stderr=subprocess.STDOUT, text=True, fork=scenario != "unfinished") for w in range(2)]
     return wait_all(procs, timeout)
 
 
@@ -181,10 +183,10 @@ def test_elastic_across_jobs_cannot_survive_worker_0_the_store_host_and_says_so(
 def test_the_plain_loop_example_runs_as_two_jobs(tmp_path: Path) -> None:
     port = free_ports(1)[0]
     example = HERE.parent / "examples" / "plain_loop.py"
-    procs = [subprocess.Popen([sys.executable, str(example), "--outer-addr", f"127.0.0.1:{port}", "--worker-id",
-                               str(w), "--workers", "2", "--steps", "10", "--save", str(tmp_path / f"w{w}.pt")],
-                              env=job_env(), cwd=HERE.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for w in range(2)]
+    procs = [popen([sys.executable, str(example), "--outer-addr", f"127.0.0.1:{port}", "--worker-id", str(w),
+                    "--workers", "2", "--steps", "10", "--save", str(tmp_path / f"w{w}.pt")],
+                   env=job_env(), cwd=HERE.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for w in range(2)]
     for w, p in enumerate(procs):
         out, _ = p.communicate(timeout=240)
         assert p.returncode == 0, out[-3000:]

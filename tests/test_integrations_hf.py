@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobs import popen
 from test_hooks_jobs import free_ports, job_env, wait_all
 
 from eagerloco.comm.base import wire_bytes
@@ -46,8 +47,7 @@ def run_pair(out: Path, args: list[str], ranks: tuple[int, int] = (1, 1), resume
                "--workers", "2", "--out", str(out / f"w{w}"), *args]
         if resume:
             cmd += ["--resume", str(out / f"w{w}" / resume)]
-        procs.append(subprocess.Popen(cmd, env=job_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(popen(cmd, env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for w, done in enumerate(wait_all(procs, timeout)):
         assert done.returncode == 0, f"worker {w}:\n{done.stdout[-5000:]}"
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobs import popen
 from test_hooks_jobs import free_ports, job_env, wait_all
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,9 +24,9 @@ def run_killed_pair(example: str, out: Path, kill: str, args: list[str]) -> list
     """Both workers of a run, worker ``kill``'s WORKER:STEP SIGKILLing itself (EAGERLOCO_FAULT_KILL)."""
     port = free_ports(1)[0]
     env = {**job_env(), "EAGERLOCO_FAULT_KILL": kill}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "examples" / example), "--outer-addr", f"127.0.0.1:{port}",
-                               "--worker-id", str(w), "--workers", "2", "--out", str(out / f"w{w}"), *args],
-                              env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [popen([sys.executable, str(ROOT / "examples" / example), "--outer-addr", f"127.0.0.1:{port}",
+                    "--worker-id", str(w), "--workers", "2", "--out", str(out / f"w{w}"), *args],
+                   env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for w in range(2)]
     return wait_all(procs, 180)
 

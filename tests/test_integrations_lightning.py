@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobs import popen
 from test_hooks_jobs import free_ports, job_env, wait_all
 
 from eagerloco.comm.base import wire_bytes
@@ -34,8 +35,7 @@ def run_pair(out: Path, args: list[str], resume: str | None = None, timeout: flo
                "--workers", "2", "--out", str(out / f"w{w}"), *args]
         if resume:
             cmd += ["--resume", resume.format(w=w)]
-        procs.append(subprocess.Popen(cmd, env=job_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(popen(cmd, env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for w, done in enumerate(wait_all(procs, timeout)):
         assert done.returncode == 0, f"worker {w}:\n{done.stdout[-5000:]}"
 

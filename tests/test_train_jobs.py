@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobs import popen
 from test_hooks_jobs import free_ports, job_env, wait_all
 
 from eagerloco.cli import main
@@ -23,9 +24,9 @@ FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batch
 def test_two_jobs_agree_after_every_blocking_diloco_sync_and_count_the_bytes(tmp_path: Path) -> None:
     port = free_ports(1)[0]
     args = [*FAST, "--method", "diloco", "--inner-steps", "4", "--steps", "8", "--checkpoint-every", "4"]
-    procs = [subprocess.Popen([sys.executable, "-m", "eagerloco", "train", *args, "--outer-addr", f"127.0.0.1:{port}",
-                               "--worker-id", str(w), "--workers", "2", "--out", str(tmp_path / f"w{w}")],
-                              env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [popen([sys.executable, "-m", "eagerloco", "train", *args, "--outer-addr", f"127.0.0.1:{port}",
+                    "--worker-id", str(w), "--workers", "2", "--out", str(tmp_path / f"w{w}")],
+                   env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for w in range(2)]
     for w, done in enumerate(wait_all(procs, 180)):
         assert done.returncode == 0, f"worker {w}:\n{done.stdout[-4000:]}"

@@ -104,7 +104,7 @@ class ForkedRank:
     """A rank forked by the server, with the part of :class:`subprocess.Popen` the launcher uses
     (``pid``, ``stdout``, ``poll``, ``wait``, ``kill``, ``returncode``)."""
 
-    def __init__(self, server: RankServer, pid: int, stdout: IO[bytes]) -> None:
+    def __init__(self, server: RankServer, pid: int, stdout: IO[bytes] | None) -> None:
         self.pid = pid
         self.stdout = stdout
         self.returncode: int | None = None
@@ -142,12 +142,20 @@ class RankServer:
     """The client side of one :mod:`eagerloco.rankserver` process: start it, ask it for ranks, learn
     how they end. Thread-safe; the server ends when this process closes its socket (or dies)."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], command: Sequence[str] = (sys.executable, "-m", SERVER_MODULE)) -> None:
+        """Start the server with this environment.
+
+        Args:
+            env: the server's environment (its start-time variables are every child's).
+            command: the server's command line, to which its socket's descriptor is appended: by default
+                :mod:`eagerloco.rankserver`'s; another program serving with :func:`eagerloco.rankserver.serve`
+                forks other children.
+        """
         self.start_env = start_keys(env)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         self.process = subprocess.Popen(
-            [sys.executable, "-m", SERVER_MODULE, str(theirs.fileno())], env=dict(env), pass_fds=[theirs.fileno()],
+            [*command, str(theirs.fileno())], env=dict(env), pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         )
         theirs.close()
@@ -194,24 +202,31 @@ class RankServer:
         with self._changed:
             return bool(self._live)
 
-    def start(self, argv: Sequence[str], env: Mapping[str, str], timeout_s: float = 600.0) -> ForkedRank:
-        """Fork a rank running ``eagerloco ARGV`` with this environment.
+    def start(self, argv: Sequence[str], env: Mapping[str, str], timeout_s: float = 600.0, *,
+              cwd: str | None = None, output: int | None = None) -> ForkedRank:
+        """Fork a rank running ``eagerloco ARGV`` (another server's child: what its ARGV says) with this environment.
 
         Args:
             argv: the arguments after the program name (``train ...``).
             env: the rank's whole environment.
             timeout_s: how long to wait for the server's answer.
+            cwd: the directory it starts in (default: the server's).
+            output: a descriptor its stdout and stderr go to (a log file's), instead of a new pipe.
 
         Returns:
-            The rank: its output (stdout and stderr) on its ``stdout``, its status from ``poll``/``wait``.
+            The rank: its output (stdout and stderr) on its ``stdout`` (None with ``output``), its status
+            from ``poll``/``wait``.
 
         Raises:
             RuntimeError: the server is gone or did not answer within timeout_s (it imports torch first).
         """
-        read_end, write_end = os.pipe()
+        read_end, write_end = os.pipe() if output is None else (-1, output)
+        request: dict[str, Any] = {"argv": list(argv), "env": dict(env)}
+        if cwd is not None:
+            request["cwd"] = str(cwd)
         try:
             with self._lock:
-                send_message(self._sock, {"argv": list(argv), "env": dict(env)}, [write_end])
+                send_message(self._sock, request, [write_end])
                 with self._changed:
                     if not self._changed.wait_for(lambda: self._replies or self._gone, timeout_s) or not self._replies:
                         raise RuntimeError("the rank server did not start the rank (it is gone or did not answer in "
@@ -220,11 +235,13 @@ class RankServer:
             if isinstance(pid, str):
                 raise RuntimeError(f"the rank server could not start the rank: {pid}")
         except BaseException:
-            os.close(read_end)
+            if output is None:
+                os.close(read_end)
             raise
         finally:
-            os.close(write_end)
-        return ForkedRank(self, pid, os.fdopen(read_end, "rb"))
+            if output is None:
+                os.close(write_end)
+        return ForkedRank(self, pid, os.fdopen(read_end, "rb") if output is None else None)
 
     def exit_code(self, pid: int) -> int | None:
         """How the rank ``pid`` ended (negative: the signal that killed it), or None while it runs."""

@@ -1,0 +1,178 @@
+"""Jobs for the tests: ``python SCRIPT ...`` or ``python -m MODULE ...`` as a process of its own, forked from a
+server that has imported torch, eagerloco, transformers and Lightning once.
+
+Each such job (a hook-API script, an example, ``eagerloco train --outer-addr``) used to pay for its own
+interpreter and imports, 4-7 CPU-seconds before its first line; the suite starts about a hundred. As
+``eagerloco launch`` does for its ranks (:mod:`eagerloco.rankserver`), each test process starts one server
+(this file, run as ``python tests/jobs.py FD``) on first use and forks every job from it. A forked job is a
+process of its own: its own pid and session, its output on the pipe or file given, the environment and
+working directory given, its exit status (negative: the signal that ended it), and it ends as an
+interpreter does (atexit, the threads' and objects' teardown), since the script's exit leaves the server's
+frames for the interpreter's own exit.
+
+It differs from a started interpreter in what is read when one starts: a job whose start-time variables
+(``PYTHONPATH``, ``TORCH_*``, ...) differ from the server's, or that asks for a test fault (installed at
+interpreter start), is started as a process; so is any other command, a job whose stderr is not merged
+into its stdout, and a test that passes ``fork=False`` because it examines the interpreter itself. Its
+``/proc/PID/environ`` is the server's: tests that find processes by their environment start them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from eagerloco.launch.ranks import ForkedRank, RankServer, start_keys
+
+HERE = Path(__file__).resolve().parent
+_FAULT_PREFIX = "EAGERLOCO_FAULT"
+
+
+class Job:
+    """A forked job with the part of :class:`subprocess.Popen` the tests use."""
+
+    def __init__(self, rank: ForkedRank, args: list[str], text: bool) -> None:
+        self.args, self.pid, self._rank = args, rank.pid, rank
+        self.returncode: int | None = None
+        self.stdout: IO[Any] | None = None
+        self._chunks: list[bytes] = []
+        self._reader: threading.Thread | None = None
+        self._text = text
+        if rank.stdout is not None:  # drained at once, so that a chatty job never blocks on a full pipe
+            self._reader = threading.Thread(target=self._drain, args=(rank.stdout,), daemon=True)
+            self._reader.start()
+
+    def _drain(self, pipe: IO[bytes]) -> None:
+        with pipe:
+            for chunk in iter(lambda: pipe.read1(1 << 16), b""):
+                self._chunks.append(chunk)
+
+    def poll(self) -> int | None:
+        self.returncode = self._rank.poll()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.returncode = self._rank.wait(timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[Any, None]:
+        """(its whole output, None) once it has ended; subprocess.TimeoutExpired if it runs on past timeout."""
+        if self._reader is not None:
+            self._reader.join(timeout)
+            if self._reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        self.wait(timeout)
+        if self._reader is None:
+            return None, None
+        out = b"".join(self._chunks)
+        return (out.decode(errors="replace") if self._text else out), None
+
+
+_server: RankServer | None = None
+_lock = threading.Lock()
+
+
+def _server_for(env: Mapping[str, str]) -> RankServer | None:
+    global _server
+    if not sys.platform.startswith("linux") or any(k.startswith(_FAULT_PREFIX) for k in env):
+        return None
+    with _lock:
+        if _server is not None and not _server.alive:
+            _server = None
+        if _server is None:
+            _server = RankServer(env, command=(sys.executable, str(Path(__file__).resolve())))
+        return _server if _server.start_env == start_keys(env) else None
+
+
+def _close() -> None:
+    with _lock:
+        if _server is not None:
+            _server.close()
+
+
+atexit.register(_close)
+
+
+def popen(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
+          stdout: Any = None, stderr: Any = None, text: bool = False, fork: bool = True) -> Job | subprocess.Popen:
+    """``subprocess.Popen(args, ...)``, forked from this process's job server where it can be (see the module):
+    args of ``python SCRIPT ...`` or ``python -m MODULE ...``, stdout a pipe or a file, stderr merged into it."""
+    args = [str(a) for a in args]
+    env = dict(os.environ if env is None else env)
+    server = None
+    python = len(args) > 1 and args[0] == sys.executable and (args[1] == "-m" or not args[1].startswith("-"))
+    merged = stderr == subprocess.STDOUT and (stdout == subprocess.PIPE or hasattr(stdout, "fileno"))
+    if fork and python and merged and args[2:3] != ["torch.distributed.run"]:
+        server = _server_for(env)
+    if server is None:
+        return subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text)
+    output = None if stdout == subprocess.PIPE else stdout.fileno()
+    rank = server.start(args[1:], env, cwd=None if cwd is None else str(cwd), output=output)
+    return Job(rank, args, text)
+
+
+# -- the server ----------------------------------------------------------------------------------------------
+
+def _preload() -> None:
+    """What the jobs import: torch (and the compiler stack its optimizers load), eagerloco's hook API and
+    trainer, and the frameworks the examples use where they are installed."""
+    from eagerloco.cli import preload_train
+
+    preload_train()
+    import eagerloco.hooks  # noqa: F401
+
+    for name in ("transformers", "pytorch_lightning"):
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+
+
+def _run_python(message: dict[str, Any], output: int, ready: int) -> None:
+    """In the forked child: run ``python ARGV`` and leave through the interpreter's own exit."""
+    from eagerloco.rankserver import become_child
+
+    become_child(message, output, ready)
+    import torch
+
+    threads = message["env"].get("OMP_NUM_THREADS")
+    if threads:  # read by a started interpreter's OpenMP when it loads
+        torch.set_num_threads(max(1, int(threads)))
+    argv = message["argv"]
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = str(Path(argv[0]).resolve().parent)
+        runpy.run_path(argv[0], run_name="__main__")
+    # Out through the server's frames to the interpreter's exit: atexit, and the teardown a script's process has.
+    raise SystemExit(0)
+
+
+if __name__ == "__main__":
+    from eagerloco.rankserver import serve
+
+    sys.exit(serve(int(sys.argv[1]), _preload, _run_python))
