@@ -11,9 +11,10 @@ interpreter does (atexit, the threads' and objects' teardown), since the script'
 frames for the interpreter's own exit.
 
 It differs from a started interpreter in what is read when one starts: a job whose start-time variables
-(``PYTHONPATH``, ``TORCH_*``, ...) differ from the server's, or that asks for a test fault (installed at
-interpreter start), is started as a process; so is any other command, a job whose stderr is not merged
-into its stdout, and a test that passes ``fork=False`` because it examines the interpreter itself. Its
+(``PYTHONPATH``, ``TORCH_*``, ...) differ from the server's is started as a process (the test faults, which
+the server installed as every test process's interpreter does, read each job's own environment); so is
+any other command, a job whose stderr is not merged into its stdout, and a test that passes
+``fork=False`` because it examines the interpreter itself. Its
 ``/proc/PID/environ`` is the server's: tests that find processes by their environment start them.
 """
 
@@ -33,7 +34,6 @@ from typing import IO, Any
 from eagerloco.launch.ranks import ForkedRank, RankServer, start_keys
 
 HERE = Path(__file__).resolve().parent
-_FAULT_PREFIX = "EAGERLOCO_FAULT"
 
 
 class Job:
@@ -95,7 +95,7 @@ _lock = threading.Lock()
 
 def _server_for(env: Mapping[str, str]) -> RankServer | None:
     global _server
-    if not sys.platform.startswith("linux") or any(k.startswith(_FAULT_PREFIX) for k in env):
+    if not sys.platform.startswith("linux"):
         return None
     with _lock:
         if _server is not None and not _server.alive:

@@ -88,10 +88,10 @@ def test_worker_0_killed_mid_run_leaves_one_line_and_no_cpp_frames_in_the_others
     error's stack frames before the run's one line naming worker 0."""
     port = free_ports(1)[0]
     procs = []
-    for w in range(2):  # both started (worker 0's fault needs it): a 5 s rendezvous cannot wait for a cold job server
+    for w in range(2):
         env = {**job_env(), **({"EAGERLOCO_FAULT_KILL": "0:3:0.05"} if w == 0 else {})}
         procs.append(popen(_train(port, w, tmp_path / f"w{w}", "--steps", "12", "--dist-timeout", "5"),
-                           env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, fork=False))
+                           env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     killed, survivor = wait_all(procs, 180)
     assert killed.returncode == -9, killed.stdout[-3000:]
     assert survivor.returncode == PEER_EXIT_CODE, survivor.stdout[-3000:]

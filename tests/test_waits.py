@@ -102,13 +102,13 @@ def test_separate_jobs_wait_for_an_evaluation_that_outlasts_the_timeout(tmp_path
 
     port = free_ports(1)[0]
     procs = []
-    for w in range(2):  # both started (worker 0's fault needs it): a 3 s rendezvous cannot wait for a cold job server
+    for w in range(2):
         env = {**job_env(), **({"EAGERLOCO_FAULT_EVAL_DELAY": "6"} if w == 0 else {})}
         procs.append(popen(
             [sys.executable, "-m", "eagerloco", "train", *FAST[:-4], "--steps", "4", "--inner-steps", "2",
              "--eval-every", "2", "--dist-timeout", "3", "--outer-addr", f"127.0.0.1:{port}", "--worker-id", str(w),
              "--workers", "2", "--out", str(tmp_path / f"w{w}")],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, fork=False))
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for w, done in enumerate(wait_all(procs, 180)):
         assert done.returncode == 0, f"worker {w}:\n{done.stdout[-3000:]}"
         assert (tmp_path / f"w{w}" / "summary.json").is_file()

@@ -35,9 +35,6 @@ MAX_MESSAGE = 1 << 20
 _START_PREFIXES = ("PYTHON", "LD_", "TORCH_", "MKL_", "KMP_", "GOMP_", "OMP_", "OPENBLAS_")
 #: ... except those a forked rank applies itself.
 _APPLIED_BY_RANK = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")
-#: The test faults (:mod:`eagerloco.testing.faults`) install themselves when an interpreter starts, for the
-#: rank that interpreter is: a rank that asks for one is always a process of its own.
-_FAULT_PREFIX = "EAGERLOCO_FAULT"
 
 
 def start_keys(env: Mapping[str, str]) -> dict[str, str]:
@@ -283,12 +280,12 @@ def rank_server(env: Mapping[str, str]) -> RankServer | None:
         env: the launcher's environment for its ranks, before the variables of each rank are added.
 
     Returns:
-        The server; None where a rank must be a process of its own (not Linux, a test fault asked for,
-        or a start-time variable that differs from the server's while the server has ranks running; an
-        idle server with other settings is replaced).
+        The server; None where a rank must be a process of its own (not Linux, or a start-time variable
+        that differs from the server's while the server has ranks running; an idle server with other
+        settings is replaced).
     """
     global _server
-    if not sys.platform.startswith("linux") or any(k.startswith(_FAULT_PREFIX) for k in env):
+    if not sys.platform.startswith("linux"):
         return None
     with _server_lock:
         if _server is not None and (not _server.alive or _server.start_env != start_keys(env)):

@@ -11,7 +11,8 @@ They are environment variables, not flags, because no real run should ever ask f
 act only in a process that installed them (:func:`install`): a test or a benchmark starts its
 processes with :func:`environment`, which adds this package's ``site`` directory to PYTHONPATH, and
 the ``sitecustomize`` there installs them at interpreter start, watching the run through
-:mod:`eagerloco.events`. No public module imports this one.
+:mod:`eagerloco.events` (a process forked from one that has them, as a launched rank is, has them
+too, and acts on its own environment). No public module imports this one.
 """
 
 from __future__ import annotations
@@ -101,20 +102,25 @@ def kill_self(delay_s: float) -> None:
     t.start()
 
 
-def install(environ: Mapping[str, str] | None = None) -> None:
-    """Watch this process's run for the faults its environment asks for (none: nothing happens)."""
-    kill = kill_at(environ)
-    if kill is not None:
-        worker, at, delay = kill
+def install() -> None:
+    """Watch this process's run for the faults its environment asks for (none: nothing happens).
 
-        def on_step(w: int, step: int) -> None:
-            if w == worker and step == at:
-                kill_self(delay)
+    The environment is read at each event, not now: a rank forked from a server that installed the
+    watchers (``eagerloco launch``'s rank server, the tests' job server) acts on its own environment,
+    as a process started with it does.
+    """
+    def on_step(w: int, step: int) -> None:
+        kill = kill_at()
+        if kill is not None and w == kill[0] and step == kill[1]:
+            kill_self(kill[2])
 
-        events.on_inner_step(on_step)
-    seconds = eval_delay_s(environ)
-    if seconds > 0:
-        events.on_evaluation(lambda step: time.sleep(seconds))
+    def on_evaluation(step: int) -> None:
+        seconds = eval_delay_s()
+        if seconds > 0:
+            time.sleep(seconds)
+
+    events.on_inner_step(on_step)
+    events.on_evaluation(on_evaluation)
 
 
 __all__ = ["FAULT_EVAL_DELAY_ENV", "FAULT_KILL_ENV", "SITE_DIR", "environment", "eval_delay_s", "install", "kill_at",
