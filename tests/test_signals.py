@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from jobs import Job, popen
 from runs import launch_here, train_here
 
 from eagerloco import checkpoint as ckpt
@@ -53,8 +54,10 @@ def tagged(tag: str) -> list[int]:
     return found
 
 
-def _start(cmd: list[str], tag: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env(tag))
+def _start(cmd: list[str], tag: str, log: Path) -> Job | subprocess.Popen:
+    """The command, forked from the tests' job server (tests/jobs.py): ``tagged`` finds what it starts, not itself."""
+    with log.open("w") as f:
+        return popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(tag))
 
 
 def _wait_for_checkpoint(p: subprocess.Popen, out: Path, after: int, log: Path, timeout: float = 400) -> None:
@@ -168,9 +171,10 @@ def test_an_evaluation_longer_than_the_dist_timeout_loses_nothing(tmp_path: Path
            *BASE, "--steps", "8", "--method", "diloco", "--inner-steps", "2", "--eval-every", "4",
            "--dist-timeout", "4", "--out", str(out)]
     env = {**_env(tag), "EAGERLOCO_FAULT_EVAL_DELAY": "9"}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert "Traceback" not in r.stdout + r.stderr
+    p = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    text, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, text[-6000:]
+    assert "Traceback" not in text
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 8 and s["final_eval_loss"] == s["final_eval_loss"]  # written, and a number
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
