@@ -3,10 +3,10 @@ trainer once, then forks one rank per request that comes over the socket FD (:mo
 is the other end, and says why).
 
 Requests: ``{"argv": [...], "env": {...}}`` (and ``"cwd"``, where the child is to start in another
-directory) with the write end of the rank's output; answers: ``{"started": pid}`` (or ``{"failed": why}``),
-and ``{"exited": pid, "code": status}`` when a rank ends (negative: the signal that killed it). The server
-ends when the launcher closes the socket or dies; its ranks then get SIGTERM, their parent-death signal,
-as they do when a launcher dies.
+directory) with the write end of the rank's output (and of its stderr, where that goes elsewhere);
+answers: ``{"started": pid}`` (or ``{"failed": why}``), and ``{"exited": pid, "code": status}`` when a
+rank ends (negative: the signal that killed it). The server ends when the launcher closes the socket or
+dies; its ranks then get SIGTERM, their parent-death signal, as they do when a launcher dies.
 
 :func:`serve` takes what to import and what a child runs, so that another program can fork other children
 the same way (the project's tests fork their job scripts from a server of their own).
@@ -28,11 +28,12 @@ from typing import Any
 from eagerloco.environment import Environment
 from eagerloco.launch.ranks import receive_message, send_message
 
-#: What runs in a forked child: the request, its output's descriptor, the handshake's write end.
-Child = Callable[[dict[str, Any], int, int], None]
+#: What runs in a forked child: the request, its output's descriptors (stdout, and stderr where it goes
+#: elsewhere), the handshake's write end.
+Child = Callable[[dict[str, Any], list[int], int], None]
 
 
-def become_child(message: dict[str, Any], output: int, ready: int) -> None:
+def become_child(message: dict[str, Any], output: list[int], ready: int) -> None:
     """In a forked child: become the process a launcher would have started for this request.
 
     Its own session, as the launcher starts every rank (Ctrl-C reaches only the launcher), announced to
@@ -42,17 +43,19 @@ def become_child(message: dict[str, Any], output: int, ready: int) -> None:
 
     Args:
         message: the request (``env``, and ``cwd`` where given).
-        output: the descriptor its output goes to (closed here once duplicated).
+        output: the descriptor its stdout goes to, and the one its stderr goes to if not the same (closed
+            here once duplicated).
         ready: the write end of the server's handshake pipe (closed here).
     """
     os.setsid()
-    os.close(ready)
-    os.dup2(output, 1)
-    os.dup2(output, 2)
-    os.close(output)
+    os.dup2(output[0], 1)
+    os.dup2(output[-1], 2)
+    for fd in output:
+        os.close(fd)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.close(ready)  # announced with the signals' own handlers: the server ignores SIGINT and SIGHUP
     Environment.adopt(message["env"])
     if message.get("cwd"):
         os.chdir(message["cwd"])
@@ -61,7 +64,7 @@ def become_child(message: dict[str, Any], output: int, ready: int) -> None:
                                   errors="backslashreplace")
 
 
-def _run_rank(message: dict[str, Any], output: int, ready: int) -> None:
+def _run_rank(message: dict[str, Any], output: list[int], ready: int) -> None:
     """In the forked child: become the rank ``python -m eagerloco ARGV`` would be, run it, and exit."""
     code = 1
     try:
@@ -106,7 +109,7 @@ def serve(fd: int, preload: Callable[[], None] = _preload_ranks, child: Child = 
     Args:
         fd: the server's end of the launcher's SOCK_SEQPACKET socket pair.
         preload: imports what every child needs, once (default: the trainer's, for ranks).
-        child: runs in each forked child with the request, its output's descriptor and the handshake's
+        child: runs in each forked child with the request, its output's descriptors and the handshake's
             (:func:`become_child` first), and never returns: it ends the process (default: a rank).
 
     Returns:
@@ -142,7 +145,7 @@ def serve(fd: int, preload: Callable[[], None] = _preload_ranks, child: Child = 
                 selector.close()
                 sock.close()
                 os.close(wait_ready)
-                child(message, fds[0], ready)
+                child(message, fds, ready)
             for f in (*fds, ready):
                 os.close(f)
             os.read(wait_ready, 1)  # end of file: the child has its session (or has died)

@@ -13,14 +13,14 @@ frames for the interpreter's own exit.
 It differs from a started interpreter in what is read when one starts: a job whose start-time variables
 (``PYTHONPATH``, ``TORCH_*``, ...) differ from the server's is started as a process (the test faults, which
 the server installed as every test process's interpreter does, read each job's own environment); so is
-any other command, a job whose stderr is not merged into its stdout, and a test that passes
-``fork=False`` because it examines the interpreter itself. Its
-``/proc/PID/environ`` is the server's: tests that find processes by their environment start them.
+any other command, and a job of a test that passes ``fork=False`` because it examines the interpreter
+itself. Its ``/proc/PID/environ`` is the server's: tests that find processes by their environment start them.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import runpy
 import signal
@@ -39,21 +39,13 @@ HERE = Path(__file__).resolve().parent
 class Job:
     """A forked job with the part of :class:`subprocess.Popen` the tests use."""
 
-    def __init__(self, rank: ForkedRank, args: list[str], text: bool) -> None:
+    def __init__(self, rank: ForkedRank, args: list[str], text: bool, errors: IO[bytes] | None) -> None:
         self.args, self.pid, self._rank = args, rank.pid, rank
         self.returncode: int | None = None
-        self.stdout: IO[Any] | None = None
-        self._chunks: list[bytes] = []
-        self._reader: threading.Thread | None = None
         self._text = text
-        if rank.stdout is not None:  # drained at once, so that a chatty job never blocks on a full pipe
-            self._reader = threading.Thread(target=self._drain, args=(rank.stdout,), daemon=True)
-            self._reader.start()
-
-    def _drain(self, pipe: IO[bytes]) -> None:
-        with pipe:
-            for chunk in iter(lambda: pipe.read1(1 << 16), b""):
-                self._chunks.append(chunk)
+        # Pipes are drained at once, so that a chatty job never blocks on a full one.
+        self._out = _Drain(rank.stdout) if rank.stdout is not None else None
+        self._err = _Drain(errors) if errors is not None else None
 
     def poll(self) -> int | None:
         self.returncode = self._rank.poll()
@@ -76,17 +68,38 @@ class Job:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def communicate(self, timeout: float | None = None) -> tuple[Any, None]:
-        """(its whole output, None) once it has ended; subprocess.TimeoutExpired if it runs on past timeout."""
-        if self._reader is not None:
-            self._reader.join(timeout)
-            if self._reader.is_alive():
+    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+        """(stdout, stderr) once it has ended (None for what is not a pipe); subprocess.TimeoutExpired if it
+        runs on past timeout."""
+        for drain in (self._out, self._err):
+            if drain is not None and not drain.done(timeout):
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         self.wait(timeout)
-        if self._reader is None:
-            return None, None
-        out = b"".join(self._chunks)
-        return (out.decode(errors="replace") if self._text else out), None
+        return tuple(None if d is None else d.text() if self._text else d.data() for d in (self._out, self._err))
+
+
+class _Drain:
+    """Reads a pipe to its end on a thread of its own."""
+
+    def __init__(self, pipe: IO[bytes]) -> None:
+        self._chunks: list[bytes] = []
+        self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self._thread.start()
+
+    def _read(self, pipe: IO[bytes]) -> None:
+        with pipe:
+            for chunk in iter(lambda: pipe.read1(1 << 16), b""):
+                self._chunks.append(chunk)
+
+    def done(self, timeout: float | None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def data(self) -> bytes:
+        return b"".join(self._chunks)
+
+    def text(self) -> str:
+        return self.data().decode(errors="replace")
 
 
 _server: RankServer | None = None
@@ -120,19 +133,33 @@ atexit.register(_close)
 def popen(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
           stdout: Any = None, stderr: Any = None, text: bool = False, fork: bool = True) -> Job | subprocess.Popen:
     """``subprocess.Popen(args, ...)``, forked from this process's job server where it can be (see the module):
-    args of ``python SCRIPT ...`` or ``python -m MODULE ...``, stdout a pipe or a file, stderr merged into it."""
+    args of ``python SCRIPT ...`` or ``python -m MODULE ...``."""
     args = [str(a) for a in args]
     env = dict(os.environ if env is None else env)
     server = None
     python = len(args) > 1 and args[0] == sys.executable and (args[1] == "-m" or not args[1].startswith("-"))
-    merged = stderr == subprocess.STDOUT and (stdout == subprocess.PIPE or hasattr(stdout, "fileno"))
-    if fork and python and merged and args[2:3] != ["torch.distributed.run"]:
+    if fork and python and args[2:3] != ["torch.distributed.run"]:
         server = _server_for(env)
     if server is None:
         return subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text)
-    output = None if stdout == subprocess.PIPE else stdout.fileno()
-    rank = server.start(args[1:], env, cwd=None if cwd is None else str(cwd), output=output)
-    return Job(rank, args, text)
+    with contextlib.ExitStack() as opened:
+        def descriptor(where: Any, default: int) -> int:
+            if where is None:
+                return default
+            if where == subprocess.DEVNULL:
+                return opened.enter_context(open(os.devnull, "wb")).fileno()
+            return where.fileno() if hasattr(where, "fileno") else int(where)
+
+        errors, err_pipe = None, None
+        if stderr == subprocess.PIPE:
+            read_end, write_end = os.pipe()
+            err_pipe = os.fdopen(read_end, "rb")
+            errors = opened.enter_context(os.fdopen(write_end, "wb")).fileno()
+        elif stderr != subprocess.STDOUT:
+            errors = descriptor(stderr, 2)
+        output = None if stdout == subprocess.PIPE else descriptor(stdout, 1)
+        rank = server.start(args[1:], env, cwd=None if cwd is None else str(cwd), output=output, errors=errors)
+    return Job(rank, args, text, err_pipe)
 
 
 # -- the server ----------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobs import Job, popen
 from runs import stop_after_checkpoint, train_here
 
 from eagerloco import checkpoint as ckpt
@@ -79,10 +80,10 @@ def test_missing_or_corrupt_meta(tmp_path: Path) -> None:
         ckpt.verify(path)
 
 
-def _train(out: Path, *extra: str) -> subprocess.Popen:
+def _train(out: Path, *extra: str) -> Job | subprocess.Popen:
     """A run in a process of its own (one thread, as in this process), for the test that kills it."""
     cmd = [sys.executable, "-m", "eagerloco", "train", *ARGS, "--out", str(out), *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def _result(out: Path) -> tuple[dict, list[dict]]:

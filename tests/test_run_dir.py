@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobs import popen
 
 from eagerloco import checkpoint as ckpt
 from eagerloco.cli import main
@@ -276,8 +277,9 @@ def test_a_launched_run_lists_every_rank_s_files_and_overwrite_removes_them(tmp_
                                                            "MASTER_PORT")}
     cmd = [sys.executable, "-m", "eagerloco", "launch", "--workers", "2", "--", *FAST, "--workers", "2",
            "--steps", "4", "--checkpoint-every", "2", "--keep-checkpoints", "1", "--out", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr
+    p = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, "OMP_NUM_THREADS": "1"})
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
     listed = read_manifest(out)
     files = {r for r, k in listed.items() if k == "file" and (out / r).exists()}
     assert files == {p for p in _files(out) if p != MANIFEST_NAME}

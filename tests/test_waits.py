@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from jobs import popen
+from jobs import Job, popen
 from runs import launch_here
 from test_hooks_jobs import free_ports, job_env
 
@@ -57,10 +57,10 @@ def test_missing_workers_are_named_within_the_timeout_and_a_different_count_at_o
         wait_for_workers(store, 0, 3, 30.0, "h:1")
 
 
-def _job(port: int, timeout: float, out: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "eagerloco", "train", *FAST, "--outer-addr", f"127.0.0.1:{port}",
-                             "--worker-id", "1", "--workers", "2", "--dist-timeout", str(timeout), "--out", str(out)],
-                            env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _job(port: int, timeout: float, out: Path) -> Job | subprocess.Popen:
+    return popen([sys.executable, "-m", "eagerloco", "train", *FAST, "--outer-addr", f"127.0.0.1:{port}",
+                  "--worker-id", "1", "--workers", "2", "--dist-timeout", str(timeout), "--out", str(out)],
+                 env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.processes
@@ -114,13 +114,12 @@ def test_separate_jobs_wait_for_an_evaluation_that_outlasts_the_timeout(tmp_path
         assert (tmp_path / f"w{w}" / "summary.json").is_file()
 
 
-def _rank(rank: int, port: int, timeout: float, out: Path) -> subprocess.Popen:
+def _rank(rank: int, port: int, timeout: float, out: Path) -> Job | subprocess.Popen:
     """Rank ``rank`` of a 2-rank run whose other rank never comes (nobody hosts MASTER_PORT for rank 1)."""
     env = {**job_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    return subprocess.Popen([sys.executable, "-m", "eagerloco", "train", *FAST, "--workers", "2", "--dist-timeout",
-                             str(timeout), "--out", str(out)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return popen([sys.executable, "-m", "eagerloco", "train", *FAST, "--workers", "2", "--dist-timeout", str(timeout),
+                  "--out", str(out)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.processes

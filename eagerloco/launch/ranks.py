@@ -200,7 +200,7 @@ class RankServer:
             return bool(self._live)
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], timeout_s: float = 600.0, *,
-              cwd: str | None = None, output: int | None = None) -> ForkedRank:
+              cwd: str | None = None, output: int | None = None, errors: int | None = None) -> ForkedRank:
         """Fork a rank running ``eagerloco ARGV`` (another server's child: what its ARGV says) with this environment.
 
         Args:
@@ -209,6 +209,7 @@ class RankServer:
             timeout_s: how long to wait for the server's answer.
             cwd: the directory it starts in (default: the server's).
             output: a descriptor its stdout and stderr go to (a log file's), instead of a new pipe.
+            errors: a descriptor its stderr goes to instead (default: with its stdout).
 
         Returns:
             The rank: its output (stdout and stderr) on its ``stdout`` (None with ``output``), its status
@@ -223,7 +224,7 @@ class RankServer:
             request["cwd"] = str(cwd)
         try:
             with self._lock:
-                send_message(self._sock, request, [write_end])
+                send_message(self._sock, request, [write_end] if errors is None else [write_end, errors])
                 with self._changed:
                     if not self._changed.wait_for(lambda: self._replies or self._gone, timeout_s) or not self._replies:
                         raise RuntimeError("the rank server did not start the rank (it is gone or did not answer in "
