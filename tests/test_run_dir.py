@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from jobs import popen
 
 from eagerloco import checkpoint as ckpt
 from eagerloco.cli import main
-from eagerloco.train.manifest import MANIFEST_NAME, read_manifest
+from eagerloco.train.manifest import MANIFEST_NAME, kind_of, read_manifest
 from eagerloco.train.rundir import LOCK_NAME
 
 FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress",
@@ -422,3 +423,30 @@ def test_a_run_file_that_is_a_link_is_never_written_through(run: Path, tmp_path:
         err = _error(capsys, ["train", *RUN, "--out", str(run), *flags])
         assert f"{run / 'metrics.jsonl'} is a symbolic link" in err
     assert theirs.read_text() == "their metrics\n" and (run / "metrics.jsonl").is_symlink()
+
+
+def test_a_manifest_published_meanwhile_is_seen_as_absent_or_as_a_file_never_as_something_else(tmp_path: Path) -> None:
+    """Another rank renames the manifest into place while this one looks: one look (lstat), so it is absent or a
+    file. Successive looks (link? directory? file? anything?) saw it as "other" between two of them, and a rank
+    of a launched run stopped with "... is a other, not the list of the files"."""
+    path = tmp_path / "published"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert [kind_of(p) for p in (path, tmp_path, fifo)] == [None, "dir", "other"]
+    stop = threading.Event()
+
+    def publish() -> None:
+        while not stop.is_set():
+            staged = tmp_path / "staged"
+            staged.write_text("{}")
+            os.replace(staged, path)
+            path.unlink()
+
+    t = threading.Thread(target=publish, daemon=True)
+    t.start()
+    try:
+        seen = {kind_of(path) for _ in range(20000)}
+    finally:
+        stop.set()
+        t.join()
+    assert seen <= {None, "file"}, seen

@@ -25,6 +25,7 @@ import errno
 import json
 import os
 import re
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -53,14 +54,21 @@ Entries = dict[str, str]
 
 
 def kind_of(path: Path) -> str | None:
-    """"link" (a symbolic link, whatever it points to), "dir", "file", "other", or None (nothing there)."""
-    if path.is_symlink():
+    """"link" (a symbolic link, whatever it points to), "dir", "file", "other", or None (nothing there).
+
+    One look (lstat): a file that another rank publishes (renames into place) meanwhile is seen as absent or
+    as a file, never as something else, as successive looks (is it a link, a directory, a file, anything?)
+    could see it.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(mode):
         return "link"
-    if path.is_dir():
+    if stat.S_ISDIR(mode):
         return "dir"
-    if path.is_file():
-        return "file"
-    return "other" if os.path.lexists(path) else None
+    return "file" if stat.S_ISREG(mode) else "other"
 
 
 def read_manifest(out: Path) -> Entries | None:
