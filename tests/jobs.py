@@ -27,13 +27,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from eagerloco.launch.ranks import ForkedRank, RankServer, start_keys
-
-HERE = Path(__file__).resolve().parent
 
 
 class Job:
@@ -71,10 +70,12 @@ class Job:
     def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
         """(stdout, stderr) once it has ended (None for what is not a pipe); subprocess.TimeoutExpired if it
         runs on past timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        left = (lambda: None) if deadline is None else (lambda: max(0.0, deadline - time.monotonic()))
         for drain in (self._out, self._err):
-            if drain is not None and not drain.done(timeout):
+            if drain is not None and not drain.done(left()):
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-        self.wait(timeout)
+        self.wait(left())
         return tuple(None if d is None else d.text() if self._text else d.data() for d in (self._out, self._err))
 
 
@@ -179,7 +180,7 @@ def _preload() -> None:
             pass
 
 
-def _run_python(message: dict[str, Any], output: int, ready: int) -> None:
+def _run_python(message: dict[str, Any], output: list[int], ready: int) -> None:
     """In the forked child: run ``python ARGV`` and leave through the interpreter's own exit."""
     from eagerloco.rankserver import become_child
 
