@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(PY) -m eagerloco demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check eagerloco tests bench examples
+	$(PY) -m ruff check eagerloco testing tests bench examples
 
 # Tests run on 2 pytest-xdist workers, a whole file each at a time (a file's runs are shared by its
 # tests), longest files first (tests/conftest.py): the tests that wait overlap the ones that compute.

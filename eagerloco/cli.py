@@ -1,4 +1,4 @@
-"""The `eagerloco` command: the parser and the dispatch to each subcommand.
+"""The `eagerloco` command: the parser and the dispatch to each subcommand, the library's and the lab's.
 
 Each subcommand's module is imported only when it runs, so `eagerloco simulate` never imports torch.
 """
@@ -19,6 +19,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_launch(args: argparse.Namespace) -> int:
+    if args.kernel_link_gbps is not None:  # the link shaped by the kernel is the lab's
+        from eagerloco.lab.launch import run_shaped
+
+        return run_shaped(args)
+    from eagerloco.launch import run
+
+    return run(args)
+
+
 def _cmd_data(args: argparse.Namespace) -> int:
     from eagerloco.data import fetch_source
 
@@ -30,8 +40,8 @@ def _cmd_data(args: argparse.Namespace) -> int:
 def make_parser() -> argparse.ArgumentParser:
     """The whole `eagerloco` parser; each subcommand's handler is ``args.func``."""
     from eagerloco import launch
-    from eagerloco.compare import cli as compare_cli
-    from eagerloco.compare import demo
+    from eagerloco.lab.compare import cli as compare_cli
+    from eagerloco.lab.compare import demo
     from eagerloco.sim import cli as sim_cli
 
     parser = argparse.ArgumentParser(
@@ -49,7 +59,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="cache dir (default $EAGERLOCO_DATA_DIR or ~/.cache/eagerloco)")
     p.set_defaults(func=_cmd_data)
     sim_cli.add_parser(sub)
-    launch.add_parser(sub)
+    launch.add_parser(sub).set_defaults(func=_cmd_launch)
     compare_cli.add_parser(sub)
     return parser
 

@@ -1,8 +1,8 @@
 """Points of a run that code outside the loop can watch: each completed inner step, each evaluation.
 
 The trainer (in every runtime) and the hook API announce them here; a watcher registers a function
-and gets a function that removes it. The project's fault injection (:mod:`eagerloco.testing.faults`,
-which no public module imports) kills a worker at a known step through these.
+and gets a function that removes it. The project's fault injection (``testing/faults.py`` of the
+checkout, never installed) kills a worker at a known step through these.
 """
 
 from __future__ import annotations

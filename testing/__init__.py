@@ -1,1 +1,1 @@
-"""Tools for testing eagerloco itself (fault injection); no public module imports this package."""
+"""Tools for testing eagerloco itself (fault injection), beside the package in the checkout: never installed."""

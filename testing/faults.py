@@ -9,10 +9,11 @@ evaluation that takes long.
 
 They are environment variables, not flags, because no real run should ever ask for them, and they
 act only in a process that installed them (:func:`install`): a test or a benchmark starts its
-processes with :func:`environment`, which adds this package's ``site`` directory to PYTHONPATH, and
-the ``sitecustomize`` there installs them at interpreter start, watching the run through
-:mod:`eagerloco.events` (a process forked from one that has them, as a launched rank is, has them
-too, and acts on its own environment). No public module imports this one.
+processes with :func:`environment`, which puts this package's ``site`` directory and the checkout that
+holds the package on PYTHONPATH, and the ``sitecustomize`` there installs them at interpreter start,
+watching the run through :mod:`eagerloco.events` (a process forked from one that has them, as a launched
+rank is, has them too, and acts on its own environment). The package lives beside eagerloco in the
+checkout, not in it: it is never installed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ FAULT_KILL_ENV = "EAGERLOCO_FAULT_KILL"
 FAULT_EVAL_DELAY_ENV = "EAGERLOCO_FAULT_EVAL_DELAY"
 #: The directory whose sitecustomize installs the faults in every process started with it on PYTHONPATH.
 SITE_DIR = Path(__file__).resolve().parent / "site"
+#: The checkout holding this package, on PYTHONPATH too: the sitecustomize imports it from there.
+CHECKOUT = Path(__file__).resolve().parents[1]
 
 
 def environment(base: Mapping[str, str] | None = None, *, kill: str | None = None,
@@ -43,10 +46,11 @@ def environment(base: Mapping[str, str] | None = None, *, kill: str | None = Non
         eval_delay: extra seconds of each evaluation, or None.
 
     Returns:
-        A copy of ``base`` with the fault variables and this package's site directory on PYTHONPATH.
+        A copy of ``base`` with the fault variables, and this package's site directory and checkout on
+        PYTHONPATH.
     """
     env = dict(os.environ if base is None else base)
-    paths = [str(SITE_DIR), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    paths = [str(SITE_DIR), str(CHECKOUT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if kill is not None:
         env[FAULT_KILL_ENV] = kill
@@ -123,5 +127,5 @@ def install() -> None:
     events.on_evaluation(on_evaluation)
 
 
-__all__ = ["FAULT_EVAL_DELAY_ENV", "FAULT_KILL_ENV", "SITE_DIR", "environment", "eval_delay_s", "install", "kill_at",
-           "kill_self"]
+__all__ = ["CHECKOUT", "FAULT_EVAL_DELAY_ENV", "FAULT_KILL_ENV", "SITE_DIR", "environment", "eval_delay_s", "install",
+           "kill_at", "kill_self"]

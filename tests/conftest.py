@@ -24,7 +24,7 @@ from torch import nn
 from eagerloco.comm.inprocess import InProcessGroup
 from eagerloco.config import LinkConfig, OuterConfig
 from eagerloco.outer import OuterSync, after_inner_step_all, before_inner_step_all
-from eagerloco.testing.faults import environment as fault_environment
+from testing.faults import environment as fault_environment
 
 # A suite started in the background of a shell without job control (`make test &` in a script)
 # inherits SIGINT ignored, and so would every process the tests start: the tests that stop runs

@@ -19,9 +19,9 @@ from archcheck import check_repo, report
 from archcheck.table import TableError, parse_table
 
 REPO = Path(__file__).resolve().parents[1]
-OUTSIDE = ("tests", "bench", "examples")
-#: The one reader of the process environment, and the testing package's fault variables.
-ENVIRONMENT_READERS = ("eagerloco.environment", "eagerloco.testing")
+OUTSIDE = ("testing", "tests", "bench", "examples")
+#: The one reader of the process environment.
+ENVIRONMENT_READERS = ("eagerloco.environment",)
 
 #: Private names of other libraries that the package uses: (file, name) -> why there is no other way.
 PACKAGE_EXCEPTIONS: dict[tuple[str, str], str] = {
@@ -32,7 +32,8 @@ PACKAGE_EXCEPTIONS: dict[tuple[str, str], str] = {
                                         "turn a Ctrl-C already handled during torch's import into death by SIGINT",
     ("eagerloco/rankserver.py", "_exit"): "os._exit is how a forked child ends: the rank server's teardown (its "
                                           "socket, its atexit) is not the rank's",
-    ("eagerloco/compare/cli.py", "_SubParsersAction"): "an annotation: argparse gives add_subparsers() no public type",
+    ("eagerloco/lab/compare/cli.py", "_SubParsersAction"):
+        "an annotation: argparse gives add_subparsers() no public type",
     ("eagerloco/sim/cli.py", "_SubParsersAction"): "an annotation: argparse gives add_subparsers() no public type",
 }
 
@@ -200,6 +201,26 @@ def test_the_table_reads_as_the_doc_says() -> None:
         ("toy.core", True, False), ("toy", True, True)]
     assert [a.target.name for a in rows["extra.py"].allowed] == ["toy.leaf", "toy.util"]
     assert rows["the torch-free leaves"].allowed == ()
+
+
+def test_the_library_never_imports_the_lab(tmp_path: Path) -> None:
+    """"the library" is every row but the lab's: a library row that imports the lab is caught, and the
+    lab imports the library."""
+    table = TABLE.replace("| `__init__.py`, `cli.py` | the command line | `core/`; everything else lazily |",
+                          "| `__init__.py` | the public names | the library lazily |\n"
+                          "| `cli.py` | the command line | `core/`; everything else lazily |\n"
+                          "| the lab: `lab/` | the experiments | the library |")
+    assert [a.target.name for a in {r.title: r for r in parse_table(table, "toy")}["__init__.py"].allowed] == [
+        "toy", "toy.cli", "toy.extra", "toy.core", "toy.leaf", "toy.util"]
+    found = check(tmp_path, {"toy/lab/__init__.py": "from toy.core import run\n",
+                             "toy/__init__.py": "\n\ndef lab():\n    from toy import lab\n    return lab\n",
+                             "toy/core/engine.py": "\n\ndef g():\n    from toy.lab import run as r\n    return r\n"},
+                  table)
+    assert found["may-import table"] == [
+        "toy/__init__.py:4 from toy import lab (inside a function): row '__init__.py' may import only: "
+        "the library lazily",
+        "toy/core/engine.py:9 from toy.lab import run (inside a function): row 'core/' may import only: "
+        "the leaves"]
 
 
 def test_torch_on_the_load_path_of_a_torch_free_row_is_caught(tmp_path: Path) -> None:

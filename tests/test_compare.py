@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import eagerloco.train
-from eagerloco import compare
-from eagerloco.compare.report import EVAL_COLUMNS, PLOTS, SWEEP_PLOT
 from eagerloco.config import ConfigError, OuterConfig
+from eagerloco.lab import compare
+from eagerloco.lab.compare.report import EVAL_COLUMNS, PLOTS, SWEEP_PLOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEP_S = 0.05  # --sim-step-time: the link clock, and so the tolerated seconds, are exact
@@ -235,7 +235,7 @@ def test_every_grid_entry_is_a_valid_config() -> None:
 
 
 def test_benchmark_columns_show_the_accuracies_a_run_recorded() -> None:
-    from eagerloco.compare.report import grid_table
+    from eagerloco.lab.compare.report import grid_table
 
     base = {"tolerated": "0", "final_eval_loss": 2.5, "bytes_sent_per_worker": 10, "peak_sync_bytes": 5,
             "compute_utilization": 0.5, "wall_s": 1.0}
@@ -248,7 +248,7 @@ def test_benchmark_columns_show_the_accuracies_a_run_recorded() -> None:
 
 
 def test_workers_of_unequal_speed_get_their_own_columns() -> None:
-    from eagerloco.compare.report import grid_table
+    from eagerloco.lab.compare.report import grid_table
 
     base = {"tolerated": "0", "final_eval_loss": 2.5, "bytes_sent_per_worker": 10, "peak_sync_bytes": 5,
             "compute_utilization": 0.5, "wall_s": 1.0}
@@ -271,6 +271,6 @@ def test_workers_of_unequal_speed_get_their_own_columns() -> None:
     ({}, 100, False),  # nothing scored: nothing to call chance
 ])
 def test_zero_shot_columns_at_chance_are_called_so(scores: dict, limit: int, chance: bool) -> None:
-    from eagerloco.compare.report import at_chance
+    from eagerloco.lab.compare.report import at_chance
 
     assert at_chance([{"name": "no-overlap", **scores}, {"name": "eager-1", **scores}], limit) is chance

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import eagerloco.train
-from eagerloco import compare
-from eagerloco.compare import seeded
-from eagerloco.compare.report_seeds import aggregate, fmt_interval, reading, seeded_table
-from eagerloco.compare.stats import (
+from eagerloco.config import ConfigError, TrainConfig
+from eagerloco.lab import compare
+from eagerloco.lab.compare import seeded
+from eagerloco.lab.compare.report_seeds import aggregate, fmt_interval, reading, seeded_table
+from eagerloco.lab.compare.stats import (
     diverged,
     mean_interval,
     paired_difference,
@@ -25,8 +26,7 @@ from eagerloco.compare.stats import (
     t_quantile,
     unigram_entropy,
 )
-from eagerloco.compare.tune import choose, parse_tune, setting_text, settings_for
-from eagerloco.config import ConfigError, TrainConfig
+from eagerloco.lab.compare.tune import choose, parse_tune, setting_text, settings_for
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

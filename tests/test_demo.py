@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 
 from eagerloco.cli import main, make_parser
-from eagerloco.compare import demo
-from eagerloco.compare.reference import (
+from eagerloco.config import ConfigError
+from eagerloco.lab.compare import demo
+from eagerloco.lab.compare.reference import (
     REFERENCE_FILE,
     load_reference,
     protocol_of,
     reference_from_summary,
 )
-from eagerloco.compare.runner import build_base_config
-from eagerloco.config import ConfigError
+from eagerloco.lab.compare.runner import build_base_config
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "bench" / "results" / "compare_seeds_400"
@@ -47,7 +47,7 @@ def test_shipped_tuned_values_are_the_committed_comparisons() -> None:
         assert f"{d['mean']:+.2f}% [{d['lo']:+.2f}%, {d['hi']:+.2f}%]" in findings, name
     assert shipped["rows"]["no-overlap"]["delta_pct"] is None
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert REFERENCE_FILE.name in pyproject["tool"]["setuptools"]["package-data"]["eagerloco.compare"]
+    assert REFERENCE_FILE.name in pyproject["tool"]["setuptools"]["package-data"]["eagerloco.lab.compare"]
 
 
 def test_the_rerun_command_is_the_committed_protocol() -> None:

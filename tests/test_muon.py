@@ -256,7 +256,7 @@ def test_invalid_settings_name_the_flag(field: str, value: object, flag: str) ->
 
 
 def test_the_muloco_grid_entry_resolves_to_a_valid_muon_config() -> None:
-    from eagerloco import compare
+    from eagerloco.lab import compare
 
     base = TrainConfig(outer=OuterConfig(inner_steps=20))
     [plan] = compare.plan_runs(base, compare.resolve_grid("muloco"), Path("unused"), 0.35)
@@ -270,8 +270,8 @@ def test_the_demo_says_a_muon_run_is_no_sample_of_the_seeded_adamw_comparison() 
     is named as a change of its protocol."""
     from dataclasses import asdict, replace
 
-    from eagerloco.compare import demo
-    from eagerloco.compare.reference import load_reference, protocol_of
+    from eagerloco.lab.compare import demo
+    from eagerloco.lab.compare.reference import load_reference, protocol_of
 
     ref = load_reference()
     assert ref["protocol"]["inner_optimizer"] == "adamw"

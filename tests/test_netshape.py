@@ -21,8 +21,9 @@ from eagerloco.cli import main
 from eagerloco.comm.link import emulated_link
 from eagerloco.config import ConfigError, Environment, LinkConfig, TrainConfig
 from eagerloco.environment import KERNEL_LINK_ENV
-from eagerloco.launch import kernel_link
-from eagerloco.launch.kernel_link import JobLink, KernelLink, LinkShapingError, tbf_args
+from eagerloco.lab import kernel_link
+from eagerloco.lab.kernel_link import JobLink, KernelLink, LinkShapingError, tbf_args
+from eagerloco.lab.launch import KernelShaping
 from eagerloco.procs import pid_alive
 from eagerloco.train.inprocess import InProcessRuntime
 
@@ -192,7 +193,7 @@ def test_jobs_behind_a_kernel_link_need_the_loopback_address() -> None:
     from eagerloco.launch import launch
 
     with pytest.raises(ValueError, match="give every job --outer-addr 127.0.0.1:29600 .*drop --kernel-link-gbps"):
-        launch([], 2, outer_addr="10.0.0.1:29600", worker_id=0, kernel_link_gbps=1.0)
+        launch([], 2, outer_addr="10.0.0.1:29600", worker_id=0, shaping=KernelShaping(1.0))
 
 
 @pytest.mark.processes

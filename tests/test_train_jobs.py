@@ -52,6 +52,7 @@ def test_a_worker_id_without_an_outer_address_is_refused(capsys: pytest.CaptureF
 
 @pytest.mark.processes
 def test_launch_forwards_the_outer_rendezvous_and_starts_only_this_workers_process(tmp_path: Path) -> None:
+    from eagerloco.lab.launch import KernelShaping
     from eagerloco.launch import launch
 
     log = tmp_path / "log.txt"
@@ -64,7 +65,7 @@ def test_launch_forwards_the_outer_rendezvous_and_starts_only_this_workers_proce
     assert lines == ["[rank 0] ARGS ['--steps', '3', '--outer-addr', '10.0.0.1:29600', '--worker-id', '1', "
                      "'--workers', '2'] 1"]
     with pytest.raises(ValueError, match="shapes the links between jobs on this machine: give every job --outer"):
-        launch([], 2, outer_addr="10.0.0.1:29600", worker_id=0, kernel_link_gbps=1.0)
+        launch([], 2, outer_addr="10.0.0.1:29600", worker_id=0, shaping=KernelShaping(1.0))
     with pytest.raises(ValueError, match="--outer-addr and --worker-id go together"):
         launch([], 2, worker_id=0)
 

@@ -33,7 +33,7 @@ from bench.chaos_jobs.harness import (
 )
 from eagerloco import checkpoint as ckpt
 from eagerloco.comm.errors import PEER_EXIT_CODE
-from eagerloco.testing.faults import FAULT_EVAL_DELAY_ENV, FAULT_KILL_ENV
+from testing.faults import FAULT_EVAL_DELAY_ENV, FAULT_KILL_ENV
 
 #: The step after which a job is killed (it dies 50 ms into the next), or signalled mid-run.
 FAULT_STEP = 7

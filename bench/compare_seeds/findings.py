@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from eagerloco.compare.stats import Interval, mean_interval  # noqa: E402
+from eagerloco.lab.compare.stats import Interval, mean_interval  # noqa: E402
 
 #: A difference smaller than this (relative) counts as "equal" / "within a few percent" / "under 1%".
 EQUAL = 0.01

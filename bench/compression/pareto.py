@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from eagerloco.compare.stats import Interval, paired_difference  # noqa: E402
+from eagerloco.lab.compare.stats import Interval, paired_difference  # noqa: E402
 from eagerloco.units import fmt_bytes  # noqa: E402
 
 REFERENCE = "no-overlap"

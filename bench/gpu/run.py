@@ -227,10 +227,10 @@ def part_compare35m(args: argparse.Namespace, report: dict[str, Any], deadline: 
     """Each run of the grid is trained by `eagerloco train` with checkpoints, resumed when a part was cut
     short; once all are there, `eagerloco compare` with the same settings reuses them and writes the
     report (bench/results/gpu/compare_35m/report.md)."""
-    from eagerloco.compare.cli import add_arguments
-    from eagerloco.compare.cli import main as compare_main
-    from eagerloco.compare.grid import resolve_grid
-    from eagerloco.compare.runner import build_base_config, cached_summary, plan_runs
+    from eagerloco.lab.compare.cli import add_arguments
+    from eagerloco.lab.compare.cli import main as compare_main
+    from eagerloco.lab.compare.grid import resolve_grid
+    from eagerloco.lab.compare.runner import build_base_config, cached_summary, plan_runs
 
     p = argparse.ArgumentParser()
     add_arguments(p)

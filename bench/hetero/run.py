@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagerloco.compare.stats import mean_interval, paired_difference
+from eagerloco.lab.compare.stats import mean_interval, paired_difference
 from eagerloco.schedule import round_lengths
 from eagerloco.sim.hetero import per_worker_cu
 from eagerloco.sim.model import ModelSpec, Variant, traffic

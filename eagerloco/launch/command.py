@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from eagerloco.environment import (
     INCARNATION_ENV,
@@ -35,6 +35,24 @@ _KILL_AFTER_S = 5.0  # between SIGTERM and SIGKILL
 _STOP_GRACE_S = 10.0  # after a forwarded stop signal (Ctrl-C, SIGTERM, SIGHUP), before SIGTERM / SIGKILL
 
 
+class LinkShaping(Protocol):
+    """A link between workers shaped on this machine (``--kernel-link-gbps``; the lab's
+    :class:`eagerloco.lab.launch.KernelShaping`): each worker's processes start behind it.
+
+    What ``run_link`` and ``job_link`` return are context managers whose value has ``env()`` (the
+    variables of each process behind it) and ``command(cmd, worker)`` (a command run behind it); a
+    job's also ``outer_host``, ``ns`` and ``bridge``, and a run's ``master_addr``.
+    """
+
+    gbps: float
+
+    def run_link(self, workers: int) -> Any:
+        """The link of one launch's ``workers`` workers."""
+
+    def job_link(self, port: int, worker_id: int, workers: int) -> Any:
+        """The link of worker ``worker_id`` of ``workers``, each its own job, meeting at ``port``."""
+
+
 def _default_command() -> list[str]:
     return [sys.executable, "-m", "eagerloco", "train"]
 
@@ -50,7 +68,7 @@ def launch(
     out: IO[str] | None = None,
     elastic: bool = False,
     max_restarts: int = 0,
-    kernel_link_gbps: float | None = None,
+    shaping: LinkShaping | None = None,
     outer_addr: str | None = None,
     worker_id: int | None = None,
     fork_ranks: bool = True,
@@ -81,9 +99,10 @@ def launch(
     out: where the rank-prefixed output goes (default: sys.stdout).
     elastic: the others go on when a rank fails (implied by ``--elastic`` among the train arguments,
     and passed on to train); max_restarts: how many times each failed rank is started again.
-    kernel_link_gbps: run each worker in its own network namespace behind an uplink the kernel
-    shapes to this rate (Linux, root; see :mod:`eagerloco.launch.kernel_link`) instead of emulating it; with
-    outer_addr (127.0.0.1:PORT) the run's jobs on this machine share one bridge (JobLink).
+    shaping: run each worker behind a link shaped on this machine instead of emulating it (``eagerloco
+    launch --kernel-link-gbps``: a network namespace each, its uplink shaped by the kernel; see
+    :mod:`eagerloco.lab.kernel_link`); with outer_addr (127.0.0.1:PORT) the run's jobs on this machine
+    share one bridge.
     outer_addr, worker_id: each worker its own job: start only worker ``worker_id`` of ``workers`` (one
     process), which meets the others at the outer rendezvous ``outer_addr`` (``--outer-addr``,
     ``--worker-id`` and ``--workers`` are passed on to train).
@@ -104,7 +123,7 @@ def launch(
     run_workers = workers
     if outer_addr is not None or worker_id is not None:
         argv_for_train = _one_job(argv_for_train, workers, ranks_per_worker, outer_addr, worker_id, max_restarts,
-                                  kernel_link_gbps)
+                                  shaping is not None)
         workers = 1  # this job starts one process: its worker; the others are jobs of their own
     elastic = elastic or "--elastic" in argv_for_train
     if elastic and command is None and "--elastic" not in argv_for_train:
@@ -113,21 +132,19 @@ def launch(
         raise ValueError("--max-restarts needs --elastic: without it a failed rank stops the whole run")
     if elastic and ranks_per_worker != 1:
         raise ValueError("--elastic supports one rank per worker (--ranks-per-worker 1)")
-    if kernel_link_gbps is not None and any(a.split("=")[0] == "--bandwidth-gbps" for a in argv_for_train):
+    if shaping is not None and any(a.split("=")[0] == "--bandwidth-gbps" for a in argv_for_train):
         raise ValueError("--kernel-link-gbps shapes the link's bandwidth in the kernel: drop --bandwidth-gbps "
                          "from the train arguments (latency and jitter flags still apply)")
-    if kernel_link_gbps is None:
+    if shaping is None:
         return _launch(argv_for_train, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic,
                        max_restarts, None, fork_ranks)
     if outer_addr is not None:
         assert worker_id is not None
-        return _launch_job_behind_link(argv_for_train, run_workers, worker_id, outer_addr, kernel_link_gbps,
+        return _launch_job_behind_link(argv_for_train, run_workers, worker_id, outer_addr, shaping,
                                        master_port, timeout_s, command, out, elastic)
-    from eagerloco.launch.kernel_link import KernelLink
-
-    with KernelLink(workers, kernel_link_gbps) as link:
+    with shaping.run_link(workers) as link:
         (out or sys.stdout).write(
-            f"[launch] kernel-shaped link: {workers} network namespaces, each worker's uplink {kernel_link_gbps:g} "
+            f"[launch] kernel-shaped link: {workers} network namespaces, each worker's uplink {shaping.gbps:g} "
             f"Gbit/s (tbf), rendezvous at {link.master_addr}\n")
         (out or sys.stdout).flush()
         return _launch(argv_for_train, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic,
@@ -135,14 +152,14 @@ def launch(
 
 
 def _one_job(argv: list[str], workers: int, ranks_per_worker: int, outer_addr: str | None, worker_id: int | None,
-             max_restarts: int, kernel_link_gbps: float | None) -> list[str]:
+             max_restarts: int, shaped: bool) -> list[str]:
     """The train arguments of one worker started as its own job; ValueError for what does not fit."""
     if outer_addr is None or worker_id is None:
         raise ValueError("--outer-addr and --worker-id go together: each worker its own job needs both")
     if ranks_per_worker != 1:
         raise ValueError("with --outer-addr `eagerloco train` runs one process per worker: drop --ranks-per-worker "
                          "(a worker of several ranks: the hook API, eagerloco.outer_loop, under torchrun)")
-    if kernel_link_gbps is not None:
+    if shaped:
         _local_port(outer_addr)
     if max_restarts:
         raise ValueError("--max-restarts restarts workers of one launch; a worker that is its own job (--outer-addr) "
@@ -171,21 +188,19 @@ def _local_port(outer_addr: str) -> int:
     return int(port)
 
 
-def _launch_job_behind_link(argv: list[str], workers: int, worker_id: int, outer_addr: str, gbps: float,
+def _launch_job_behind_link(argv: list[str], workers: int, worker_id: int, outer_addr: str, shaping: LinkShaping,
                             master_port: int | None, timeout_s: float, command: Sequence[str] | None,
                             out: IO[str] | None, elastic: bool) -> int:
     """One job's worker in its own namespace behind a shaped uplink, on the bridge of the run's jobs
-    (:class:`eagerloco.launch.kernel_link.JobLink`); its --outer-addr becomes worker 0's address there."""
-    from eagerloco.launch.kernel_link import JobLink
-
+    (:meth:`LinkShaping.job_link`); its --outer-addr becomes worker 0's address there."""
     port = _local_port(outer_addr)
-    with JobLink(port, worker_id, workers, gbps) as link:
+    with shaping.job_link(port, worker_id, workers) as link:
         addr = f"{link.outer_host}:{port}"
         i = len(argv) - 1 - argv[::-1].index("--outer-addr")  # the one _one_job appended
         argv = [*argv[:i + 1], addr, *argv[i + 2:]]
         (out or sys.stdout).write(
             f"[launch] kernel-shaped link: worker {worker_id} in network namespace {link.ns}, its uplink "
-            f"{gbps:g} Gbit/s (tbf) on bridge {link.bridge}; outer rendezvous {outer_addr} -> {addr}\n")
+            f"{shaping.gbps:g} Gbit/s (tbf) on bridge {link.bridge}; outer rendezvous {outer_addr} -> {addr}\n")
         (out or sys.stdout).flush()
         return _launch(argv, 1, 1, master_port, timeout_s, command, out, elastic, 0, link, False)
 
@@ -532,17 +547,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, shaping: LinkShaping | None = None) -> int:
+    """``eagerloco launch``; ``shaping``: the link its ``--kernel-link-gbps`` asks for, which the command line
+    (:mod:`eagerloco.cli`) takes from the lab."""
     train_args = list(args.train_args)
     if train_args[:1] == ["--"]:
         train_args = train_args[1:]
     try:
         return launch(train_args, args.workers, args.ranks_per_worker, args.master_port, args.grace_s,
-                      elastic=args.elastic, max_restarts=args.max_restarts, kernel_link_gbps=args.kernel_link_gbps,
+                      elastic=args.elastic, max_restarts=args.max_restarts, shaping=shaping,
                       outer_addr=args.outer_addr, worker_id=args.worker_id, fork_ranks=not args.spawn_ranks)
     except ValueError as e:  # ConfigError (and so LinkShapingError) is a ValueError too
         print(f"eagerloco launch: error: {e}", file=sys.stderr)
         return 2
 
 
-__all__ = ["DEFAULT_GRACE_S", "add_parser", "launch", "run"]
+__all__ = ["DEFAULT_GRACE_S", "LinkShaping", "add_parser", "launch", "run"]

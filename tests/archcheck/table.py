@@ -13,6 +13,8 @@ from archcheck.source import Import, Module, walk, where
 TABLE_SECTION = "Who owns what"
 #: A phrase of the table naming several labelled rows at once.
 ALIASES: dict[str, tuple[str, ...]] = {"the leaves": ("the torch-free leaves", "the leaves with torch")}
+#: The row of the package's experiments; the phrase "the library" names every other row.
+LAB = "the lab"
 #: Rows whose label or "owns" cell says one of these must not reach torch when loaded.
 TORCH_FREE_MARKS = ("torch-free", "never imports torch")
 
@@ -112,6 +114,8 @@ def parse_table(markdown: str, top: str, section: str = TABLE_SECTION) -> list[R
     for alias, names in ALIASES.items():
         if any(n in labels for n in names):
             phrases[alias] = tuple(t for n in names for t in labels.get(n, ()))
+    if LAB in labels:
+        phrases["the library"] = tuple(t for label, targets, _, _ in raw if label != LAB for t in targets)
     rows = []
     for label, targets, owns, cell in raw:
         allowed: list[Allowed] = []

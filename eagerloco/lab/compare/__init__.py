@@ -5,8 +5,8 @@ writes the table and plots, :mod:`.cli` is the command. :mod:`.demo` is `eagerlo
 settings :mod:`.reference` ships from the committed seeded comparison.
 """
 
-from eagerloco.compare.cli import add_parser, run
-from eagerloco.compare.grid import (
+from eagerloco.lab.compare.cli import add_parser, run
+from eagerloco.lab.compare.grid import (
     ALL_GRID,
     ENTRIES,
     PAPER_GRID,
@@ -16,7 +16,7 @@ from eagerloco.compare.grid import (
     tolerated_steps,
     tolerated_text,
 )
-from eagerloco.compare.runner import plan_runs, run_plans
+from eagerloco.lab.compare.runner import plan_runs, run_plans
 
 __all__ = [
     "ALL_GRID",

@@ -1,5 +1,5 @@
-"""``python -m eagerloco.compare``: the compare command alone."""
+"""``python -m eagerloco.lab.compare``: the compare command alone."""
 
-from eagerloco.compare.cli import main
+from eagerloco.lab.compare.cli import main
 
 raise SystemExit(main())

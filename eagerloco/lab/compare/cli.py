@@ -8,13 +8,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from eagerloco.compare.grid import DEFAULT_SWEEP_H, ENTRIES, SWEEP_GRID, grid_help, resolve_grid
-from eagerloco.compare.runner import build_base_config, plan_runs, run_plans
-from eagerloco.compare.seeded import TUNE_SEED_OFFSET, mark_divergence, run_seeded
-from eagerloco.compare.tune import parse_tune
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.extras import MissingExtraError, check
 from eagerloco.flags import add_train_flags
+from eagerloco.lab.compare.grid import DEFAULT_SWEEP_H, ENTRIES, SWEEP_GRID, grid_help, resolve_grid
+from eagerloco.lab.compare.runner import build_base_config, plan_runs, run_plans
+from eagerloco.lab.compare.seeded import TUNE_SEED_OFFSET, mark_divergence, run_seeded
+from eagerloco.lab.compare.tune import parse_tune
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -108,7 +108,7 @@ def use_threads(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`eagerloco compare`: plan and check every run, train or reuse them, write the report."""
-    from eagerloco.compare.report import PLOT_NEEDS, write_report
+    from eagerloco.lab.compare.report import PLOT_NEEDS, write_report
 
     check("matplotlib", PLOT_NEEDS)  # the report's plots: refused before training, not after
     if args.sweep is None and args.inner_steps_list is not None:
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m eagerloco.compare``) with the same error handling as the CLI."""
+    """Standalone entry (``python -m eagerloco.lab.compare``) with the same error handling as the CLI."""
     import sys
 
     from eagerloco.data import DataError

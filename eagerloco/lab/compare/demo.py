@@ -16,13 +16,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from eagerloco.compare.cli import add_arguments, prepare, use_threads
-from eagerloco.compare.grid import ENTRIES, resolve_grid
-from eagerloco.compare.reference import PROTOCOL_FLAGS, load_reference, protocol_of, tuned_settings
-from eagerloco.compare.report import fmt_cu, fmt_loss, fmt_outer_lr, markdown_table
-from eagerloco.compare.runner import PlannedRun, plan_runs, run_plans
-from eagerloco.compare.tune import apply_setting
 from eagerloco.config import ConfigError
+from eagerloco.lab.compare.cli import add_arguments, prepare, use_threads
+from eagerloco.lab.compare.grid import ENTRIES, resolve_grid
+from eagerloco.lab.compare.reference import PROTOCOL_FLAGS, load_reference, protocol_of, tuned_settings
+from eagerloco.lab.compare.report import fmt_cu, fmt_loss, fmt_outer_lr, markdown_table
+from eagerloco.lab.compare.runner import PlannedRun, plan_runs, run_plans
+from eagerloco.lab.compare.tune import apply_setting
 
 #: The rows: one worker alone (does communicating pay at all?), the reference, the naive delay and the
 #: eager update that fixes it. The comparison's other rows are quoted from it in the report, not run:
@@ -89,7 +89,7 @@ def plan_demo(args: argparse.Namespace, reference: dict[str, Any]) -> tuple[list
 
     Args:
         args: the parsed flags, the demo's defaults filled in (:func:`with_defaults`).
-        reference: from :func:`~eagerloco.compare.reference.load_reference`.
+        reference: from :func:`~eagerloco.lab.compare.reference.load_reference`.
 
     Returns:
         The planned runs, the base configuration, the output directory and the lowered-lr entries' outer lr.
@@ -231,7 +231,7 @@ def command_lines(command: str, width: int = TABLE_WIDTH) -> list[str]:
 
 
 def _seeded_rows_table(results: list[dict[str, Any]], reference: dict[str, Any], seed: int) -> str:
-    from eagerloco.compare.report_seeds import fmt_interval
+    from eagerloco.lab.compare.report_seeds import fmt_interval
 
     mine = {r["name"]: r for r in results}
     headers = ["method", "outer lr", "eval loss, mean [90% CI]", "Δ vs no overlap [90% CI]", "Δ, relative",
@@ -271,8 +271,8 @@ def report_preface(results: list[dict[str, Any]], reference: dict[str, Any], bas
 
 def run(args: argparse.Namespace) -> int:
     """`eagerloco demo`: plan, train or reuse, write the report, print the narrow table and what it means."""
-    from eagerloco.compare.report import write_report
-    from eagerloco.compare.seeded import mark_divergence
+    from eagerloco.lab.compare.report import write_report
+    from eagerloco.lab.compare.seeded import mark_divergence
 
     reference = load_reference()
     args = with_defaults(args, reference)

@@ -3,7 +3,7 @@
 ``tuned_400.json`` (beside this module) is made from ``bench/results/compare_seeds_400/summary.json`` by
 :func:`reference_from_summary`, so the demo needs no tuning runs and no checkout of ``bench/``:
 
-    python -m eagerloco.compare.reference bench/results/compare_seeds_400
+    python -m eagerloco.lab.compare.reference bench/results/compare_seeds_400
 
 It holds the protocol the comparison ran (the flags that differ from compare's defaults), the outer
 lr its sweep chose per method, and each row's mean loss and paired difference to no overlap, in nats
@@ -18,10 +18,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from eagerloco.compare.grid import BASELINES
-from eagerloco.compare.seeded import TUNE_SEED_OFFSET
-from eagerloco.compare.stats import LEVEL, mean_interval
 from eagerloco.config import ConfigError, TrainConfig
+from eagerloco.lab.compare.grid import BASELINES
+from eagerloco.lab.compare.seeded import TUNE_SEED_OFFSET
+from eagerloco.lab.compare.stats import LEVEL, mean_interval
 
 REFERENCE_FILE = Path(__file__).resolve().with_name("tuned_400.json")
 SOURCE = "bench/results/compare_seeds_400"

@@ -11,9 +11,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from eagerloco.compare.grid import ENTRIES, PAPER_EVAL_LOSS
 from eagerloco.extras import require
 from eagerloco.jsonfiles import write_json_atomic
+from eagerloco.lab.compare.grid import ENTRIES, PAPER_EVAL_LOSS
 from eagerloco.units import fmt_bytes
 
 #: Downstream benchmarks (report column, summary keys that may hold the accuracy).

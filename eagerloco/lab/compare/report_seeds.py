@@ -8,7 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from eagerloco.compare.report import (
+from eagerloco.jsonfiles import write_json_atomic
+from eagerloco.lab.compare.report import (
     REFERENCE,
     as_number,
     fmt_cu,
@@ -19,9 +20,8 @@ from eagerloco.compare.report import (
     setup_line,
     zoom_y,
 )
-from eagerloco.compare.stats import LEVEL, Interval, mean_interval, paired_difference
-from eagerloco.compare.tune import setting_text
-from eagerloco.jsonfiles import write_json_atomic
+from eagerloco.lab.compare.stats import LEVEL, Interval, mean_interval, paired_difference
+from eagerloco.lab.compare.tune import setting_text
 from eagerloco.units import fmt_bytes
 
 SEED_PLOTS = {"steps": "loss_vs_steps.png", "delta": "delta_vs_no_overlap.png", "tune": "tuning.png",

@@ -16,7 +16,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from eagerloco.compare.grid import (
+from eagerloco.config import ConfigError, TrainConfig
+from eagerloco.flags import build_train_config
+from eagerloco.jsonfiles import finite_json
+from eagerloco.lab.compare.grid import (
     CACHE_IGNORED,
     COMPARE_DEFAULTS,
     DEFAULT_OUT,
@@ -27,9 +30,6 @@ from eagerloco.compare.grid import (
     tolerated_steps,
     tolerated_text,
 )
-from eagerloco.config import ConfigError, TrainConfig
-from eagerloco.flags import build_train_config
-from eagerloco.jsonfiles import finite_json
 
 
 @dataclass
@@ -121,7 +121,7 @@ def _outer_brief(cfg: Any) -> str:
 
 def run_plans(plans: list[PlannedRun], force: bool = False) -> list[dict[str, Any]]:
     """Train (or reuse) each planned run in order, printing one line as it starts and one as it ends."""
-    from eagerloco.compare.report import fmt_cu, fmt_loss
+    from eagerloco.lab.compare.report import fmt_cu, fmt_loss
     from eagerloco.train import train  # imports torch: only when something trains
     from eagerloco.units import fmt_bytes
 

@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from eagerloco.compare.grid import BASELINES, ENTRIES, GridEntry
-from eagerloco.compare.runner import PlannedRun, entry_config, run_plans
-from eagerloco.compare.stats import diverged, spiked, unigram_entropy
-from eagerloco.compare.tune import TuneAxis, apply_setting, choose, setting_text, settings_for
 from eagerloco.config import ConfigError, TrainConfig
+from eagerloco.lab.compare.grid import BASELINES, ENTRIES, GridEntry
+from eagerloco.lab.compare.runner import PlannedRun, entry_config, run_plans
+from eagerloco.lab.compare.stats import diverged, spiked, unigram_entropy
+from eagerloco.lab.compare.tune import TuneAxis, apply_setting, choose, setting_text, settings_for
 
 #: The tuning seed is this far from the first comparison seed unless --tune-seed says otherwise.
 TUNE_SEED_OFFSET = 1000
@@ -222,10 +222,10 @@ def mark_divergence(results: list[dict[str, Any]], plans: list[PlannedRun]) -> N
     loss climbed back above it after having been below) to each result, warning on stderr for each.
 
     Args:
-        results: from :func:`~eagerloco.compare.runner.run_plans`, in the plans' order.
+        results: from :func:`~eagerloco.lab.compare.runner.run_plans`, in the plans' order.
         plans: the runs they came from.
     """
-    from eagerloco.compare.report import as_number, load_curves
+    from eagerloco.lab.compare.report import as_number, load_curves
 
     for r, p in zip(results, plans, strict=True):
         h1 = data_entropy(p.cfg)
@@ -265,7 +265,7 @@ def run_seeded(args: argparse.Namespace, entries: list[GridEntry], base: TrainCo
     Raises:
         ConfigError: an invalid setting, before anything trains.
     """
-    from eagerloco.compare.report_seeds import write_seeded_report
+    from eagerloco.lab.compare.report_seeds import write_seeded_report
 
     seeds = seed_list(base.seed, args.seeds if args.seeds is not None else 1)
     tune_seed = args.tune_seed if args.tune_seed is not None else base.seed + TUNE_SEED_OFFSET

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from eagerloco.compare.grid import PER_ENTRY_FLAGS, GridEntry
 from eagerloco.config import ConfigError, LinkConfig, OuterConfig, TrainConfig
+from eagerloco.lab.compare.grid import PER_ENTRY_FLAGS, GridEntry
 
 #: Settings a sweep may not change: the run's identity and output, the seed, the method (the grid's
 #: entries choose it) and the tables.
