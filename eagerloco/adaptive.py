@@ -183,7 +183,7 @@ class AdaptiveSteps:
         mine = torch.zeros(workers, dtype=torch.float64)
         speed = self.meter.steps_per_s if self.measured else self.config.worker_speeds[rank]
         mine[rank] = speed * self.comm.num_workers
-        self.pending = self.comm.allreduce_mean([mine.to(torch.float32)], get_codec("fp32"), keep_own=False,
+        self.pending = self.comm.allreduce_mean([mine.to(torch.float32)], get_codec("fp32"), None, keep_own=False,
                                                 **agreed)
         return waited
 

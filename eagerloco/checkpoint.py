@@ -291,7 +291,8 @@ def load_worker_state(path: Path, worker: int) -> dict[str, Any]:
     """
     f = path / f"worker_{worker}.pt"
     try:
-        return torch.load(f, map_location="cpu", weights_only=False)
+        state: dict[str, Any] = torch.load(f, map_location="cpu", weights_only=False)
+        return state
     except FileNotFoundError as e:
         raise CheckpointError(f"{f} is missing: this checkpoint has no state for worker {worker}") from e
     except Exception as e:  # a file that passed its checksum but is no torch file: written by something else

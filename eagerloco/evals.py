@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -123,7 +124,7 @@ def load_task(name: str, limit: int | None = None, seed: int = 0) -> list[Exampl
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 or None, got {limit}")
     rows = _read_rows(name)
-    idx = range(len(rows))
+    idx: Sequence[int] = range(len(rows))
     if limit is not None and limit < len(rows):
         idx = sorted(random.Random(seed).sample(range(len(rows)), limit))
     return [_example(name, rows[i]) for i in idx]
@@ -145,7 +146,7 @@ def window(ctx: list[int], cont: list[int], seq_len: int, filler: list[int]) -> 
 
 
 def _logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out = model(x)
+    out: torch.Tensor | tuple[torch.Tensor, ...] = model(x)
     return out[0] if isinstance(out, tuple) else out
 
 

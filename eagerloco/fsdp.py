@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def _is_dtensor(t: object) -> bool:
@@ -49,7 +52,7 @@ def is_sharded(model: nn.Module) -> bool:
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor as a plain tensor sharing its storage; any other tensor as is."""
     if _is_dtensor(t):
-        return t.detach().to_local()  # type: ignore[attr-defined]
+        return cast("DTensor", t.detach()).to_local()  # torch types detach() as returning a Tensor
     return t
 
 

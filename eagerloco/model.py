@@ -77,12 +77,9 @@ def model_config(name: str, vocab_size: int | None = None, seq_len: int | None =
     """A fresh copy of a preset, with the vocabulary and context set by the data when given."""
     if name not in PRESETS:
         raise ValueError(f"unknown --model {name!r}; choose one of: {', '.join(PRESETS)}")
-    changes: dict[str, int] = {}
-    if vocab_size is not None:
-        changes["vocab_size"] = vocab_size
-    if seq_len is not None:
-        changes["max_seq_len"] = seq_len
-    return replace(PRESETS[name], **changes)
+    preset = PRESETS[name]
+    return replace(preset, vocab_size=preset.vocab_size if vocab_size is None else vocab_size,
+                   max_seq_len=preset.max_seq_len if seq_len is None else seq_len)
 
 
 def training_bytes(cfg: GPTConfig, batch_size: int, seq_len: int) -> int:
@@ -116,6 +113,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+class ResidualProjection(nn.Linear):
+    """A projection back into the residual stream: GPT._init_weights shrinks its init with depth."""
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -123,8 +124,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.proj.residual_init = True  # type: ignore[attr-defined]  # scaled at init, see GPT._init_weights
+        self.proj = ResidualProjection(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -132,7 +132,8 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return out
 
 
 class MLP(nn.Module):
@@ -141,8 +142,7 @@ class MLP(nn.Module):
         self.swiglu = cfg.mlp == "swiglu"
         # SwiGLU keeps gate and up projections in one matmul: fewer, larger GEMMs are faster on CPU.
         self.fc = nn.Linear(cfg.d_model, (2 if self.swiglu else 1) * cfg.d_mlp, bias=False)
-        self.proj = nn.Linear(cfg.d_mlp, cfg.d_model, bias=False)
-        self.proj.residual_init = True  # type: ignore[attr-defined]
+        self.proj = ResidualProjection(cfg.d_mlp, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
@@ -151,7 +151,8 @@ class MLP(nn.Module):
             h = F.silu(gate) * up
         else:
             h = F.gelu(h)
-        return self.proj(h)
+        out: torch.Tensor = self.proj(h)
+        return out
 
 
 class Block(nn.Module):
@@ -165,11 +166,15 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.norm1(x), cos, sin))
-        return x + self.drop(self.mlp(self.norm2(x)))
+        out: torch.Tensor = x + self.drop(self.mlp(self.norm2(x)))
+        return out
 
 
 class GPT(nn.Module):
     """Decoder-only language model; ``blocks`` is the ordered list that fragments are cut from."""
+
+    rope_cos: torch.Tensor  # buffers, registered in __init__
+    rope_sin: torch.Tensor
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -191,7 +196,7 @@ class GPT(nn.Module):
         """nanoGPT init; residual projections shrink with depth so the residual stream stays O(1)."""
         if isinstance(module, nn.Linear):
             std = 0.02
-            if getattr(module, "residual_init", False):
+            if isinstance(module, ResidualProjection):
                 std /= math.sqrt(2 * self.cfg.n_layers)
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, nn.Embedding):

@@ -203,9 +203,10 @@ class OuterSync:
             return
         t0 = time.perf_counter()
         params = self._grad_params
-        if all(p.grad is not None for p in params):
+        grads = [p.grad for p in params if p.grad is not None]
+        if len(grads) == len(params):
             # The mean lands in the gradients themselves: no allocation every step.
-            _, waited = self._wait(self._grad_handle, out=[local_shard(p.grad) for p in params])  # type: ignore[arg-type]
+            _, waited = self._wait(self._grad_handle, out=[local_shard(g) for g in grads])
         else:
             mean, waited = self._wait(self._grad_handle)
             with torch.no_grad():

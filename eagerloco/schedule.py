@@ -10,8 +10,9 @@ s mod H == offset_p, offset_p = round(p * H / P) (round half up).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 def fragment_offsets(inner_steps: int, fragments: int) -> list[int]:
@@ -198,8 +199,8 @@ class Rounds:
         return {"tick": self.tick, "lengths": list(self.lengths), "done": list(self.done),
                 "synced": [list(s) for s in self.synced]}
 
-    def load(self, state: dict[str, object]) -> None:
-        self.tick = int(state["tick"])  # type: ignore[call-overload]
-        self.set_lengths([int(n) for n in state["lengths"]])  # type: ignore[attr-defined]
-        self.done = [int(n) for n in state["done"]]  # type: ignore[attr-defined]
-        self.synced = [[int(n) for n in s] for s in state["synced"]]  # type: ignore[attr-defined]
+    def load(self, state: Mapping[str, Any]) -> None:
+        self.tick = int(state["tick"])
+        self.set_lengths([int(n) for n in state["lengths"]])
+        self.done = [int(n) for n in state["done"]]
+        self.synced = [[int(n) for n in s] for s in state["synced"]]

@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
+from eagerloco.codec_sizes import CODEC_NAMES
 from eagerloco.codecs.dense import (
-    CODEC_NAMES,
     Bf16Codec,
     Codec,
     E2m1Codec,

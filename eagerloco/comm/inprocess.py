@@ -78,6 +78,7 @@ class InProcessHandle(Handle):
             # its memory serves the next exchange of this size, which saves a fresh allocation,
             # a page-faulting mmap for a large model, when the exchange happens every step (dp).
             group = self._group
+            assert ex.mean_flat is not None  # set by _mean()
             group._spare[ex.numel] = ex.mean_flat
             ex.mean = ex.mean_flat = None
             group._spare_payloads.setdefault(ex.numel, []).extend(ex.reusable)

@@ -92,6 +92,7 @@ class RuntimeConfig:
         if not is_finite(t) or t <= 0:
             raise ConfigError(f"--dist-timeout must be a positive, finite number of seconds, got {t!r}")
         r = self.ranks_per_worker
+        assert r is not None  # resolve() filled it
         kind = self.kind(env)
         if kind == "job":
             self._validate_job(workers, env)

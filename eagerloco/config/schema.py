@@ -8,7 +8,7 @@ from __future__ import annotations
 import types
 import warnings
 from dataclasses import fields
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from eagerloco.config.checks import ConfigError
 from eagerloco.config.outer import LinkConfig, OuterConfig
@@ -50,7 +50,13 @@ def type_ok(value: Any, tp: Any) -> bool:
     return isinstance(value, tp)
 
 
-def from_dict(cls: type, data: Any, where: str) -> Any:
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+C = TypeVar("C", bound="DataclassInstance")
+
+
+def from_dict(cls: type[C], data: Any, where: str) -> C:
     """Build a config dataclass from a mapping, checking every key and value against the field's type.
 
     Args:

@@ -95,7 +95,7 @@ def _austen_from_tree(tree: Path) -> list[Doc]:
     if rdx is None:
         raise DataError("unpacked r-cran-janeaustenr lacks janeaustenr/data/Rdata.rdx")
     objects = read_lazyload_db(rdx)
-    docs = []
+    docs: list[Doc] = []
     for key, (title, n_chapters) in AUSTEN_NOVELS.items():
         if key not in objects:
             raise DataError(f"{rdx}: no object {key!r} ({title}); found {sorted(objects)}")

@@ -159,7 +159,7 @@ def _detag_line(line: str) -> str:
 def _brown_ok(directory: Path) -> dict[str, Any] | None:
     """The manifest when it and every file it lists check out, else None."""
     try:
-        manifest = json.loads((directory / "manifest.json").read_text())
+        manifest: dict[str, Any] = json.loads((directory / "manifest.json").read_text())
         if manifest.get("version") != MANIFEST_VERSION:
             return None
         if manifest.get("tarball_sha256") != BROWN_TARBALL_SHA256:

@@ -140,7 +140,7 @@ def _non_iid_shards(order: list[int], groups: list[str], sizes: list[int], worke
         spare = [j for j, (_, s, e) in enumerate(runs) if per[j] < e - s]
         j = max(spare, key=lambda j: sum(sizes[runs[j][1] : runs[j][2]]) / per[j])
         per[j] += 1
-    shards = []
+    shards: list[list[int]] = []
     for j, (_, s, e) in enumerate(runs):
         cuts = _balanced_cuts(sizes[s:e], per[j])
         shards.extend(order[s + cuts[k] : s + cuts[k + 1]] for k in range(per[j]))

@@ -81,14 +81,16 @@ class BPETokenizer:
         self.fingerprint: str = "bpe-" + hashlib.sha256(tok.to_str().encode()).hexdigest()
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
+        ids: list[int] = self.tok.encode(text).ids
+        return ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Many documents at once: the Rust side spreads them over all cores."""
         return [e.ids for e in self.tok.encode_batch(texts)]
 
     def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(list(ids))
+        text: str = self.tok.decode(list(ids))
+        return text
 
     @classmethod
     def from_file(cls, path: str | Path, name: str = "bpe") -> BPETokenizer:

@@ -99,7 +99,8 @@ def encode_docs(docs: Sequence[str], tokenizer: Tokenizer) -> torch.Tensor:
     """
     fast = getattr(tokenizer, "encode_tensor", None)
     if fast is not None:
-        return fast(DOC_SEPARATOR.join(docs))
+        encoded: torch.Tensor = fast(DOC_SEPARATOR.join(docs))
+        return encoded
     return EncodedDocs.encode(docs, tokenizer).join()
 
 

@@ -189,7 +189,8 @@ def accounting(entries: list[tuple[dict[str, Any], float]]) -> dict[str, Any]:
     compute = sum(s["compute_s"] for s in stats)
 
     def mean(key: str) -> float:
-        return sum(s[key] for s in stats) / n
+        total: float = sum(s[key] for s in stats)
+        return total / n
 
     return {
         "bytes_sent_per_worker": mean("bytes_sent"),

@@ -21,7 +21,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.procs import pid_alive
@@ -113,7 +113,7 @@ def earlier_run(path: Path) -> list[str]:
 
 
 def _summarize(ours: Entries) -> list[str]:
-    found = [name for name in ("metrics.jsonl", "summary.json", "summary.json.tmp") if name in ours]
+    found: list[str] = [name for name in ("metrics.jsonl", "summary.json", "summary.json.tmp") if name in ours]
     files = [r for r, k in ours.items() if k == "file"]
     steps = sorted({r.split("/")[1] for r in files if r.startswith("checkpoints/step_")}, key=lambda s: int(s[5:]))
     if steps:
@@ -303,7 +303,7 @@ class RunLock:
             shown = text.strip() if len(text.strip()) <= 60 else text.strip()[:57] + "..."
             raise ConfigError(f"the run lock {self.path} holds {shown}: {problem}, so eagerloco did not write it; "
                               f"if no run uses {self.path.parent}, delete {self.path}")
-        return holder
+        return cast("dict[str, Any]", holder)  # a table: _lock_problem checked it
 
     def release(self) -> None:
         """Remove the lock if this process holds it."""

@@ -78,10 +78,10 @@ class Trainer:
             self.start_step, self.real_elapsed = rt.load(self.files, found)
             rt.ready(self.start_step, found)
             self.t_run = time.perf_counter()
-            summary = self.loop()
+            ours = self.loop()
             rt.doing = "gathering the results"
-            summary.update(link_shaping=rt.link_shaping(), num_params=num_params(base), config=asdict(cfg))
-            summary = rt.summarize(summary, self.files)
+            ours.update(link_shaping=rt.link_shaping(), num_params=num_params(base), config=asdict(cfg))
+            summary = rt.summarize(ours, self.files)
             if summary is not None:
                 rt.manifest.record({"summary.json": "file", "summary.json.tmp": "file"})
                 write_json_atomic(self.out / "summary.json", summary)

@@ -156,14 +156,14 @@ class Worker:
         # and the lockstep loop already knows when gradients are ready.
         import torch.distributed as dist
 
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.inner_group)
         flat /= dist.get_world_size(self.inner_group)
         i = 0
-        for p in params:
-            n = p.grad.numel()
-            p.grad.copy_(flat[i : i + n].view_as(p.grad))
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[i : i + n].view_as(g))
             i += n
 
     def state_dict(self) -> dict[str, Any]:
