@@ -49,7 +49,8 @@ def api_reference() -> str:
 
 
 def _cell(text: object) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """Plain text as one Markdown table cell or paragraph (argparse's texts may hold ``<out>`` or ``|``)."""
+    return str(text).replace("<", "&lt;").replace("|", "\\|").replace("\n", " ")
 
 
 def _help(action: argparse.Action) -> str:
@@ -71,15 +72,18 @@ def _flag_rows(parser: argparse.ArgumentParser) -> list[str]:
                    if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
         if not actions:
             continue
-        out += ["", f"**{group.title}**", "", "| flag | default | meaning |", "|---|---|---|"]
+        out += ["", f"**{group.title}**", "", "| flag | meaning |", "|---|---|"]
         for a in actions:
             names = ", ".join(f"`{s}`" for s in a.option_strings) or f"`{a.dest}`"
-            if a.option_strings and a.nargs != 0:
-                names += f" `{a.metavar or a.dest.upper()}`"
-            if a.choices is not None and not isinstance(a, argparse._SubParsersAction):
+            if a.choices is not None:
                 names += "<br>one of " + ", ".join(f"`{c}`" for c in a.choices)
-            default = "" if a.default in (None, argparse.SUPPRESS) else f"`{a.default}`"
-            out.append(f"| {names} | {_cell(default)} | {_cell(_help(a))} |")
+            elif a.option_strings and a.nargs != 0:
+                names += f" `{a.metavar or a.dest.upper()}`"
+            meaning = _help(a)
+            # The config flags state their default in the help (theirs is SUPPRESS: a TOML value may stand).
+            if "default" not in meaning and a.default not in (None, False, argparse.SUPPRESS):
+                meaning += f" (default {a.default})"
+            out.append(f"| {names} | {_cell(meaning)} |")
     return out
 
 
@@ -94,7 +98,7 @@ def cli_reference() -> str:
     for name, command in sub.choices.items():
         lines += ["", f"## eagerloco {name}", "", _cell(helps.get(name) or ""), ""]
         if command.description:
-            lines += [command.description, ""]
+            lines += [_cell(command.description), ""]
         lines += ["```text", command.format_usage().strip(), "```"]
         lines += _flag_rows(command)
     return "\n".join(lines) + "\n"
