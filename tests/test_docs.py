@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import train_here
 
 import eagerloco
 from eagerloco.cli import make_parser
-from tests.runs import train_here
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
