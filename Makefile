@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint typecheck data clean
+.PHONY: demo test test-fast lint typecheck docs data clean
 
 # Bytecode: pip compiles every file it installs, about 40 s of the bootstrap on 2 cores for files most of which
 # no run imports (--no-compile). Python writes the bytecode of what a run imports the first time instead,
@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(PY) -m eagerloco demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check eagerloco testing tests bench examples
+	$(PY) -m ruff check eagerloco testing tests bench examples docs/hooks
 
 # mypy --strict on the public modules and what they import ([tool.mypy] in pyproject.toml): a public function
 # that loses its annotations, or a call that stops fitting one, fails the build. About 1 s with its cache
@@ -36,12 +36,17 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# The documentation site, offline (no fonts or anything else fetched), into site/ (git-ignored); --strict:
+# a broken link, a missing reference or a snippet not found fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir site
+
 # Tests run on 2 pytest-xdist workers, a whole file each at a time (a file's runs are shared by its
 # tests), longest files first (tests/conftest.py): the tests that wait overlap the ones that compute.
 XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 
 # The whole suite (what CI runs), its 15 slowest tests listed at the end.
-test: $(STAMP) lint typecheck
+test: $(STAMP) lint typecheck docs
 	$(PY) -m pytest -q $(XDIST) --durations=15
 
 # Lint, types and the tests that start no process, need no root and are not slow: under a minute on 2 cores.
@@ -49,4 +54,4 @@ test-fast: $(STAMP) lint typecheck
 	$(PY) -m pytest -q $(XDIST) -m "not processes and not root and not slow"
 
 clean:
-	rm -rf $(VENV) runs *.egg-info .mypy_cache
+	rm -rf $(VENV) runs site *.egg-info .mypy_cache

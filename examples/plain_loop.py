@@ -29,6 +29,7 @@ p.add_argument("--steps", type=int, default=40)
 p.add_argument("--save", help="write the outer state to this file at the end (for your own checkpoints)")
 a = p.parse_args()
 
+# --8<-- [start:loop]
 torch.manual_seed(0)  # every worker starts from the same model
 model = GPT(GPTConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=4, d_mlp=256, max_seq_len=64))
 inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -47,5 +48,6 @@ with eagerloco.exit_on_errors():  # a dead peer: one line naming it, exit status
             inner.zero_grad()
             if step % 10 == 0:
                 print(f"worker {worker} step {step} loss {loss.item():.3f} {outer.metrics()}")
+# --8<-- [end:loop]
         if a.save:  # outer copies, outer-optimizer state, exchanges in flight: load_state_dict() resumes them
             torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "outer": outer.state_dict()}, a.save)

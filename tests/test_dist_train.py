@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from runs import DIST_ENV, launch_here, train_here
+from test_docs import always, metrics_tables
 
 from eagerloco import checkpoint as ckpt
 
@@ -266,3 +267,18 @@ def test_killed_worker_makes_the_others_stop_with_a_clear_error(tmp_path: Path) 
     for rank in (0, 1):
         lines = [ln for ln in output.splitlines() if ln.startswith(f"[rank {rank}]") and "error" in ln]
         assert any("worker 2" in ln for ln in lines), output[-4000:]
+
+
+@pytest.mark.processes
+def test_a_launched_run_writes_the_documented_keys(clean: _CleanRuns) -> None:
+    """A launched run writes the keys of docs/reference/metrics.md: those always written and those of launched
+    runs, in summary.json, its per-worker entries and metrics.jsonl."""
+    tables = metrics_tables()
+    out = clean.get("diloco")
+    summary = json.loads((out / "summary.json").read_text())
+    launched = {k for k, when in tables["summary.json"].items() if when.startswith("launched runs")}
+    assert set(summary) == always(tables["summary.json"]) | launched
+    for worker in summary["per_worker"]:
+        assert set(worker) == set(tables["per_worker"])
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert set().union(*lines) == always(tables["metrics.jsonl"])

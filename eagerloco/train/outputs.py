@@ -24,7 +24,7 @@ from eagerloco.units import fmt_bytes
 #: Seconds between progress lines when stdout is not a terminal.
 PROGRESS_EVERY_S = 30.0
 
-#: Fields every summary.json has (the README lists them).
+#: Fields every summary.json has (docs/reference/metrics.md documents them with every other key).
 SUMMARY_KEYS = (
     "method", "workers", "inner_steps", "fragments", "overlap_steps", "alpha", "eager_rounds", "codec",
     "steps", "tokens", "final_eval_loss", "bytes_sent_per_worker", "peak_sync_bytes", "compute_s",
