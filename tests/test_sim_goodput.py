@@ -113,3 +113,14 @@ def test_command_without_faults_reports_the_utilization(tmp_path) -> None:
 def test_command_rejects_a_bad_grace(capsys) -> None:
     assert cli.main(["simulate", "--goodput", "--model", "1b", "--grace", "soon"]) == 2
     assert "--grace takes seconds or auto" in capsys.readouterr().err
+
+
+def test_auto_grace_waits_for_everyone_until_it_has_measured() -> None:
+    """With --grace auto the first exchanges are all-or-nothing; a later one closes at the floor, 1% of a round."""
+    stall = 3.0
+    early = run({0: {0: (stall, None)}}, M, 20, Timing(P, P), 0.0, M - 1, None, 1)
+    assert early.wall == pytest.approx(20 * P + stall, rel=1e-12)
+    late = run({GRACE_WINDOW: {0: (stall, None)}}, M, 20, Timing(P, P), 0.0, M - 1, None, 1)
+    assert late.wall == pytest.approx(20 * P + 0.01 * P, rel=1e-12)
+    assert late.late_merged == 1
+    assert late.graces and all(g == pytest.approx(0.01 * P) for g in late.graces)

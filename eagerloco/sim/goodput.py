@@ -191,7 +191,7 @@ def run(events: Events, workers: int, rounds: int, t: Timing, restart_s: float, 
     """
     share = t.compute / t.period  # compute per second of a round's wall time
     late: dict[int, tuple[float, float, int]] = {}  # worker -> (free at, into the next round; pending; age)
-    spreads: deque[float] = deque([0.0] * GRACE_WINDOW, maxlen=GRACE_WINDOW)
+    spreads: deque[float] = deque(maxlen=GRACE_WINDOW)  # auto grace: the first exchanges are all-or-nothing
     out = Outcome(0.0, 0.0, 0.0)
     done = 0
     for r in sorted(events):
@@ -243,10 +243,14 @@ def _round(out: Outcome, ev: dict[int, tuple[float, float | None]], late: dict[i
         q = quorum - normal  # the Q-th arrival: normal workers arrive at t.period, first
         qth = t.period if q <= 0 else times[q - 1]
         half = math.ceil(quorum / 2) - normal
+        measured = len(spreads) == GRACE_WINDOW
         spreads.append(qth - (t.period if half <= 0 else times[half - 1]))
-        g = grace if grace is not None else auto_grace(spreads, t.compute)
-        out.graces.append(g)
-        close = min(last, qth + g)
+        if grace is None and not measured:
+            close = last
+        else:
+            g = grace if grace is not None else auto_grace(spreads, t.compute)
+            out.graces.append(g)
+            close = min(last, qth + g)
     out.wall += close
     out.good += normal * t.compute
     for w in set(ev) | set(late):
