@@ -17,7 +17,7 @@ from eagerloco.sim.goodput import (
     auto_grace,
     draw_events,
     method_timing,
-    run,
+    play_rounds,
 )
 
 P, M = 10.0, 8  # a round's wall time, workers
@@ -26,7 +26,7 @@ P, M = 10.0, 8  # a round's wall time, workers
 def test_no_faults_goodput_is_compute_utilization() -> None:
     t = Timing(period=P, compute=0.8 * P)
     for quorum in (M, M - 2):
-        assert run({}, M, 50, t, 0.0, quorum, 1.0, 1).goodput == pytest.approx(0.8, rel=1e-12)
+        assert play_rounds({}, M, 50, t, 0.0, quorum, 1.0, 1).goodput == pytest.approx(0.8, rel=1e-12)
 
 
 @pytest.mark.parametrize(("stall", "slack"), [(3.0, 0.0), (3.0, 1.0), (3.0, 5.0)])
@@ -34,7 +34,7 @@ def test_all_or_nothing_one_stall_per_round(stall: float, slack: float) -> None:
     """Each round one worker stalls s: every round ends s - slack late (never early), all of it merged."""
     t = Timing(period=P, compute=0.9 * P, slack=slack)
     events = {r: {r % M: (stall, None)} for r in range(40)}
-    out = run(events, M, 40, t, 0.0, M, None, 1)
+    out = play_rounds(events, M, 40, t, 0.0, M, None, 1)
     assert out.goodput == pytest.approx(0.9 * P / (P + max(0.0, stall - slack)), rel=1e-12)
     assert out.late_merged == out.dropped == 0
 
@@ -43,7 +43,7 @@ def test_all_or_nothing_failure_redoes_the_round() -> None:
     """A worker failing halfway through every round: everyone waits for the restart and the redone half."""
     restart = 4.0
     events = {r: {0: (0.0, 0.5 * P)} for r in range(20)}
-    out = run(events, M, 20, Timing(P, P), restart, M, None, 1)
+    out = play_rounds(events, M, 20, Timing(P, P), restart, M, None, 1)
     assert out.goodput == pytest.approx(P / (P + 0.5 * P + restart), rel=1e-12)
 
 
@@ -52,7 +52,7 @@ def test_quorum_bypasses_a_stall_and_merges_it_one_round_late() -> None:
     exchange, and it catches up with a round s - g shorter. Per pair of rounds: wall 2P + g, merged 2MP - (s - g)."""
     stall, grace, pairs = 3.0, 1.0, 10
     events = {2 * i: {0: (stall, None)} for i in range(pairs)}
-    out = run(events, M, 2 * pairs, Timing(P, P), 0.0, M - 1, grace, 1)
+    out = play_rounds(events, M, 2 * pairs, Timing(P, P), 0.0, M - 1, grace, 1)
     assert out.goodput == pytest.approx((2 * M * P - (stall - grace)) / (M * (2 * P + grace)), rel=1e-12)
     assert (out.late_merged, out.dropped) == (pairs, 0)
     assert out.wall == pytest.approx(pairs * (2 * P + grace), rel=1e-12)
@@ -64,7 +64,7 @@ def test_staleness_bound_drops_a_contribution_two_rounds_late(max_late: int, goo
     """A stall of 1.5 rounds on one of 4 workers (Q = 3, no grace): its round ends 2.5 rounds in, missing two
     exchanges: dropped with S = 1, merged with S = 2; it then runs half a round and rejoins. Ten rounds of 3
     other workers."""
-    out = run({0: {0: (1.5 * P, None)}}, 4, 10, Timing(P, P), 0.0, 3, 0.0, max_late)
+    out = play_rounds({0: {0: (1.5 * P, None)}}, 4, 10, Timing(P, P), 0.0, 3, 0.0, max_late)
     assert out.good == pytest.approx(good * P, rel=1e-12)
     assert out.goodput == pytest.approx(good / 40, rel=1e-12)
     assert (out.late_merged, out.dropped) == (merged, dropped)
@@ -72,7 +72,7 @@ def test_staleness_bound_drops_a_contribution_two_rounds_late(max_late: int, goo
 
 def test_streaming_counts_staleness_in_outer_rounds() -> None:
     """The same stall against Streaming's barriers (P = 4 per outer round): within one outer round, merged."""
-    out = run({0: {0: (1.5 * P, None)}}, 4, 10, Timing(P, P, span=4), 0.0, 3, 0.0, 1)
+    out = play_rounds({0: {0: (1.5 * P, None)}}, 4, 10, Timing(P, P, span=4), 0.0, 3, 0.0, 1)
     assert (out.late_merged, out.dropped) == (1, 0)
 
 
@@ -110,17 +110,23 @@ def test_command_without_faults_reports_the_utilization(tmp_path) -> None:
     assert min(r["cu"] for r in rows) < 0.9  # 1 Gbit/s costs data-parallel something
 
 
-def test_command_rejects_a_bad_grace(capsys) -> None:
-    assert cli.main(["simulate", "--goodput", "--model", "1b", "--grace", "soon"]) == 2
-    assert "--grace takes seconds or auto" in capsys.readouterr().err
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--grace", "soon"], "--grace takes seconds or auto"),
+    (["--quorum-share", "0"], "--quorum-share must be in (0, 1]"),
+    (["--goodput-workers", "8,0"], "--goodput-workers needs worker counts >= 1"),
+    (["--plan", "--bandwidth-gbps", "1", "--target-cu", "0.9"], "--goodput is a report of its own"),
+])
+def test_command_rejects_bad_flags(capsys, flags: list[str], message: str) -> None:
+    assert cli.main(["simulate", "--goodput", "--model", "1b", *flags]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_auto_grace_waits_for_everyone_until_it_has_measured() -> None:
     """With --grace auto the first exchanges are all-or-nothing; a later one closes at the floor, 1% of a round."""
     stall = 3.0
-    early = run({0: {0: (stall, None)}}, M, 20, Timing(P, P), 0.0, M - 1, None, 1)
+    early = play_rounds({0: {0: (stall, None)}}, M, 20, Timing(P, P), 0.0, M - 1, None, 1)
     assert early.wall == pytest.approx(20 * P + stall, rel=1e-12)
-    late = run({GRACE_WINDOW: {0: (stall, None)}}, M, 20, Timing(P, P), 0.0, M - 1, None, 1)
+    late = play_rounds({GRACE_WINDOW: {0: (stall, None)}}, M, 20, Timing(P, P), 0.0, M - 1, None, 1)
     assert late.wall == pytest.approx(20 * P + 0.01 * P, rel=1e-12)
     assert late.late_merged == 1
     assert late.graces and all(g == pytest.approx(0.01 * P) for g in late.graces)

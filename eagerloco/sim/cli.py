@@ -69,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = SimConfig.from_args(args)
         settings = cfg.validate()
         gp = GoodputConfig.from_args(args)
+        if gp.goodput and (cfg.plan or cfg.compare_reference or cfg.plot is not None):
+            raise SimError("--goodput is a report of its own: drop --plan, --compare-reference and --plot")
         if gp.goodput:
             report = goodput_report(gp, settings)
         if cfg.plot is not None:

@@ -180,8 +180,8 @@ class Outcome:
                 "dropped": self.dropped}
 
 
-def run(events: Events, workers: int, rounds: int, t: Timing, restart_s: float, quorum: int,
-        grace: float | None, max_late: int) -> Outcome:
+def play_rounds(events: Events, workers: int, rounds: int, t: Timing, restart_s: float, quorum: int,
+                grace: float | None, max_late: int) -> Outcome:
     """Play the rounds: close each exchange by the rules of docs/algorithms.md section 12, count the merged compute.
 
     ``quorum == workers`` is all-or-nothing: everyone waits for the slowest, a failed worker restarts and
@@ -228,7 +228,7 @@ def _round(out: Outcome, ev: dict[int, tuple[float, float | None]], late: dict[i
         if aon:  # nobody is ever late: a failed worker restarts and redoes its round while everyone waits
             lost = fail + restart_s if fail is not None else 0.0
             arrive[w], work[w] = t.period + max(0.0, delay + lost - t.slack), t.compute
-        elif fail is not None:  # its round's work is lost; it rejoins at the start of a round
+        elif fail is not None:  # its round's work is lost; back restart_s later, into a shorter window
             back[w] = max(free, fail) + restart_s
         elif free < t.period:  # catches up: a shorter round, ending when the others' does
             arrive[w], work[w] = t.period + max(0.0, delay - t.slack), (t.period - free) * share
@@ -275,14 +275,15 @@ def _round(out: Outcome, ev: dict[int, tuple[float, float | None]], late: dict[i
     for w in [w for w, (free, pending, _) in late.items() if free <= 0 and not pending]:
         del late[w]
 
+
 def auto_grace(spreads: deque[float], round_compute: float) -> float:
     """Twice the median, over the last exchanges, of how far the Q-th arrival trails the median one, within
     [1%, 25%] of a round's compute time (docs/algorithms.md section 12.2)."""
     return min(max(2.0 * statistics.median(spreads), GRACE_MIN * round_compute), GRACE_MAX * round_compute)
 
 
-def report(cfg: GoodputConfig, models: list[Any], methods: list[str], inner_steps: int, fragments: list[int],
-           tau: int, k: int, cu: Any) -> dict[str, Any]:
+def goodput_table(cfg: GoodputConfig, models: list[Any], methods: list[str], inner_steps: int,
+                  fragments: list[int], tau: int, k: int, cu: Any) -> dict[str, Any]:
     """Goodput of every (model, M, method), all-or-nothing against quorum; ``cu(model, method, M)`` gives the
     fault-free compute utilization (1 without a link limit)."""
     counts, grace = cfg.check()
@@ -296,8 +297,8 @@ def report(cfg: GoodputConfig, models: list[Any], methods: list[str], inner_step
                 t = method_timing(method, model.step_time, cu(model, method, M), inner_steps, P, tau, k)
                 rounds = max(1, round(cfg.run_hours * 3600 / t.period))
                 events = draw_events(faults, M, rounds, t.period, cfg.seed)
-                aon = run(events, M, rounds, t, faults.restart_s, M, grace, cfg.max_late_rounds)
-                quo = run(events, M, rounds, t, faults.restart_s, Q, grace, cfg.max_late_rounds)
+                aon = play_rounds(events, M, rounds, t, faults.restart_s, M, grace, cfg.max_late_rounds)
+                quo = play_rounds(events, M, rounds, t, faults.restart_s, Q, grace, cfg.max_late_rounds)
                 row = {"workers": M, "method": method, "quorum": Q, "rounds": rounds, "round_s": t.period,
                        "cu": t.compute / t.period, "all_or_nothing": aon.as_dict(), "quorum_exchange": quo.as_dict()}
                 if quo.graces:
@@ -343,8 +344,6 @@ def goodput_report(cfg: GoodputConfig, s: Settings) -> dict[str, Any]:
         if v.method in METHODS and (first is None or (v.method == "streaming" and not first.overlap_steps
                                                       and v.overlap_steps and v.bits == first.bits)):
             rows[v.method] = v
-    if not rows:
-        raise SimError(f"--goodput simulates {', '.join(METHODS)}: choose some of them with --method")
     stream, eager = rows.get("streaming"), rows.get("eager", rows.get("delayed"))
     tau = stream.overlap_steps if stream is not None else 0
     k = eager.eager_rounds if eager is not None else 1
@@ -358,4 +357,4 @@ def goodput_report(cfg: GoodputConfig, s: Settings) -> dict[str, Any]:
                      s.pattern)
         return float(simulate(model, v, tr, s.bandwidths[0], s.latency_ms, s.inner_steps).cu[0])
 
-    return report(cfg, s.models, list(rows), s.inner_steps, fragments, tau, k, cu)
+    return goodput_table(cfg, s.models, list(rows), s.inner_steps, fragments, tau, k, cu)
