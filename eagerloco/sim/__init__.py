@@ -6,6 +6,7 @@ simulation, vectorized over bandwidth), ``search`` (least bandwidth per target),
 papers' accounting and their tables as reference data), ``plan`` (cheapest settings for a target),
 ``config`` (the flags as a dataclass, checked and resolved into what is simulated), ``tables`` (the
 default mode: every row on the grid), ``report`` (text and JSON output), ``plot`` (PNG figures),
+``goodput`` (goodput under failures and stalls, all-or-nothing rounds against quorum exchanges),
 ``cli`` (the ``simulate`` subcommand: ``add_parser`` and ``run``). Nothing here imports torch.
 """
 

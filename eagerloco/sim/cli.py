@@ -9,7 +9,9 @@ Modes: the default tables (least bandwidth per target, utilization per bandwidth
 ``--paper`` (the papers' accounting, printed with the table); ``--paper --compare-reference``
 (ours beside the papers' published tables, cell by cell); ``--plan`` (the cheapest settings that
 reach ``--target-cu`` at ``--bandwidth-gbps``, per model; with several models, their report is
-``{"bandwidth_gbps", "target", "plans": [one per model]}`` and a summary follows the tables).
+``{"bandwidth_gbps", "target", "plans": [one per model]}`` and a summary follows the tables);
+``--goodput`` (goodput under failures and stalls per method, all-or-nothing rounds against quorum
+exchanges: :mod:`eagerloco.sim.goodput`).
 Everything printed is also in the report dictionary that ``--json`` writes. The flags are made
 from :class:`~eagerloco.sim.config.SimConfig`, with train's names where they mean the same.
 Nothing here imports torch.
@@ -28,6 +30,7 @@ from eagerloco.extras import MissingExtraError, check
 from eagerloco.flags import add_dataclass_flags
 from eagerloco.sim import paper
 from eagerloco.sim.config import GROUPS, Settings, SimConfig
+from eagerloco.sim.goodput import GoodputConfig, format_goodput, goodput_report
 from eagerloco.sim.model import SimError
 from eagerloco.sim.plot import PLOT_NEEDS, plot_cu
 from eagerloco.sim.report import format_text, jsonable
@@ -54,7 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The simulate flags (separate from add_parser so a standalone parser can reuse them)."""
-    add_dataclass_flags({name: p.add_argument_group(title) for name, title in GROUPS.items()}, SimConfig)
+    groups = {name: p.add_argument_group(title) for name, title in GROUPS.items()}
+    add_dataclass_flags(groups, SimConfig)
+    add_dataclass_flags(groups, GoodputConfig)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,12 +68,22 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = SimConfig.from_args(args)
         settings = cfg.validate()
+        gp = GoodputConfig.from_args(args)
+        if gp.goodput and (cfg.plan or cfg.compare_reference or cfg.plot is not None):
+            raise SimError("--goodput is a report of its own: drop --plan, --compare-reference and --plot")
+        if gp.goodput:
+            report = goodput_report(gp, settings)
         if cfg.plot is not None:
             check("matplotlib", PLOT_NEEDS)  # before simulating, not after
     except (SimError, MissingExtraError) as e:
         print(f"eagerloco simulate: error: {e}", file=sys.stderr)
         return 2
     text_out = sys.stderr if cfg.json == "-" else sys.stdout
+    if gp.goodput:
+        report["seconds"] = time.perf_counter() - started
+        print(format_goodput(report), file=text_out)
+        write_json(cfg.json, report)
+        return 0
     if cfg.compare_reference or cfg.plan:
         report, text = special(cfg, settings)
         report["seconds"] = time.perf_counter() - started

@@ -37,7 +37,7 @@ from eagerloco.sim.model import (
 
 #: The --help sections, in order, with their titles.
 GROUPS = {"model": "model", "method": "method", "exchange": "exchange", "link": "link",
-          "output": "search and output"}
+          "output": "search and output", "goodput": "goodput under failures and stalls (--goodput)"}
 DEFAULT_TARGETS = "0.5,0.8,0.9,0.95,0.99"
 MAX_INNER_STEPS = 100_000
 MAX_ROUNDS_IN_FLIGHT = 64
