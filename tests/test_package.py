@@ -141,7 +141,7 @@ def raised(fn):
     return None
 
 from eagerloco.config import TrainConfig
-from eagerloco.data.austen import read_lazyload_db
+from eagerloco.lab.corpora.austen import read_lazyload_db
 from eagerloco.data.tokenizer import train_bpe
 from eagerloco.evals import load_task
 from eagerloco.train.outputs import tensorboard_writer

@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from eagerloco.data import get_tokenizer, load_corpus
     from eagerloco.data.cache import default_data_dir
-    from eagerloco.data.debian import from_debs
     from eagerloco.data.tokens import encode_corpus
+    from eagerloco.lab.corpora.debian import from_debs
 
     t0 = time.time()
     cache = Path(args.data_dir) if args.data_dir else default_data_dir()

@@ -1,15 +1,22 @@
-"""Real text for training: Brown, the King James Bible, Austen, Hugging Face datasets or the user's own.
+"""Real text for training: named corpora, Hugging Face datasets or the user's own text files.
 
-Sources are fetched once into a verified cache (``default_data_dir``), split into whole train / eval
+Sources are loaded into a verified cache (``default_data_dir``), split into whole train / eval
 documents (``load_corpus``), tokenized (``get_tokenizer``, ``encode_corpus``) and cut into one
-independent, resumable stream per worker (``worker_streams``) plus fixed ``eval_batches``.
+independent, resumable stream per worker (``worker_streams``) plus fixed ``eval_batches``. A named
+corpus is whatever is registered under ``CORPORA_GROUP`` (``named_corpora``): eagerloco's lab
+registers Brown, the King James Bible and Austen, and fetches them.
 """
 
-from eagerloco.data.austen import austen_chapters, fetch_austen, read_lazyload_db
-from eagerloco.data.brown import detag, fetch_brown
-from eagerloco.data.cache import BUILTIN_SOURCES, DataError, default_data_dir
-from eagerloco.data.corpus import SINGLE_FILE_PIECES, Corpus, fetch_source, load_corpus
-from eagerloco.data.kjv import fetch_kjv, parse_kjv
+from eagerloco.data.cache import DataError, default_data_dir
+from eagerloco.data.corpus import (
+    CORPORA_GROUP,
+    SINGLE_FILE_PIECES,
+    Corpus,
+    Loader,
+    load_corpus,
+    named_corpora,
+    split_sources,
+)
 from eagerloco.data.streams import TokenStream, eval_batches, stream_seed, worker_streams
 from eagerloco.data.tokenizer import (
     TOKENIZER_NAMES,
@@ -24,32 +31,27 @@ from eagerloco.data.tokens import DOC_SEPARATOR, EncodedDocs, encode_corpus, enc
 
 __all__ = [
     "BPETokenizer",
-    "BUILTIN_SOURCES",
     "ByteTokenizer",
+    "CORPORA_GROUP",
     "Corpus",
     "DOC_SEPARATOR",
     "DataError",
     "EncodedDocs",
+    "Loader",
     "SINGLE_FILE_PIECES",
     "TOKENIZER_NAMES",
     "TokenStream",
     "Tokenizer",
-    "austen_chapters",
     "bpe_key",
     "default_data_dir",
-    "detag",
     "encode_corpus",
     "encode_docs",
     "eval_batches",
-    "fetch_austen",
-    "fetch_brown",
-    "fetch_kjv",
-    "fetch_source",
     "get_tokenizer",
     "load_corpus",
-    "parse_kjv",
+    "named_corpora",
     "parse_tokenizer_name",
-    "read_lazyload_db",
+    "split_sources",
     "stream_seed",
     "worker_streams",
 ]

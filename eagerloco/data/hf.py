@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagerloco.data.cache import BUILTIN_SOURCES, DataError
+from eagerloco.data.cache import DataError
 from eagerloco.data.store import Doc, slug, stored, unzip_docs
 
 HF_DEFAULT_DOCS = 2000
@@ -57,8 +57,7 @@ def load_hf(spec: str, root: Path) -> tuple[list[str], list[str], list[str]]:
         except ImportError as e:
             raise DataError(
                 f"--data {spec!r} needs the Hugging Face `datasets` package (pip install datasets) and network "
-                f"access to the Hub on first use; or pass a builtin source ({', '.join(BUILTIN_SOURCES)}) "
-                "or your own .txt files"
+                "access to the Hub on first use; or pass a named corpus or your own .txt files"
             ) from e
         try:
             stream = datasets.load_dataset(path, config, split="train", streaming=True)

@@ -7,8 +7,8 @@ import subprocess
 from pathlib import Path
 
 from eagerloco.data.cache import DataError, default_data_dir
-from eagerloco.data.debian import from_debs
 from eagerloco.data.store import Doc, stored, unzip_docs
+from eagerloco.lab.corpora.debian import from_debs
 
 KJV_PACKAGES = ("bible-kjv", "bible-kjv-text")
 KJV_RANGE = "gen1:1-rev22:21"

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from eagerloco.data.cache import DataError, default_data_dir
-from eagerloco.data.debian import from_debs
 from eagerloco.data.store import Doc, stored, unzip_docs
 from eagerloco.extras import require
+from eagerloco.lab.corpora.debian import from_debs
 
 AUSTEN_PACKAGES = ("r-cran-janeaustenr",)
 AUSTEN_NOVELS = {  # R object name -> (title, number of chapters)
