@@ -247,7 +247,10 @@ class LinkConfig:
         return self
 
     def transfer_seconds(self, nbytes: int) -> float:
-        """Seconds the link needs to carry nbytes, latency included (jitter is applied by the caller)."""
+        """Seconds the link needs to carry nbytes, latency included (jitter is applied by the caller); nothing
+        sent (a worker alone) takes no time."""
+        if nbytes <= 0:
+            return 0.0
         return self.latency_ms / 1e3 + nbytes * 8 / (self.bandwidth_gbps * 1e9)
 
 

@@ -7,8 +7,8 @@
 
 At train begin the hooks go on the Trainer's optimizer (under accelerate's wrapper). Each checkpoint
 ``checkpoint-<step>/`` gets the worker's outer state (``eagerloco_outer_worker<w>.pt``), read back
-when the Trainer resumes from it. Every log line gets the worker's ``outer_bytes_sent``,
-``outer_blocked_s`` and ``compute_utilization``. The Trainer's own DDP (a job of several ranks)
+when the Trainer resumes from it. Every log line gets the worker's ``outer.metrics()``
+(``bytes_sent``, ``blocked_s``, ``compute_utilization``, ...). The Trainer's own DDP (a job of several ranks)
 stays inside the worker: the outer group spans the jobs (``outer_addr``), not the job's WORLD.
 Under ``fp16=True`` the loop gets the Trainer's GradScaler as ``grad_scaler`` (so not with method dp).
 """
