@@ -33,8 +33,8 @@ def test_the_plan_of_a_7b_states_its_assumptions_and_the_commands_within_30_line
     lines = text.rstrip("\n").splitlines()
     assert len(lines) <= 30
     assert lines[1] == ("assumed: 2 workers (--workers), latency 0 ms (--latency-ms), equal speeds "
-                        "(--worker-speeds)")
-    assert lines[2] == "assumed: step time 1 s per inner step, given (--step-time)"
+                        "(--worker-speeds), ring exchange (--transport)")
+    assert lines[2] == "step time: 1 s per inner step, given (--step-time)"
     assert lines[3] == "recommended: diloco H=30 2bit top64/4096 -> CU 0.969"
     # A sparse exchange comes with error feedback and plain averaging, at the outer lr its comparison tuned.
     assert lines[4] == ("  eagerloco train --method diloco --inner-steps 30 --codec 2bit --topk 64 --topk-chunk 4096 "
@@ -72,8 +72,9 @@ def test_an_assumed_step_time_that_changes_the_answer_is_a_warning(capsys) -> No
     cli.add_parser(parser.add_subparsers(dest="command", required=True))
     cfg = SimConfig.from_args(parser.parse_args(["simulate", *argv]))
     report, text = cli.special(cfg, cfg.validate())
-    assert set(report["at_other_step_times"]) == {"0.5", "2.0"} and report["step_time_source"].startswith("the 1b")
-    assert "assumed: step time 0.1 s per inner step, the 1b preset's" in text
+    assert set(report["at_other_step_times"]) == {"0.5", "2.0"}
+    assert report["step_time_source"].startswith("assumed: the 1b")
+    assert "step time: 0.1 s per inner step, assumed: the 1b preset's" in text
     warning = [ln for ln in text.splitlines() if ln.startswith("warning: ")]
     assert len(warning) == 1 and "at 0.05 s: " in warning[0] and "--step-time" in warning[0]
     given = _plan(capsys, "--plan", "--model", "1b", "--step-time", "0.1", "--bandwidth-gbps", "0.1",
@@ -126,7 +127,7 @@ def test_dense_answers_keep_the_default_outer_optimizer() -> None:
            "eager_rounds": 0, "codec": "e2m1", "topk": None, "adaptive_steps": False}
     assert settings(row) == {"method": "streaming", "inner_steps": 50, "fragments": 4, "overlap_steps": 2,
                              "codec": "e2m1"}
-    report = {"workers": 3, "bandwidth_gbps": 0.5, "latency_ms": 20.0, "worker_speeds": None}
+    report = {"workers": 3, "bandwidth_gbps": 0.5, "latency_ms": 20.0, "worker_speeds": None, "transport": "ring"}
     assert train_command(row, report) == ("eagerloco train --method streaming --inner-steps 50 --fragments 4 "
                                           "--overlap-steps 2 --codec e2m1 --workers 3 --bandwidth-gbps 0.5 "
                                           "--latency-ms 20")

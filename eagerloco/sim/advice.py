@@ -147,8 +147,9 @@ def format_decision(report: dict[str, Any], step_source: str, shifted: dict[floa
         f"Gbit/s, target CU {100 * report['target']:g}%",
         f"assumed: {report['workers']} workers (--workers), latency {report['latency_ms']:g} ms (--latency-ms), "
         + ("equal speeds (--worker-speeds)" if speeds is None
-           else "speeds " + ",".join(f"{v:g}" for v in speeds) + " (--worker-speeds)"),
-        f"assumed: step time {m['step_time']:.3g} s per inner step, {step_source}",
+           else "speeds " + ",".join(f"{v:g}" for v in speeds) + " (--worker-speeds)")
+        + f", {report['transport']} exchange (--transport)",
+        f"step time: {m['step_time']:.3g} s per inner step, {step_source}",
     ]
     if best is None:
         top = max(report["candidates"], key=lambda r: r["cu"])

@@ -321,16 +321,16 @@ class SimConfig:
                 mfu = paper.PRESET_MFU if self.mfu is None else self.mfu
                 step = flops_step_time(model.params, self.tokens_per_step, self.peak_tflops, mfu)
                 model = with_name(model, step_time=step)
-                source = (f"from 6 x params x {self.tokens_per_step:.3g} tokens (--tokens-per-step) at "
+                source = (f"assumed: 6 x params x {self.tokens_per_step:.3g} tokens (--tokens-per-step) at "
                           f"{self.peak_tflops:g} TFLOP/s (--peak-tflops) and MFU {mfu:g} (--mfu)", True)
             elif self.mfu is not None and name != "custom" and self.step_time is None:
                 if not 0 < self.mfu <= 1:
                     raise SimError(f"--mfu must be in (0, 1], got {self.mfu}")
                 model = with_name(model, step_time=model.step_time * paper.PRESET_MFU / self.mfu)
-                source = (f"the {name} preset's at MFU {self.mfu:g} (--mfu)", True)
+                source = (f"assumed: the {name} preset's at MFU {self.mfu:g} (--mfu)", True)
             elif self.step_time is None:
-                source = (f"the {name} preset's (MFU {paper.PRESET_MFU:g} on the papers' hardware; --step-time "
-                          "sets it)", True)
+                source = (f"assumed: the {name} preset's (MFU {paper.PRESET_MFU:g} on the papers' hardware; "
+                          "--step-time sets it)", True)
             sources[model.name] = source
             models.append(model)
         return models, sources

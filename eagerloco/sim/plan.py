@@ -150,7 +150,7 @@ def plan(model: ModelSpec, q: Question) -> dict[str, Any]:
         q: the link, the target CU in (0, 1], the workers and their speeds.
 
     Returns:
-        {"model", "bandwidth_gbps", "target", "workers", "latency_ms", "worker_speeds", "best" (a row or
+        {"model", "bandwidth_gbps", "target", "workers", "latency_ms", "transport", "worker_speeds", "best" (a row or
         None), "runner_up" (a row or None, :func:`runner_up`), "by_format": [rows], "candidates": [rows]}; a
         row holds method, inner_steps, fragments, tau, bits, codec, topk, topk_chunk, format, bits_per_value,
         adaptive_steps, cu_per_worker (None for equal speeds), cu and meets. by_format has, per exchange
@@ -159,7 +159,7 @@ def plan(model: ModelSpec, q: Question) -> dict[str, Any]:
     rows = [evaluate(model, q, c) for c in _candidates(model, q)]
     best = next((r for r in rows if r["meets"]), None)
     return {"model": model.as_dict(), "bandwidth_gbps": q.bandwidth_gbps, "target": q.target,
-            "workers": q.workers, "latency_ms": q.latency_ms,
+            "workers": q.workers, "latency_ms": q.latency_ms, "transport": q.transport,
             "worker_speeds": None if q.speeds is None else list(q.speeds), "best": best,
             "runner_up": runner_up(rows, best), "by_format": by_format(rows), "candidates": rows}
 
