@@ -199,9 +199,9 @@ def test_the_conclusion_weighs_the_loss_against_the_compute_utilization() -> Non
 
 
 def test_the_demo_states_one_duration() -> None:
-    """Every "N minutes" the demo's texts and the README give for the demo is DEMO_MINUTES."""
+    """Every "N minutes" the demo's texts, the README and the documentation give for the demo is DEMO_MINUTES."""
     source = Path(demo.__file__).read_text()
     assert re.findall(r"demo's (\d+) minutes", source) == []  # the texts take the constant
-    readme = (ROOT / "README.md").read_text()
-    stated = re.findall(r"About (\d+) minutes on 2 idle cores", readme)
-    assert all(int(n) == demo.DEMO_MINUTES for n in stated)
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        stated = re.findall(r"About (\d+) minutes on 2 idle cores", page.read_text())
+        assert all(int(n) == demo.DEMO_MINUTES for n in stated), page
