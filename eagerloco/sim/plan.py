@@ -182,7 +182,8 @@ def runner_up(rows: list[dict[str, Any]], best: dict[str, Any] | None) -> dict[s
         return None
     hits = [r for r in rows if r["meets"] and r is not best]
     other = [r for r in hits if (r["topk"] is None) != (best["topk"] is None) and r["family"] != "dp"]
-    return (other or hits or [None])[0]
+    pool = other or hits
+    return pool[0] if pool else None
 
 
 def by_format(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
