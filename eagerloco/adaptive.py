@@ -185,6 +185,7 @@ class AdaptiveSteps:
         mine[rank] = speed * self.comm.num_workers
         self.pending = self.comm.allreduce_mean([mine.to(torch.float32)], get_codec("fp32"), None, keep_own=False,
                                                 **agreed)
+        self.comm.stats.num_syncs -= 1  # the speeds are no outer sync (metrics.OuterMetrics)
         return waited
 
     def resize(self, speeds: list[float], contributors: Sequence[int] | None) -> None:

@@ -436,8 +436,9 @@ class OuterSync:
             return []
         if self.in_flight:
             raise RuntimeError("launch_consensus() after drain(): exchanges are still in flight")
-        fp32 = get_codec("fp32")
-        return [self.comm.allreduce_mean(frag, fp32, keep_own=False) for frag in self.outer]
+        handles = [self.comm.allreduce_mean(frag, get_codec("fp32"), keep_own=False) for frag in self.outer]
+        self.comm.stats.num_syncs -= len(handles)  # the closing mean is no outer sync (metrics.OuterMetrics)
+        return handles
 
     @torch.no_grad()
     def finish_consensus(self, handles: list[Handle]) -> None:

@@ -157,6 +157,8 @@ def test_make_demo_end_to_end_on_tiny_data(tmp_path: Path, capsys: pytest.Captur
     assert len(table) == 2 + len(demo.DEMO_GRID)
     assert all(len(ln) <= 100 for ln in lines if not ln.startswith(("[", "    eval loss", "demo:", "report:")))
     assert "Δ, seeds 0-2 [90% CI]" in table[0] and "+2.80% [+2.50, +3.10]" in printed
+    assert _rows("\n".join(table))["single worker"]["CU"] == "1.000"  # alone, it waits on no link
+    assert "On this link, eager takes compute utilization from " in " ".join(printed.split())
     words = " ".join(printed.split())
     assert "This run differs from the seeded comparison in: data " in words
     assert "tokenizer byte (seeded: bpe:1024); batch_size 2 (seeded: 8)" in words
@@ -171,3 +173,35 @@ def test_make_demo_end_to_end_on_tiny_data(tmp_path: Path, capsys: pytest.Captur
     assert {r["name"]: r["outer"]["outer_lr"] for r in summary["runs"]} == {
         "single": 0.7, "no-overlap": 0.2, "delayed-1": 0.1, "eager-1": 0.2}
     assert re.search(r"\| data-parallel +\| - +\| 4\.7054 \[4\.4780, 4\.9327\]", report)  # seeded, not run
+
+
+def _with(name: str, loss: float, cu: float) -> dict:
+    return {**next(r for r in FAKE if r["name"] == name), "final_eval_loss": loss, "compute_utilization": cu}
+
+
+def test_the_conclusion_weighs_the_loss_against_the_compute_utilization() -> None:
+    """The sentence under the table, from a fake report table: eager's loss against no overlap for the CU it
+    gains, naive delayed's beside it, and whether two workers beat one alone."""
+    table = [_with("single", 5.059, 1.0), _with("no-overlap", 5.0, 0.66), _with("delayed-1", 5.35, 1.0),
+             _with("eager-1", 5.1375, 1.0)]
+    assert demo.conclusion(table) == (
+        "On this link, eager takes compute utilization from 0.660 (no overlap) to 1.000 at +2.75% eval loss, less "
+        "than naive delayed's +7.00% (CU 1.000); one worker alone ends +1.18% from no overlap: two workers pay for "
+        "their link.")
+    worse = [_with("no-overlap", 5.0, 0.66), _with("delayed-1", 5.1, 1.0), _with("eager-1", 5.2, 1.0),
+             _with("single", 4.9, 1.0)]
+    said = demo.conclusion(worse)
+    assert said is not None and "no less than naive delayed's +2.00%" in said and "do not pay" in said
+    assert demo.conclusion([_with("no-overlap", 5.0, 0.66), _with("delayed-1", 5.2, 1.0)]) == (
+        "On this link, naive delayed takes compute utilization from 0.660 (no overlap) to 1.000 at +4.00% eval loss.")
+    assert demo.conclusion(table[1:2]) is None and demo.conclusion(table[2:]) is None  # nothing to weigh
+    assert demo.conclusion([_with("no-overlap", 5.0, 0.66), {**table[3], "final_eval_loss": None}]) is None
+
+
+def test_the_demo_states_one_duration() -> None:
+    """Every "N minutes" the demo's texts, the README and the documentation give for the demo is DEMO_MINUTES."""
+    source = Path(demo.__file__).read_text()
+    assert re.findall(r"demo's (\d+) minutes", source) == []  # the texts take the constant
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        stated = re.findall(r"About (\d+) minutes on 2 idle cores", page.read_text())
+        assert all(int(n) == demo.DEMO_MINUTES for n in stated), page

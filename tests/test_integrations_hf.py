@@ -73,8 +73,8 @@ def test_diloco_two_jobs_one_with_ddp_inside(tmp_path: Path) -> None:
         assert s0["stats"]["num_syncs"] == syncs
     history = json.loads((tmp_path / "w0" / "checkpoint-8" / "trainer_state.json").read_text())["log_history"]
     logged = [h for h in history if "loss" in h]
-    assert [h["outer_bytes_sent"] for h in logged] == [wire_bytes(4 * n, 2, True) * k for k in (1, 2)]
-    assert all(0 < h["compute_utilization"] <= 1 and h["outer_blocked_s"] >= 0 for h in logged)
+    assert [h["bytes_sent"] for h in logged] == [wire_bytes(4 * n, 2, True) * k for k in (1, 2)]
+    assert all(0 < h["compute_utilization"] <= 1 and h["blocked_s"] >= 0 for h in logged)
 
 
 def test_eager_resumed_from_the_trainers_checkpoint_gives_the_uninterrupted_numbers(tmp_path: Path) -> None:

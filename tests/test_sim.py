@@ -391,3 +391,13 @@ def test_cli_bad_inputs_name_the_flag(argv: list[str], flag: str, capsys: pytest
     rc, out, err = _run(argv, capsys)
     assert rc == 2 and out == ""
     assert flag in err and "error" in err
+
+
+def test_fragment_counts_are_whole_numbers() -> None:
+    """32 blocks in fragments of 3: ten of 3 and one of 2 (not "fragments of 2/3 layers")."""
+    from eagerloco.sim.model import fragment_layer_counts
+    from eagerloco.sim.report import fragments_text
+
+    assert fragments_text(fragment_layer_counts(32, 11)) == "11 fragments (10 of 3 layers, 1 of 2)"
+    assert fragments_text(fragment_layer_counts(24, 8)) == "8 fragments of 3 layers"
+    assert fragments_text([1, 1]) == "2 fragments of 1 layer"

@@ -13,7 +13,7 @@ import pytest
 from eagerloco.codec_sizes import CODEC_BITS, packed_nbytes
 from eagerloco.sim import paper
 from eagerloco.sim.model import Variant
-from eagerloco.sim.plan import candidates, plan
+from eagerloco.sim.plan import Question, candidates, plan
 from eagerloco.sim.search import last_below, least_bandwidth
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +154,7 @@ def test_eager_steady_state_is_bounded_by_the_payload_per_round() -> None:
 @pytest.mark.slow
 def test_plan_picks_the_first_candidate_in_rank_order_that_meets() -> None:
     model = paper.paper_model("10b")
-    report = plan(model, 2.0, 0.95)
+    report = plan(model, Question(2.0, 0.95))
     rows = report["candidates"]
     best = report["best"]
     assert best is not None and best["meets"] and best["cu"] >= 0.95
@@ -163,7 +163,7 @@ def test_plan_picks_the_first_candidate_in_rank_order_that_meets() -> None:
     order = [c.rank() for c in candidates(model)]
     assert order == sorted(order)
     json.dumps(report)  # plain data
-    assert plan(model, 1e-3, 0.99)["best"] is None
+    assert plan(model, Question(1e-3, 0.99))["best"] is None
 
 
 def test_codec_sizes_match_the_codecs() -> None:

@@ -13,7 +13,7 @@ from eagerloco.sim import cli
 from eagerloco.sim.config import SimConfig
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.model import PRESETS, ModelSpec, Variant, bits_per_value, fragment_count, traffic
-from eagerloco.sim.plan import SPARSE, candidates, format_plan, format_summary, plan
+from eagerloco.sim.plan import SPARSE, Question, candidates, format_plan, format_summary, plan
 
 ONE_B = PRESETS["1b"]
 #: One block, 1 s a step: the block's share goes on the link when the backward ends and gates the next
@@ -131,7 +131,7 @@ TEN_B_SMALL = ModelSpec("10b-in-6", 1e10, 6, 0.8)
 
 
 def test_plan_finds_a_sparse_setting_where_no_dense_one_reaches_the_target() -> None:
-    report = plan(TEN_B_SMALL, 0.1, 0.95)
+    report = plan(TEN_B_SMALL, Question(0.1, 0.95))
     rows = report["candidates"]
     assert not any(r["meets"] for r in rows if r["topk"] is None)
     assert max(r["cu"] for r in rows if r["topk"] is None) == pytest.approx(400 / 450, rel=1e-9)

@@ -26,7 +26,7 @@ class WorkerStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     peak_sync_bytes: int = 0  # largest single payload this worker put on the link
-    num_syncs: int = 0
+    num_syncs: int = 0  # outer syncs launched (eagerloco.metrics.OuterMetrics.outer_syncs)
     compute_s: float = 0.0  # inner forward/backward/optimizer time
     overhead_s: float = 0.0  # outer machinery (encode, decode, outer optimizer) outside the link
     blocked_s: float = 0.0  # waiting for an exchange to land

@@ -42,7 +42,7 @@ class EmulatedLink:
     def schedule(self, start: float, wire_bytes: int) -> float:
         """Reserve the link for a transfer whose last worker launched at `start`; return its finish time."""
         jitter_ms = self.config.jitter_ms
-        jitter = self._rng.uniform(0.0, jitter_ms / 1e3) if jitter_ms else 0.0
+        jitter = self._rng.uniform(0.0, jitter_ms / 1e3) if jitter_ms and wire_bytes else 0.0
         finish = max(start, self._free_at) + self.config.transfer_seconds(wire_bytes) + jitter
         self._free_at = finish
         return finish

@@ -188,14 +188,14 @@ class InProcessGroup:
         st = comm.stats
         st.bytes_sent += wire
         st.bytes_received += wire
-        st.peak_sync_bytes = max(st.peak_sync_bytes, nbytes)
+        st.peak_sync_bytes = max(st.peak_sync_bytes, nbytes if wire else 0)  # a worker alone sends nothing
         st.num_syncs += 1
         if ex.complete():
             del self._by_seq[idx]
             # The collective starts when the last worker joins and the link is free; a ring moves
             # every worker's share at once, so one shared link time serves the group.
             start = max(max(ex.launch_times), self._link_free)
-            jitter = self._rng.uniform(0.0, self.link.jitter_ms / 1e3) if self.link.jitter_ms else 0.0
+            jitter = self._rng.uniform(0.0, self.link.jitter_ms / 1e3) if self.link.jitter_ms and wire else 0.0
             ex.finish_time = start + self.link.transfer_seconds(wire) + jitter
             self._link_free = ex.finish_time
         own = unflatten(own_flat, tensors) if keep_own else []

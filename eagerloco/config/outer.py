@@ -64,7 +64,8 @@ class OuterConfig:
     """Error feedback with decay BETA in [0, 1]: each worker keeps what its compressed exchange did not send,
     e <- BETA*e + outer gradient, sends Q(TopK(e)) and keeps the rest (SparseLoCo: 0.95)."""
     outer_optimizer: str = setting("sgd", choices=OUTER_OPTIMIZERS)
-    """The outer optimizer applied to the averaged outer gradient: sgd, adam or adamw."""
+    """The outer optimizer applied to the averaged outer gradient: sgd (with --outer-momentum, Nesterov), average
+    (plain averaging with --outer-lr, as SparseLoCo), adam or adamw."""
     outer_lr: float = 0.7
     """Outer learning rate (the DiLoCo papers: 0.7; the eager paper lowers it to about 0.4)."""
     outer_momentum: float = 0.9
@@ -247,7 +248,10 @@ class LinkConfig:
         return self
 
     def transfer_seconds(self, nbytes: int) -> float:
-        """Seconds the link needs to carry nbytes, latency included (jitter is applied by the caller)."""
+        """Seconds the link needs to carry nbytes, latency included (jitter is applied by the caller); nothing
+        sent (a worker alone) takes no time."""
+        if nbytes <= 0:
+            return 0.0
         return self.latency_ms / 1e3 + nbytes * 8 / (self.bandwidth_gbps * 1e9)
 
 

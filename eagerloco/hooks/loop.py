@@ -34,6 +34,7 @@ from eagerloco.hooks.settings import (
     outer_config,
 )
 from eagerloco.hooks.workers import Workers, outer_optimizer_settings
+from eagerloco.metrics import OuterMetrics, outer_metrics
 from eagerloco.outer import OuterOptimizerFactory, OuterSync
 from eagerloco.schedule import short_run_note
 
@@ -388,16 +389,10 @@ class OuterLoop:
             if hasattr(self.comm.stats, key):
                 setattr(self.comm.stats, key, value)
 
-    def metrics(self) -> dict[str, float]:
-        """This worker's link and time accounting so far: bytes sent and received, exchanges,
-        seconds blocked on the link and in outer machinery, and compute utilization (compute over
-        compute + blocked + overhead)."""
-        st = self.comm.stats
-        busy = st.compute_s + st.blocked_s + st.overhead_s
-        return {"outer_bytes_sent": float(st.bytes_sent), "outer_bytes_received": float(st.bytes_received),
-                "outer_syncs": float(st.num_syncs), "outer_blocked_s": st.blocked_s,
-                "outer_overhead_s": st.overhead_s,
-                "compute_utilization": st.compute_s / busy if busy > 0 else 1.0}
+    def metrics(self) -> OuterMetrics:
+        """This worker's link and time accounting so far, by the names metrics.jsonl uses
+        (:class:`eagerloco.metrics.OuterMetrics` documents each with its unit)."""
+        return outer_metrics(self.comm.stats)
 
     def outer_parameters(self) -> list[torch.Tensor]:
         """The outer (global) parameters in model order: what evaluation should use."""

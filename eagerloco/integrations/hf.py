@@ -7,14 +7,16 @@
 
 At train begin the hooks go on the Trainer's optimizer (under accelerate's wrapper). Each checkpoint
 ``checkpoint-<step>/`` gets the worker's outer state (``eagerloco_outer_worker<w>.pt``), read back
-when the Trainer resumes from it. Every log line gets the worker's ``outer_bytes_sent``,
-``outer_blocked_s`` and ``compute_utilization``. The Trainer's own DDP (a job of several ranks)
+when the Trainer resumes from it. Every log line gets the worker's ``outer.metrics()``
+(``bytes_sent``, ``blocked_s``, ``compute_utilization``, ...). The Trainer's own DDP (a job of several ranks)
 stays inside the worker: the outer group spans the jobs (``outer_addr``), not the job's WORLD.
 Under ``fp16=True`` the loop gets the Trainer's GradScaler as ``grad_scaler`` (so not with method dp).
 """
 
 from __future__ import annotations
 
+import atexit
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,7 @@ class OuterLoopCallback(TrainerCallback):
         OuterLoop.check_settings(config, **settings)  # a bad setting fails here, not at train start
         self.config, self.settings, self.resume_from = config, settings, resume_from
         self.outer: OuterLoop | None = None
+        self._ended_early: _EndedEarly | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
@@ -71,6 +74,7 @@ class OuterLoopCallback(TrainerCallback):
 
             self.outer.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
         self.outer.start()
+        self._ended_early = _EndedEarly(self.outer)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         assert self.outer is not None
@@ -92,7 +96,41 @@ class OuterLoopCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.outer is not None:
+            if self._ended_early is not None:
+                self._ended_early.disarm()
             self.outer.finish()
+
+
+class _EndedEarly:
+    """A Trainer stopped before its end (Ctrl-C, an error in a step) never calls on_train_end: say so in one
+    line for the Trainer's user and release the loop, before the hook API's own advice ("use with
+    outer_loop(...)"), which does not apply here, and without a traceback for Ctrl-C. The Trainer has no
+    exception callback: an uncaught KeyboardInterrupt reaches sys.excepthook, anything else the exit."""
+
+    def __init__(self, loop: OuterLoop) -> None:
+        self.loop, self.previous = loop, sys.excepthook
+        sys.excepthook = self.excepthook
+        atexit.register(self.at_exit)  # runs before the loop's own exit handler (last in, first out)
+
+    def disarm(self) -> None:
+        if sys.excepthook == self.excepthook:
+            sys.excepthook = self.previous
+        atexit.unregister(self.at_exit)
+
+    def excepthook(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if not issubclass(kind, KeyboardInterrupt) or self.loop.finished:
+            self.previous(kind, value, tb)
+            return
+        self.release("stopped by Ctrl-C (SIGINT)")
+
+    def at_exit(self) -> None:
+        if not self.loop.finished:
+            self.release("training ended before the Trainer's end (see above)")
+
+    def release(self, what: str) -> None:
+        print(f"eagerloco: {what}: the outer loop's exchanges in flight are dropped; continue from the Trainer's "
+              "last checkpoint (trainer.train(resume_from_checkpoint=True))", file=sys.stderr, flush=True)
+        self.loop.close(cancel=True)
 
 
 __all__ = ["STATE_FILE", "OuterLoopCallback"]

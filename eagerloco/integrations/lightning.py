@@ -56,7 +56,7 @@ class OuterLoopCallback(Callback):
         if self.outer is None or trainer.global_step % self.log_every:
             return
         m = self.outer.metrics()
-        pl_module.log_dict({"outer/bytes_sent": m["outer_bytes_sent"], "outer/blocked_s": m["outer_blocked_s"],
+        pl_module.log_dict({"outer/bytes_sent": m["bytes_sent"], "outer/blocked_s": m["blocked_s"],
                             "outer/compute_utilization": m["compute_utilization"]},
                            on_step=True, on_epoch=False, rank_zero_only=True)
 

@@ -8,7 +8,8 @@ Entry points for the main console script::
 Modes: the default tables (least bandwidth per target, utilization per bandwidth, bytes);
 ``--paper`` (the papers' accounting, printed with the table); ``--paper --compare-reference``
 (ours beside the papers' published tables, cell by cell); ``--plan`` (the cheapest settings that
-reach ``--target-cu`` at ``--bandwidth-gbps``, per model; with several models, their report is
+reach ``--target-cu`` at ``--bandwidth-gbps``, per model, as the commands to copy with their assumptions;
+the full tables with ``--verbose``; with several models, their report is
 ``{"bandwidth_gbps", "target", "plans": [one per model]}`` and a summary follows the tables);
 ``--goodput`` (goodput under failures and stalls per method, all-or-nothing rounds against quorum
 exchanges: :mod:`eagerloco.sim.goodput`).
@@ -118,15 +119,28 @@ def special(cfg: SimConfig, s: Settings) -> tuple[dict[str, Any], str]:
         mfu = paper.PRESET_MFU if cfg.mfu is None else cfg.mfu
         report = paper.compare(mfu, s.cold_rounds, s.pattern)
         return report, paper.format_compare(report)
-    from eagerloco.sim.plan import SPARSE, format_plan, format_summary, plan
+    from dataclasses import replace
+
+    from eagerloco.sim.advice import STEP_TIME_FACTORS, format_decision
+    from eagerloco.sim.plan import SPARSE, Question, cheapest, format_summary, plan
 
     sparse = SPARSE if s.sparse is None or s.sparse in SPARSE else (*SPARSE, s.sparse)
-    reports = [plan(m, s.bandwidths[0], s.targets[0], s.workers, s.fragment_layers, s.scale_bytes, s.transport,
-                    s.latency_ms, s.pattern, s.dp_bits, s.block, sparse) for m in s.models]
+    q = Question(s.bandwidths[0], s.targets[0], s.workers, s.fragment_layers, s.scale_bytes, s.transport,
+                 s.latency_ms, s.pattern, s.dp_bits, s.block, sparse, None if s.speeds is None else tuple(s.speeds))
+    reports, texts = [], []
+    for m in s.models:
+        report = plan(m, q)
+        source, assumed = s.step_sources.get(m.name, ("given", False))
+        shifted = ({f: cheapest(replace(m, step_time=m.step_time * f), q) for f in STEP_TIME_FACTORS}
+                   if assumed and report["best"] is not None else None)
+        report["step_time_source"] = source
+        report["at_other_step_times"] = None if shifted is None else {str(f): r for f, r in shifted.items()}
+        reports.append(report)
+        texts.append(format_decision(report, source, shifted, s.verbose))
     notes = "".join(f"\nnote: {n}" for n in s.notes)
     if len(reports) == 1:
-        return reports[0], format_plan(reports[0]) + notes
-    text = "\n\n".join([*map(format_plan, reports), format_summary(reports)])
+        return reports[0], texts[0] + notes
+    text = "\n\n".join([*texts, format_summary(reports)])
     return {"bandwidth_gbps": s.bandwidths[0], "target": s.targets[0], "plans": reports}, text + notes
 
 

@@ -154,8 +154,12 @@ class SimConfig:
     compare_reference: bool = setting(False, group="output")
     """With --paper: ours beside the papers' published tables, ratio per cell."""
     plan: bool = setting(False, group="output")
-    """The cheapest settings reaching --target-cu at --bandwidth-gbps, per model: dense codecs and 2-bit
-    top-k exchanges (and --topk's own setting when given), then a summary when several models are given."""
+    """The cheapest settings reaching --target-cu at --bandwidth-gbps, per model, as `eagerloco train` flags and
+    outer_loop arguments to copy, with its assumptions, its measured loss cost and the runner-up: dense codecs
+    and 2-bit top-k exchanges (and --topk's own setting when given), at --worker-speeds when given; a summary
+    follows when several models are given."""
+    verbose: bool = setting(False, group="output")
+    """With --plan: every exchange format's cheapest setting and every candidate with its CU."""
     tokens: float = setting(25e9, group="output", shown_default="2.5e10")
     """Training tokens for the total-bytes column (bytes per worker per token times this)."""
     plot: str | None = setting(None, metavar="DIR", group="output")
@@ -181,7 +185,7 @@ class SimConfig:
         Raises:
             SimError: naming the first bad flag and what it accepts.
         """
-        models = self._models()
+        models, sources = self._models()
         if self.compare_reference and not self.paper:
             raise SimError("--compare-reference compares with the papers' accounting: add --paper")
         if self.codec is None:
@@ -242,7 +246,7 @@ class SimConfig:
             tokens_per_step=self.tokens_per_step, tokens=self.tokens, pattern=self.fragment_pattern,
             cold_rounds=self.rounds, paper=self.paper, grid=paper.paper_grid() if self.paper else None,
             sparse=None if self.topk is None else (bits["codec"], self.topk, self.topk_chunk),
-            speeds=self._speeds(workers),
+            speeds=self._speeds(workers), step_sources=sources, verbose=self.verbose,
         )
         s.add_notes()
         if self.topk is not None:
@@ -277,7 +281,8 @@ class SimConfig:
                          "the workers keep different positions")
         return notes
 
-    def _models(self) -> list[ModelSpec]:
+    def _models(self) -> tuple[list[ModelSpec], dict[str, tuple[str, bool]]]:
+        """The models, and where each one's step time came from (in words; True where assumed)."""
         names = [x.lower() for x in _split("--model", self.model)]
         for name in names:
             if name not in PRESETS and name != "custom":
@@ -299,6 +304,7 @@ class SimConfig:
                 f"(got {self.model!r})"
             )
         models = []
+        sources: dict[str, tuple[str, bool]] = {}
         for name in names:
             if name == "custom":
                 if self.params is None or self.layers is None:
@@ -310,16 +316,24 @@ class SimConfig:
                 model = ModelSpec("custom", self.params, self.layers, self.step_time or 0.0)
             else:
                 model = with_name(PRESETS[name], **overrides)
+            source = ("given (--step-time)", False)
             if self.peak_tflops is not None:
                 mfu = paper.PRESET_MFU if self.mfu is None else self.mfu
                 step = flops_step_time(model.params, self.tokens_per_step, self.peak_tflops, mfu)
                 model = with_name(model, step_time=step)
+                source = (f"assumed: 6 x params x {self.tokens_per_step:.3g} tokens (--tokens-per-step) at "
+                          f"{self.peak_tflops:g} TFLOP/s (--peak-tflops) and MFU {mfu:g} (--mfu)", True)
             elif self.mfu is not None and name != "custom" and self.step_time is None:
                 if not 0 < self.mfu <= 1:
                     raise SimError(f"--mfu must be in (0, 1], got {self.mfu}")
                 model = with_name(model, step_time=model.step_time * paper.PRESET_MFU / self.mfu)
+                source = (f"assumed: the {name} preset's at MFU {self.mfu:g} (--mfu)", True)
+            elif self.step_time is None:
+                source = (f"assumed: the {name} preset's (MFU {paper.PRESET_MFU:g} on the papers' hardware; "
+                          "--step-time sets it)", True)
+            sources[model.name] = source
             models.append(model)
-        return models
+        return models, sources
 
     def _codec_bits(self, name: str) -> int:
         """Bits per value of a codec field; a bit count (from the old flag) becomes its codec where one has it."""
@@ -398,6 +412,9 @@ class Settings:
     grid: np.ndarray | None = None  # explicit grid (--paper), else bw_min..bw_max per_decade
     sparse: tuple[int, int, int] | None = None  # --topk: (bits of --codec, K, --topk-chunk)
     speeds: list[float] | None = None  # --worker-speeds
+    #: Where each model's step time came from, in words, and whether it is assumed (not --step-time).
+    step_sources: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    verbose: bool = False  # --plan: the full tables too
     notes: list[str] = field(default_factory=list)
 
     def fragments_for(self, model: ModelSpec) -> int:

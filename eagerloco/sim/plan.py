@@ -18,8 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from eagerloco.codec_sizes import SCALE_BYTES
 from eagerloco.sim.engine import simulate
+from eagerloco.sim.hetero import per_worker_cu
 from eagerloco.sim.model import CODEC_FOR_BITS, ModelSpec, Variant, bits_per_value, fragment_count, traffic
 from eagerloco.sim.search import meets
 
@@ -89,54 +92,98 @@ def candidates(
     return sorted(out, key=Candidate.rank)
 
 
-def plan(
-    model: ModelSpec,
-    bandwidth_gbps: float,
-    target: float,
-    workers: int = 2,
-    fragment_layers: int = 3,
-    scale_bytes: int = SCALE_BYTES,
-    transport: str = "ring",
-    latency_ms: float = 0.0,
-    pattern: str = "strided",
-    dp_bits: int = 16,
-    block: int = 32,
-    sparse: tuple[tuple[int, int, int], ...] = SPARSE,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Question:
+    """What a plan answers: the link, the target and how the workers exchange (the accounting of
+    :func:`eagerloco.sim.model.traffic` and :func:`eagerloco.sim.engine.simulate`)."""
+
+    bandwidth_gbps: float
+    target: float
+    workers: int = 2
+    fragment_layers: int = 3
+    scale_bytes: int = SCALE_BYTES
+    transport: str = "ring"
+    latency_ms: float = 0.0
+    pattern: str = "strided"
+    dp_bits: int = 16
+    block: int = 32
+    sparse: tuple[tuple[int, int, int], ...] = SPARSE
+    speeds: tuple[float, ...] | None = None  # --worker-speeds: each worker's relative speed
+
+
+def evaluate(model: ModelSpec, q: Question, c: Candidate) -> dict[str, Any]:
+    """One candidate simulated: its row of the plan.
+
+    With unequal speeds the run's utilization is the mean of its workers' (each worker's compute over the wall
+    time), with a fixed H and with adaptive steps (section 11 of docs/algorithms.md); the row keeps the better
+    of the two and says which (``adaptive_steps``).
+    """
+    v = c.variant
+    tr = traffic(model, v, q.workers, c.inner_steps, c.fragments, q.block, q.scale_bytes, q.transport, q.pattern)
+    adaptive, per_worker = False, None
+    if q.speeds is None:
+        cu = float(simulate(model, v, tr, q.bandwidth_gbps, q.latency_ms, c.inner_steps).cu[0])
+    else:
+        modes = per_worker_cu(model, v, tr, np.array([q.bandwidth_gbps]), list(q.speeds), q.latency_ms,
+                              c.inner_steps, 8, 32, None)
+        means = {mode: float(cus[0].mean()) for mode, cus in modes.items()}
+        adaptive = means.get("adaptive", -1.0) > means["fixed"]
+        mode = "adaptive" if adaptive else "fixed"
+        cu, per_worker = means[mode], [float(x) for x in modes[mode][0]]
+    return {
+        "method": v.method, "family": c.family, "inner_steps": c.inner_steps,
+        "fragments": c.fragments, "tau": c.tau,
+        "eager_rounds": v.eager_rounds if c.family == "eager" else 0,
+        "bits": c.bits, "codec": CODEC_FOR_BITS.get(c.bits, f"{c.bits}-bit"),
+        "topk": v.topk, "topk_chunk": v.topk_chunk if v.sparse else None,
+        "format": format_name(c.bits, v.topk, v.topk_chunk), "bits_per_value": c.bits_per_value,
+        "adaptive_steps": adaptive, "cu_per_worker": per_worker,
+        "cu": cu, "meets": bool(meets(cu, q.target)),
+    }
+
+
+def plan(model: ModelSpec, q: Question) -> dict[str, Any]:
     """Simulate every candidate at one bandwidth; the first in rank order that meets the target wins.
 
     Args:
         model: the model (a preset or the user's own: layers, parameters, step time).
-        bandwidth_gbps: the link, Gbit/s.
-        target: compute utilization to reach, in (0, 1].
-        workers, fragment_layers, scale_bytes, transport, latency_ms, pattern, dp_bits, block: accounting
-            as in :func:`eagerloco.sim.model.traffic` and :func:`eagerloco.sim.engine.simulate`.
-        sparse: the sparse formats to try, (bits, k, chunk) each.
+        q: the link, the target CU in (0, 1], the workers and their speeds.
 
     Returns:
-        {"model", "bandwidth_gbps", "target", "best" (a row or None), "by_format": [rows],
-        "candidates": [rows]}; a row holds method, inner_steps, fragments, tau, bits, codec, topk,
-        topk_chunk, format, bits_per_value, cu and meets. by_format has, per exchange format (densest
-        first), the cheapest row that meets the target, or else the one with the highest CU.
+        {"model", "bandwidth_gbps", "target", "workers", "latency_ms", "transport", "worker_speeds", "best" (a row or
+        None), "runner_up" (a row or None, :func:`runner_up`), "by_format": [rows], "candidates": [rows]}; a
+        row holds method, inner_steps, fragments, tau, bits, codec, topk, topk_chunk, format, bits_per_value,
+        adaptive_steps, cu_per_worker (None for equal speeds), cu and meets. by_format has, per exchange
+        format (densest first), the cheapest row that meets the target, or else the one with the highest CU.
     """
-    rows = []
-    for c in candidates(model, fragment_layers, dp_bits=dp_bits, sparse=sparse, block=block,
-                        scale_bytes=scale_bytes):
-        v = c.variant
-        tr = traffic(model, v, workers, c.inner_steps, c.fragments, block, scale_bytes, transport, pattern)
-        cu = float(simulate(model, v, tr, bandwidth_gbps, latency_ms, c.inner_steps).cu[0])
-        rows.append({
-            "method": v.method, "family": c.family, "inner_steps": c.inner_steps,
-            "fragments": c.fragments, "tau": c.tau,
-            "eager_rounds": v.eager_rounds if c.family == "eager" else 0,
-            "bits": c.bits, "codec": CODEC_FOR_BITS.get(c.bits, f"{c.bits}-bit"),
-            "topk": v.topk, "topk_chunk": v.topk_chunk if v.sparse else None,
-            "format": format_name(c.bits, v.topk, v.topk_chunk), "bits_per_value": c.bits_per_value,
-            "cu": cu, "meets": bool(meets(cu, target)),
-        })
+    rows = [evaluate(model, q, c) for c in _candidates(model, q)]
     best = next((r for r in rows if r["meets"]), None)
-    return {"model": model.as_dict(), "bandwidth_gbps": bandwidth_gbps, "target": target, "best": best,
-            "by_format": by_format(rows), "candidates": rows}
+    return {"model": model.as_dict(), "bandwidth_gbps": q.bandwidth_gbps, "target": q.target,
+            "workers": q.workers, "latency_ms": q.latency_ms, "transport": q.transport,
+            "worker_speeds": None if q.speeds is None else list(q.speeds), "best": best,
+            "runner_up": runner_up(rows, best), "by_format": by_format(rows), "candidates": rows}
+
+
+def cheapest(model: ModelSpec, q: Question) -> dict[str, Any] | None:
+    """The answer of :func:`plan` alone: candidates are simulated in rank order until one meets the target."""
+    return next((r for r in (evaluate(model, q, c) for c in _candidates(model, q)) if r["meets"]), None)
+
+
+def _candidates(model: ModelSpec, q: Question) -> list[Candidate]:
+    return candidates(model, q.fragment_layers, dp_bits=q.dp_bits, sparse=q.sparse, block=q.block,
+                      scale_bytes=q.scale_bytes)
+
+
+def runner_up(rows: list[dict[str, Any]], best: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The alternative to the answer: the cheapest row meeting the target with the other kind of exchange
+    (dense for a sparse answer, sparse for a dense one: whether compression is worth its settings), or
+    else the next row meeting it."""
+    if best is None:
+        return None
+    hits = [r for r in rows if r["meets"] and r is not best]
+    other = [r for r in hits if (r["topk"] is None) != (best["topk"] is None) and r["family"] != "dp"]
+    pool = other or hits
+    return pool[0] if pool else None
 
 
 def by_format(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

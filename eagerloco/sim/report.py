@@ -66,6 +66,15 @@ def _per_worker_tables(rows: list[dict[str, Any]], speeds: list[float]) -> list[
     return tables
 
 
+def fragments_text(counts: list[int]) -> str:
+    """P and the layers of its fragments in whole numbers: "11 fragments (10 of 3 layers, 1 of 2)"."""
+    sizes = sorted(set(counts), reverse=True)
+    if len(sizes) == 1:
+        return f"{len(counts)} fragments of {sizes[0]} layer{'s' if sizes[0] > 1 else ''}"
+    parts = [f"{counts.count(n)} of {n}" for n in sizes]
+    return f"{len(counts)} fragments ({parts[0]} layers, {', '.join(parts[1:])})"
+
+
 def format_text(report: dict[str, Any]) -> str:
     """The tables a person reads; every number in them is in the report."""
     st = report["settings"]
@@ -73,11 +82,10 @@ def format_text(report: dict[str, Any]) -> str:
     parts = []
     for m in report["models"]:
         mod = m["model"]
-        counts = sorted(set(m["fragment_layer_counts"]))
         parts.append(
             f"model {mod['name']}: {_fmt_count(mod['params'])} params, {mod['layers']} layers, "
             f"step {mod['step_time']:.3g} s; M={st['workers']}, H={st['inner_steps']}, "
-            f"P={m['fragments']} fragments of {'/'.join(map(str, counts))} layers, "
+            f"P={fragments_text(m['fragment_layer_counts'])}, "
             f"latency {st['latency_ms']:g} ms, {st['transport']} exchange"
         )
         if st["targets"]:

@@ -25,6 +25,7 @@ from eagerloco import events
 from eagerloco.config import TrainConfig
 from eagerloco.flops import mfu
 from eagerloco.jsonfiles import write_json_atomic
+from eagerloco.metrics import link_metrics
 from eagerloco.outer import after_inner_step_all, before_inner_step_all
 from eagerloco.schedule import short_run_note
 from eagerloco.train.agree import agree_before_start
@@ -160,11 +161,8 @@ class Trainer:
             "tokens": tokens,
             "loss": sum(w.last_loss for w in workers) / len(workers),
             "lr": workers[0].sched.get_last_lr()[0],
-            "bytes_sent": st.bytes_sent,
-            "blocked_s": st.blocked_s,
-            "compute_s": st.compute_s,
+            **link_metrics(st, clock),
             "wall_s": clock,
-            "compute_utilization": st.compute_s / clock if clock > 0 else 1.0,
             "tokens_per_s": rate,
         }
         run_mfu = mfu(rate, self.perf["flops_per_token"], self.perf["peak_tflops"], self.runtime.devices)

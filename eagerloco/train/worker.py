@@ -7,6 +7,7 @@ evaluation, and the model's FLOPs. The loop that drives workers is :class:`~eage
 from __future__ import annotations
 
 import math
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -127,6 +128,11 @@ class Worker:
             return
         real, self._step_real = self._step_real, 0.0
         if real > step_s:
+            if not self.comm.stats.slow_steps:  # once: the count is summary.json's slow_steps
+                print(f"eagerloco: warning: worker {self.comm.rank}'s inner step took {real:.3g} s of real compute, "
+                      f"more than the {step_s:.3g} s it emulates (--sim-step-time, over its --worker-speeds): such "
+                      "steps run at this machine's speed, not the emulated one; raise --sim-step-time",
+                      file=sys.stderr, flush=True)
             self.comm.stats.slow_steps += 1
         else:
             t0 = time.perf_counter()
