@@ -204,8 +204,7 @@ class OuterSync:
         t0 = time.perf_counter()
         params = self._grad_params
         grads = [p.grad for p in params if p.grad is not None]
-        if len(grads) == len(params):
-            # The mean lands in the gradients themselves: no allocation every step.
+        if len(grads) == len(params):  # the mean lands in the gradients themselves: no allocation every step
             _, waited = self._wait(self._grad_handle, out=[local_shard(g) for g in grads])
         else:
             mean, waited = self._wait(self._grad_handle)

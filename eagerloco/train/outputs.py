@@ -270,13 +270,15 @@ def aggregate(summary: dict[str, Any], workers: list[dict[str, Any]]) -> None:
 def format_table(summaries: list[dict[str, Any]]) -> str:
     """The table `eagerloco train` prints: method, eval loss, bytes, peak, blocked time (the mean, and each
     worker's when there are several), compute utilization, tokens/s and MFU."""
-    head = ("method", "eval loss", "bytes sent/worker", "peak sync", "blocked s", "CU (link)", "tokens/s", "MFU")
+    head: tuple[str, ...] = (
+        "method", "eval loss", "bytes sent/worker", "peak sync", "blocked s", "CU (link)", "tokens/s", "MFU"
+    )
     each = any(len(s.get("per_worker") or []) > 1 for s in summaries)  # a mean would hide who waited
     if each:
         head = (*head[:5], "blocked s by worker", *head[5:])
     rows = []
     for s in summaries:
-        row = (
+        row: tuple[str, ...] = (
             s.get("label", s["method"]),
             f"{s['final_eval_loss']:.4f}",
             fmt_bytes(s["bytes_sent_per_worker"]),
