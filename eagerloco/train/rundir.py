@@ -236,6 +236,13 @@ def remove_leftovers(path: Path) -> None:
 class RunLock:
     """``<out>/.eagerloco.lock`` held while a run writes its directory.
 
+    Our own lock rather than filelock's (which the data cache and the kernel-shaped link use): it must refuse
+    at once naming its holder (process and host), so that the message says which run is in the way; take over
+    a holder that died on this host with a line saying so; and hold for hosts that share the directory, where
+    a flock taken on another host may go unseen and a dead host's lock must be named to whoever removes it.
+    filelock's FileLock records no holder, and its SoftFileLock names one in a refusal only when it is on
+    another host and takes over a dead one without a word.
+
     Args:
         path: the run directory (checked by :func:`check_out_dir`).
     """
