@@ -38,9 +38,10 @@ XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 test: $(STAMP) lint
 	$(PY) -m pytest -q $(XDIST) --durations=15
 
-# Lint and the tests that start no process, need no root and are not slow: under a minute on 2 cores.
+# Lint and the tests that start no process, need no root, download nothing and are not slow: under a minute
+# on 2 cores, from any home folder (tests/conftest.py gives the session a data cache and a matplotlib folder).
 test-fast: $(STAMP) lint
-	$(PY) -m pytest -q $(XDIST) -m "not processes and not root and not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not processes and not root and not slow and not network"
 
 clean:
 	rm -rf $(VENV) runs *.egg-info
