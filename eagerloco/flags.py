@@ -9,8 +9,9 @@ launcher says: M, R, the outer rendezvous) <- a TOML file (``--config``) <- the 
 Why our own generator and not tyro or jsonargparse (both checked): these flags must keep their
 spellings (``--non-iid``, ``--no-progress``, ``--slow-worker`` repeatable), tell a flag given on the
 command line from one left at its default (the TOML file sits between the two), and join the
-argparse tree of ``compare`` and ``launch``, which share them; both libraries own the parser and
-would need per-field annotations for each of those. Walking the dataclasses takes 60 lines.
+argparse tree of ``compare`` and ``launch``, which share them, keeping each help text and error
+message the tests check; both libraries own the parser and would need per-field annotations for each
+of those. Walking the dataclasses takes 60 lines.
 
 Used by `eagerloco train` and `eagerloco compare`, and by `eagerloco simulate` for its own settings
 (:class:`eagerloco.sim.config.SimConfig`); imports no torch.
