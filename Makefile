@@ -49,9 +49,10 @@ XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 test: $(STAMP) lint typecheck docs
 	$(PY) -m pytest -q $(XDIST) --durations=15
 
-# Lint, types and the tests that start no process, need no root and are not slow: under a minute on 2 cores.
+# Lint, types and the tests that start no process, need no root, download nothing and are not slow: under a
+# minute on 2 cores, from any home folder (tests/conftest.py gives the session a data cache and a matplotlib folder).
 test-fast: $(STAMP) lint typecheck
-	$(PY) -m pytest -q $(XDIST) -m "not processes and not root and not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not processes and not root and not slow and not network"
 
 clean:
 	rm -rf $(VENV) runs site *.egg-info .mypy_cache

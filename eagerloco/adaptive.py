@@ -224,12 +224,10 @@ class AdaptiveSteps:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rounds.load(state["rounds"])
         self.meter.load(state["meter"])
-        p = state["pending"]  # contributors: absent in checkpoints made before elastic runs had adaptive steps
-        self.pending = None if p is None else ReadyHandle(self.comm, p["mean"], [], 0, p["ready_at"],
-                                                          p.get("contributors"))
+        p = state["pending"]
+        self.pending = None if p is None else ReadyHandle(self.comm, p["mean"], [], 0, p["ready_at"], p["contributors"])
         self.compute_mark = state["compute_mark"]
-        # absent in checkpoints made before it was counted apart: every worker was present for every step then
-        self.trained = [int(n) for n in state.get("trained", self.rounds.done)]
+        self.trained = [int(n) for n in state["trained"]]
 
 
 def load_rounds(adaptive: AdaptiveSteps | None, saved: dict[str, Any] | None) -> None:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from eagerloco.atomic import fsync_dir
+
 FORMAT_VERSION = 1
 _PREFIX = "step_"
 _STEP_NAME = re.compile(r"step_(\d{8,})")
@@ -82,20 +84,9 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_bytes(path: Path, data: bytes) -> None:
+    """A file of the staging directory, which is the temporary of :mod:`eagerloco.atomic`'s recipe here: written
+    in place and fsynced, renamed into place as a whole by :func:`publish`."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
@@ -146,14 +137,14 @@ def publish(root: Path, step: int, entries: list[dict[str, Any]], meta: dict[str
         _write_bytes(stage / "meta.json", (json.dumps(full, indent=1, default=str) + "\n").encode())
     except OSError as e:
         raise write_failure(root, step, e) from None
-    _fsync_dir(stage)
+    fsync_dir(stage)
     final = checkpoint_dir(root, step)
     if os.path.lexists(final) and not remove_checkpoint(final):
         shutil.rmtree(stage, ignore_errors=True)
         raise CheckpointError(f"cannot write the checkpoint of step {step}: {final} holds files that are not a "
                               f"checkpoint's (or is a link); move it away, then continue: {resume_hint(root)}")
     os.replace(stage, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     if keep > 0:
         for old in list_checkpoints(root)[:-keep]:
             remove_checkpoint(old)

@@ -1,6 +1,6 @@
 """Optional packages: each comes with an extra of the package, and a missing one is one line naming it.
 
-``pip install eagerloco`` brings what the hook API and training need: torch, numpy and tqdm. The
+``pip install eagerloco`` brings what the hook API and training need: torch, numpy, tqdm and filelock. The
 rest is installed by extras (``pip install 'eagerloco[plot]'``, ``[all]`` for every one), and every
 place that imports an optional package does it through :func:`require`, so that a missing package
 is a :class:`MissingExtraError` whose message names the extra, never an ImportError traceback.

@@ -9,8 +9,9 @@ launcher says: M, R, the outer rendezvous) <- a TOML file (``--config``) <- the 
 Why our own generator and not tyro or jsonargparse (both checked): these flags must keep their
 spellings (``--non-iid``, ``--no-progress``, ``--slow-worker`` repeatable), tell a flag given on the
 command line from one left at its default (the TOML file sits between the two), and join the
-argparse tree of ``compare`` and ``launch``, which share them; both libraries own the parser and
-would need per-field annotations for each of those. Walking the dataclasses takes 60 lines.
+argparse tree of ``compare`` and ``launch``, which share them, keeping each help text and error
+message the tests check; both libraries own the parser and would need per-field annotations for each
+of those. Walking the dataclasses takes 60 lines.
 
 Used by `eagerloco train` and `eagerloco compare`, and by `eagerloco simulate` for its own settings
 (:class:`eagerloco.sim.config.SimConfig`); imports no torch.
@@ -23,7 +24,6 @@ import ast
 import functools
 import inspect
 import math
-import sys
 import textwrap
 import tomllib
 import types
@@ -81,29 +81,10 @@ def _shown(f: Field[Any]) -> str | None:
     return str(f.default) if f.default != "" else "none"
 
 
-class RenamedFlag(argparse.Action):
-    """An old spelling of a flag (``setting(aliases=...)``): one line on stderr naming the new one, then the
-    value is stored as the new flag stores it."""
-
-    def __init__(self, option_strings: list[str], dest: str, new: str, append: bool = False, **kw: Any) -> None:
-        self.new, self.append = new, append
-        super().__init__(option_strings, dest, **kw)
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        print(f"{parser.prog}: warning: {option_string} is now {self.new}; the old name goes in the next release",
-              file=sys.stderr)
-        value = self.const if self.nargs == 0 else values
-        if self.append:
-            value = [*(getattr(namespace, self.dest, None) or []), value]
-        setattr(namespace, self.dest, value)
-
-
 def add_dataclass_flags(groups: dict[str, Any], cls: type, group: str | None = None) -> None:
     """Add one flag per field of ``cls`` (sections excepted) to the argparse groups, by group name.
 
     A field goes to its setting's group, else to ``group``, else to its class's (training by default).
-    Its old spellings (``setting(aliases=...)``) are added unlisted: they warn, then store the same.
     """
     hints, docs = get_type_hints(cls), field_docs(cls)
     for f in fields(cls):
@@ -117,25 +98,20 @@ def add_dataclass_flags(groups: dict[str, Any], cls: type, group: str | None = N
             text += f" (default {shown})"
         kw: dict[str, Any] = {"dest": f.name, "default": None, "help": text.replace("%", "%%")}
         g = groups[meta.get("group") or group or _CLASS_GROUP.get(cls.__name__, "training")]
-        old: dict[str, Any] = {"dest": f.name, "default": None, "help": argparse.SUPPRESS, "action": RenamedFlag}
         if tp is bool:
             on = f.default is not True
             flag = meta.get("flag") or ("--" if on else "--no-") + f.name.replace("_", "-")
             g.add_argument(flag, action="store_true" if on else "store_false", **kw)
-            old.update(nargs=0, const=on)
         else:
-            kw["type"] = old["type"] = _value_type(tp)
+            kw["type"] = _value_type(tp)
             if get_origin(tp) is list and meta.get("sep"):
-                kw["type"] = old["type"] = _separated(kw["type"], meta["sep"])
+                kw["type"] = _separated(kw["type"], meta["sep"])
             elif get_origin(tp) is list:
-                kw["action"], old["append"] = "append", True
+                kw["action"] = "append"
             for key in ("choices", "metavar"):
                 if meta.get(key) is not None:
                     kw[key] = meta[key]
-            flag = meta.get("flag") or "--" + f.name.replace("_", "-")
-            g.add_argument(flag, **kw)
-        for alias in meta.get("aliases", ()):
-            g.add_argument(alias, new=flag, **old)
+            g.add_argument(meta.get("flag") or "--" + f.name.replace("_", "-"), **kw)
 
 
 def _separated(convert: Any, sep: str) -> Any:
@@ -212,4 +188,4 @@ def build_train_config(args: argparse.Namespace, env: Environment | None = None)
     return train_config_from_tables(tables, where).validate(env)
 
 
-__all__ = ["GROUPS", "RenamedFlag", "add_dataclass_flags", "add_train_flags", "build_train_config", "field_docs"]
+__all__ = ["GROUPS", "add_dataclass_flags", "add_train_flags", "build_train_config", "field_docs"]

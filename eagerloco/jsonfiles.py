@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from eagerloco.atomic import atomic_write
 
 
 def finite_json(obj: Any) -> Any:
@@ -21,17 +22,8 @@ def finite_json(obj: Any) -> Any:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write obj as JSON to path through a temporary file and a rename: readers see old or new, never half."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(finite_json(obj), f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, a signal: no half-written .tmp left behind
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write obj as JSON to path atomically, through ``<name>.tmp`` (the name a run lists and removes after a crash)."""
+    atomic_write(path, json.dumps(finite_json(obj), indent=2).encode(), temp=path.with_name(path.name + ".tmp"))
 
 
 __all__ = ["finite_json", "write_json_atomic"]

@@ -24,6 +24,10 @@ from eagerloco.fsdp import like_param, local_shard
 from eagerloco.outer_optimizer import OuterOptimizerFactory, make_outer_optimizer
 from eagerloco.schedule import apply_delay, fragment_offsets, fragments_due
 
+#: What a state_dict holds, and each exchange in flight in it (load_state_dict names what a state lacks).
+_STATE_KEYS = ("method", "step", "outer", "outer_opts", "in_flight", "generator", "error_feedback", "adaptive")
+_IN_FLIGHT_KEYS = ("fragment", "launch_step", "apply_step", "mean", "own", "payload_bytes", "ready_at", "workers",
+                   "others", "window", "contributors")
 
 @dataclass
 class _InFlight:
@@ -494,9 +498,8 @@ class OuterSync:
         this state apply the very same numbers.
 
         Returns:
-            method, step, outer copies, outer-optimizer states, stochastic-rounding generator
-            state, the exchanges in flight with their results (``in_flight``), and the error-feedback
-            buffers (``error_feedback``; None when off).
+            method, step, outer copies, outer-optimizer states, the exchanges in flight with their results,
+            stochastic-rounding generator state, error-feedback buffers and adaptive rounds (None when off).
 
         Raises:
             PeerError: an exchange in flight failed while being resolved.
@@ -512,29 +515,29 @@ class OuterSync:
                 "mean": mean, "own": own, "payload_bytes": nbytes, "ready_at": ready_at,
                 "workers": item.workers, "others": item.others, "window": item.window, "contributors": who,
             })
-        return {
-            "method": self.config.method,
-            "step": self.step,
-            "outer": [[t.clone() for t in frag] for frag in self.outer],
-            "outer_opts": [opt.state_dict() for opt in self.outer_opts],
-            "in_flight": in_flight,
-            "generator": self.generator.get_state(),
-            "error_feedback": None if self.feedback is None else self.feedback.state(),
-            "adaptive": None if self.adaptive is None else self.adaptive.state_dict(),
-        }
+        return {"method": self.config.method, "step": self.step, "outer": [[t.clone() for t in f] for f in self.outer],
+                "outer_opts": [opt.state_dict() for opt in self.outer_opts], "in_flight": in_flight,
+                "generator": self.generator.get_state(),
+                "error_feedback": None if self.feedback is None else self.feedback.state(),
+                "adaptive": None if self.adaptive is None else self.adaptive.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict` (the model and inner optimizer are restored separately).
 
         Args:
-            state: what :meth:`state_dict` returned, possibly from an older checkpoint.
+            state: what :meth:`state_dict` returned.
 
         Raises:
-            ValueError: the state is for another method, its fragments do not match this model
-                and fragment setting, or it was saved with error feedback or adaptive steps on where this
-                run has it off (or the reverse).
+            ValueError: the state lacks a part (saved by a development version before that part existed), is
+                for another method, its fragments do not match this model and fragment setting, or it was
+                saved with error feedback or adaptive steps on where this run has it off (or the reverse).
         """
-        if state.get("method") != self.config.method:
+        missing = {k for k in _STATE_KEYS if k not in state} | {k for x in state.get("in_flight", ()) for k in
+                                                                 _IN_FLIGHT_KEYS if k not in x}
+        if missing:
+            raise ValueError(f"the outer state lacks {', '.join(sorted(missing))}: saved by an earlier development "
+                             "version of eagerloco, which this one does not read; start the run afresh")
+        if state["method"] != self.config.method:
             raise ValueError(f"state is for method {state.get('method')!r}, this run uses {self.config.method!r}")
         if len(state["outer"]) != len(self.outer) or any(
             len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True))
@@ -549,7 +552,7 @@ class OuterSync:
         for opt, s in zip(self.outer_opts, state["outer_opts"], strict=True):
             opt.load_state_dict(s)
         self.generator.set_state(state["generator"])
-        saved_feedback = state.get("error_feedback")  # absent in checkpoints made before error feedback
+        saved_feedback = state["error_feedback"]
         if (saved_feedback is None) != (self.feedback is None):
             raise ValueError(
                 f"state was saved with error feedback {'off' if saved_feedback is None else 'on'} and this run "
@@ -557,13 +560,11 @@ class OuterSync:
             )
         if saved_feedback is not None and self.feedback is not None:
             self.feedback.load(saved_feedback)
-        load_rounds(self.adaptive, state.get("adaptive"))  # absent in checkpoints made before adaptive steps
+        load_rounds(self.adaptive, state["adaptive"])
         self.in_flight = [
             _InFlight(x["fragment"], ReadyHandle(self.comm, x["mean"], x["own"], x["payload_bytes"], x["ready_at"],
-                                                 x.get("contributors")),  # absent in older checkpoints: all
-                      x["launch_step"], x["apply_step"], None,
-                      x.get("workers", self.num_workers),  # older checkpoints: M never changed
-                      x.get("others"), x.get("window"))
+                                                 x["contributors"]),
+                      x["launch_step"], x["apply_step"], None, x["workers"], x["others"], x["window"])
             for x in state["in_flight"]
         ]
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from standin import session_folders
 
 # The tiers' hooks: a test that starts a process must be marked `processes`; the longest files first under xdist.
 from tiers import (  # noqa: F401 - pytest hooks, found by name in this module
@@ -43,6 +44,12 @@ os.environ["OMP_NUM_THREADS"] = "1"
 # Every process the tests start can have faults injected (EAGERLOCO_FAULT_KILL, EAGERLOCO_FAULT_EVAL_DELAY):
 # the testing package's sitecustomize installs them at interpreter start when the variables ask for them.
 os.environ.update(fault_environment({"PYTHONPATH": os.environ.get("PYTHONPATH", "")}))
+
+# No test reads the home folder or the network: the session has a data cache of its own (a stand-in for the
+# Brown Corpus) and a matplotlib folder, made once by the process that starts the suite (under xdist, the
+# workers inherit them).
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    session_folders()
 
 
 class Toy(nn.Module):

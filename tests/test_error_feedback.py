@@ -164,6 +164,12 @@ def test_state_dict_carries_the_buffers_and_resumes_bit_for_bit() -> None:
     plain = OuterSync(copy.deepcopy(init), None, ScriptedCommunicator(), replace(cfg, error_feedback=None))
     with pytest.raises(ValueError, match="same --error-feedback"):
         plain.load_state_dict(state["sync"])
+    # A state saved before a part existed is one line naming what it lacks.
+    older = {**state["sync"], "in_flight": [{k: v for k, v in x.items() if k != "window"}
+                                            for x in state["sync"]["in_flight"]]}
+    del older["adaptive"]
+    with pytest.raises(ValueError, match=r"^the outer state lacks adaptive, window: saved by an earlier development"):
+        back[2].load_state_dict(older)
 
 
 def test_clear_empties_the_buffers() -> None:

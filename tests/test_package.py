@@ -40,9 +40,9 @@ def _names(requirements: list[str]) -> set[str]:
     return {Requirement(r).name for r in requirements}
 
 
-def test_the_dependencies_are_torch_numpy_and_tqdm_with_torch_as_a_range() -> None:
+def test_the_dependencies_are_torch_numpy_tqdm_and_filelock_with_torch_as_a_range() -> None:
     deps = {Requirement(r).name: Requirement(r) for r in PYPROJECT["dependencies"]}
-    assert set(deps) == {"torch", "numpy", "tqdm"}
+    assert set(deps) == {"torch", "numpy", "tqdm", "filelock"}
     torch_spec = deps["torch"].specifier
     assert not any(s.operator == "==" for s in torch_spec), "torch is a range here; the Makefile pins it for CI"
     assert {s.operator for s in torch_spec} == {">=", "<"}

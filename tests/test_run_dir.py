@@ -1,9 +1,9 @@
 """The run directory loses nothing that is not the run's, and every file of a run is checked before use.
 
-``--overwrite`` removes exactly the files listed in the run's manifest (``.eagerloco-run.json``), or
-for a run made before manifests those recognised by their formats; anything else at a run's paths
-makes it refuse, naming it, before anything is removed. A lock, a meta.json field or a run file of
-the wrong kind is one line naming the file, the field and the fix, never a traceback.
+``--overwrite`` removes exactly the files listed in the run's manifest (``.eagerloco-run.json``);
+anything else at a run's paths makes it refuse, naming it, before anything is removed. A lock, a
+meta.json field or a run file of the wrong kind is one line naming the file, the field and the fix,
+never a traceback.
 """
 
 from __future__ import annotations
@@ -177,46 +177,6 @@ def test_a_symlinked_tensorboard_directory_is_never_emptied(run: Path, tmp_path:
     assert "tensorboard/exp1, which eagerloco did not write" in _error(
         capsys, ["train", *FAST, "--steps", "2", "--out", str(run), "--overwrite"])
     assert _files(run) == before and (logs / "exp1" / "events.out.tfevents.1.host").exists()
-
-
-def test_a_run_made_before_manifests_is_recognised_by_its_formats(run: Path, capsys) -> None:
-    (run / MANIFEST_NAME).unlink(missing_ok=True)  # as a run made before manifests
-    (run / "checkpoints" / "resnet").mkdir()
-    (run / "checkpoints" / "resnet" / "best.pth").write_bytes(b"weights")
-    (run / "checkpoints" / "step_00000008").mkdir()  # a step directory whose meta.json is not eagerloco's
-    (run / "checkpoints" / "step_00000008" / "meta.json").write_text('{"epoch": 8}')
-    (run / "notes.txt").write_text("mine")
-    before = _files(run)
-    err = _error(capsys, ["train", *FAST, "--steps", "2", "--out", str(run), "--overwrite"])
-    assert "holds checkpoints/resnet, checkpoints/step_00000008, which eagerloco did not write" in err
-    assert f"no {MANIFEST_NAME} lists them, nor are they in an eagerloco run's formats" in err
-    assert _files(run) == before
-    shutil.rmtree(run / "checkpoints" / "resnet")
-    shutil.rmtree(run / "checkpoints" / "step_00000008")
-    # without a manifest, anything else in the directory is refused too: nothing says whose it is
-    err = _error(capsys, ["train", *FAST, "--steps", "2", "--out", str(run), "--overwrite"])
-    assert f"has no {MANIFEST_NAME}" in err and "holds notes.txt, which eagerloco did not write" in err
-    assert "nothing was removed: move them away" in err and set(_files(run)) == set(before) - {
-        "checkpoints/resnet/best.pth", "checkpoints/step_00000008/meta.json"}
-    (run / "notes.txt").unlink()
-    assert main(["train", *FAST, "--steps", "2", "--out", str(run), "--overwrite"]) == 0
-    assert set(_files(run)) == {"metrics.jsonl", "summary.json", MANIFEST_NAME}
-
-
-def test_resume_lists_a_run_made_before_manifests(run: Path, made: Path, capsys) -> None:
-    (run / MANIFEST_NAME).unlink(missing_ok=True)  # as a run made before manifests
-    for f in (run / "checkpoints" / "step_00000006").iterdir():
-        f.unlink()
-    (run / "checkpoints" / "step_00000006").rmdir()
-    (run / "notes.txt").write_text("mine")
-    capsys.readouterr()
-    assert main(["train", *RUN, "--out", str(run), "--resume"]) == 0
-    assert f"listed the 9 files of the earlier run in {run / MANIFEST_NAME}" in capsys.readouterr().err
-    assert _final_loss(run) == _final_loss(made)
-    listed = read_manifest(run)
-    assert {p for p in _files(run) if p not in ("notes.txt", MANIFEST_NAME)} == {
-        r for r, k in listed.items() if k == "file" and (run / r).exists()}
-    assert "notes.txt" not in listed
 
 
 def test_resume_keeps_the_manifest_up_to_date(run: Path, capsys) -> None:

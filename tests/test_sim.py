@@ -384,7 +384,7 @@ def test_cli_custom_model_from_flops(capsys: pytest.CaptureFixture[str]) -> None
         (["--latency-ms", "-3"], "--latency-ms"),
         (["--model", "custom", "--params", "1e9"], "--layers"),
         (["--workers", "0"], "--workers"),
-        (["--bits", "64"], "--bits"),
+        (["--codec-block", "0"], "--codec-block"),
     ],
 )
 def test_cli_bad_inputs_name_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,4 @@
-"""The test tiers: markers `processes`, `root` and `slow` (pyproject.toml), and the hooks that keep them.
+"""The test tiers: markers `processes`, `root`, `slow` and `network` (pyproject.toml), and the hooks that keep them.
 
 `make test-fast` runs the tests marked none of them. A test that starts an OS process without the
 `processes` marker fails at teardown, naming what it started: every way a Python process starts one

@@ -29,7 +29,6 @@ def setting(
     group: str | None = None,
     cli: bool = True,
     shown_default: str | None = None,
-    aliases: tuple[str, ...] = (),
     sep: str | None = None,
 ) -> Any:
     """A dataclass field with what the generated command line needs beyond name, type, default and docstring.
@@ -43,14 +42,11 @@ def setting(
         group: the ``--help`` section, when not the dataclass's.
         cli: False for a setting no flag sets (the launcher passes it through the environment).
         shown_default: what ``--help`` says the default is, when not the value itself (None: the value).
-        aliases: old spellings of the flag (``("--tau",)``), still read for one release with a warning
-            that names the new one; ``--help`` leaves them out and the parser does not check their
-            choices (validation does).
         sep: a list setting whose flag takes its values in one argument, separated by this (``1,0.5``),
             instead of one value per repeated flag.
     """
     meta = {"flag": flag, "choices": choices, "metavar": metavar, "group": group, "cli": cli,
-            "shown_default": shown_default, "aliases": tuple(aliases), "sep": sep}
+            "shown_default": shown_default, "sep": sep}
     if factory is not MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)

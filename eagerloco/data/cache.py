@@ -1,15 +1,15 @@
-"""The on-disk cache shared by every source: its location, checksums, atomic writes and locks."""
+"""The on-disk cache shared by every source: its location, checksums and lock."""
 
 from __future__ import annotations
 
 import errno
 import hashlib
-import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from filelock import FileLock
 
 from eagerloco.environment import Environment
 
@@ -48,22 +48,9 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Readers see the old file or the new one, never half of one (parallel ranks share the cache)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; cached data is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 @contextmanager
 def locked(directory: Path, what: str = "what this run needs") -> Iterator[None]:
-    """Serialize fetches by processes sharing one cache (e.g. torchrun ranks); no-op without fcntl.
+    """Serialize fetches by processes sharing one cache (e.g. torchrun ranks).
 
     Creates the directory. Only taken when something must be written: a complete cache is read
     without it, so a read-only cache that holds everything works.
@@ -77,13 +64,9 @@ def locked(directory: Path, what: str = "what this run needs") -> Iterator[None]
             it, what is missing, and the fix.
     """
     try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX
-        yield
-        return
-    try:
         directory.mkdir(parents=True, exist_ok=True)
-        f = (directory / ".lock").open("w")
+        lock = FileLock(directory / ".lock")
+        lock.acquire()
     except OSError as e:
         if e.errno not in READ_ONLY_ERRNOS:
             raise
@@ -92,12 +75,10 @@ def locked(directory: Path, what: str = "what this run needs") -> Iterator[None]
             f"or pass --data-dir (or set EAGERLOCO_DATA_DIR) with a writable directory; copy the cache there "
             "to keep what it holds"
         ) from None
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def note(message: str) -> None:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagerloco.data.cache import MANIFEST_VERSION, DataError, atomic_write, locked
+from eagerloco.atomic import atomic_write
+from eagerloco.data.cache import MANIFEST_VERSION, DataError, locked
 
 
 @dataclass

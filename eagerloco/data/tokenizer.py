@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from eagerloco.data.cache import DataError, atomic_write, default_data_dir, file_sha256, locked, note
+from eagerloco.atomic import atomic_write
+from eagerloco.data.cache import DataError, default_data_dir, file_sha256, locked, note
 from eagerloco.extras import require
 
 if TYPE_CHECKING:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,15 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagerloco.data.cache import (
-    DataError,
-    ReadOnlyCacheError,
-    atomic_write,
-    default_data_dir,
-    file_sha256,
-    locked,
-    note,
-)
+from eagerloco.atomic import atomic_file, atomic_write
+from eagerloco.data.cache import DataError, ReadOnlyCacheError, default_data_dir, file_sha256, locked, note
 from eagerloco.data.corpus import Corpus
 from eagerloco.data.tokenizer import ByteTokenizer, Tokenizer
 
@@ -105,18 +96,10 @@ def encode_docs(docs: Sequence[str], tokenizer: Tokenizer) -> torch.Tensor:
 
 
 def _save_npy(path: Path, array: np.ndarray) -> dict[str, Any]:
-    """Atomically write ``array`` as .npy; returns its size and sha256 for the manifest."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, np.ascontiguousarray(array), allow_pickle=False)
-        os.chmod(tmp, 0o644)
-        meta = {"size": os.path.getsize(tmp), "sha256": file_sha256(Path(tmp))}
-        os.replace(tmp, path)
-        return meta
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Atomically write ``array`` as .npy (under the cache's lock); returns its size and sha256 for the manifest."""
+    with atomic_file(path) as f:
+        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 _TOKEN_FILES = ("train_tokens", "train_offsets", "eval_tokens", "eval_offsets", "separator")

@@ -11,19 +11,18 @@ job's WORLD): the outer group is separate (``outer_addr``), so the two never mee
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from eagerloco.atomic import atomic_file
+
 
 def save_atomic(state: Any, path: str | Path) -> None:
-    """torch.save to a temporary file, then rename: a crash never leaves half a file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    """torch.save, atomically: a crash never leaves half a file."""
+    with atomic_file(Path(path)) as f:
+        torch.save(state, f)
 
 
 __all__ = ["save_atomic"]

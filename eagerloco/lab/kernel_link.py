@@ -6,14 +6,14 @@ processes it starts learn the rate from :data:`~eagerloco.environment.KERNEL_LIN
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import math
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+
+from filelock import FileLock
 
 from eagerloco.config import ConfigError
 from eagerloco.environment import KERNEL_LINK_ENV
@@ -58,16 +58,10 @@ def _check_sizes(workers: int, bandwidth_gbps: float) -> None:
         raise LinkShapingError(f"--kernel-link-gbps supports at most 240 workers (one /24 subnet), got {workers}")
 
 
-@contextlib.contextmanager
-def _setup_lock() -> Iterator[None]:
+def _setup_lock() -> FileLock:
     """Serializes building and removing links across the processes of this machine (root's, so one
     file): subnets are picked and a shared bridge is made, joined and removed under it."""
-    with open(os.path.join(tempfile.gettempdir(), "eagerloco-kernel-link.lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return FileLock(os.path.join(tempfile.gettempdir(), "eagerloco-kernel-link.lock"))
 
 
 def _free_subnet(start: int) -> str:

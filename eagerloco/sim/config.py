@@ -4,9 +4,9 @@
 its field docstrings are the ``--help`` (:func:`eagerloco.flags.add_dataclass_flags` makes the
 flags from them). A setting that is the same thing as one of ``eagerloco train`` has train's name:
 ``--inner-steps``, ``--overlap-steps``, ``--codec``, ``--codec-block``, ``--topk``, ``--topk-chunk``,
-``--fragment-pattern``, ``--workers``, ``--bandwidth-gbps``, ``--latency-ms``, ``--peak-tflops``; the
-simulator's earlier spellings are read for one release with a warning. :meth:`SimConfig.validate` checks every flag
-(an error names it) and returns :class:`Settings`: the models, the rows and the numbers of each list.
+``--fragment-pattern``, ``--workers``, ``--bandwidth-gbps``, ``--latency-ms``, ``--peak-tflops``.
+:meth:`SimConfig.validate` checks every flag (an error names it) and returns :class:`Settings`: the
+models, the rows and the numbers of each list.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from eagerloco.codec_sizes import CODEC_BITS, CODEC_NAMES, SCALE_BYTES
 from eagerloco.config import setting
 from eagerloco.sim import paper
 from eagerloco.sim.model import (
-    CODEC_FOR_BITS,
     PATTERNS,
     PRESETS,
     ModelSpec,
@@ -42,8 +41,6 @@ DEFAULT_TARGETS = "0.5,0.8,0.9,0.95,0.99"
 MAX_INNER_STEPS = 100_000
 MAX_ROUNDS_IN_FLIGHT = 64
 TRANSPORTS = ("ring", "allgather")
-#: How each codec flag was spelled before it took codec names (a number of bits per value).
-BITS_FLAGS = {"codec": "--bits", "low_codec": "--low-bits", "dp_codec": "--dp-bits"}
 
 
 @dataclass
@@ -62,7 +59,7 @@ class SimConfig:
     # is part of the model's description, as --params and --layers are.
     step_time: float | None = setting(None, group="model")
     """Seconds per inner step (forward + backward) of one worker (custom model, or override a preset)."""
-    peak_tflops: float | None = setting(None, group="model", aliases=("--accel-tflops",))
+    peak_tflops: float | None = setting(None, group="model")
     """The peak TFLOP/s of one worker's device (train's --peak-tflops): derive the step time as
     6*params*tokens-per-step / (this * --mfu)."""
     mfu: float | None = setting(None, group="model")
@@ -74,15 +71,15 @@ class SimConfig:
     # -- the method: train's flags, each taking a comma list where the simulator sweeps it.
     method: str | None = setting(None, group="method", shown_default="all rows")
     """Comma list of methods (dp, diloco, streaming, delayed, eager) or row keys (train's --method takes one)."""
-    workers: int | None = setting(None, group="method", aliases=("-M",), shown_default="2")
+    workers: int | None = setting(None, group="method", shown_default="2")
     """M: workers across the slow link."""
-    inner_steps: int = setting(100, group="method", aliases=("-H",))
+    inner_steps: int = setting(100, group="method")
     """H: inner steps per outer round."""
     fragment_layers: int = setting(3, group="method")
     """Blocks per streaming fragment (the papers use 3 at every scale)."""
     fragments: int | None = setting(None, group="method", shown_default="blocks / --fragment-layers")
     """P: number of streaming fragments (overrides --fragment-layers)."""
-    overlap_steps: str = setting("1", group="method", aliases=("--tau",))
+    overlap_steps: str = setting("1", group="method")
     """tau: comma list of overlaps (inner steps an exchange may take before its mean is applied), one
     Streaming row each (train's --overlap-steps takes one)."""
     eager_rounds: str = setting("1,2", group="method")
@@ -98,18 +95,18 @@ class SimConfig:
     time is the fastest's): adds each worker's compute utilization with a fixed H and with --adaptive-steps."""
 
     # -- the exchange
-    codec: str | None = setting(None, choices=CODEC_NAMES, group="exchange", aliases=("--bits",),
+    codec: str | None = setting(None, choices=CODEC_NAMES, group="exchange",
                                 shown_default="fp32; bf16 with --paper")
     """Format of the outer gradients on the link: its bits per value, and one scale per --codec-block
     values for the formats below 16 bits (train's --codec)."""
     # The two other rows of the table have their own format: train runs one method, one codec.
-    low_codec: str = setting("e2m1", choices=CODEC_NAMES, group="exchange", aliases=("--low-bits",))
+    low_codec: str = setting("e2m1", choices=CODEC_NAMES, group="exchange")
     """Format of the extra quantized Streaming row (the papers' FP4 row)."""
-    dp_codec: str = setting("bf16", choices=CODEC_NAMES, group="exchange", aliases=("--dp-bits",))
+    dp_codec: str = setting("bf16", choices=CODEC_NAMES, group="exchange")
     """Format of the data-parallel gradients."""
-    fragment_pattern: str = setting("strided", choices=PATTERNS, group="exchange", aliases=("--pattern",))
+    fragment_pattern: str = setting("strided", choices=PATTERNS, group="exchange")
     """How blocks map to fragments: sequential (contiguous) or strided (block b in fragment b mod P)."""
-    codec_block: int = setting(32, group="exchange", aliases=("--block",))
+    codec_block: int = setting(32, group="exchange")
     """Values sharing one scale in the block formats (MX uses 32)."""
     topk: int | None = setting(None, metavar="K", group="exchange", shown_default="off: every value is sent")
     """Sparse exchange (train's --topk): the outer rows send only the K values of largest magnitude of every
@@ -126,7 +123,7 @@ class SimConfig:
     as the runtime sends them to keep FP32 sums."""
 
     # -- the link
-    bandwidth_gbps: str | None = setting(None, group="link", aliases=("--bandwidth",))
+    bandwidth_gbps: str | None = setting(None, group="link")
     """Comma list of link bandwidths in Gbit/s (inf: no limit) to report utilization at (train's takes one)."""
     latency_ms: float = setting(0.0, group="link")
     """One-way latency added to every transfer, in milliseconds."""
@@ -176,8 +173,7 @@ class SimConfig:
     def validate(self) -> Settings:
         """Check every flag and resolve them: the models, the rows, the numbers of each comma list.
 
-        ``--paper`` only changes defaults (a flag given still wins); a number given to an old codec flag
-        (``--bits 16``) becomes the codec of that many bits (bf16), or stays a bit count where none has it.
+        ``--paper`` only changes defaults (a flag given still wins).
 
         Returns:
             The :class:`Settings` to simulate.
@@ -190,7 +186,7 @@ class SimConfig:
             raise SimError("--compare-reference compares with the papers' accounting: add --paper")
         if self.codec is None:
             self.codec = "bf16" if self.paper else "fp32"
-        bits = {name: self._codec_bits(name) for name in BITS_FLAGS}
+        bits = {name: self._codec_bits(name) for name in ("codec", "low_codec", "dp_codec")}
         scale_bytes = self.scale_bytes if self.scale_bytes is not None else (0 if self.paper else SCALE_BYTES)
         workers = self.workers if self.workers is not None else paper.PAPER_WORKERS
         _at_least("--workers", workers, 1)
@@ -336,20 +332,11 @@ class SimConfig:
         return models, sources
 
     def _codec_bits(self, name: str) -> int:
-        """Bits per value of a codec field; a bit count (from the old flag) becomes its codec where one has it."""
+        """Bits per value of a codec field."""
         value = getattr(self, name)
-        flag = "--" + name.replace("_", "-")
-        if value in CODEC_BITS:
-            return CODEC_BITS[value]
-        try:
-            n = int(value)
-        except (TypeError, ValueError):
-            raise SimError(f"{flag} must be one of {', '.join(CODEC_NAMES)}, got {value!r}") from None
-        if not 1 <= n <= 32:
-            raise SimError(f"{BITS_FLAGS[name]} must be a number of bits per value in 1..32 (e.g. 32, 16, 8, 4), "
-                           f"got {n}; {flag} takes a codec name: {', '.join(CODEC_NAMES)}")
-        setattr(self, name, CODEC_FOR_BITS.get(n, str(n)))
-        return n
+        if value not in CODEC_BITS:
+            raise SimError(f"--{name.replace('_', '-')} must be one of {', '.join(CODEC_NAMES)}, got {value!r}")
+        return CODEC_BITS[value]
 
     def _link_and_targets(self) -> tuple[list[float], list[float]]:
         bandwidths = _floats("--bandwidth-gbps", self.bandwidth_gbps)

