@@ -1,7 +1,5 @@
-"""The outer algorithm: one object, one code path, for the whole DiLoCo family.
-
-See :class:`OuterSync` for how it works.
-"""
+"""The outer algorithm: one object (:class:`OuterSync`, which says how it works), one code path, for the whole
+DiLoCo family."""
 
 from __future__ import annotations
 
@@ -28,6 +26,7 @@ from eagerloco.schedule import apply_delay, fragment_offsets, fragments_due
 _STATE_KEYS = ("method", "step", "outer", "outer_opts", "in_flight", "generator", "error_feedback", "adaptive")
 _IN_FLIGHT_KEYS = ("fragment", "launch_step", "apply_step", "mean", "own", "payload_bytes", "ready_at", "workers",
                    "others", "window", "contributors")
+
 
 @dataclass
 class _InFlight:

@@ -19,8 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from eagerloco.lab.corpora.brown import BROWN_PACKAGE, BROWN_TARBALL, BROWN_TARBALL_SHA256
 from eagerloco.data.cache import MANIFEST_VERSION
+from eagerloco.lab.corpora.brown import BROWN_PACKAGE, BROWN_TARBALL, BROWN_TARBALL_SHA256
 
 #: Brown's genres: the letter in its document names, the genre and its number of documents (500 in all).
 GENRES = {"a": ("news", 44), "b": ("editorial", 27), "c": ("reviews", 17), "d": ("religion", 17),
