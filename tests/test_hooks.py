@@ -19,7 +19,6 @@ import eagerloco
 from eagerloco.comm.connect import connect
 from eagerloco.comm.scripted import ScriptedCommunicator
 from eagerloco.config import ConfigError, OuterConfig
-from eagerloco.integrations.torchft import outer_config
 from eagerloco.outer import OuterSync
 
 METHODS = {
@@ -134,13 +133,7 @@ def test_a_single_worker_without_torchrun_is_diloco_with_m_1(toy: Toy, monkeypat
     assert m["outer_bytes_sent"] == 0 and m["outer_syncs"] == 5 and 0 < m["compute_utilization"] <= 1
 
 
-def test_torchft_names_and_fragments_as_modules(toy: Toy) -> None:
-    cfg = outer_config(sync_every=8, fragment_sync_delay=1, fragment_update_alpha=0.5, fragments=2)
-    assert (cfg.method, cfg.inner_steps, cfg.overlap_steps, cfg.alpha, cfg.fragments) == ("streaming", 8, 1, 0.5, 2)
-    with pytest.raises(ConfigError, match="given twice"):
-        outer_config(sync_every=8, inner_steps=8)
-    with pytest.raises(ConfigError, match="unknown outer setting 'sync_evry'"):
-        outer_config(sync_evry=8)
+def test_fragments_as_modules(toy: Toy) -> None:
     model = copy.deepcopy(toy)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     frags = [nn.ModuleList(model.blocks[:2]), nn.ModuleList(model.blocks[2:])]

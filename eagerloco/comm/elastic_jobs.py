@@ -37,7 +37,7 @@ class JobsMembership(Membership):
     """
 
     def __init__(self, client: dist.Store, worker: int, workers: int, timeout_s: float,
-                 group: dist.ProcessGroup, **kwargs: Any) -> None:
+                 group: dist.ProcessGroup | None, **kwargs: Any) -> None:
         super().__init__(client, worker, workers, timeout_s, **kwargs)
         self.group: dist.ProcessGroup | None = group
 

@@ -66,14 +66,6 @@ class DistContext:
         return self.sharded_outer or self.rank_in_worker == 0
 
     @property
-    def outer_ranks(self) -> list[int]:
-        """The global ranks of this rank's outer group."""
-        i = self.rank_in_worker if self.sharded_outer else 0
-        if self.separate_jobs:
-            return [i] * self.workers  # rank i of every worker's job
-        return [w * self.ranks_per_worker + i for w in range(self.workers)]
-
-    @property
     def inner_ranks(self) -> list[int]:
         first = 0 if self.separate_jobs else self.worker * self.ranks_per_worker
         return list(range(first, first + self.ranks_per_worker))

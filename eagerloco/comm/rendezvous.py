@@ -432,7 +432,7 @@ def leave_outer_group(ctx: DistContext) -> None:
     which can abort a process that succeeded (status 134). The cycles that still hold it are collected here.
     """
     group = ctx.outer_group
-    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+    if group is not None:
         group.shutdown()
     ctx.outer_group = None
     ctx.store = ctx.outer_store = None

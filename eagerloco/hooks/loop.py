@@ -18,13 +18,15 @@ from torch import nn
 from eagerloco import events
 from eagerloco.comm.base import Communicator
 from eagerloco.comm.connect import Connection, connect
+from eagerloco.comm.elastic_jobs import JobsMembership
 from eagerloco.comm.errors import api_error, api_errors, api_message
 from eagerloco.comm.groups import DistContext
 from eagerloco.comm.rendezvous import shapes_digest
 from eagerloco.config import ConfigError, OuterConfig
 from eagerloco.hooks.settings import innermost_optimizer
 from eagerloco.hooks.start import FIXES, SETTINGS_FIX, outer_optimizer_settings, start_weights
-from eagerloco.outer import OuterOptimizerFactory, OuterSync
+from eagerloco.outer import OuterSync
+from eagerloco.outer_optimizer import OuterOptimizerFactory
 from eagerloco.schedule import short_run_note
 
 #: What ``state_dict()`` writes; a load of another layout is refused.
@@ -105,8 +107,8 @@ class OuterLoop:
         return self.connection.ctx
 
     @property
-    def membership(self) -> Any:
-        """The elastic membership across jobs (elastic=True), else None."""
+    def membership(self) -> JobsMembership | None:
+        """The elastic membership across jobs (``connect(elastic=True)``), else None."""
         return self.connection.membership
 
     @property
@@ -245,9 +247,9 @@ class OuterLoop:
                 parameters, loaded into the model (one more exchange of the model). On by default (None)
                 where this loop joined the workers itself, because a run is expected to end with one
                 model, as DiLoCo's does; eager's workers each mix their own outer gradient in, so
-                without it they end with slightly different ones. False keeps each worker's own; with
-                ``comm=`` the caller drives the workers and says so itself. The other methods end with
-                one model anyway.
+                without it they end with slightly different ones. False keeps each worker's own; with a
+                Communicator as ``peers=`` the caller drives the workers and says so itself. The other
+                methods end with one model anyway.
         """
         if self.finished:
             return

@@ -40,7 +40,6 @@ checkpoints stops them all with one line).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -50,33 +49,6 @@ from eagerloco.comm.connect import Connection, connect
 from eagerloco.comm.errors import api_error
 from eagerloco.config import ConfigError, OuterConfig
 from eagerloco.hooks import OuterLoop
-
-#: torchft's ``DiLoCo`` argument names and the OuterConfig field each means.
-TORCHFT_NAMES = {"sync_every": "inner_steps", "fragment_sync_delay": "overlap_steps",
-                 "fragment_update_alpha": "alpha"}
-
-
-def outer_config(config: OuterConfig | None = None, **settings: Any) -> OuterConfig:
-    """An OuterConfig from one (copied) and/or settings by field name, torchft's names accepted.
-
-    Without a method, P > 1 fragments mean ``streaming`` and one fragment ``diloco``.
-
-    Raises:
-        ConfigError: an unknown setting, a setting given under both names, or an invalid value.
-    """
-    names = {f.name for f in fields(OuterConfig)}
-    given: dict[str, Any] = {}
-    for key, value in settings.items():
-        field = TORCHFT_NAMES.get(key, key)
-        if field not in names:
-            raise ConfigError(f"unknown outer setting {key!r}; OuterConfig takes {', '.join(sorted(names))} "
-                              f"(and torchft's {', '.join(TORCHFT_NAMES)})")
-        if field in given:
-            raise ConfigError(f"{field} given twice (as {field} and as its torchft name); pass one")
-        given[field] = list(value) if field == "worker_speeds" and isinstance(value, (tuple, list)) else value
-    if config is None and "method" not in given:
-        given["method"] = "streaming" if int(given.get("fragments", 1)) > 1 else "diloco"
-    return replace(config or OuterConfig(), **given)
 
 
 class Manager:
@@ -198,4 +170,4 @@ class DiLoCo(OuterLoop):
             manager.loop = self
 
 
-__all__ = ["TORCHFT_NAMES", "DiLoCo", "Manager", "outer_config", "outer_factory"]
+__all__ = ["DiLoCo", "Manager", "outer_factory"]
