@@ -56,14 +56,20 @@ class OuterLoop:
         self.finished = False
         self._hooks: list[Any] = []
         self._first_forward: list[Any] = []
-        self.config = (config or OuterConfig()).validate()  # before connecting: a bad setting meets nobody
+        if isinstance(peers, Connection):  # the loop's from here: released at its end, or on an error
+            self.connection = peers
+        try:  # before connecting: a bad setting meets nobody
+            self.config = (config or OuterConfig()).validate()
+            self.inner_optimizer = innermost_optimizer(inner_optimizer)
+            if grad_scaler is not None and self.config.per_step:
+                raise ConfigError("a GradScaler (grad_scaler=, or an fp16 Trainer's) with method dp: the gradient "
+                                  "mean runs inside the optimizer's step, which the scaler skips on one worker alone; "
+                                  "average the gradients with DDP, train in bf16, or use a method with outer rounds")
+        except BaseException:
+            self._release(cancel=True)
+            raise
         self.model = model
-        self.inner_optimizer = innermost_optimizer(inner_optimizer)
         self.apply_in_flight = apply_in_flight
-        if grad_scaler is not None and self.config.per_step:
-            raise ConfigError("a GradScaler (grad_scaler=, or an fp16 Trainer's) with method dp: the gradient mean "
-                              "runs inside the optimizer's step, which the scaler skips on one worker alone; average "
-                              "the gradients with DDP, train in bf16, or use a method with outer rounds")
         self.grad_scaler = grad_scaler
         self._scaler_update: Any = None  # the scaler's own update(), while this loop counts its skipped steps
         self._stepped = False
@@ -381,9 +387,10 @@ def outer_loop(
         config: the outer algorithm's settings (:class:`~eagerloco.config.OuterConfig`: method, H, fragments,
             codec, outer optimizer, ...) [OuterConfig()]. Under ``adaptive_steps`` every worker must run the
             same ticks: end the loop on ``outer.ticks`` reaching a multiple of H, not on a count of steps.
-        peers: the other workers: :func:`eagerloco.comm.connect.connect`'s connection [``connect()``: the
-            outer rendezvous of the environment, else the torchrun WORLD, else this worker alone], or a
-            Communicator of the caller's (tests, custom transports; nothing is agreed then). Connected,
+        peers: the other workers: :func:`eagerloco.comm.connect.connect`'s connection, which the loop
+            releases at its end [``connect()``: the outer rendezvous of the environment, else the torchrun
+            WORLD, else this worker alone], or a Communicator of the caller's (tests, custom transports;
+            nothing is agreed then, nothing released). Connected,
             the workers compare their settings, model shapes and outer optimizer first, then at the first
             forward pass the step and a digest of the outer state a resumed run loaded; any difference
             stops them all with one line naming it. A run at step 0 starts from worker 0's weights

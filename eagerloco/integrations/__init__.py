@@ -57,13 +57,9 @@ def start_loop(model: nn.Module, optimizer: Any, config: OuterConfig | None, pee
     the framework's GradScaler unless the callback was given one."""
     loop = {k: v for k, v in options.items() if k in LOOP_OPTIONS}
     loop.setdefault("grad_scaler", grad_scaler)
-    conn = peers if peers is not None else connect(**{k: v for k, v in options.items() if k not in LOOP_OPTIONS})
-    try:
-        return OuterLoop(model, optimizer, config, peers=conn, **loop)
-    except BaseException:
-        if peers is None:  # the loop never took the connection this made
-            conn.release(cancel=True)  # type: ignore[union-attr]
-        raise
+    if peers is None:
+        peers = connect(**{k: v for k, v in options.items() if k not in LOOP_OPTIONS})
+    return OuterLoop(model, optimizer, config, peers=peers, **loop)  # it releases the connection on an error
 
 
 def save_atomic(state: Any, path: str | Path) -> None:
