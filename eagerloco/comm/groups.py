@@ -53,8 +53,8 @@ class DistContext:
     #: Every rank exchanges its own shard of the outer gradient (FSDP inside the worker): R outer
     #: groups side by side, each carrying 1/R of the payload.
     sharded_outer: bool = False
-    #: Each worker is its own job with its own WORLD (:func:`eagerloco.comm.connect.join_outer_group`): global ranks are
-    #: ranks of this worker's job, and the outer group spans the jobs.
+    #: Each worker is its own job with its own WORLD (:func:`eagerloco.comm.rendezvous.join_outer_group`): global
+    #: ranks are ranks of this worker's job, and the outer group spans the jobs.
     separate_jobs: bool = False
     #: The outer TCPStore itself, without a key prefix (separate jobs; worker 0's process hosts it).
     outer_store: dist.Store | None = field(default=None, repr=False)
