@@ -5,7 +5,7 @@ state; FSDP gathers the parameters block by block for forward and backward and r
 gradients, so a worker fits a model R times larger than one rank could hold. The outer algorithm
 then needs nothing gathered: its outer gradient, outer copy and outer-optimizer state are
 elementwise, so each rank runs it on its own shard and exchanges that shard with the same rank of
-every other worker (:func:`eagerloco.comm.groups.init_process_groups` with ``sharded_outer``).
+every other worker (:func:`eagerloco.comm.rendezvous.init_process_groups` with ``sharded_outer``).
 
 The parameters become DTensors; :func:`local_shard` gives the plain tensor of this rank's shard, which
 aliases the parameter's storage (in-place writes to it are writes to the parameter). Checkpoints

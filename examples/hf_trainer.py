@@ -60,7 +60,7 @@ def main() -> None:
         save_strategy="steps", save_steps=a.save_steps, logging_steps=a.save_steps, report_to="none",
         use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
     )
-    outer = OuterLoopCallback(method=a.method, inner_steps=a.inner_steps, outer_lr=0.7,
+    outer = OuterLoopCallback(eagerloco.OuterConfig(method=a.method, inner_steps=a.inner_steps, outer_lr=0.7),
                               outer_addr=a.outer_addr, worker_id=a.worker_id, workers=a.workers, timeout_s=60,
                               elastic=a.elastic,
                               resume_from=a.resume)

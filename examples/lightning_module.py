@@ -60,7 +60,8 @@ def main() -> None:
 
     torch.manual_seed(0)  # the same initial model in every worker
     module = LanguageModel()
-    outer = OuterLoopCallback(method=a.method, inner_steps=a.inner_steps, outer_addr=a.outer_addr,
+    outer = OuterLoopCallback(eagerloco.OuterConfig(method=a.method, inner_steps=a.inner_steps),
+                              outer_addr=a.outer_addr,
                               worker_id=a.worker_id, workers=a.workers, timeout_s=60,
                               elastic=a.elastic)
     saves = ModelCheckpoint(dirpath=f"{a.out}/checkpoints", filename="{epoch}", save_top_k=-1, every_n_epochs=1)

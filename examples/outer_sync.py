@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import eagerloco as el
+from eagerloco.outer import after_inner_step_all, before_inner_step_all
 
 
 class Net(nn.Module):
@@ -54,10 +55,10 @@ for _ in range(200):
         loss = ((model(x) - x @ target) ** 2).mean()
         loss.backward()
         group.communicator(i).add_compute(0.05)  # or the measured seconds of this step
-    el.before_inner_step_all(syncs)  # data-parallel: averages gradients; no-op otherwise
+    before_inner_step_all(syncs)  # data-parallel: averages gradients; no-op otherwise
     for opt in opts:
         opt.step()
-    el.after_inner_step_all(syncs)  # launches and applies the outer exchanges due now
+    after_inner_step_all(syncs)  # launches and applies the outer exchanges due now
 
 for s in syncs:
     s.drain()  # wait on what is still in flight

@@ -37,9 +37,9 @@ worker, workers = a.worker_id or 0, a.workers or 1
 data = worker_streams(load_corpus("brown"), get_tokenizer("byte"), workers, 8, 64, seed=0)[worker]
 
 with eagerloco.exit_on_errors():  # a dead peer: one line naming it, exit status 3
-    with eagerloco.outer_loop(model, inner, method=a.method, inner_steps=10, fragments=2, outer_lr=0.4,
-                              outer_addr=a.outer_addr, worker_id=a.worker_id, workers=a.workers,
-                              elastic=a.elastic) as outer:
+    config = eagerloco.OuterConfig(method=a.method, inner_steps=10, fragments=2, outer_lr=0.4)
+    peers = eagerloco.connect(a.outer_addr, a.worker_id, a.workers, elastic=a.elastic)
+    with eagerloco.outer_loop(model, inner, config, peers=peers) as outer:
         for step in range(1, a.steps + 1):
             x, y = data.next_batch()
             _, loss = model(x, y)

@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> tuple[nn.Module, dict[str, float]]:
     data = torch.Generator().manual_seed(1 + (a.worker_id or 0))  # each worker draws its own batches
     target = torch.randn(16)
     start = 0
-    with eagerloco.outer_loop(model, inner, method="streaming", inner_steps=5, fragments=2, outer_lr=0.5,
-                              outer_addr=a.outer_addr, worker_id=a.worker_id, workers=a.workers) as outer:
+    config = eagerloco.OuterConfig(method="streaming", inner_steps=5, fragments=2, outer_lr=0.5)
+    peers = eagerloco.connect(a.outer_addr, a.worker_id, a.workers)
+    with eagerloco.outer_loop(model, inner, config, peers=peers) as outer:
         if a.resume:
             ckpt = torch.load(a.checkpoint, weights_only=False)
             model.load_state_dict(ckpt["model"])

@@ -21,7 +21,7 @@ from eagerloco.codecs import get_codec
 from eagerloco.comm.base import flatten, mean_of_payloads
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.errors import PeerError
-from eagerloco.comm.groups import init_process_groups
+from eagerloco.comm.rendezvous import init_process_groups
 from eagerloco.comm.worker import communicator_for
 from eagerloco.config import ConfigError
 

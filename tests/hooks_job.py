@@ -29,7 +29,8 @@ from conftest import Toy
 from test_hooks import METHODS
 
 import eagerloco
-from eagerloco.comm.groups import OuterRendezvous, init_process_groups, join_outer_group
+from eagerloco.comm.connect import connect
+from eagerloco.comm.rendezvous import OuterRendezvous, init_process_groups, join_outer_group
 from eagerloco.comm.worker import communicator_for
 from eagerloco.config import LinkConfig, OuterConfig
 from eagerloco.outer import OuterSync
@@ -58,8 +59,8 @@ def hooked(settings: dict, port: int, worker: int, workers: int, **kwargs: objec
     gc.collect()  # the explicit run before this one may leave its group to the collector
     model = _init()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    with eagerloco.outer_loop(model, opt, outer_addr=f"127.0.0.1:{port}", worker_id=worker, workers=workers,
-                              timeout_s=30, **settings, **kwargs) as outer:
+    peers = connect(f"127.0.0.1:{port}", worker, workers, timeout_s=30, **kwargs)  # type: ignore[arg-type]
+    with eagerloco.outer_loop(model, opt, OuterConfig(**settings), peers=peers) as outer:
         for step in range(1, STEPS + 1):
             opt.zero_grad()
             _loss(model, worker, step).backward()
@@ -112,7 +113,7 @@ def world(out: Path) -> None:
     explicit_params = [p.detach().clone() for p in model.parameters()]
     model = _init()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    with eagerloco.outer_loop(model, opt, timeout_s=30, **settings) as outer:
+    with eagerloco.outer_loop(model, opt, OuterConfig(**settings), peers=connect(timeout_s=30)) as outer:
         assert outer.num_workers == 2 and outer.worker == ctx.worker
         for step in range(1, STEPS + 1):
             opt.zero_grad()
@@ -144,8 +145,8 @@ def main() -> None:
         model = _init()
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         try:
-            with eagerloco.outer_loop(model, opt, outer_addr=f"127.0.0.1:{ports_i[0]}", worker_id=w, workers=m,
-                                      timeout_s=20, method="diloco", inner_steps=2):
+            with eagerloco.outer_loop(model, opt, OuterConfig(method="diloco", inner_steps=2),
+                                      peers=connect(f"127.0.0.1:{ports_i[0]}", w, m, timeout_s=20)):
                 for step in range(1, 41):
                     if w == 1 and step == 5:
                         os._exit(3)  # dies without a word, mid-run
@@ -161,8 +162,8 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         report: dict = {}
         try:
-            with eagerloco.outer_loop(model, opt, outer_addr=f"127.0.0.1:{ports_i[0]}", worker_id=w, workers=m,
-                                      timeout_s=20, method="diloco", inner_steps=2, elastic=True) as outer:
+            peers = connect(f"127.0.0.1:{ports_i[0]}", w, m, timeout_s=20, elastic=True)
+            with eagerloco.outer_loop(model, opt, OuterConfig(method="diloco", inner_steps=2), peers=peers) as outer:
                 for step in range(1, 13):
                     opt.zero_grad()
                     _loss(model, w, step).backward()
@@ -175,8 +176,8 @@ def main() -> None:
     elif scenario == "unfinished":  # eager through the hooks, never finished: exits with an exchange in flight
         model = _init()
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        eagerloco.outer_loop(model, opt, outer_addr=f"127.0.0.1:{ports_i[0]}", worker_id=w, workers=m,
-                             timeout_s=20, method="eager", inner_steps=3).start()
+        eagerloco.outer_loop(model, opt, OuterConfig(method="eager", inner_steps=3),
+                             peers=connect(f"127.0.0.1:{ports_i[0]}", w, m, timeout_s=20)).start()
         for step in range(1, STEPS + 1):
             opt.zero_grad()
             _loss(model, w, step).backward()

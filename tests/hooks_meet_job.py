@@ -33,6 +33,8 @@ import torch
 from conftest import Toy
 
 import eagerloco
+from eagerloco.comm.connect import connect
+from eagerloco.config import OuterConfig
 from eagerloco.integrations.torchft import DiLoCo, Manager
 
 
@@ -73,7 +75,8 @@ def resume(style: str, other: bool, out: Path, worker: int, port: int) -> None:
             outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
             loop = DiLoCo(Manager(**where), [model], inner, outer, 2)
         else:
-            loop = eagerloco.outer_loop(model, inner, method="diloco", inner_steps=2, **where)
+            loop = eagerloco.outer_loop(model, inner, OuterConfig(method="diloco", inner_steps=2),
+                                        peers=connect(**where))
         with loop:
             if saved is not None:
                 (outer if style == "torchft" else loop).load_state_dict(saved["outer"])
@@ -102,13 +105,11 @@ def main() -> None:
     torch.manual_seed(worker)  # a script that does not seed alike: each worker its own weights
     model = Toy(num_blocks=2, width=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    kwargs: dict = {"init_sync": scenario != "unsynced"}
-    if scenario == "outer_lr" and worker == 1:
-        kwargs["outer_lr"] = 0.4
-    method = "eager" if scenario == "eager" else "diloco"
+    outer_lr = 0.4 if scenario == "outer_lr" and worker == 1 else 0.7
+    config = OuterConfig(method="eager" if scenario == "eager" else "diloco", inner_steps=2, outer_lr=outer_lr)
     with eagerloco.exit_on_errors(), eagerloco.outer_loop(
-            model, opt, outer_addr=f"127.0.0.1:{port}", worker_id=worker, workers=2, timeout_s=30,
-            method=method, inner_steps=2, **kwargs) as outer:
+            model, opt, config, peers=connect(f"127.0.0.1:{port}", worker, 2, timeout_s=30,
+                                              init_sync=scenario != "unsynced")) as outer:
         for step in range(1, 5):
             g = torch.Generator().manual_seed(zlib.crc32(f"{worker}/{step}".encode()))
             opt.zero_grad()

@@ -279,8 +279,8 @@ def test_the_hook_api_runs_this_worker_s_share_of_every_tick() -> None:
     model = _linear()
     opt = torch.optim.SGD(model.parameters(), lr=ETA)
     steps = 0
-    with outer_loop(model, opt, method="eager", inner_steps=3, adaptive_steps=True, worker_speeds=(1.0, 1 / 3),
-                    comm=hooked, blocks=[model[0]], **PLAIN) as outer:
+    config = OuterConfig(method="eager", inner_steps=3, adaptive_steps=True, worker_speeds=[1.0, 1 / 3], **PLAIN)
+    with outer_loop(model, opt, config, peers=hooked, blocks=[model[0]]) as outer:
         while outer.ticks < 9:
             opt.zero_grad()
             (model[0].weight.view(-1) * g).sum().backward()

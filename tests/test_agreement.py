@@ -14,8 +14,8 @@ import torch.distributed as dist
 from jobs import popen
 from test_hooks_jobs import free_ports, job_env, wait_all
 
-from eagerloco.comm.agreement import check_agreement, parameter_digest, publish_and_gather, shapes_digest
 from eagerloco.comm.errors import PeerError
+from eagerloco.comm.rendezvous import check_agreement, parameter_digest, publish_and_gather, shapes_digest
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.train.agree import LOCAL_SETTINGS, agreed_settings
 

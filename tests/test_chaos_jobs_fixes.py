@@ -17,7 +17,7 @@ from jobs import popen
 from test_hooks_jobs import free_ports, job_env, wait_all
 
 from eagerloco.comm.errors import PEER_EXIT_CODE, PeerError
-from eagerloco.comm.waiting import wait_for_workers
+from eagerloco.comm.rendezvous import wait_for_workers
 
 pytestmark = pytest.mark.processes  # every check here needs separate jobs
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,8 +15,9 @@ from conftest import Toy
 
 import eagerloco
 from eagerloco.cli import main
+from eagerloco.comm.connect import connect
 from eagerloco.comm.errors import ScheduleMismatchError
-from eagerloco.config import ConfigError
+from eagerloco.config import ConfigError, OuterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress"]
@@ -28,28 +29,31 @@ FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batch
     ({"inner_steps": 0}, "inner_steps must be an integer >= 1, got 0"),
     ({"method": "diloco", "fragments": 2}, "so fragments must be 1 (got 2)"),
     ({"method": "streaming", "fragments": 9, "inner_steps": 20}, "fragments (9) is larger than the model's number"),
-    ({"outer_addr": "nohost", "worker_id": 0, "workers": 2}, "outer_addr must be host:port"),
 ])
 def test_an_invalid_setting_through_the_hook_api_is_itself_and_names_the_argument(settings: dict, message: str) -> None:
     model = Toy()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError) as e:
-        eagerloco.outer_loop(model, opt, **settings)
+        eagerloco.outer_loop(model, opt, OuterConfig(**settings))
     assert message in str(e.value), str(e.value)
     assert "--" not in str(e.value)  # the API's names, not the command line's
     assert e.value.__cause__ is None and e.value.__suppress_context__  # no chained traceback to read through
 
 
+def test_an_invalid_rendezvous_through_the_python_api_names_the_argument() -> None:
+    with pytest.raises(ConfigError) as e:
+        connect(outer_addr="nohost", worker_id=0, workers=2)
+    assert "outer_addr must be host:port" in str(e.value) and "--" not in str(e.value), str(e.value)
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+
+
 def test_a_peer_that_never_comes_through_the_hook_api_names_the_arguments() -> None:
-    """The rendezvous' PeerError says what to check as outer_loop names it (outer_addr), not as the command
+    """The rendezvous' PeerError says what to check as connect() names it (outer_addr), not as the command
     line does (--outer-addr)."""
     from test_hooks_jobs import free_ports
 
-    model = Toy()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(eagerloco.PeerError) as e:
-        eagerloco.outer_loop(model, opt, outer_addr=f"127.0.0.1:{free_ports(1)[0]}", workers=2, worker_id=1,
-                             timeout_s=1)
+        connect(outer_addr=f"127.0.0.1:{free_ports(1)[0]}", workers=2, worker_id=1, timeout_s=1)
     assert "check outer_addr and that worker 0 runs" in str(e.value), str(e.value)
     assert "--" not in str(e.value) and e.value.workers == [0]
     assert e.value.__cause__ is None and e.value.__suppress_context__
@@ -62,8 +66,8 @@ def test_a_peer_error_in_the_hooks_names_the_arguments_and_keeps_the_worker_it_b
                                  "31.0 s old (--dist-timeout 30 s). Check its log", [1])
     model = Toy()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    outer = eagerloco.outer_loop(model, opt, comm=ScriptedCommunicator(2, fail={0: frozen}), method="diloco",
-                                 inner_steps=2).start()
+    outer = eagerloco.outer_loop(model, opt, OuterConfig(method="diloco", inner_steps=2),
+                                 peers=ScriptedCommunicator(2, fail={0: frozen})).start()
     with pytest.raises(eagerloco.PeerError) as e:
         for _ in range(2):
             model(torch.ones(1, 3)).sum().backward()
@@ -75,7 +79,7 @@ def test_a_peer_error_in_the_hooks_names_the_arguments_and_keeps_the_worker_it_b
 @pytest.mark.parametrize("framework", ["hf", "lightning"])
 @pytest.mark.parametrize(("settings", "message"), [
     ({"codec": "fp7"}, "codec must be one of"),
-    ({"sync_evry": 50}, "unknown outer setting 'sync_evry'"),
+    ({"sync_evry": 50}, "unknown option 'sync_evry'"),
     ({"method": "diloco", "fragments": 2}, "so fragments must be 1 (got 2)"),
     ({"topk": 9, "topk_chunk": 8}, "topk (9) must not exceed topk_chunk (8)"),
 ])
@@ -83,10 +87,12 @@ def test_a_callback_checks_its_settings_when_it_is_made(framework: str, settings
     """A framework callback is made long before training starts (after the model and data load): a bad
     setting fails there, as outer_loop says it, not minutes later at train start."""
     module = pytest.importorskip(f"eagerloco.integrations.{'hf' if framework == 'hf' else 'lightning'}")
+    outer = {k: v for k, v in settings.items() if k != "sync_evry"}
     with pytest.raises(ConfigError) as e:
-        module.OuterLoopCallback(**settings)
+        module.OuterLoopCallback(OuterConfig(**outer), **{k: v for k, v in settings.items() if k not in outer})
     assert message in str(e.value) and "--" not in str(e.value), str(e.value)
-    module.OuterLoopCallback(method="eager", sync_every=5, outer_addr="127.0.0.1:1", worker_id=0, workers=2)
+    module.OuterLoopCallback(OuterConfig(method="eager", inner_steps=5), outer_addr="127.0.0.1:1", worker_id=0,
+                             workers=2)
 
 
 @pytest.mark.parametrize(("error", "code"), [(ConfigError("bad"), 2), (eagerloco.PeerError("gone"), 3),
@@ -141,8 +147,8 @@ def test_ctrl_c_while_the_command_starts_ends_with_one_line(tmp_path: Path) -> N
 def test_a_schedule_mismatch_through_the_api_names_no_flag() -> None:
     """The schedule check's advice says --resume on the command line; through the hook API (api_error, used by
     every OuterLoop entry point) it says how the API resumes, and stays a ScheduleMismatchError (exit 4)."""
-    from eagerloco.comm.jobs import check_schedules
-    from eagerloco.hooks.settings import api_error
+    from eagerloco.comm.errors import api_error
+    from eagerloco.comm.ops import check_schedules
 
     rows = torch.tensor([[1, 2], [1, 3]])
     with pytest.raises(ScheduleMismatchError) as caught:

@@ -16,9 +16,9 @@ from conftest import Toy
 from torch import nn
 
 import eagerloco
+from eagerloco.comm.connect import connect
 from eagerloco.comm.scripted import ScriptedCommunicator
 from eagerloco.config import ConfigError, OuterConfig
-from eagerloco.hooks import outer_config
 from eagerloco.outer import OuterSync
 
 METHODS = {
@@ -82,7 +82,7 @@ def _explicit(init: nn.Module, settings: dict, steps: int = STEPS) -> tuple[nn.M
 def _hooked(init: nn.Module, settings: dict, steps: int = STEPS) -> tuple[nn.Module, eagerloco.OuterLoop]:
     model = copy.deepcopy(init)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    with eagerloco.outer_loop(model, opt, comm=_comm(), **settings) as outer:
+    with eagerloco.outer_loop(model, opt, OuterConfig(**settings), peers=_comm()) as outer:
         for step in range(1, steps + 1):  # the user's loop, unchanged
             opt.zero_grad()
             _loss(model, step).backward()
@@ -114,8 +114,8 @@ def test_a_single_worker_without_torchrun_is_diloco_with_m_1(toy: Toy, monkeypat
     model = copy.deepcopy(toy)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # M = 1, H = 1, outer SGD lr 1 without momentum: plain training (ALGORITHMS.md, DiLoCo's invariant).
-    with eagerloco.outer_loop(model, opt, sync_every=1, outer_lr=1.0, outer_momentum=0.0,
-                              outer_nesterov=False) as outer:
+    with eagerloco.outer_loop(model, opt, OuterConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0,
+                                                      outer_nesterov=False)) as outer:
         assert outer.num_workers == 1 and outer.config.inner_steps == 1
         for step in range(1, 6):
             opt.zero_grad()
@@ -133,17 +133,12 @@ def test_a_single_worker_without_torchrun_is_diloco_with_m_1(toy: Toy, monkeypat
     assert m["bytes_sent"] == 0 and m["outer_syncs"] == 5 and 0 < m["compute_utilization"] <= 1
 
 
-def test_torchft_names_and_fragments_as_modules(toy: Toy) -> None:
-    cfg = outer_config(sync_every=8, fragment_sync_delay=1, fragment_update_alpha=0.5, fragments=2)
-    assert (cfg.method, cfg.inner_steps, cfg.overlap_steps, cfg.alpha, cfg.fragments) == ("streaming", 8, 1, 0.5, 2)
-    with pytest.raises(ConfigError, match="given twice"):
-        outer_config(sync_every=8, inner_steps=8)
-    with pytest.raises(ConfigError, match="unknown outer setting 'sync_evry'"):
-        outer_config(sync_evry=8)
+def test_fragments_as_modules(toy: Toy) -> None:
     model = copy.deepcopy(toy)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     frags = [nn.ModuleList(model.blocks[:2]), nn.ModuleList(model.blocks[2:])]
-    outer = eagerloco.outer_loop(model, opt, fragments=frags, sync_every=4, comm=_comm())
+    outer = eagerloco.outer_loop(model, opt, OuterConfig(method="streaming", fragments=2, fragment_pattern="sequential",
+                                                     inner_steps=4), blocks=frags, peers=_comm())
     names = outer.sync.fragment_names
     assert names[0] == ["embed", "head", "blocks.0.weight", "blocks.0.bias", "blocks.1.weight", "blocks.1.bias"]
     assert names[1] == ["blocks.2.weight", "blocks.2.bias", "blocks.3.weight", "blocks.3.bias"]
@@ -156,7 +151,7 @@ def test_hugging_face_layers_are_found() -> None:
                                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
     model = transformers.LlamaForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters())
-    outer = eagerloco.outer_loop(model, opt, fragments=2, sync_every=4, comm=_comm())
+    outer = eagerloco.outer_loop(model, opt, OuterConfig(method="streaming", fragments=2, inner_steps=4), peers=_comm())
     layer_frags = [{n.split(".")[2] for n in f if n.startswith("model.layers.")} for f in outer.sync.fragment_names]
     assert layer_frags == [{"0", "2"}, {"1", "3"}]  # strided over model.model.layers
     assert "model.embed_tokens.weight" in outer.sync.fragment_names[0]
@@ -171,7 +166,7 @@ def test_state_dict_resumes_with_the_uninterrupted_numbers(name: str, toy: Toy) 
     model = copy.deepcopy(toy)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     comm = _comm()
-    with eagerloco.outer_loop(model, opt, comm=comm, **settings) as outer:
+    with eagerloco.outer_loop(model, opt, OuterConfig(**settings), peers=comm) as outer:
         for step in range(1, 7):
             opt.zero_grad()
             _loss(model, step).backward()
@@ -183,7 +178,7 @@ def test_state_dict_resumes_with_the_uninterrupted_numbers(name: str, toy: Toy) 
     opt2 = torch.optim.AdamW(model2.parameters(), lr=0.01)
     opt2.load_state_dict(saved["opt"])
     comm2 = _comm(offset=len(comm.calls))
-    with eagerloco.outer_loop(model2, opt2, comm=comm2, **settings) as outer2:
+    with eagerloco.outer_loop(model2, opt2, OuterConfig(**settings), peers=comm2) as outer2:
         outer2.load_state_dict(saved["outer"])
         for step in range(7, STEPS + 1):
             opt2.zero_grad()
@@ -197,7 +192,7 @@ def test_dp_with_a_closure_averages_after_the_closure(toy: Toy) -> None:
     ref_model, _ = _explicit(toy, METHODS["dp"], steps=4)
     model = copy.deepcopy(toy)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    with eagerloco.outer_loop(model, opt, comm=_comm(), method="dp"):
+    with eagerloco.outer_loop(model, opt, OuterConfig(method="dp"), peers=_comm()):
         for step in range(1, 5):
             def closure(step: int = step) -> torch.Tensor:
                 opt.zero_grad()
@@ -213,7 +208,8 @@ def test_an_error_in_the_loop_detaches_and_cancels(toy: Toy) -> None:
     comm = _comm()
     model = copy.deepcopy(toy)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(RuntimeError, match="boom"), eagerloco.outer_loop(model, opt, comm=comm, inner_steps=2):
+    with pytest.raises(RuntimeError, match="boom"), eagerloco.outer_loop(model, opt, OuterConfig(inner_steps=2),
+                                                                         peers=comm):
         raise RuntimeError("boom")
     assert not opt._optimizer_step_post_hooks
 
@@ -222,10 +218,9 @@ def test_workers_without_a_rendezvous_is_a_clear_error(toy: Toy, monkeypatch: py
     for var in ("RANK", "WORLD_SIZE", "EAGERLOCO_OUTER_ADDR"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ConfigError, match="outer_addr"):
-        eagerloco.outer_loop(toy, torch.optim.SGD(toy.parameters(), lr=0.1), workers=2)
+        connect(workers=2)
     with pytest.raises(ConfigError, match=r"^worker_id must be an integer in 0\.\.1"):  # the API's name, not the flag
-        eagerloco.outer_loop(toy, torch.optim.SGD(toy.parameters(), lr=0.1), outer_addr="127.0.0.1:1", workers=2,
-                             worker_id=2)
+        connect(outer_addr="127.0.0.1:1", workers=2, worker_id=2)
 
 
 @pytest.mark.parametrize(("steps", "warned"), [(4, True), (5, False), (7, False)])
@@ -239,7 +234,7 @@ def test_a_run_shorter_than_one_round_is_told_its_outer_parameters_are_the_initi
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with eagerloco.outer_loop(model, opt, comm=_comm(), inner_steps=5) as outer:
+        with eagerloco.outer_loop(model, opt, OuterConfig(inner_steps=5), peers=_comm()) as outer:
             for step in range(1, steps + 1):
                 opt.zero_grad()
                 _loss(model, step).backward()

@@ -78,7 +78,7 @@ def test_a_step_the_grad_scaler_skips_still_counts_so_the_schedule_stays() -> No
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = torch.amp.GradScaler("cpu")
         comm = ScriptedCommunicator(num_workers=2)
-        with eagerloco.outer_loop(model, opt, comm=comm, method="diloco", inner_steps=2,
+        with eagerloco.outer_loop(model, opt, eagerloco.OuterConfig(method="diloco", inner_steps=2), peers=comm,
                                   grad_scaler=scaler) as outer:
             for step in range(1, 7):
                 opt.zero_grad()
@@ -99,7 +99,7 @@ def test_a_grad_scaler_with_dp_is_refused_with_the_reason() -> None:
 
     model = Toy(num_blocks=2, width=4)
     with pytest.raises(eagerloco.ConfigError, match="with method dp: the gradient mean"):
-        eagerloco.outer_loop(model, torch.optim.SGD(model.parameters(), lr=0.1), method="dp",
+        eagerloco.outer_loop(model, torch.optim.SGD(model.parameters(), lr=0.1), eagerloco.OuterConfig(method="dp"),
                              grad_scaler=torch.amp.GradScaler("cpu"))
 
 
@@ -157,7 +157,7 @@ def test_the_outer_optimizer_compared_is_the_one_that_steps_each_fragment() -> N
     from conftest import Toy
 
     from eagerloco.comm.scripted import ScriptedCommunicator
-    from eagerloco.hooks.workers import outer_optimizer_settings, outer_state_digest
+    from eagerloco.hooks.start import outer_optimizer_settings, outer_state_digest
     from eagerloco.integrations.torchft import DiLoCo
 
     def described(make_outer) -> dict:  # noqa: ANN001
@@ -173,7 +173,8 @@ def test_the_outer_optimizer_compared_is_the_one_that_steps_each_fragment() -> N
     def torchft(model, inner, opts):  # noqa: ANN001, ANN202
         return DiLoCo(None, [model.blocks[0], model.blocks[1]], inner, opts(model), 2)
 
-    own = described(lambda m, i: eagerloco.outer_loop(m, i, method="diloco", comm=ScriptedCommunicator(2)))
+    own = described(lambda m, i: eagerloco.outer_loop(m, i, eagerloco.OuterConfig(method="diloco"),
+                                                      peers=ScriptedCommunicator(2)))
     assert own["outer optimizer"] == "SGD" and own["outer optimizer lr"] == 0.7
     assert own["outer optimizer momentum"] == 0.9 and own["outer optimizer nesterov"] is True
     assert "outer optimizer foreach" not in own and "outer optimizer params" not in own
@@ -189,7 +190,8 @@ def test_the_outer_optimizer_compared_is_the_one_that_steps_each_fragment() -> N
     torch.manual_seed(0)
     model = Toy(num_blocks=2, width=4)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    with eagerloco.outer_loop(model, inner, method="diloco", inner_steps=1, comm=ScriptedCommunicator(2)) as loop:
+    with eagerloco.outer_loop(model, inner, eagerloco.OuterConfig(method="diloco", inner_steps=1),
+                              peers=ScriptedCommunicator(2)) as loop:
         before = outer_state_digest(loop.sync, copies=False), outer_state_digest(loop.sync, copies=True)
         model(torch.ones(1, 4)).sum().backward()
         inner.step()  # one outer step: momentum, and new outer copies

@@ -19,7 +19,7 @@ from conftest import Toy
 from gloo_threads import context, run_ranks
 
 from eagerloco.comm.worker import communicator_for
-from eagerloco.config import ConfigError
+from eagerloco.config import ConfigError, OuterConfig
 
 H, STEPS, INF_STEP = 2, 6, 3  # DiLoCo rounds end at steps 2, 4 and 6; worker 1 overflows at step 3
 TIMEOUT_S = 30.0  # a worker waiting for an exchange the other never launches fails after this (a busy CI machine
@@ -75,7 +75,7 @@ def _hf_worker(rank: int, store: dist.Store, start: dict[str, torch.Tensor]) -> 
         model = _toy(start)
         scaler = torch.amp.GradScaler("cpu")
         optimizer = _accelerated(model, scaler)
-        callback = OuterLoopCallback(comm=comm, method="diloco", inner_steps=H)
+        callback = OuterLoopCallback(OuterConfig(method="diloco", inner_steps=H), peers=comm)
         state, control = TrainerState(), TrainerControl()
         callback.on_train_begin(None, state, control, model=model, optimizer=optimizer)
         assert callback.outer is not None and callback.outer.grad_scaler is scaler
@@ -118,7 +118,7 @@ def test_hf_fp16_with_dp_is_refused_at_train_begin_in_one_line(accelerator: None
     from eagerloco.integrations.hf import OuterLoopCallback
 
     model = Toy(num_blocks=2, width=4)
-    callback = OuterLoopCallback(method="dp")  # valid on its own: the Trainer's scaler is not known yet
+    callback = OuterLoopCallback(OuterConfig(method="dp"))  # valid alone: the Trainer's scaler is not known yet
     with pytest.raises(ConfigError) as e:
         callback.on_train_begin(None, TrainerState(), TrainerControl(), model=model,
                                 optimizer=_accelerated(model, torch.amp.GradScaler("cpu")))
@@ -139,7 +139,8 @@ def test_hf_the_loop_gets_no_scaler_without_fp16_and_the_users_own_before_the_tr
     own = torch.amp.GradScaler("cpu")
     settings: dict[str, Any] = {"grad_scaler": own} if case == "the user's own" else {}
     trainers = torch.amp.GradScaler("cpu") if case == "the user's own" else None
-    callback = OuterLoopCallback(comm=ScriptedCommunicator(2), method="diloco", inner_steps=H, **settings)
+    callback = OuterLoopCallback(OuterConfig(method="diloco", inner_steps=H), peers=ScriptedCommunicator(2),
+                                 **settings)
     callback.on_train_begin(None, TrainerState(), TrainerControl(), model=model,
                             optimizer=_accelerated(model, trainers))
     assert callback.outer is not None and callback.outer.grad_scaler is (own if settings else None)
@@ -178,7 +179,7 @@ def _lightning_worker(rank: int, store: dist.Store, start: dict[str, torch.Tenso
     comm = communicator_for(context(store, rank, 2, TIMEOUT_S), None, seed=0, timeout_s=TIMEOUT_S)
     try:
         module = Module()
-        callback = OuterLoopCallback(comm=comm, method="diloco", inner_steps=H)
+        callback = OuterLoopCallback(OuterConfig(method="diloco", inner_steps=H), peers=comm)
         # Trainer(precision="16-mixed") turns into bf16 on a CPU: the plugin it makes on a GPU, given here.
         plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE))
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, plugins=[plugin], callbacks=[callback],
@@ -221,7 +222,7 @@ def test_lightning_16_mixed_with_dp_is_refused_at_train_start_in_one_line() -> N
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    callback = OuterLoopCallback(method="dp")  # valid on its own: the precision is not known yet
+    callback = OuterLoopCallback(OuterConfig(method="dp"))  # valid on its own: the precision is not known yet
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, plugins=[MixedPrecision("16-mixed", "cpu")],
                          callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)

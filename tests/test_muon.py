@@ -170,7 +170,7 @@ def test_outer_loop_hooks_the_combination_as_the_pair_stepped_by_hand() -> None:
     hooked = copy.deepcopy(init)
     mats, rest = muon_parameters(hooked)
     combined = CombinedOptimizer(torch.optim.AdamW(rest, lr=0.01), torch.optim.Muon(mats, lr=0.02))
-    with eagerloco.outer_loop(hooked, combined, comm=_peer_comm(init), **settings) as outer:
+    with eagerloco.outer_loop(hooked, combined, OuterConfig(**settings), peers=_peer_comm(init)) as outer:
         for step in range(1, 8):
             _toy_loss(hooked, step).backward()
             combined.step()

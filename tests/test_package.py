@@ -25,9 +25,9 @@ from packaging.version import Version
 
 import eagerloco
 from eagerloco.comm.inprocess import InProcessGroup
-from eagerloco.config import METHODS, OUTER_OPTIMIZERS, PATTERNS, WEIGHTINGS, ConfigError, OuterConfig
+from eagerloco.config import ConfigError, OuterConfig
 from eagerloco.extras import EXTRAS, MissingExtraError, require
-from eagerloco.hooks import TORCHFT_NAMES, OuterLoop
+from eagerloco.hooks import OuterLoop
 from eagerloco.outer import OuterSync, after_inner_step_all, before_inner_step_all
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ import eagerloco
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-with eagerloco.outer_loop(model, opt, method="diloco", inner_steps=2) as outer:
+with eagerloco.outer_loop(model, opt, eagerloco.OuterConfig(method="diloco", inner_steps=2)) as outer:
     for _ in range(4):
         opt.zero_grad()
         model(torch.randn(8, 3)).pow(2).mean().backward()
@@ -209,37 +209,31 @@ def test_dir_shows_only_the_public_api() -> None:
         assert getattr(eagerloco, name) is not None
 
 
-def test_outer_loop_takes_typed_keyword_only_settings() -> None:
+def test_outer_loop_takes_a_config_and_its_peers_apart() -> None:
+    """The algorithm's settings in one typed OuterConfig, connecting in peers=: a few typed arguments."""
     sig = inspect.signature(eagerloco.outer_loop)
     params = list(sig.parameters.values())
     assert [p.name for p in params[:3]] == ["model", "inner_optimizer", "config"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[3:])
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    names = {p.name for p in params[3:]}
-    loop_own = {p.name for p in inspect.signature(OuterLoop).parameters.values()
-                if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    assert {f.name for f in fields(OuterConfig)} | set(TORCHFT_NAMES) | loop_own <= names
+    assert "peers" in sig.parameters and len(params) <= 8
+    # The settings are the config's; outer_optimizer= here is a factory in place of the config's named one.
+    assert {f.name for f in fields(OuterConfig)} & set(sig.parameters) == {"outer_optimizer"}
     hints = typing.get_type_hints(eagerloco.outer_loop)
     assert set(hints) == {p.name for p in params} | {"return"}
-    for name, choices in {"method": METHODS, "fragment_pattern": PATTERNS, "eager_weighting": WEIGHTINGS,
-                          "outer_optimizer": OUTER_OPTIMIZERS}.items():
-        literal = next(a for a in typing.get_args(hints[name]) if typing.get_origin(a) is typing.Literal)
-        assert set(typing.get_args(literal)) == set(choices), name
+    assert hints["config"] == OuterConfig | None and hints["return"] is OuterLoop
 
 
-def test_outer_loop_settings_aliases_and_config_combine(toy: Toy) -> None:
+def test_outer_loop_runs_the_config_it_is_given(toy: Toy) -> None:
     def loop(*args: object, **kwargs: object) -> OuterLoop:
-        return eagerloco.outer_loop(toy, torch.optim.SGD(toy.parameters(), lr=0.1), *args,
-                                    comm=InProcessGroup(1).communicator(0), **kwargs)  # type: ignore[arg-type]
+        return eagerloco.outer_loop(toy, torch.optim.SGD(toy.parameters(), lr=0.1), *args,  # type: ignore[arg-type]
+                                    peers=InProcessGroup(1).communicator(0), **kwargs)
 
-    assert loop(sync_every=3, fragment_sync_delay=1, fragments=2).config == OuterConfig(
-        method="streaming", inner_steps=3, overlap_steps=1, fragments=2)
-    got = loop(OuterConfig(method="eager", inner_steps=7, outer_lr=0.4), outer_lr=0.2).config
-    assert (got.method, got.inner_steps, got.outer_lr) == ("eager", 7, 0.2)
-    with pytest.raises(ConfigError, match="given twice"):
-        loop(sync_every=3, inner_steps=3)
-    with pytest.raises(TypeError, match="sync_evry"):
-        loop(sync_evry=3)
+    given = OuterConfig(method="eager", inner_steps=7, outer_lr=0.4)
+    assert loop(given).config == given
+    assert loop().config == OuterConfig()
+    with pytest.raises(TypeError, match="sync_every"):
+        loop(sync_every=3)  # torchft's names: eagerloco.integrations.torchft
     with pytest.raises(TypeError):
         loop(OuterConfig(), "diloco")  # only the config is positional
 

@@ -9,7 +9,7 @@ import torch
 from conftest import Toy
 
 import eagerloco
-from eagerloco.config import ConfigError
+from eagerloco.config import ConfigError, OuterConfig
 from eagerloco.integrations.torchft import DiLoCo, Manager
 
 STEPS = 12
@@ -39,12 +39,12 @@ def test_diloco_in_torchfts_argument_order_is_outer_loop_bit_for_bit() -> None:
         return DiLoCo(Manager(), [model], inner, outer_opt, 3)  # positional, as torchft's scripts call it
 
     def native(model, inner):
-        return eagerloco.outer_loop(model, inner, method="diloco", inner_steps=3, outer_lr=0.7)
+        return eagerloco.outer_loop(model, inner, OuterConfig(method="diloco", inner_steps=3, outer_lr=0.7))
 
     got, want = _train(ported), _train(native)
     assert _same(got, want)
-    assert not _same(got, _train(lambda m, i: eagerloco.outer_loop(m, i, method="diloco", inner_steps=3,
-                                                                     outer_lr=0.3)))
+    assert not _same(got, _train(lambda m, i: eagerloco.outer_loop(m, i, OuterConfig(method="diloco", inner_steps=3,
+                                                                                      outer_lr=0.3))))
 
 
 def test_streaming_fragments_delay_alpha_and_an_optimizer_per_fragment() -> None:
@@ -57,9 +57,9 @@ def test_streaming_fragments_delay_alpha_and_an_optimizer_per_fragment() -> None
     def native(model, inner):
         frags = [torch.nn.ModuleList([model.blocks[0], model.blocks[1]]),
                  torch.nn.ModuleList([model.blocks[2], model.blocks[3]])]
-        return eagerloco.outer_loop(torch.nn.ModuleList(frags), inner, fragments=frags, sync_every=4,
-                                    fragment_sync_delay=1, fragment_update_alpha=0.5, outer_lr=0.5,
-                                    outer_momentum=0.8)
+        config = OuterConfig(method="streaming", inner_steps=4, fragments=2, fragment_pattern="sequential",
+                             overlap_steps=1, alpha=0.5, outer_lr=0.5, outer_momentum=0.8)
+        return eagerloco.outer_loop(torch.nn.ModuleList(frags), inner, config, blocks=frags)
 
     assert _same(_train(ported), _train(native))
 

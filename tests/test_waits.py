@@ -18,7 +18,7 @@ from runs import launch_here
 from test_hooks_jobs import free_ports, job_env
 
 from eagerloco.comm.errors import PeerError
-from eagerloco.comm.waiting import bounded, wait_for_workers
+from eagerloco.comm.rendezvous import bounded, wait_for_workers
 from eagerloco.config import ConfigError
 from eagerloco.train.rundir import LOCK_NAME
 

@@ -29,7 +29,7 @@ import torch
 
 from bench.chaoslib import crash_marks, reap, tagged_env
 from eagerloco import checkpoint as ckpt
-from eagerloco.comm.agreement import parameter_digest
+from eagerloco.comm.rendezvous import parameter_digest
 from testing import faults
 
 ROOT = Path(__file__).resolve().parents[2]

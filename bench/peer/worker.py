@@ -96,7 +96,7 @@ def run_ours(method: str, fragments: int, replica: int, steps: int, h: int, over
     import eagerloco.comm.distributed as dmod
     from eagerloco.comm import base as comm_base
     from eagerloco.comm.distributed import TorchDistCommunicator
-    from eagerloco.comm.groups import init_process_groups
+    from eagerloco.comm.rendezvous import init_process_groups
     from eagerloco.config import OuterConfig
     from eagerloco.outer import OuterSync
 

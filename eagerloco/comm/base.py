@@ -163,7 +163,7 @@ class Handle(ABC):
         return self.wait(), None
 
 
-class JobHandle(Protocol):
+class OpHandle(Protocol):
     """What a runtime's queue of operations needs of an operation's handle: its number in launch
     order, and a way to land it (once; later calls are ignored)."""
 

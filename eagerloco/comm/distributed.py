@@ -5,7 +5,7 @@ worker of several ranks shares its results with the others through
 :class:`~eagerloco.comm.worker.WorkerCommunicator`. The communicator composes the parts of
 ``comm/``: the queue and thread its exchanges run on in launch order
 (:mod:`~eagerloco.comm.exchange_queue`), the group it runs them on (:mod:`~eagerloco.comm.peers`),
-the header and agreement checks (:mod:`~eagerloco.comm.jobs`), the heartbeat that names a dead peer
+the header and agreement checks (:mod:`~eagerloco.comm.ops`), the heartbeat that names a dead peer
 (:mod:`~eagerloco.comm.heartbeat`) and the elastic membership change (:mod:`~eagerloco.comm.regroup`).
 How one exchange runs is told beside :meth:`TorchDistCommunicator._execute`, failures beside
 :meth:`TorchDistCommunicator._fail`.
@@ -40,7 +40,7 @@ from eagerloco.comm.errors import PeerError, TransportError, describe_exception
 from eagerloco.comm.exchange_queue import ExchangeQueue, Result
 from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext, outer_rank
 from eagerloco.comm.heartbeat import HEARTBEAT_S, Heartbeat
-from eagerloco.comm.jobs import AGREE, BARRIER, Job, check_headers, check_schedules, header
+from eagerloco.comm.ops import AGREE, BARRIER, Op, check_headers, check_schedules, header
 from eagerloco.comm.peers import Peers
 from eagerloco.comm.regroup import Regroup
 from eagerloco.comm.staging import Staging
@@ -102,7 +102,7 @@ class TorchDistHandle(Handle):
         return unflatten(mean.to(self._device, copy=self._comm.elastic), self._like)
 
     def finish(self, mean: torch.Tensor | None = None, error: BaseException | None = None, done: Any = None) -> None:
-        """Land the exchange (see :class:`~eagerloco.comm.base.JobHandle`); only the first call counts."""
+        """Land the exchange (see :class:`~eagerloco.comm.base.OpHandle`); only the first call counts."""
         if not self._event.is_set():
             self._mean, self._error, self._done_event = mean, error, done
             self._event.set()
@@ -164,8 +164,8 @@ class TorchDistCommunicator(Communicator):
         #: Training step, published with the heartbeat (what a lost worker had done).
         self.step_hint = 0
         self.timeout_s = float(timeout_s)
-        #: The operations in launch order, and the thread that runs them (:meth:`_run_job`).
-        self.exchanges = ExchangeQueue(self._run_job, keep_means=elastic, on_start=self.staging.enter_thread,
+        #: The operations in launch order, and the thread that runs them (:meth:`_run_op`).
+        self.exchanges = ExchangeQueue(self._run_op, keep_means=elastic, on_start=self.staging.enter_thread,
                                        name=f"eagerloco-outer-w{self.rank}")
         #: The elastic side: what a membership change does to the queue and the group.
         self.regroup = Regroup(self.exchanges, self.peers, self.stats)
@@ -240,9 +240,9 @@ class TorchDistCommunicator(Communicator):
         self._unwaited.add(handle.seq)
         # Without keep_own the payload is the communicator's alone; outside elastic mode a failed
         # collective ends the run, so no rerun needs it intact either.
-        job = Job(handle.seq, numel, time.time(), handle, codec, packed, wire, self.step_hint,
+        op = Op(handle.seq, numel, time.time(), handle, codec, packed, wire, self.step_hint,
                   inplace=not keep_own and not self.elastic, checked=not (agreed and self._agreed), ready=ready)
-        self.exchanges.put(job)
+        self.exchanges.put(op)
         return handle
 
     def agree(self, schedule: bytes, describe: str = "") -> bool:
@@ -274,7 +274,7 @@ class TorchDistCommunicator(Communicator):
     def _control(self, kind: int, payload: torch.Tensor | None = None, note: str = "") -> None:
         """Run a barrier or an agreement in order with the exchanges launched before, and wait for it."""
         handle = self._enqueue(kind, [], torch.device("cpu"), own=[], nbytes=0 if payload is None else payload.numel())
-        self.exchanges.put(Job(handle.seq, kind, time.time(), handle, payload=payload, step=self.step_hint, note=note))
+        self.exchanges.put(Op(handle.seq, kind, time.time(), handle, payload=payload, step=self.step_hint, note=note))
         self._await(handle, None)
         handle._waited = True
         if handle._error is not None:
@@ -340,15 +340,15 @@ class TorchDistCommunicator(Communicator):
 
     # -- communication thread -----------------------------------------------------------------------
 
-    def _run_job(self, job: Job) -> str | None:
-        """Run one job on the exchange thread and land its handle, or fail it; in elastic mode, when
-        a peer is gone, return what failed instead: the thread then parks with the job kept."""
+    def _run_op(self, op: Op) -> str | None:
+        """Run one operation on the exchange thread and land its handle, or fail it; in elastic mode, when
+        a peer is gone, return what failed instead: the thread then parks with the op kept."""
         try:
             if self._error is not None:
                 raise self._error
             if self._cancel.is_set():
                 raise RuntimeError("the communicator was closed before this exchange ran")
-            mean = self._execute(job)
+            mean = self._execute(op)
             done = None
             if mean is not None:
                 mean, done = self.staging.received(mean)
@@ -358,7 +358,7 @@ class TorchDistCommunicator(Communicator):
                 # Keep text only: the exception's traceback would keep the broken group (and its
                 # sockets, which the other survivors wait on) alive.
                 return describe_exception(e.__cause__ or e)
-            self._fail(job.seq, "the collective failed", e.__cause__)
+            self._fail(op.seq, "the collective failed", e.__cause__)
         except Exception as e:  # a schedule mismatch or a local bug: report it as is
             if self._error is None:
                 self._error = e
@@ -366,8 +366,8 @@ class TorchDistCommunicator(Communicator):
         else:
             # Elastic mode keeps recent means for survivors that missed them; they are then
             # shared, so wait() hands out copies. Otherwise the mean is the handle's alone.
-            job.handle.contributors = list(self.peers.members)  # the group it ran in
-            self.exchanges.land(job, mean, done)
+            op.handle.contributors = list(self.peers.members)  # the group it ran in
+            self.exchanges.land(op, mean, done)
         self._in_collective_since = None
         return None
 
@@ -396,10 +396,10 @@ class TorchDistCommunicator(Communicator):
         self._in_collective_since = None
         return buf
 
-    def _execute(self, job: Job) -> torch.Tensor | None:
-        """Run one job on this thread; returns the flat FP32 mean (None for a barrier or agreement).
+    def _execute(self, op: Op) -> torch.Tensor | None:
+        """Run one operation on this thread; returns the flat FP32 mean (None for a barrier or agreement).
 
-        First the header all-gather (:mod:`eagerloco.comm.jobs`) unless the schedule was agreed,
+        First the header all-gather (:mod:`eagerloco.comm.ops`) unless the schedule was agreed,
         then the payload moves, then a sleep until the emulated slow link could have carried it
         (:mod:`~eagerloco.comm.emulated_link`, starting from the latest launch time). Quantized
         payloads are all-gathered packed and each worker dequantizes and sums them in FP32 in
@@ -410,31 +410,31 @@ class TorchDistCommunicator(Communicator):
         accounting of :func:`~eagerloco.comm.base.wire_bytes` (a ring all-reduce for fp32, a ring
         all-gather otherwise) is what the transport moves.
         """
-        self.exchanges.entered = job.seq
+        self.exchanges.entered = op.seq
         self.heartbeat.announce()
-        codec = job.codec
-        start = job.launch_wall
-        if job.checked:
-            rows = self._gather(header(job)).view(torch.float64)
+        codec = op.codec
+        start = op.launch_wall
+        if op.checked:
+            rows = self._gather(header(op)).view(torch.float64)
             check_headers(rows, self.peers.pos, self.peers.members, self.peers.name)
             start = float(rows[:, 0].max())
-        if job.numel == BARRIER:
+        if op.numel == BARRIER:
             return None
-        if job.numel == AGREE:
-            assert job.payload is not None
-            check_schedules(self._gather(job.payload), self.peers.pos, self.peers.members, self.peers.name, job.note)
+        if op.numel == AGREE:
+            assert op.payload is not None
+            check_schedules(self._gather(op.payload), self.peers.pos, self.peers.members, self.peers.name, op.note)
             return None
-        assert codec is not None and job.payload is not None
-        self.staging.before_collective(job.ready)
+        assert codec is not None and op.payload is not None
+        self.staging.before_collective(op.ready)
         if codec.summable and self.num_workers > 1:
             # FP32: one all-reduce; on a copy where the payload must stay intact (the caller's own
             # share, or a rerun among the survivors of a failed collective in elastic mode).
-            buf = job.payload if job.inplace else job.payload.clone()
+            buf = op.payload if op.inplace else op.payload.clone()
             mean = self._sum(buf.view(torch.float32)).div_(self.num_workers)
         else:
-            payloads = list(self._gather(job.payload).unbind(0))
-            mean = mean_of_payloads(codec, payloads, job.numel)
-        finish = self.peers.link.schedule(start, job.wire)
+            payloads = list(self._gather(op.payload).unbind(0))
+            mean = mean_of_payloads(codec, payloads, op.numel)
+        finish = self.peers.link.schedule(start, op.wire)
         if not EmulatedLink.sleep_until(finish, self._cancel):
             raise RuntimeError("the communicator was closed while this exchange was on the link")
         return mean
@@ -516,22 +516,22 @@ class TorchDistCommunicator(Communicator):
         """Drop the reference to the current group (:meth:`Regroup.detach_group`)."""
         self.regroup.detach_group()
 
-    def take_jobs(self) -> list[Job]:
-        """The exchanges not completed here, in launch order (:meth:`Regroup.take_jobs`)."""
-        return self.regroup.take_jobs()
+    def take_ops(self) -> list[Op]:
+        """The exchanges not completed here, in launch order (:meth:`Regroup.take_ops`)."""
+        return self.regroup.take_ops()
 
     def recent_result(self, seq: int) -> Result:
         """(numel, flat mean, launch step) of a recently completed exchange (:meth:`Regroup.recent_result`)."""
         return self.regroup.recent_result(seq)
 
-    def complete_from_peer(self, job: Job, mean: torch.Tensor | None) -> None:
+    def complete_from_peer(self, op: Op, mean: torch.Tensor | None) -> None:
         """Finish an exchange with a survivor's result (:meth:`Regroup.complete_from_peer`)."""
-        self.regroup.complete_from_peer(job, mean)
+        self.regroup.complete_from_peer(op, mean)
 
-    def resume(self, group: dist.ProcessGroup | None, members: list[int], jobs: list[Job], epoch: int,
+    def resume(self, group: dist.ProcessGroup | None, members: list[int], ops: list[Op], epoch: int,
                names: Mapping[int, str] | None = None) -> None:
         """Continue on a new group, rerunning the given exchanges first (:meth:`Regroup.resume`)."""
-        self.regroup.resume(group, members, jobs, epoch, names)
+        self.regroup.resume(group, members, ops, epoch, names)
 
     def reset_link(self, epoch: int) -> None:
         """A fresh emulated link for a membership epoch (same seed and epoch on every member)."""

@@ -20,11 +20,14 @@ import torch.distributed as dist
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.errors import PeerError, describe_exception
 from eagerloco.comm.groups import HEARTBEAT_PREFIX
-from eagerloco.comm.jobs import BARRIER
+from eagerloco.comm.ops import BARRIER
+from eagerloco.comm.rendezvous import poll
 
 T = TypeVar("T")
 _POLL_S = 0.05
 _STALE_S = 4.0  # a heartbeat older than this marks its worker gone (they are written every second)
+_REJOIN_FIX = ("Are the other workers running with --elastic? Otherwise restart the run from the last checkpoint "
+               "with --resume")
 
 
 def comm_failure(comm: TorchDistCommunicator | None) -> str:
@@ -215,22 +218,21 @@ class Membership:
         """
         comm = self.comm
         assert comm is not None
-        deadline = time.monotonic() + 2 * self.timeout_s
-        while True:
-            missing = [w for w in self.members if not self.kv.check([f"{prefix}/{w}"])]
-            waiting = [w for w in missing if not self._gone(w)]
-            if not waiting:
-                # Read again: a member publishes and then closes its heartbeat, so one found missing above may
-                # have published in between (and is gone now because it finished, not because it died).
-                return {w: json.loads(self.kv.get(f"{prefix}/{w}")) for w in self.members
-                        if self.kv.check([f"{prefix}/{w}"])}
-            if comm.broken or self.kv.check([f"ep{self.epoch + 1}/recovering"]):
+
+        def waiting() -> list[int]:
+            missing = [w for w in self.members if not self.kv.check([f"{prefix}/{w}"]) and not self._gone(w)]
+            if missing and (comm.broken or self.kv.check([f"ep{self.epoch + 1}/recovering"])):
                 self.recover()
-                continue
-            if time.monotonic() >= deadline:
-                raise PeerError(f"workers {waiting} did not publish {prefix} within {2 * self.timeout_s:g} s; "
-                                "check their logs, then resume from the last checkpoint")
-            time.sleep(_POLL_S)
+                return [w for w in self.members if not self.kv.check([f"{prefix}/{w}"]) and not self._gone(w)]
+            return missing
+
+        left = poll(waiting, 2 * self.timeout_s, interval_s=_POLL_S)
+        if left:
+            raise PeerError(f"workers {list(left)} did not publish {prefix} within {2 * self.timeout_s:g} s; "
+                            "check their logs, then resume from the last checkpoint")
+        # Read again: a member publishes and then closes its heartbeat, so one found missing above may
+        # have published in between (and is gone now because it finished, not because it died).
+        return {w: json.loads(self.kv.get(f"{prefix}/{w}")) for w in self.members if self.kv.check([f"{prefix}/{w}"])}
 
     # ------------------------------------------------------------------ a worker is gone
     def recover(self, cause: str = "") -> None:
@@ -244,7 +246,7 @@ class Membership:
         t0 = time.perf_counter()
         try:
             comm.pause(self.timeout_s + 10.0)
-            jobs = comm.take_jobs()
+            ops = comm.take_ops()
             cause = cause or comm.failure or "a peer's collective failed"
             comm.detach_group()
             self.teardown()  # peers still inside a collective of the old group fail now, not at the timeout
@@ -262,15 +264,15 @@ class Membership:
                 )
             lost = [w for w in old if w not in members]
             outer = self.form(e, members)
-            last = self._settle(jobs)
-            comm.resume(outer, members, jobs, e, self.names)
+            last = self._settle(ops)
+            comm.resume(outer, members, ops, e, self.names)
             t_end = time.perf_counter()
             phases = {"pause_s": round(t_pause - t0, 3), "decide_s": round(t_decide - t_pause, 3),
                       "regroup_s": round(t_end - t_decide, 3)}
             if self.is_leader():
                 seen = {w: self._last_seen_step(w) for w in lost}
                 self.event({"event": "left", "workers": lost, "members": members,
-                            "last_included_step": last, "last_seen_step": seen, "rerun_exchanges": len(jobs),
+                            "last_included_step": last, "last_seen_step": seen, "rerun_exchanges": len(ops),
                             "cause": cause, **phases})
             dropped = ("; what their error feedback had not sent yet is lost with them"
                        if lost and self.trainer is not None and self.trainer.sync.feedback is not None else "")
@@ -281,17 +283,18 @@ class Membership:
             self.recovery_s += time.perf_counter() - t0
 
     def _decide(self, e: int, old: list[int]) -> list[int]:
-        deadline = time.monotonic() + self.timeout_s
         key = f"ep{e}/members"
-        while True:
+
+        def unaccounted() -> list[int]:  # neither announced alive nor known gone
             if self.kv.check([key]):
-                return _ids(self.kv.get(key).decode())
-            alive = [w for w in old if self.kv.check([f"ep{e}/alive/{w}"])]
-            gone = [w for w in old if w not in alive and self._gone(w)]
-            if len(alive) + len(gone) == len(old) or time.monotonic() >= deadline:
-                proposal = ",".join(str(w) for w in sorted(alive))
-                return _ids(self.kv.compare_set(key, "", proposal).decode())
-            time.sleep(_POLL_S)
+                return []
+            return [w for w in old if not self.kv.check([f"ep{e}/alive/{w}"]) and not self._gone(w)]
+
+        poll(unaccounted, self.timeout_s, interval_s=_POLL_S)
+        if not self.kv.check([key]):  # the first to decide proposes whoever announced; everyone adopts one list
+            alive = ",".join(str(w) for w in sorted(old) if self.kv.check([f"ep{e}/alive/{w}"]))
+            return _ids(self.kv.compare_set(key, "", alive).decode())
+        return _ids(self.kv.get(key).decode())
 
     def _gone(self, w: int) -> bool:
         """Strong evidence only: the launcher saw it exit, or its heartbeat is stale or says closed."""
@@ -313,30 +316,30 @@ class Membership:
         except Exception:
             return None
 
-    def _settle(self, jobs: list[Any]) -> int:
+    def _settle(self, ops: list[Any]) -> int:
         """Give every survivor the result of the exchanges some survivor completed; drop them from
-        jobs (the rest run again). Returns the launch step of the last exchange completed."""
+        ops (the rest run again). Returns the launch step of the last exchange completed."""
         comm = self.comm
         assert comm is not None
         every = self.gather_progress(comm.done_upto, comm.done_upto_step())
         dones = [d for d, _ in every]
         for seq in range(min(dones) + 1, max(dones) + 1):
             holders = [i for i, d in enumerate(dones) if d >= seq]
-            job = next((j for j in jobs if j.seq == seq), None)
+            op = next((j for j in ops if j.seq == seq), None)
             if self.pos in holders:
                 numel, mean, _ = comm.recent_result(seq)
             else:
-                if job is None:
+                if op is None:
                     raise PeerError(f"worker {self.worker} never launched exchange #{seq} that its peers completed")
-                numel, mean = job.numel, None
+                numel, mean = op.numel, None
             buf = None
             if numel != BARRIER:
                 buf = mean.clone() if mean is not None else torch.empty(numel, dtype=torch.float32)
                 self.share(buf, holders[0])
             if self.pos not in holders:
-                assert job is not None
-                comm.complete_from_peer(job, buf)
-                jobs.remove(job)
+                assert op is not None
+                comm.complete_from_peer(op, buf)
+                ops.remove(op)
         return max(s for d, s in every if d == max(dones))
 
     def gather_progress(self, done: int, step: int) -> list[tuple[int, int]]:
@@ -387,7 +390,7 @@ class Membership:
         try:
             comm.pause(self.timeout_s + 10.0)
             comm.detach_group()
-            if comm.take_jobs():
+            if comm.take_ops():
                 raise PeerError("exchanges still queued at a membership change (a bug); "
                                 "resume from the last checkpoint")
             src = self.leader
@@ -492,23 +495,27 @@ class Membership:
         """
         m = cls(client, worker, workers, timeout_s, **kwargs)
         m.kv.set(f"join/req/{worker}", str(time.time()))
-        deadline = time.monotonic() + wait_s
         key = f"join/admit/{worker}"
-        last_alive = time.monotonic()
-        while not m.kv.check([key]):
-            if m.kv.check(["done"]):
-                m.kv.delete_key(f"join/req/{worker}")
-                return None
+        last_alive = [time.monotonic()]
+
+        def waiting() -> list[int]:
+            if m.kv.check([key]) or m.kv.check(["done"]):
+                return []
             now = time.monotonic()
             if any(not m._gone(w) and m.hb.check([f"hb/{w}"]) for w in range(workers) if w != worker):
-                last_alive = now
-            if now >= deadline or now - last_alive > 3 * _STALE_S:
+                last_alive[0] = now
+            if now - last_alive[0] > 3 * _STALE_S:
                 m.kv.delete_key(f"join/req/{worker}")
-                why = (f"no other worker is alive (no fresh heartbeat for {now - last_alive:.0f} s)"
-                       if now - last_alive > 3 * _STALE_S else f"it was not admitted within {wait_s:g} s")
-                raise PeerError(f"worker {worker} cannot rejoin the run: {why}. Are the other workers running with "
-                                "--elastic? Otherwise restart the run from the last checkpoint with --resume")
-            time.sleep(_POLL_S)
+                raise PeerError(f"worker {worker} cannot rejoin the run: no other worker is alive (no fresh "
+                                f"heartbeat for {now - last_alive[0]:.0f} s). {_REJOIN_FIX}")
+            return [worker]
+
+        if poll(waiting, wait_s, interval_s=_POLL_S) or not m.kv.check([key]):
+            m.kv.delete_key(f"join/req/{worker}")
+            if m.kv.check(["done"]):
+                return None
+            raise PeerError(f"worker {worker} cannot rejoin the run: it was not admitted within {wait_s:g} s. "
+                            f"{_REJOIN_FIX}")
         e, step, members, src = m.kv.get(key).decode().split()
         m.kv.delete_key(key)
         m.kv.delete_key(f"join/req/{worker}")

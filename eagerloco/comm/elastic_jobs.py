@@ -33,11 +33,11 @@ class JobsMembership(Membership):
     """Membership over the outer store of separate jobs (see the module).
 
     client: the raw TCPStore worker 0 hosts (:attr:`~eagerloco.comm.groups.DistContext.outer_store`);
-    group: epoch 0's outer group (the one :func:`~eagerloco.comm.groups.join_outer_group` formed).
+    group: epoch 0's outer group (the one :func:`~eagerloco.comm.rendezvous.join_outer_group` formed).
     """
 
     def __init__(self, client: dist.Store, worker: int, workers: int, timeout_s: float,
-                 group: dist.ProcessGroup, **kwargs: Any) -> None:
+                 group: dist.ProcessGroup | None, **kwargs: Any) -> None:
         super().__init__(client, worker, workers, timeout_s, **kwargs)
         self.group: dist.ProcessGroup | None = group
 

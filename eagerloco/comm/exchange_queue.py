@@ -5,7 +5,7 @@ and one FIFO thread gives the one-transfer-at-a-time link for free. gloo collect
 release the GIL, so compute on the caller's thread continues.
 
 The queue knows nothing of the transport: its owner (:class:`~eagerloco.comm.distributed.
-TorchDistCommunicator`) hands it a ``run`` function that runs one :class:`~eagerloco.comm.jobs.Job`
+TorchDistCommunicator`) hands it a ``run`` function that runs one :class:`~eagerloco.comm.ops.Op`
 and lands it (:meth:`ExchangeQueue.land`), fails it, or says what failed when the thread must park
 with it. Between operations the thread can also park on request (:meth:`ExchangeQueue.pause`), for
 an elastic membership change (:mod:`eagerloco.comm.regroup`), and continue with the operations
@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from eagerloco.comm.base import JobHandle
-from eagerloco.comm.jobs import Job
+from eagerloco.comm.base import OpHandle
+from eagerloco.comm.ops import Op
 
 #: How many completed results stay kept, for survivors of a membership change that did not see them complete.
 RECENT = 8
@@ -35,22 +35,22 @@ Result = tuple[int, torch.Tensor | None, int]
 class ExchangeQueue:
     """The FIFO of one worker's outer operations, and the thread that runs them in launch order.
 
-    run(job): runs one job on the thread and lands or fails its handle; returns None, or what failed
-    (text) when the thread must park with the job kept for a rerun (elastic mode). keep_means: keep
+    run(op): runs one operation on the thread and lands or fails its handle; returns None, or what failed
+    (text) when the thread must park with the op kept for a rerun (elastic mode). keep_means: keep
     the means of the recent results too (elastic mode: survivors that missed one receive it), not only
     their sizes and steps. on_start: called first on the thread (a CUDA stream to enter). name: the
     thread's name. The thread starts at :meth:`start`.
     """
 
-    def __init__(self, run: Callable[[Job], str | None], *, keep_means: bool = False,
+    def __init__(self, run: Callable[[Op], str | None], *, keep_means: bool = False,
                  on_start: Callable[[], None] = lambda: None, name: str = "eagerloco-outer") -> None:
-        self._run_job, self._keep_means, self._on_start = run, keep_means, on_start
-        self._jobs: queue.Queue[Job | object | None] = queue.Queue()
-        self._pending: dict[int, JobHandle] = {}  # not finished yet
+        self._run_op, self._keep_means, self._on_start = run, keep_means, on_start
+        self._ops: queue.Queue[Op | object | None] = queue.Queue()
+        self._pending: dict[int, OpHandle] = {}  # not finished yet
         self._pending_lock = threading.Lock()
         self._parked = threading.Event()
         self._resume_ev = threading.Event()
-        self._parked_job: Job | None = None
+        self._parked_op: Op | None = None
         self._broken: tuple[int, str] | None = None  # (operation, what failed): text, no traceback
         self._recent: dict[int, Result] = {}
         #: Operations numbered so far (the caller's thread numbers them at launch).
@@ -71,14 +71,14 @@ class ExchangeQueue:
         self.launched += 1
         return self.launched
 
-    def track(self, handle: JobHandle) -> None:
+    def track(self, handle: OpHandle) -> None:
         """Keep the handle of a launched operation until it lands (see :meth:`fail_pending`)."""
         with self._pending_lock:
             self._pending[handle.seq] = handle
 
-    def put(self, job: Job) -> None:
-        """Queue a job behind the ones launched before it."""
-        self._jobs.put(job)
+    def put(self, op: Op) -> None:
+        """Queue an operation behind the ones launched before it."""
+        self._ops.put(op)
 
     def fail_pending(self, err: BaseException) -> None:
         """Land every operation not finished yet with err."""
@@ -93,9 +93,9 @@ class ExchangeQueue:
         return self._thread.is_alive()
 
     def stop(self, timeout_s: float) -> bool:
-        """End the thread once the jobs queued before have run (a parked thread leaves as well);
+        """End the thread once the ops queued before have run (a parked thread leaves as well);
         waits at most timeout_s. Returns whether it ended."""
-        self._jobs.put(None)
+        self._ops.put(None)
         self._resume_ev.set()
         self._thread.join(timeout=timeout_s)
         return not self._thread.is_alive()
@@ -103,34 +103,34 @@ class ExchangeQueue:
     # -- the thread ----------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        """Run the queued jobs in launch order until None (stop) comes."""
+        """Run the queued ops in launch order until None (stop) comes."""
         self._on_start()
         while True:
-            job = self._jobs.get()
-            if job is None:
+            op = self._ops.get()
+            if op is None:
                 return
-            if job is _PAUSE:
+            if op is _PAUSE:
                 self._park(None)
                 continue
-            assert isinstance(job, Job)
-            failed = self._run_job(job)
+            assert isinstance(op, Op)
+            failed = self._run_op(op)
             if failed is not None:
-                self._broken = (job.seq, failed)
-                self._park(job)  # the caller re-forms the group and hands the job back
+                self._broken = (op.seq, failed)
+                self._park(op)  # the caller re-forms the group and hands the op back
                 continue
             with self._pending_lock:
-                self._pending.pop(job.seq, None)
+                self._pending.pop(op.seq, None)
 
-    def land(self, job: Job, mean: torch.Tensor | None, done: object = None) -> None:
-        """The job completed here with this mean (None: no result; done: see JobHandle.finish)."""
-        self.done_upto = job.seq
-        self._recent[job.seq] = (job.numel, mean if self._keep_means else None, job.step)
-        self._recent.pop(job.seq - RECENT, None)
-        job.handle.finish(mean=mean, done=done)
+    def land(self, op: Op, mean: torch.Tensor | None, done: object = None) -> None:
+        """The op completed here with this mean (None: no result; done: see OpHandle.finish)."""
+        self.done_upto = op.seq
+        self._recent[op.seq] = (op.numel, mean if self._keep_means else None, op.step)
+        self._recent.pop(op.seq - RECENT, None)
+        op.handle.finish(mean=mean, done=done)
 
-    def _park(self, job: Job | None) -> None:
-        """Stop between jobs until :meth:`resume`."""
-        self._parked_job = job
+    def _park(self, op: Op | None) -> None:
+        """Stop between ops until :meth:`resume`."""
+        self._parked_op = op
         self._parked.set()
         self._resume_ev.wait()
         self._resume_ev.clear()
@@ -139,7 +139,7 @@ class ExchangeQueue:
 
     @property
     def broken(self) -> tuple[int, str] | None:
-        """(operation, what failed) when the thread parked on a failed job, else None."""
+        """(operation, what failed) when the thread parked on a failed op, else None."""
         return self._broken
 
     @property
@@ -147,40 +147,40 @@ class ExchangeQueue:
         return self._parked.is_set()
 
     def pause(self, timeout_s: float) -> bool:
-        """Park the thread between jobs (a job under way finishes first, or fails and the thread
+        """Park the thread between ops (an operation under way finishes first, or fails and the thread
         parks with it); returns whether it parked within timeout_s."""
         if not self._parked.is_set():
-            self._jobs.put(_PAUSE)
+            self._ops.put(_PAUSE)
         return self._parked.wait(timeout_s)
 
-    def take_jobs(self) -> list[Job]:
-        """The jobs not completed here, in launch order (the thread must be parked)."""
+    def take_ops(self) -> list[Op]:
+        """The ops not completed here, in launch order (the thread must be parked)."""
         assert self._parked.is_set()
-        jobs = [] if self._parked_job is None else [self._parked_job]
-        self._parked_job = None
+        ops = [] if self._parked_op is None else [self._parked_op]
+        self._parked_op = None
         while True:
             try:
-                job = self._jobs.get_nowait()
+                op = self._ops.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(job, Job):
-                jobs.append(job)
-        return sorted(jobs, key=lambda j: j.seq)
+            if isinstance(op, Op):
+                ops.append(op)
+        return sorted(ops, key=lambda j: j.seq)
 
-    def resume(self, jobs: list[Job]) -> None:
-        """Run the given jobs first, in order, then those launched while parked; unpark."""
+    def resume(self, ops: list[Op]) -> None:
+        """Run the given ops first, in order, then those launched while parked; unpark."""
         assert self._parked.is_set(), "pause() first"
         later = []
         while True:  # launches made while parked queue up behind the reruns
             try:
-                later.append(self._jobs.get_nowait())
+                later.append(self._ops.get_nowait())
             except queue.Empty:
                 break
-        for job in jobs:
-            self._jobs.put(job)
-        for job in later:
-            if job is not _PAUSE:
-                self._jobs.put(job)
+        for op in ops:
+            self._ops.put(op)
+        for op in later:
+            if op is not _PAUSE:
+                self._ops.put(op)
         self._broken = None
         self._parked.clear()
         self._resume_ev.set()
@@ -194,13 +194,13 @@ class ExchangeQueue:
         seq = self.done_upto
         return self._recent[seq][2] if seq in self._recent else 0
 
-    def land_from_peer(self, job: Job, mean: torch.Tensor | None) -> None:
-        """Finish a job with the result another survivor saw complete (elastic recovery)."""
-        self.done_upto = max(self.done_upto, job.seq)
-        self._recent[job.seq] = (job.numel, mean, job.step)
-        job.handle.finish(mean=mean)
+    def land_from_peer(self, op: Op, mean: torch.Tensor | None) -> None:
+        """Finish an operation with the result another survivor saw complete (elastic recovery)."""
+        self.done_upto = max(self.done_upto, op.seq)
+        self._recent[op.seq] = (op.numel, mean, op.step)
+        op.handle.finish(mean=mean)
         with self._pending_lock:
-            self._pending.pop(job.seq, None)
+            self._pending.pop(op.seq, None)
 
     def adopt_sequence(self, launched: int) -> None:
         """Continue another worker's numbering (a worker that joins, before any operation)."""

@@ -4,7 +4,7 @@ In elastic mode (``elastic=True``, driven by :mod:`eagerloco.comm.elastic`) a fa
 does not fail the handles: the exchange thread parks with the failed exchange kept
 (:class:`~eagerloco.comm.exchange_queue.ExchangeQueue`), the caller's thread notices (at its next
 wait, or at a step boundary through ``broken``) and runs the membership protocol, which re-forms the
-group among the survivors and hands the unfinished exchanges back (:meth:`Regroup.take_jobs`,
+group among the survivors and hands the unfinished exchanges back (:meth:`Regroup.take_ops`,
 :meth:`Regroup.resume`) to be run again on the new group. ``rank`` stays the worker id (it names
 seeds, shards and files); the position in the current group is separate
 (:class:`~eagerloco.comm.peers.Peers`).
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from eagerloco.comm.base import WorkerStats, wire_bytes
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.exchange_queue import ExchangeQueue, Result
-from eagerloco.comm.jobs import Job
+from eagerloco.comm.ops import Op
 from eagerloco.comm.peers import Peers
 
 
@@ -52,9 +52,9 @@ class Regroup:
         assert self.exchanges.parked
         self.peers.group = None
 
-    def take_jobs(self) -> list[Job]:
+    def take_ops(self) -> list[Op]:
         """The exchanges not completed here, in launch order (the thread must be parked)."""
-        return self.exchanges.take_jobs()
+        return self.exchanges.take_ops()
 
     def recent_result(self, seq: int) -> Result:
         """(numel, flat mean, launch step) of a recently completed exchange, for survivors that did not complete it."""
@@ -64,13 +64,13 @@ class Regroup:
                             "restart the run from the last checkpoint")
         return result
 
-    def complete_from_peer(self, job: Job, mean: torch.Tensor | None) -> None:
+    def complete_from_peer(self, op: Op, mean: torch.Tensor | None) -> None:
         """Finish an exchange with the result another survivor saw complete (elastic recovery): its mean
         holds every worker of the group it ran in, the one not re-formed yet."""
-        job.handle.contributors = list(self.peers.members)
-        self.exchanges.land_from_peer(job, mean)
+        op.handle.contributors = list(self.peers.members)
+        self.exchanges.land_from_peer(op, mean)
 
-    def resume(self, group: dist.ProcessGroup | None, members: list[int], jobs: list[Job], epoch: int,
+    def resume(self, group: dist.ProcessGroup | None, members: list[int], ops: list[Op], epoch: int,
                names: Mapping[int, str] | None = None) -> None:
         """Continue on a new group: rerun the given exchanges there, in order, then the later ones.
 
@@ -80,12 +80,12 @@ class Regroup:
         assert self.exchanges.parked, "pause() first"
         self.peers.regroup(group, members, names)
         self.peers.reset_link(epoch)
-        for job in jobs:
-            if job.codec is not None and job.payload is not None:
-                job.wire = wire_bytes(job.payload.numel(), self.peers.size, job.codec.summable)
-                self.stats.bytes_sent += job.wire
-                self.stats.bytes_received += job.wire
-        self.exchanges.resume(jobs)
+        for op in ops:
+            if op.codec is not None and op.payload is not None:
+                op.wire = wire_bytes(op.payload.numel(), self.peers.size, op.codec.summable)
+                self.stats.bytes_sent += op.wire
+                self.stats.bytes_received += op.wire
+        self.exchanges.resume(ops)
 
     def adopt_sequence(self, launched: int) -> None:
         """A worker that joins continues the members' exchange numbering."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import inspect
 import sys
 import time
 import warnings
@@ -17,25 +16,18 @@ import torch
 from torch import nn
 
 from eagerloco import events
-from eagerloco.comm.agreement import shapes_digest
 from eagerloco.comm.base import Communicator
-from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext
-from eagerloco.config import ConfigError, LinkConfig, OuterConfig
-from eagerloco.hooks.settings import (
-    SETTINGS,
-    EagerWeighting,
-    FragmentPattern,
-    Method,
-    OuterOptimizerName,
-    api_error,
-    api_errors,
-    api_message,
-    innermost_optimizer,
-    outer_config,
-)
-from eagerloco.hooks.workers import Workers, outer_optimizer_settings
+from eagerloco.comm.connect import Connection, connect
+from eagerloco.comm.elastic_jobs import JobsMembership
+from eagerloco.comm.errors import api_error, api_errors, api_message
+from eagerloco.comm.groups import DistContext
+from eagerloco.comm.rendezvous import shapes_digest
+from eagerloco.config import ConfigError, OuterConfig
+from eagerloco.hooks.settings import innermost_optimizer
+from eagerloco.hooks.start import FIXES, SETTINGS_FIX, outer_optimizer_settings, start_weights
 from eagerloco.metrics import OuterMetrics, outer_metrics
-from eagerloco.outer import OuterOptimizerFactory, OuterSync
+from eagerloco.outer import OuterSync
+from eagerloco.outer_optimizer import OuterOptimizerFactory
 from eagerloco.schedule import short_run_note
 
 #: What ``state_dict()`` writes; a load of another layout is refused.
@@ -49,26 +41,6 @@ class OuterLoop:
     framework callbacks call them at the framework's train start and end.
     """
 
-    @staticmethod
-    @api_errors
-    def check_settings(config: OuterConfig | None = None, **settings: Any) -> None:
-        """Check the settings as the loop will, without a model or peers: for a framework callback made
-        long before training starts, so that a bad setting fails where it is written.
-
-        Args:
-            config, settings: what the loop will be given (``OuterLoop``'s keywords, the outer settings).
-
-        Raises:
-            ConfigError: an unknown or invalid setting, named as the API names it.
-        """
-        own = set(inspect.signature(OuterLoop.__init__).parameters) - {"self", "settings"}
-        outer = {k: v for k, v in settings.items() if k not in own}
-        if isinstance(settings.get("fragments"), int):
-            outer["fragments"] = settings["fragments"]
-        if isinstance(settings.get("outer_optimizer"), str):
-            outer["outer_optimizer"] = settings["outer_optimizer"]
-        outer_config(config, **outer).validate()
-
     @api_errors
     def __init__(
         self,
@@ -76,77 +48,52 @@ class OuterLoop:
         inner_optimizer: Any,
         config: OuterConfig | None = None,
         *,
-        fragments: int | Sequence[nn.Module] | None = None,
+        peers: Connection | Communicator | None = None,
         blocks: Sequence[nn.Module] | None = None,
-        comm: Communicator | None = None,
-        outer_addr: str | None = None,
-        worker_id: int | None = None,
-        workers: int | None = None,
-        ranks_per_worker: int | None = None,
-        link: LinkConfig | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        seed: int = 0,
-        outer_optimizer: str | OuterOptimizerFactory | None = None,
+        outer_optimizer: OuterOptimizerFactory | None = None,
         apply_in_flight: bool = False,
-        elastic: bool = False,
-        init_sync: bool = True,
         grad_scaler: Any = None,
-        **settings: Any,
     ) -> None:
-        if fragments is not None and not isinstance(fragments, int):
-            # A list of modules (torchft's model fragments): each is one fragment, in that order.
-            if blocks is not None:
-                raise ConfigError("pass the fragments as modules or blocks=, not both")
-            blocks = list(fragments)
-            if not blocks or not all(isinstance(b, nn.Module) for b in blocks):
-                raise ConfigError("fragments must be a number of fragments or a non-empty list of nn.Modules")
-            settings.update(fragments=len(blocks), fragment_pattern="sequential")
-        elif fragments is not None:
-            settings["fragments"] = fragments
-        factory: OuterOptimizerFactory | None = None
-        if callable(outer_optimizer):
-            factory = outer_optimizer
-        elif outer_optimizer is not None:
-            settings["outer_optimizer"] = outer_optimizer
         self.finished = False
         self._hooks: list[Any] = []
         self._first_forward: list[Any] = []
-        self.config = outer_config(config, **settings).validate()  # before connecting: a bad setting meets nobody
+        if isinstance(peers, Connection):  # the loop's from here: released at its end, or on an error
+            self.connection = peers
+        try:  # before connecting: a bad setting meets nobody
+            self.config = (config or OuterConfig()).validate()
+            self.inner_optimizer = innermost_optimizer(inner_optimizer)
+            if grad_scaler is not None and self.config.per_step:
+                raise ConfigError("a GradScaler (grad_scaler=, or an fp16 Trainer's) with method dp: the gradient "
+                                  "mean runs inside the optimizer's step, which the scaler skips on one worker alone; "
+                                  "average the gradients with DDP, train in bf16, or use a method with outer rounds")
+        except BaseException:
+            self._release(cancel=True)
+            raise
         self.model = model
-        self.inner_optimizer = innermost_optimizer(inner_optimizer)
         self.apply_in_flight = apply_in_flight
-        self._init_sync = init_sync
-        if grad_scaler is not None and self.config.per_step:
-            raise ConfigError("a GradScaler (grad_scaler=, or an fp16 Trainer's) with method dp: the gradient mean "
-                              "runs inside the optimizer's step, which the scaler skips on one worker alone; average "
-                              "the gradients with DDP, train in bf16, or use a method with outer rounds")
         self.grad_scaler = grad_scaler
         self._scaler_update: Any = None  # the scaler's own update(), while this loop counts its skipped steps
         self._stepped = False
         self._tick_steps = 0  # this worker's steps in the current tick so far (adaptive steps)
-        if elastic and comm is not None:
-            raise ConfigError("elastic=True re-forms the outer group it connects itself: pass outer_addr, "
-                              "worker_id and workers instead of comm=")
-        if comm is not None:
-            self.connection = Workers.given(comm)
-        elif elastic:
-            self.connection = Workers.connect_elastic(outer_addr, worker_id, workers, link, timeout_s, seed,
-                                                      self.config)
-        else:
-            self.connection = Workers.connect(outer_addr, worker_id, workers, ranks_per_worker, link, timeout_s, seed)
+        if peers is None:
+            peers = connect()
+        self.connection = peers if isinstance(peers, Connection) else Connection.given(peers)
         self.comm = self.connection.comm
         try:
             if self.connection.ctx is not None:  # this loop joined the other workers: agree with them first
-                self.connection.meet({**asdict(self.config), "seed": seed, "workers": self.connection.ctx.workers,
-                                      "model parameters": shapes_digest(model.named_parameters())}, "settings")
+                self.connection.agree({**asdict(self.config), "seed": self.connection.seed,
+                                       "workers": self.connection.ctx.workers,
+                                       "model parameters": shapes_digest(model.named_parameters())},
+                                      "settings", SETTINGS_FIX, FIXES)
                 # The weights are made equal (or compared) at the first forward pass: a resumed run
                 # loads its own state between here and there, and then keeps it. Every module is
                 # watched: torchft's fragments are parts of a model whose own forward the loop calls.
                 self._first_forward = [m.register_forward_pre_hook(self._start_weights) for m in model.modules()]
             self.sync = OuterSync(model, self.inner_optimizer, self.comm, self.config, blocks=blocks,
-                                  outer_optimizer=factory, seed=seed)
+                                  outer_optimizer=outer_optimizer, seed=self.connection.seed)
+            self.connection.attach(self.config)
             if self.connection.ctx is not None:  # the one that steps: a factory's (torchft's) replaces the settings'
-                self.connection.meet(outer_optimizer_settings(self.sync), "outer optimizer")
+                self.connection.agree(outer_optimizer_settings(self.sync), "outer optimizer", SETTINGS_FIX, FIXES)
         except BaseException:
             self._release(cancel=True)
             raise
@@ -159,7 +106,7 @@ class OuterLoop:
         """At the first forward pass (of any of the model's modules): the workers agree on where they start,
         and a run at step 0 starts from worker 0's weights (or checks that they are equal)."""
         self._forget_first_forward()
-        self._guard(lambda: self.connection.start_weights(self.model, self.sync, self._init_sync))
+        self._guard(lambda: start_weights(self.connection, self.model, self.sync))
 
     @property
     def ctx(self) -> DistContext | None:
@@ -167,8 +114,8 @@ class OuterLoop:
         return self.connection.ctx
 
     @property
-    def membership(self) -> Any:
-        """The elastic membership across jobs (elastic=True), else None."""
+    def membership(self) -> JobsMembership | None:
+        """The elastic membership across jobs (``connect(elastic=True)``), else None."""
         return self.connection.membership
 
     @property
@@ -307,9 +254,9 @@ class OuterLoop:
                 parameters, loaded into the model (one more exchange of the model). On by default (None)
                 where this loop joined the workers itself, because a run is expected to end with one
                 model, as DiLoCo's does; eager's workers each mix their own outer gradient in, so
-                without it they end with slightly different ones. False keeps each worker's own; with
-                ``comm=`` the caller drives the workers and says so itself. The other methods end with
-                one model anyway.
+                without it they end with slightly different ones. False keeps each worker's own; with a
+                Communicator as ``peers=`` the caller drives the workers and says so itself. The other
+                methods end with one model anyway.
         """
         if self.finished:
             return
@@ -420,120 +367,44 @@ def outer_loop(
     inner_optimizer: Any,
     config: OuterConfig | None = None,
     *,
-    method: Method | None = None,
-    inner_steps: int | None = None,
-    fragments: int | Sequence[nn.Module] | None = None,
-    fragment_pattern: FragmentPattern | None = None,
-    overlap_steps: int | None = None,
-    alpha: float | None = None,
-    eager_rounds: int | None = None,
-    eager_weighting: EagerWeighting | None = None,
-    codec: str | None = None,
-    codec_block: int | None = None,
-    stochastic_rounding: bool | None = None,
-    topk: int | None = None,
-    topk_chunk: int | None = None,
-    error_feedback: float | None = None,
-    outer_optimizer: OuterOptimizerName | OuterOptimizerFactory | None = None,
-    outer_lr: float | None = None,
-    outer_momentum: float | None = None,
-    outer_nesterov: bool | None = None,
-    adaptive_steps: bool | None = None,
-    worker_speeds: Sequence[float] | None = None,
-    sync_every: int | None = None,
-    fragment_sync_delay: int | None = None,
-    fragment_update_alpha: float | None = None,
+    peers: Connection | Communicator | None = None,
     blocks: Sequence[nn.Module] | None = None,
-    comm: Communicator | None = None,
-    outer_addr: str | None = None,
-    worker_id: int | None = None,
-    workers: int | None = None,
-    ranks_per_worker: int | None = None,
-    link: LinkConfig | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    seed: int = 0,
+    outer_optimizer: OuterOptimizerFactory | None = None,
     apply_in_flight: bool = False,
-    elastic: bool = False,
-    init_sync: bool = True,
     grad_scaler: Any = None,
 ) -> OuterLoop:
     """Run the outer algorithm around an unchanged training loop: ``with outer_loop(...) as outer:``.
-
-    Every argument after ``config`` is keyword-only. The outer settings (``method`` to
-    ``outer_nesterov``) are :class:`~eagerloco.config.OuterConfig`'s fields; one left at None keeps
-    the value of ``config``, else OuterConfig's default (shown in brackets).
 
     Args:
         model: the module whose parameters the inner optimizer updates (unwrapped: not the DDP wrapper).
             Parameters with ``requires_grad=False`` (frozen) are never exchanged and keep their values.
         inner_optimizer: a torch optimizer (or a framework's wrapper of one); its step() gets the hooks.
-        config: an OuterConfig to start from (copied; the settings given here replace its fields).
-        method: dp, diloco, streaming, delayed or eager [diloco; streaming when P > 1 fragments].
-        inner_steps: H, inner steps per outer round [50].
-        fragments: a number P (the model's blocks are found: ``blocks``, ``transformer.h``,
-            Hugging Face's ``model.layers``, ...) or a list of modules, each one fragment [1].
-        fragment_pattern: sequential or strided, how blocks map to fragments [strided].
-        overlap_steps: tau, inner steps an exchange may take before it is applied [0].
-        alpha: merge weight of the local parameters when an overlapped exchange lands [0.0].
-        eager_rounds: k, outer rounds an exchange may take under delayed and eager [1].
-        eager_weighting: nonlocal or stale_average, eager's proxy [nonlocal].
-        codec: the outer gradient's format on the link (fp32, bf16, fp8, int8, e2m1, ...) [fp32].
-        codec_block: values sharing one scale in the block formats [32].
-        stochastic_rounding: round the quantized payload stochastically [False].
-        topk, topk_chunk: send only the ``topk`` entries of largest magnitude of every chunk of
-            ``topk_chunk`` values, with their positions [None: every value; 4096].
-        error_feedback: beta, keep what the compressed exchange did not send and add it to the next
-            round's outer gradient, decayed by beta [None: off]. SparseLoCo: ``topk=64, codec="2bit",
-            error_feedback=0.95, outer_optimizer="average", outer_lr=1.0``.
-        outer_optimizer: "sgd", "average" (no momentum), "adam", "adamw" [sgd], or a factory taking the
-            list of FP32 outer tensors.
-        outer_lr, outer_momentum, outer_nesterov: the outer optimizer's settings [0.7, 0.9, True].
-        adaptive_steps: workers of unequal speed: each worker runs H_m = max(1, round(H r_m / r_max)) of its
-            own steps per round, r_m its speed (the hooks time the loop's steps, or ``worker_speeds``), and the
-            exchange is the token-weighted mean [False]. A round is H *ticks* (the fastest worker's steps), and
-            every worker must run the same ticks: end the loop on ``outer.ticks`` reaching a multiple of H (the
-            ticks without a step of this worker pass at once after its last step of them), not on a count of steps.
-        worker_speeds: fixed relative speeds, one per worker, for ``adaptive_steps`` (reproducible runs)
-            [measured].
-        sync_every, fragment_sync_delay, fragment_update_alpha: torchft's names for ``inner_steps``,
-            ``overlap_steps`` and ``alpha`` (give one name of each pair).
-        blocks: the modules to split into P fragments (default: found automatically).
-        comm: a Communicator to use instead of connecting (tests, custom transports).
-        outer_addr, worker_id, workers: an outer rendezvous, each worker its own job (see the module).
-        ranks_per_worker: R, under one torchrun WORLD of M * R ranks.
-        link: an emulated slow link (bandwidth, latency) between the workers.
-        timeout_s: seconds before a silent worker is declared dead.
-        seed: seeds stochastic rounding (mixed with the worker id).
-        apply_in_flight: at the end, apply what is still in flight (every outer gradient counted
-            once) instead of only waiting for it.
-        init_sync: the workers start from worker 0's parameters, sent to all before the first step (as
-            torchft's Manager does). False: each worker keeps its own, which must be equal (checked:
-            seed every worker the same way). Either way the workers compare their settings, model
-            shapes and outer optimizer (the one that steps: its class and settings, a factory's too)
-            first, then at the first forward pass the step and a digest of the outer state (outer
-            copies, outer optimizer state) a resumed run loaded, a torchft-style resume at step 0
-            too; any difference stops them all with one line naming it. (With ``comm=`` the caller
-            has joined the workers itself and none of this happens.)
+        config: the outer algorithm's settings (:class:`~eagerloco.config.OuterConfig`: method, H, fragments,
+            codec, outer optimizer, ...) [OuterConfig()]. Under ``adaptive_steps`` every worker must run the
+            same ticks: end the loop on ``outer.ticks`` reaching a multiple of H, not on a count of steps.
+        peers: the other workers: :func:`eagerloco.comm.connect.connect`'s connection, which the loop
+            releases at its end [``connect()``: the outer rendezvous of the environment, else the torchrun
+            WORLD, else this worker alone], or a Communicator of the caller's (tests, custom transports;
+            nothing is agreed then, nothing released). Connected,
+            the workers compare their settings, model shapes and outer optimizer first, then at the first
+            forward pass the step and a digest of the outer state a resumed run loaded; any difference
+            stops them all with one line naming it. A run at step 0 starts from worker 0's weights
+            (``connect(init_sync=True)``).
+        blocks: the modules to split into the config's fragments (default: found automatically: ``blocks``,
+            ``transformer.h``, Hugging Face's ``model.layers``, ...).
+        outer_optimizer: a factory taking the list of FP32 outer tensors, in place of the config's.
+        apply_in_flight: at the end, apply what is still in flight (every outer gradient counted once)
+            instead of only waiting for it.
         grad_scaler: the ``torch.amp.GradScaler`` the loop steps through (``scaler.step(opt)``), if any: a
             step it skips (an inf in the gradients) still counts, so every worker's schedule stays the
-            same. Without it a skipped step on one worker leaves the others waiting for an exchange it
-            never launches. Not with method dp.
-        elastic: with outer_addr (one process per job), a worker that dies does not stop the others:
-            they re-form the outer group over worker 0's store and go on with the mean over the
-            workers present (:mod:`eagerloco.comm.elastic_jobs`). Worker 0, which hosts the store,
-            must stay; a worker that died does not come back into the running run.
+            same. Not with method dp.
 
     Raises:
-        ConfigError: an invalid setting or launch, or a setting given under both its names.
+        ConfigError: an invalid setting or launch.
         PeerError: another worker died or never joined; the message names it.
     """
-    given = locals()  # the arguments, by name
-    settings = {name: given[name] for name in sorted(SETTINGS) if given[name] is not None}
-    return OuterLoop(model, inner_optimizer, config, fragments=fragments, blocks=blocks, comm=comm,
-                     outer_addr=outer_addr, worker_id=worker_id, workers=workers, ranks_per_worker=ranks_per_worker,
-                     link=link, timeout_s=timeout_s, seed=seed, outer_optimizer=outer_optimizer,
-                     apply_in_flight=apply_in_flight, elastic=elastic, init_sync=init_sync,
-                     grad_scaler=grad_scaler, **settings)
+    return OuterLoop(model, inner_optimizer, config, peers=peers, blocks=blocks, outer_optimizer=outer_optimizer,
+                     apply_in_flight=apply_in_flight, grad_scaler=grad_scaler)
 
 
 __all__ = ["OuterLoop", "STATE_VERSION", "outer_loop"]

@@ -7,16 +7,59 @@ Each is a callback that attaches :class:`~eagerloco.hooks.OuterLoop` to the fram
 at train start, keeps its state in the framework's checkpoints and reports its link accounting in
 the framework's logs. A worker may itself be a data-parallel job (the framework's DDP over the
 job's WORLD): the outer group is separate (``outer_addr``), so the two never meet.
+
+A callback takes what :func:`eagerloco.outer_loop` takes (an OuterConfig, ``peers=``, the loop's options) and,
+without ``peers=``, :func:`~eagerloco.comm.connect.connect`'s keywords, to connect at train start.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from eagerloco.atomic import atomic_file
+from eagerloco.comm.base import Communicator
+from eagerloco.comm.connect import Connection, connect
+from eagerloco.comm.errors import api_error
+from eagerloco.config import ConfigError, OuterConfig
+from eagerloco.hooks import OuterLoop
+
+#: The keywords of a callback that go to the loop; the others are connect()'s.
+LOOP_OPTIONS = ("blocks", "outer_optimizer", "apply_in_flight", "grad_scaler")
+
+
+def check_options(config: OuterConfig | None, options: Mapping[str, Any]) -> None:
+    """A callback's settings, checked when it is made (long before training starts): a bad one fails where it
+    is written, as the Python API names it.
+
+    Raises:
+        ConfigError: an unknown keyword, or an invalid setting of the config.
+    """
+    known = [*LOOP_OPTIONS, *inspect.signature(connect).parameters]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown option {unknown[0]!r}: a callback takes an OuterConfig (the algorithm's "
+                          f"settings), peers=, and {', '.join(known)}")
+    try:
+        (config or OuterConfig()).validate()
+    except ConfigError as e:
+        raise api_error(e) from None
+
+
+def start_loop(model: nn.Module, optimizer: Any, config: OuterConfig | None, peers: Connection | Communicator | None,
+               options: Mapping[str, Any], grad_scaler: Any) -> OuterLoop:
+    """The callback's OuterLoop at train start: on ``peers``, else connected with the callback's keywords;
+    the framework's GradScaler unless the callback was given one."""
+    loop = {k: v for k, v in options.items() if k in LOOP_OPTIONS}
+    loop.setdefault("grad_scaler", grad_scaler)
+    if peers is None:
+        peers = connect(**{k: v for k, v in options.items() if k not in LOOP_OPTIONS})
+    return OuterLoop(model, optimizer, config, peers=peers, **loop)  # it releases the connection on an error
 
 
 def save_atomic(state: Any, path: str | Path) -> None:
@@ -25,4 +68,4 @@ def save_atomic(state: Any, path: str | Path) -> None:
         torch.save(state, f)
 
 
-__all__ = ["save_atomic"]
+__all__ = ["LOOP_OPTIONS", "check_options", "save_atomic", "start_loop"]

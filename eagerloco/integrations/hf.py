@@ -1,7 +1,7 @@
 """Hugging Face ``transformers``: a TrainerCallback that runs the outer algorithm around ``Trainer.train``.
 
     trainer = Trainer(model=model, args=args, train_dataset=data,
-                      callbacks=[OuterLoopCallback(method="eager", inner_steps=50,
+                      callbacks=[OuterLoopCallback(OuterConfig(method="eager", inner_steps=50),
                                                    outer_addr="10.0.0.1:29600", worker_id=0, workers=2)])
     trainer.train()                      # or trainer.train(resume_from_checkpoint=True)
 
@@ -20,10 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from eagerloco.comm.base import Communicator
+from eagerloco.comm.connect import Connection
 from eagerloco.config import OuterConfig
 from eagerloco.extras import require
 from eagerloco.hooks import OuterLoop
-from eagerloco.integrations import save_atomic
+from eagerloco.integrations import check_options, save_atomic, start_loop
 
 #: The base class, or the one line that names the [hf] extra (transformers is not a dependency of eagerloco).
 TrainerCallback = require("transformers", "eagerloco.integrations.hf").TrainerCallback
@@ -33,19 +35,21 @@ STATE_FILE = "eagerloco_outer_worker{worker}.pt"
 
 
 class OuterLoopCallback(TrainerCallback):
-    """Run ``eagerloco.outer_loop`` inside a Trainer; takes everything :func:`~eagerloco.hooks.outer_loop` takes.
+    """Run ``eagerloco.outer_loop`` inside a Trainer (see :mod:`eagerloco.integrations`).
 
     Args:
-        config: an OuterConfig; or its fields by name (method, inner_steps, fragments, ...), with
-            the rendezvous and link settings of :func:`~eagerloco.hooks.outer_loop`, as keywords.
+        config: the outer algorithm's settings.
+        peers: the other workers (a connection or a Communicator); default: connect at train begin with
+            ``options`` (outer_addr, worker_id, workers, timeout_s, link, elastic, ...).
         resume_from: the checkpoint folder to read the outer state from when the Trainer resumes
             (default: ``<output_dir>/checkpoint-<global_step>``, the one the Trainer resumed from).
+        options: connect()'s keywords, and the loop's (apply_in_flight, grad_scaler, ...).
     """
 
-    def __init__(self, config: OuterConfig | None = None, *, resume_from: str | Path | None = None,
-                 **settings: Any) -> None:
-        OuterLoop.check_settings(config, **settings)  # a bad setting fails here, not at train start
-        self.config, self.settings, self.resume_from = config, settings, resume_from
+    def __init__(self, config: OuterConfig | None = None, *, peers: Connection | Communicator | None = None,
+                 resume_from: str | Path | None = None, **options: Any) -> None:
+        check_options(config, options)  # a bad setting fails here, not at train start
+        self.config, self.peers, self.options, self.resume_from = config, peers, options, resume_from
         self.outer: OuterLoop | None = None
         self._ended_early: _EndedEarly | None = None
 
@@ -54,13 +58,12 @@ class OuterLoopCallback(TrainerCallback):
         if optimizer is None or model is None:
             raise RuntimeError("the Trainer gave the callback no model or optimizer at train begin")
         model = getattr(model, "module", model)  # the bare model under a DDP wrapper
-        settings = dict(self.settings)
         # Under fp16 accelerate's wrapper holds the GradScaler (None otherwise) and steps through it:
         # accelerate/optimizer.py, AcceleratedOptimizer.step, calls scaler.step(optimizer) then scaler.update()
         # once per optimizer step. The loop must count a step that scaler skips on this worker alone, or the
         # other workers wait for an exchange this one never launches. A grad_scaler= of the user's own wins.
-        settings.setdefault("grad_scaler", getattr(optimizer, "scaler", None))
-        self.outer = OuterLoop(model, optimizer, self.config, **settings)
+        self.outer = start_loop(model, optimizer, self.config, self.peers, self.options,
+                                getattr(optimizer, "scaler", None))
         if state.global_step > 0:  # resumed: the outer state of the checkpoint it resumed from
             folder = Path(self.resume_from or Path(args.output_dir) / f"checkpoint-{state.global_step}")
             path = folder / STATE_FILE.format(worker=self.outer.worker)

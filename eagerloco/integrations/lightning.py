@@ -1,6 +1,6 @@
 """PyTorch Lightning: a Callback that runs the outer algorithm around ``Trainer.fit``.
 
-    trainer = pl.Trainer(max_epochs=3, callbacks=[OuterLoopCallback(method="eager", inner_steps=50,
+    trainer = pl.Trainer(max_epochs=3, callbacks=[OuterLoopCallback(OuterConfig(method="eager", inner_steps=50),
                                                                     outer_addr="10.0.0.1:29600",
                                                                     worker_id=0, workers=2)])
     trainer.fit(module)                  # or trainer.fit(module, ckpt_path="last.ckpt")
@@ -18,35 +18,38 @@ from __future__ import annotations
 
 from typing import Any
 
+from eagerloco.comm.base import Communicator
+from eagerloco.comm.connect import Connection
 from eagerloco.config import OuterConfig
 from eagerloco.extras import require
 from eagerloco.hooks import OuterLoop
+from eagerloco.integrations import check_options, start_loop
 
 #: The base class, or the one line that names the [lightning] extra (Lightning is not a dependency of eagerloco).
 Callback = require("pytorch_lightning", "eagerloco.integrations.lightning").Callback
 
 
 class OuterLoopCallback(Callback):
-    """Run ``eagerloco.outer_loop`` inside a Lightning Trainer; takes what
-    :func:`~eagerloco.hooks.outer_loop` takes (an OuterConfig, its fields, the rendezvous, the link)."""
+    """Run ``eagerloco.outer_loop`` inside a Lightning Trainer; takes what the Hugging Face callback takes
+    (an OuterConfig, ``peers=`` or connect()'s keywords, the loop's options; see :mod:`eagerloco.integrations`)."""
 
-    def __init__(self, config: OuterConfig | None = None, *, log_every: int = 1, **settings: Any) -> None:
-        OuterLoop.check_settings(config, **settings)  # a bad setting fails here, not at train start
-        self.config, self.settings, self.log_every = config, settings, log_every
+    def __init__(self, config: OuterConfig | None = None, *, peers: Connection | Communicator | None = None,
+                 log_every: int = 1, **options: Any) -> None:
+        check_options(config, options)  # a bad setting fails here, not at train start
+        self.config, self.peers, self.options, self.log_every = config, peers, options, log_every
         self.outer: OuterLoop | None = None
         self._restored: dict[str, Any] | None = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if len(trainer.optimizers) != 1:
             raise ValueError(f"OuterLoopCallback needs exactly one optimizer, the module has {len(trainer.optimizers)}")
-        settings = dict(self.settings)
         # precision="16-mixed" steps through the precision plugin's GradScaler (None otherwise):
         # pytorch_lightning/plugins/precision/amp.py, MixedPrecision.optimizer_step (and fsdp.py's
         # FSDPPrecision.optimizer_step), calls scaler.step(optimizer) then scaler.update() once per optimizer
         # step. The loop must count a step that scaler skips on this worker alone, or the other workers wait
         # for an exchange this one never launches. A grad_scaler= of the user's own wins.
-        settings.setdefault("grad_scaler", getattr(trainer.precision_plugin, "scaler", None))
-        self.outer = OuterLoop(pl_module, trainer.optimizers[0], self.config, **settings)
+        self.outer = start_loop(pl_module, trainer.optimizers[0], self.config, self.peers, self.options,
+                                getattr(trainer.precision_plugin, "scaler", None))
         if self._restored is not None:  # fit(ckpt_path=...): Lightning restored the callbacks first
             self.outer.load_state_dict(self._restored)
             self._restored = None

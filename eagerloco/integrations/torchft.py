@@ -45,7 +45,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagerloco.config import ConfigError
+from eagerloco.comm.connect import Connection, connect
+from eagerloco.comm.errors import api_error
+from eagerloco.config import ConfigError, OuterConfig
 from eagerloco.hooks import OuterLoop
 
 
@@ -56,13 +58,18 @@ class Manager:
 
     Args:
         outer_addr, worker_id, workers: the outer rendezvous (each worker its own job).
-        **options: anything else :func:`eagerloco.outer_loop` takes (timeout_s, link, elastic, seed, ...).
+        **options: anything else :func:`eagerloco.comm.connect.connect` takes (timeout_s, link, elastic, seed,
+            init_sync, ...).
     """
 
     def __init__(self, outer_addr: str | None = None, worker_id: int | None = None, workers: int | None = None,
                  **options: Any) -> None:
         self.options = {"outer_addr": outer_addr, "worker_id": worker_id, "workers": workers, **options}
         self.loop: OuterLoop | None = None  # the DiLoCo that uses this manager
+
+    def connect(self) -> Connection:
+        """Join the other workers (:func:`~eagerloco.comm.connect.connect`), as DiLoCo does at its start."""
+        return connect(**self.options)
 
     def _loop(self) -> OuterLoop:
         if self.loop is None:
@@ -149,14 +156,16 @@ class DiLoCo(OuterLoop):
         if not fragments or not all(isinstance(f, nn.Module) for f in fragments):
             raise ConfigError("model_fragments must be a non-empty list of nn.Modules (torchft's fragments)")
         streaming = len(fragments) > 1 or fragment_sync_delay > 0
-        options = dict(manager.options) if manager is not None else {}
-        super().__init__(
-            nn.ModuleList(fragments), inner_optimizer, fragments=fragments,
-            outer_optimizer=outer_factory(outer_optimizer, len(fragments)),
-            method="streaming" if streaming else "diloco", sync_every=sync_every,
-            fragment_sync_delay=fragment_sync_delay, fragment_update_alpha=fragment_update_alpha,
-            codec="fp8" if should_quantize else "fp32", **options,
-        )
+        config = OuterConfig(method="streaming" if streaming else "diloco", inner_steps=sync_every,
+                             fragments=len(fragments), fragment_pattern="sequential", overlap_steps=fragment_sync_delay,
+                             alpha=fragment_update_alpha, codec="fp8" if should_quantize else "fp32")
+        factory = outer_factory(outer_optimizer, len(fragments))
+        try:  # before connecting: a bad setting meets nobody
+            config.validate()
+        except ConfigError as e:
+            raise api_error(e) from None
+        super().__init__(nn.ModuleList(fragments), inner_optimizer, config, blocks=fragments,
+                         peers=(manager or Manager()).connect(), outer_optimizer=factory)
         if manager is not None:
             manager.loop = self
 

@@ -4,21 +4,20 @@ its initial parameters, and the checkpoint step to resume from.
 The workers of a multi-process run each parse their own command line; nothing else stops two jobs
 started with a different ``--seed`` or ``--outer-lr`` from training two different models that never
 agree while both exit 0. Before the first step each process publishes what it will run
-(:mod:`eagerloco.comm.agreement`) and every difference stops every process with one line naming the
+(:mod:`eagerloco.comm.connect`) and every difference stops every process with one line naming the
 setting and each worker's value. Jobs resumed from different steps (each job its own checkpoints)
 resume from the newest step they all have.
 """
 
 from __future__ import annotations
 
-import itertools
 import sys
 from dataclasses import asdict, fields
 from typing import Any
 
 from torch import nn
 
-from eagerloco.comm.agreement import PREFIX, check_agreement, parameter_digest, publish_and_gather, shapes_digest
+from eagerloco.comm.rendezvous import check_agreement, parameter_digest, shapes_digest
 from eagerloco.config import ConfigError, TrainConfig, flag_name
 from eagerloco.train.resume import checkpoint_at, intact_steps
 from eagerloco.train.runtime import Found, Runtime
@@ -33,7 +32,6 @@ LOCAL_SETTINGS = frozenset({
     "ranks_per_worker", "fsdp", "backend", "outer_backend", "dist_timeout", "outer_addr", "worker_id", "rejoin",
     "kernel_link_gbps",
 })
-_RUNS = itertools.count()
 FIX = "Start every worker with the same settings (and --resume every one of them, or none)"
 
 
@@ -66,11 +64,7 @@ def agree_before_start(rt: Runtime, found: Found | None, model: nn.Module) -> Fo
     if found is None and not cfg.runtime.fsdp:  # a fresh start: the same seed must have given the same weights
         mine["initial parameters"] = parameter_digest(model.parameters())
     steps = intact_steps(cfg) if cfg.resume else None
-    # The n-th run of this process meets under its own keys: a process may run several (a benchmark
-    # that keeps its processes), and every process of the run runs the same ones.
-    everyone = publish_and_gather(place.store, place.me, place.ids, {"settings": mine, "steps": steps},
-                                  cfg.runtime.dist_timeout, place.name, place.where,
-                                  prefix=f"{PREFIX}{next(_RUNS)}/")
+    everyone = place.gather({"settings": mine, "steps": steps}, "start", cfg.runtime.dist_timeout)
     check_agreement({i: e["settings"] for i, e in everyone.items()}, place.name, FIX)
     if steps is None:
         return found

@@ -21,8 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from eagerloco.comm.errors import describe_exception, is_transport_failure
-from eagerloco.comm.groups import heartbeat_store, init_process_groups, set_worker_threads, shutdown
+from eagerloco.comm.groups import heartbeat_store, set_worker_threads, shutdown
 from eagerloco.comm.heartbeat import Heartbeat, blame_ranks, wait_for_key
+from eagerloco.comm.rendezvous import Meeting, init_process_groups
 from eagerloco.comm.worker import communicator_for
 from eagerloco.config import ConfigError
 from eagerloco.device import DeviceError, resolve_device
@@ -32,7 +33,7 @@ from eagerloco.signals import launcher_stopping, stopped_by
 from eagerloco.train.outputs import add_throughput, aggregate, per_worker
 from eagerloco.train.resume import check_resume_layout, has_worker
 from eagerloco.train.rundir import guard_run_dir
-from eagerloco.train.runtime import Found, Meeting, Runtime, device_count, num_params
+from eagerloco.train.runtime import Found, Runtime, device_count, num_params
 from eagerloco.train.worker import Worker
 
 

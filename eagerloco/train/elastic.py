@@ -20,13 +20,14 @@ from eagerloco import checkpoint as ckpt
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.elastic import Membership, outer_digest
 from eagerloco.comm.errors import PeerError
-from eagerloco.comm.groups import heartbeat_store, init_process_groups, set_worker_threads, shutdown, store_client
+from eagerloco.comm.groups import heartbeat_store, set_worker_threads, shutdown, store_client
 from eagerloco.comm.heartbeat import wait_for_key
+from eagerloco.comm.rendezvous import Meeting, init_process_groups
 from eagerloco.config import ConfigError
 from eagerloco.train.outputs import add_throughput, aggregate
 from eagerloco.train.resume import has_worker, own_last_state
 from eagerloco.train.rundir import guard_run_dir
-from eagerloco.train.runtime import Found, Meeting, Runtime, num_params
+from eagerloco.train.runtime import Found, Runtime, num_params
 from eagerloco.train.worker import Worker
 
 

@@ -2,7 +2,7 @@
 
 Each worker is its own process, started on its own (by hand, a scheduler, another machine), as the
 hook API's workers are: the jobs meet through the outer rendezvous worker 0 hosts
-(:func:`~eagerloco.comm.groups.join_outer_group`) and exchange on a gloo group of their own. The
+(:meth:`~eagerloco.comm.connect.Connection.outer`) and exchange on a gloo group of their own. The
 loop, algorithm and accounting are the trainer's; the worker trains on shard I of the data, exactly
 the shard worker I has in-process or under ``eagerloco launch``, so the numbers are those of the
 other runtimes' worker I.
@@ -18,15 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 
-from eagerloco.comm.distributed import TorchDistCommunicator
+from eagerloco.comm.connect import Connection
 from eagerloco.comm.errors import PeerError
-from eagerloco.comm.groups import OuterRendezvous, join_outer_group, leave_outer_group
 from eagerloco.comm.heartbeat import wait_for_key
+from eagerloco.comm.rendezvous import Meeting, OuterRendezvous
 from eagerloco.device import resolve_device
-from eagerloco.train.runtime import Found, Meeting, Runtime, num_params
+from eagerloco.train.runtime import Found, Runtime, num_params
 from eagerloco.train.worker import Worker
 
 
@@ -39,8 +38,8 @@ class JobRuntime(Runtime):
         super().__init__(*args, **kwargs)
         rc = self.cfg.runtime
         self.rdzv = OuterRendezvous.parse(str(rc.outer_addr), rc.worker_id, self.cfg.workers)
+        self.peers: Connection | None = None
         self.comm: Any = None
-        self.ctx: Any = None
         self.membership: Any = None
 
     def build(self, corpus: Any, tok: Any, base: nn.Module) -> dict[int, Worker]:
@@ -51,35 +50,19 @@ class JobRuntime(Runtime):
         model = base.to(device)
         stream = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed, iid=cfg.iid)[me]
         link = self.checked_link(num_params(model))
-        self.ctx = join_outer_group(self.rdzv, timeout_s)
-        self.comm = TorchDistCommunicator.from_context(self.ctx, link, seed=cfg.seed, timeout_s=timeout_s,
-                                                       device=device, elastic=cfg.runtime.elastic)
+        self.peers = Connection.outer(self.rdzv, link, timeout_s=timeout_s, seed=cfg.seed,
+                                      elastic=cfg.runtime.elastic, device=device)
+        self.comm, self.membership = self.peers.comm, self.peers.membership
         worker = Worker(model, self.comm, stream, cfg)
-        if cfg.runtime.elastic:
-            from eagerloco.comm.elastic_jobs import JobsMembership
-
-            oc = cfg.outer
-            self.membership = JobsMembership(self.ctx.outer_store, me, cfg.workers, timeout_s,
-                                             group=self.ctx.outer_group, inner_steps=oc.inner_steps,
-                                             is_dp=oc.per_step, steps=cfg.steps, delay=oc.apply_delay)
-            self.ctx.outer_group = None  # the membership owns the group (and its successors)
-            self.membership.attach(self.comm, worker)
+        self.peers.attach(cfg.outer, worker, steps=cfg.steps)
         return {me: worker}
 
     def close(self, error: BaseException | None) -> None:
-        try:
-            if self.comm is not None:  # a dead peer, a signal: drop what is queued, do not wait
-                self.comm.close(cancel=error is not None)
-        finally:
-            if self.membership is not None:
-                self.membership.teardown()
-            if self.ctx is not None:
-                leave_outer_group(self.ctx)
+        if self.peers is not None:  # a dead peer, a signal: drop what is queued, do not wait
+            self.peers.release(cancel=error is not None)
 
     def agreement(self) -> Meeting | None:
-        rdzv = self.rdzv
-        return Meeting(dist.PrefixStore("eagerloco/", self.ctx.outer_store), rdzv.worker, list(range(rdzv.workers)),
-                       lambda w: f"worker {w}", f"{rdzv.host}:{rdzv.port}")
+        return self.peers.meeting if self.peers is not None else None
 
     def ready(self, start_step: int, found: Found | None) -> None:
         super().ready(start_step, found)
@@ -92,7 +75,8 @@ class JobRuntime(Runtime):
     def after_eval(self, step: int) -> None:
         # Every job evaluates its own outer model, for as long as that takes: the others wait for it
         # here, outside any collective timeout, for as long as its heartbeat is fresh.
-        store, me = self.ctx.store, self.rdzv.worker
+        assert self.peers is not None and self.peers.ctx is not None
+        store, me = self.peers.ctx.store, self.rdzv.worker
         if store is None:
             return
         store.set(f"evaluated/{step}/{me}", "1")

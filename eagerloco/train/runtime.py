@@ -14,8 +14,6 @@ The four runtimes: :mod:`~eagerloco.train.inprocess` (M workers in this process,
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -25,6 +23,7 @@ from torch import nn
 
 from eagerloco import checkpoint as ckpt
 from eagerloco.comm.link import check_exchange_fits, emulated_link
+from eagerloco.comm.rendezvous import Meeting
 from eagerloco.config import Environment, LinkConfig, TrainConfig
 from eagerloco.train.manifest import RunManifest
 from eagerloco.train.resume import announce_resume, resume_checkpoint
@@ -33,18 +32,6 @@ from eagerloco.train.worker import Worker
 
 #: A checkpoint to continue from: its directory and its meta.json.
 Found = tuple[Path, dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class Meeting:
-    """Where the processes of a run agree before the first step: the run's store, this process's id
-    among the participants, every participant's id, how messages name one, and the store's address."""
-
-    store: Any
-    me: int
-    ids: list[int]
-    name: Callable[[int], str]
-    where: str = ""
 
 
 class Runtime:
@@ -194,4 +181,4 @@ def device_count(device: torch.device, world_size: int) -> int:
     return min(world_size, torch.cuda.device_count()) if device.type == "cuda" else 1
 
 
-__all__ = ["Found", "Meeting", "Runtime", "device_count", "num_params"]
+__all__ = ["Found", "Runtime", "device_count", "num_params"]

@@ -1,7 +1,7 @@
-"""The outer communication thread's work items, and the header workers compare before a payload moves.
+"""The outer communication thread's operations, and the header workers compare before a payload moves.
 
 Every operation a :class:`~eagerloco.comm.distributed.TorchDistCommunicator` runs (an exchange, a
-barrier, a schedule agreement) is a :class:`Job` on its :class:`~eagerloco.comm.exchange_queue.ExchangeQueue`.
+barrier, a schedule agreement) is an :class:`Op` on its :class:`~eagerloco.comm.exchange_queue.ExchangeQueue`.
 Unless the workers agreed on their schedule once (``agreed=True``), each starts with a 40-byte header
 all-gather: launch wall time, sequence number, size, payload bytes and codec. It goes first, alone:
 gloo aborts the process (or silently corrupts) when ranks all-gather buffers of different sizes, so
@@ -17,23 +17,23 @@ from dataclasses import dataclass
 import torch
 
 from eagerloco.codecs import CODEC_NAMES, Codec
-from eagerloco.comm.base import JobHandle
+from eagerloco.comm.base import OpHandle
 from eagerloco.comm.errors import ScheduleMismatchError
 
-#: ``Job.numel`` of a barrier (also what a header says for one).
+#: ``Op.numel`` of a barrier (also what a header says for one).
 BARRIER = -1
-#: ``Job.numel`` of a schedule agreement (its payload: the schedule's digest).
+#: ``Op.numel`` of a schedule agreement (its payload: the schedule's digest).
 AGREE = -2
 
 
 @dataclass
-class Job:
+class Op:
     """One operation on the communication thread's queue, in launch order."""
 
     seq: int
     numel: int  # BARRIER for a barrier, AGREE for an agreement
     launch_wall: float
-    handle: JobHandle  # landed by the queue, or by a survivor's result (elastic)
+    handle: OpHandle  # landed by the queue, or by a survivor's result (elastic)
     codec: Codec | None = None
     payload: torch.Tensor | None = None
     wire: int = 0
@@ -47,12 +47,12 @@ class Job:
     ready: object = None
 
 
-def header(job: Job) -> torch.Tensor:
-    """The job's header as bytes: launch wall time, sequence number, numel, payload bytes, codec id."""
-    codec = job.codec
-    nbytes = 0 if job.payload is None else job.payload.numel()
+def header(op: Op) -> torch.Tensor:
+    """The operation's header as bytes: launch wall time, sequence number, numel, payload bytes, codec id."""
+    codec = op.codec
+    nbytes = 0 if op.payload is None else op.payload.numel()
     codec_id = CODEC_NAMES.index(codec.name) if codec is not None and codec.name in CODEC_NAMES else -1
-    return torch.tensor([job.launch_wall, job.seq, job.numel, nbytes, codec_id], dtype=torch.float64).view(torch.uint8)
+    return torch.tensor([op.launch_wall, op.seq, op.numel, nbytes, codec_id], dtype=torch.float64).view(torch.uint8)
 
 
 def check_headers(rows: torch.Tensor, pos: int, members: Sequence[int], name: Callable[[int], str]) -> None:

@@ -1,0 +1,182 @@
+"""Connecting the workers of a run, for every entry point: :func:`connect` (the hook API, the callbacks, the
+torchft port) and :meth:`Connection.outer` (the trainer's separate jobs) join the other workers through
+:mod:`eagerloco.comm.rendezvous` (an outer store across separate jobs, a torchrun WORLD, or one worker
+alone) and return a :class:`Connection`: the communicator, where this process sits, the meeting where
+the workers agree before the first step, and what to give back at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from eagerloco.comm.base import Communicator
+from eagerloco.comm.elastic_jobs import JobsMembership
+from eagerloco.comm.errors import api_errors
+from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext
+from eagerloco.comm.rendezvous import (
+    Meeting,
+    OuterRendezvous,
+    init_process_groups,
+    join_outer_group,
+    leave_outer_group,
+)
+from eagerloco.config import ConfigError, LinkConfig, OuterConfig
+from eagerloco.environment import Environment
+
+
+# ---------------------------------------------------------------------------------------------- a connection
+@dataclass
+class Connection:
+    """How this process reaches the other workers, and what it must give back at the end.
+
+    Attributes:
+        comm: this worker's communicator.
+        ctx: where this process sits among the workers (None: a communicator given by the caller, or alone).
+        membership: the elastic membership across jobs (``elastic=True``), else None.
+        timeout_s: how long a wait for the others lasts.
+        seed: seeds the emulated link and stochastic rounding (mixed with the worker id).
+        init_sync: the workers start from worker 0's parameters (else each keeps its own, checked equal).
+    """
+
+    comm: Communicator
+    ctx: DistContext | None = None
+    membership: JobsMembership | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    seed: int = 0
+    init_sync: bool = True
+    owns_comm: bool = True
+    owns_world: bool = False  # this process initialized torch.distributed's WORLD
+    joined: bool = False  # the outer group was formed across jobs (join_outer_group)
+    meeting: Meeting | None = None
+
+    @classmethod
+    def given(cls, comm: Communicator, seed: int = 0) -> Connection:
+        """The caller joined the workers itself: nothing to agree on, nothing to release."""
+        return cls(comm, seed=seed, owns_comm=False)
+
+    @classmethod
+    def outer(cls, rdzv: OuterRendezvous, link: LinkConfig | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+              seed: int = 0, elastic: bool = False, init_sync: bool = True,
+              device: torch.device | None = None) -> Connection:
+        """Join the other workers as one job of several (:func:`join_outer_group`) and open the communicator
+        over the outer group; ``elastic``: with a membership that re-forms it when a worker dies.
+
+        Raises:
+            ConfigError, PeerError: as :func:`join_outer_group` (naming the command line's flags).
+        """
+        from eagerloco.comm.worker import communicator_for
+
+        ctx = join_outer_group(rdzv, timeout_s)
+        membership = None
+        try:
+            comm = communicator_for(ctx, link, seed=seed, timeout_s=timeout_s, device=device, elastic=elastic)
+            if elastic:
+                membership = JobsMembership(ctx.outer_store, rdzv.worker, rdzv.workers, timeout_s,
+                                            group=ctx.outer_group)
+                ctx.outer_group = None  # the membership owns the group (and its successors) from here
+        except BaseException:
+            leave_outer_group(ctx)
+            raise
+        return cls(comm, ctx, membership, timeout_s, seed, init_sync, joined=True,
+                   meeting=outer_meeting(ctx, rdzv.where))
+
+    @property
+    def is_reporting_rank(self) -> bool:
+        """Whether this process writes the worker's files and logs (rank 0 of its worker)."""
+        return self.ctx is None or self.ctx.rank_in_worker == 0
+
+    def attach(self, config: OuterConfig, trainer: Any = None, steps: int = 0) -> None:
+        """Give the elastic membership (if any) the schedule its changes follow, and the trainer it hands
+        state to: round boundaries (``config``), the run's last step (0: unknown)."""
+        m = self.membership
+        if m is None:
+            return
+        m.inner_steps, m.is_dp, m.delay, m.steps = config.inner_steps, config.per_step, config.apply_delay, steps
+        m.attach(self.comm, trainer)  # type: ignore[arg-type]
+
+    def agree(self, mine: Mapping[str, Any], topic: str, fix: str, fixes: Sequence[tuple[str, str]] = ()) -> None:
+        """Compare ``mine`` with every other worker's (:meth:`Meeting.agree`); nothing where there are none."""
+        if self.meeting is not None:
+            self.meeting.agree(mine, topic, self.timeout_s, fix, fixes)
+
+    def release(self, cancel: bool) -> None:
+        """Close the communicator (cancel: drop what is queued), the membership and the groups this took."""
+        try:
+            if self.owns_comm:
+                self.comm.close(cancel=cancel)
+        finally:
+            if self.membership is not None:
+                self.membership.teardown()
+            if self.joined and self.ctx is not None:
+                leave_outer_group(self.ctx)
+            if self.owns_world and dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def outer_meeting(ctx: DistContext, where: str = "") -> Meeting | None:
+    """The workers' meeting in the outer store (separate jobs) or the run's (one WORLD): their first ranks."""
+    store = dist.PrefixStore("eagerloco/", ctx.outer_store) if ctx.outer_store is not None else ctx.store
+    if not ctx.is_outer_rank or store is None:
+        return None
+    return Meeting(store, ctx.worker, list(range(ctx.workers)), lambda w: f"worker {w}", where)
+
+
+@api_errors
+def connect(outer_addr: str | None = None, worker_id: int | None = None, workers: int | None = None, *,
+            ranks_per_worker: int | None = None, link: LinkConfig | None = None,
+            timeout_s: float = DEFAULT_TIMEOUT_S, seed: int = 0, elastic: bool = False,
+            init_sync: bool = True, device: torch.device | None = None) -> Connection:
+    """Join the other workers: an outer rendezvous (the arguments, else EAGERLOCO_OUTER_ADDR / _WORKER_ID /
+    _WORKERS: each worker its own job), else the torchrun WORLD of M workers x R ranks, else this worker alone.
+
+    Args:
+        outer_addr, worker_id, workers: the outer rendezvous (worker 0 hosts a TCPStore at host:port).
+        ranks_per_worker: R, under one torchrun WORLD of M * R ranks.
+        link: an emulated slow link (bandwidth, latency) between the workers.
+        timeout_s: seconds before a silent worker is declared dead (and every wait here gives up).
+        seed: seeds the emulated link and stochastic rounding (mixed with the worker id).
+        elastic: with an outer rendezvous (one process per job), a worker that dies does not stop the
+            others: they re-form the outer group over worker 0's store (:mod:`eagerloco.comm.elastic_jobs`).
+        init_sync: the workers start from worker 0's parameters (as torchft's Manager does).
+        device: where the communicator hands means back (default: the parameters').
+
+    Raises:
+        ConfigError: ``workers`` > 1 without a way to reach the others, or an invalid rendezvous.
+        PeerError: the rendezvous did not complete within the timeout.
+    """
+    from eagerloco.comm.inprocess import InProcessGroup
+    from eagerloco.comm.worker import communicator_for
+
+    env = Environment.read()
+    rdzv = OuterRendezvous.find(outer_addr, worker_id, workers, env)
+    world = env.world_size or 1
+    if elastic and rdzv is None:
+        raise ConfigError("elastic=True needs each worker as its own job: pass outer_addr='host:port', worker_id "
+                          "and workers (or EAGERLOCO_OUTER_ADDR, ...). In one torchrun WORLD use `eagerloco "
+                          "launch --elastic -- <train args>`, whose trainer survives dead workers")
+    if elastic and world > 1:
+        raise ConfigError(f"elastic=True across jobs needs one process per job, but this job has WORLD_SIZE "
+                          f"{world}: start each worker as one process, or drop elastic")
+    if rdzv is not None:
+        return Connection.outer(rdzv, link, timeout_s=timeout_s, seed=seed, elastic=elastic, init_sync=init_sync,
+                                device=device)
+    if world > 1 and env.rank is not None:  # one WORLD of M workers x R ranks
+        r = ranks_per_worker or env.ranks_per_worker or 1
+        owns_world = not dist.is_initialized()
+        ctx = init_process_groups(workers or world // r, r, timeout_s=timeout_s)
+        return Connection(communicator_for(ctx, link, seed=seed, timeout_s=timeout_s, device=device), ctx,
+                          timeout_s=timeout_s, seed=seed, init_sync=init_sync, owns_world=owns_world,
+                          meeting=outer_meeting(ctx))
+    if workers not in (None, 1):
+        raise ConfigError(f"workers={workers} needs the other workers: pass outer_addr='host:port' and "
+                          "worker_id (each worker its own job), or start the workers with torchrun")
+    return Connection(InProcessGroup(1, link, seed=seed).communicator(0), timeout_s=timeout_s, seed=seed,
+                      init_sync=init_sync)
+
+
+__all__ = ["Connection", "connect", "outer_meeting"]

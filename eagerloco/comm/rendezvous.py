@@ -1,0 +1,445 @@
+"""How the workers of a run meet: the rendezvous, the agreement there, and the waits both take.
+
+The rendezvous: each worker its own job, meeting at an outer TCPStore worker 0 hosts
+(:func:`join_outer_group`), or one torchrun WORLD of M workers x R ranks (:func:`init_process_groups`).
+Before the first step the workers compare what must match through the run's store (:class:`Meeting`):
+a difference stops every worker with one line naming each value. Every entry point reaches these
+through :mod:`eagerloco.comm.connect`.
+
+Every wait here is bounded by the timeout, says every 10 s whom it waits for, and ends at once on
+Ctrl-C (:func:`poll`, the one deadline poll of the package, and :func:`bounded`): a TCPStore connecting
+to nobody, or a gloo group whose peers never come, blocks in C++ with no line and Ctrl-C ignored. The
+store's client is made only once something listens at its address (:func:`wait_for_listener`: its own
+retries print C++ frames).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import itertools
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from eagerloco.comm.errors import PeerError, describe_exception, is_transport_failure
+from eagerloco.comm.groups import (
+    DEFAULT_TIMEOUT_S,
+    HEARTBEAT_PREFIX,
+    OUTER_PG_PREFIX,
+    DistContext,
+    gloo_group,
+    process_groups,
+    world_backend,
+)
+from eagerloco.config import ConfigError
+from eagerloco.environment import Environment
+
+T = TypeVar("T")
+#: Seconds between the lines saying whom a wait still waits for.
+REPORT_EVERY_S = 10.0
+#: Where the agreements keep their keys in the run's store.
+AGREE_PREFIX = "agree/"
+#: The n-th connection (and meeting) of this process meets under its own keys: every process of a run makes
+#: the same ones, in the same order (a process may run several runs, or several outer loops).
+_MEETINGS = itertools.count()
+
+
+# ---------------------------------------------------------------------------------------------- bounded waits
+def poll(pending: Callable[[], Sequence[T]], timeout_s: float, waiting: Callable[[Sequence[T]], str] | None = None,
+         *, interval_s: float = 0.1, report_every_s: float = REPORT_EVERY_S,
+         started: float | None = None) -> Sequence[T]:
+    """Call ``pending()`` until it returns nothing or ``timeout_s`` has passed since ``started`` (default: now).
+
+    Every ``report_every_s`` it prints ``eagerloco: <waiting(what is pending)> (<s> s of <timeout>)``;
+    Ctrl-C ends it at once (nothing is waited on blindly). ``pending`` may raise to end the wait early.
+
+    Returns:
+        What was still pending at the deadline (empty: nothing, the wait succeeded).
+    """
+    start = time.monotonic() if started is None else started
+    last = time.monotonic()
+    while True:
+        left = pending()
+        now = time.monotonic()
+        if not left or now - start >= timeout_s:
+            return left
+        if waiting is not None and now - last >= report_every_s:
+            last = now
+            print(f"eagerloco: {waiting(left)} ({now - start:.0f} s of {timeout_s:g})", file=sys.stderr, flush=True)
+        if interval_s > 0:
+            time.sleep(interval_s)
+
+
+def bounded(fn: Callable[[], T], timeout_s: float, waiting: str, report_every_s: float = REPORT_EVERY_S,
+            slack_s: float = 5.0, started: float | None = None) -> T:
+    """``fn()``, which may block in C++ (a TCPStore connecting, a gloo group forming), run on a daemon thread
+    that this one polls, so that the wait is bounded, says what it waits for and ends at once on Ctrl-C.
+
+    A call left running after a timeout or Ctrl-C dies with the process. ``started``: the
+    ``time.monotonic()`` at which the wait began, where an earlier step of it already took some of the timeout.
+
+    Raises:
+        TimeoutError: ``fn`` did not return within timeout_s plus ``slack_s`` (its own timeout, where it
+            has one, should end it first and say why).
+        Exception: what ``fn`` raised.
+    """
+    result: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            result.append((True, fn()))
+        except BaseException as e:  # handed to the waiting thread
+            result.append((False, e))
+
+    def running() -> list[threading.Thread]:
+        t.join(0.1)
+        return [] if result else [t]
+
+    t = threading.Thread(target=run, name="eagerloco-rendezvous", daemon=True)
+    t.start()
+    if poll(running, timeout_s + slack_s, lambda _: waiting, interval_s=0, report_every_s=report_every_s,
+            started=started):
+        raise TimeoutError(f"{waiting}: no answer within {timeout_s:g} s")
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
+def wait_for_listener(host: str, port: int, timeout_s: float, waiting: str,
+                      report_every_s: float = REPORT_EVERY_S) -> None:
+    """Wait until something accepts connections at ``host:port`` (worker 0's store listening), probing with
+    plain connections closed at once.
+
+    Raises:
+        TimeoutError: nothing accepted a connection within timeout_s.
+        OSError: the host name cannot be resolved (socket.gaierror).
+    """
+    def closed() -> list[str]:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return []
+        except socket.gaierror:
+            raise
+        except OSError:  # refused, unreachable, timed out: not there yet
+            return [f"{host}:{port}"]
+
+    if poll(closed, timeout_s, lambda _: waiting, interval_s=0.2, report_every_s=report_every_s):
+        raise TimeoutError(f"{waiting}: no answer within {timeout_s:g} s")
+
+
+# ---------------------------------------------------------------------------------------------- agreement
+def parameter_digest(tensors: Iterable[torch.Tensor]) -> str:
+    """SHA-256 of the values of ``tensors``: equal digests, bit-identical tensors."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def shapes_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The parameter names and shapes of a model, in a few words: count, size and a digest."""
+    items = [(n, list(p.shape), str(p.dtype)) for n, p in named]
+    digest = hashlib.sha256(json.dumps(items).encode()).hexdigest()[:12]
+    return f"{len(items)} tensors, {sum(torch.Size(s).numel() for _, s, _ in items):,} values ({digest})"
+
+
+def publish_and_gather(store: dist.Store, me: int, ids: list[int], mine: Mapping[str, Any], timeout_s: float,
+                       name: Callable[[int], str], where: str = "", prefix: str = AGREE_PREFIX,
+                       report_every_s: float = REPORT_EVERY_S) -> dict[int, dict[str, Any]]:
+    """Publish ``mine`` (JSON) as participant ``me`` under ``<prefix><me>`` and return every participant's, by id.
+
+    Raises:
+        PeerError: a participant did not publish within the timeout (it is named).
+    """
+    store.set(f"{prefix}{me}", json.dumps(mine, sort_keys=True, default=str))
+    at = f" at {where}" if where else ""
+    missing = poll(lambda: [i for i in ids if i != me and not store.check([f"{prefix}{i}"])], timeout_s,
+                   lambda left: f"{name(me)}: waiting for {', '.join(name(i) for i in left)}{at}",
+                   report_every_s=report_every_s)
+    if missing:
+        raise PeerError(f"{name(me)}: {', '.join(name(i) for i in missing)} did not arrive within {timeout_s:g} s"
+                        f"{at}; start every worker with the same rendezvous (and check that each one started)",
+                        list(missing))
+    return {i: json.loads(store.get(f"{prefix}{i}").decode()) for i in ids}
+
+
+def differences(everyone: Mapping[int, Mapping[str, Any]], name: Callable[[int], str]) -> list[str]:
+    """Each setting whose value differs between participants, with every participant's value."""
+    out = []
+    for key in sorted({k for settings in everyone.values() for k in settings}):
+        values = {i: settings.get(key) for i, settings in everyone.items()}
+        if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
+            out.append(f"{key} (" + ", ".join(f"{name(i)}: {_show(v)}" for i, v in values.items()) + ")")
+    return out
+
+
+def check_agreement(everyone: Mapping[int, Mapping[str, Any]], name: Callable[[int], str], fix: str,
+                    fixes: Sequence[tuple[str, str]] = ()) -> None:
+    """Raise ConfigError, one line, naming each setting that differs and each participant's value.
+
+    ``fix``: what to do about a difference; ``fixes``: (setting or its first words, what to do) where a
+    setting has advice of its own."""
+    diff = differences(everyone, name)
+    if not diff:
+        return
+    keys = [d.split(" (", 1)[0] for d in diff]
+    advice = [next((f for what, f in fixes if k == what or k.startswith(f"{what} ")), fix) for k in keys]
+    raise ConfigError(f"the workers disagree on settings that must match: {'; '.join(diff)}. "
+                      f"{' '.join(dict.fromkeys(advice))}")
+
+
+def _show(v: Any) -> str:
+    return "absent" if v is None else json.dumps(v) if isinstance(v, (dict, list)) else str(v)
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """Where the processes of a run agree before the first step: the run's store, this process's id among
+    the participants, every participant's id, how messages name one, and the store's address."""
+
+    store: Any
+    me: int
+    ids: list[int]
+    name: Callable[[int], str]
+    where: str = ""
+    prefix: str = field(default_factory=lambda: f"{AGREE_PREFIX}{next(_MEETINGS)}/")
+
+    def gather(self, mine: Mapping[str, Any], topic: str, timeout_s: float) -> dict[int, dict[str, Any]]:
+        """Every participant's ``mine`` on ``topic``, by id (:func:`publish_and_gather`)."""
+        return publish_and_gather(self.store, self.me, self.ids, mine, timeout_s, self.name, self.where,
+                                  prefix=f"{self.prefix}{topic}/")
+
+    def agree(self, mine: Mapping[str, Any], topic: str, timeout_s: float, fix: str,
+              fixes: Sequence[tuple[str, str]] = ()) -> None:
+        """Compare ``mine`` with every participant's (:func:`check_agreement`).
+
+        Raises:
+            ConfigError: naming each difference and each participant's value.
+            PeerError: a participant did not arrive within the timeout.
+        """
+        check_agreement(self.gather(mine, topic, timeout_s), self.name, fix, fixes)
+
+
+# ---------------------------------------------------------------------------------------------- rendezvous
+def init_world(backend: str, timeout_s: float, env: Environment) -> None:
+    """``dist.init_process_group`` over the launcher's variables (env://), in a bounded wait.
+
+    Raises:
+        PeerError: the run's other processes did not all arrive, or the rendezvous store cannot be reached.
+    """
+    rank, world = env.rank or 0, env.world_size or 1
+    where = f"{env.master_addr or 'localhost'}:{env.master_port or '?'}"
+    me = f"rank {rank}"
+    fix = (f"start all {world} processes of the run (WORLD_SIZE) with the same MASTER_ADDR and MASTER_PORT "
+           "(eagerloco launch and torchrun do), and see the other ranks' logs")
+    waiting = f"{me}: waiting for the run's {world} processes at {where}"
+    # The current GPU is per thread: the waiting thread starts NCCL on this thread's.
+    gpu = torch.cuda.current_device() if backend == "nccl" and torch.cuda.is_available() else None
+
+    def init() -> None:
+        if gpu is not None:
+            torch.cuda.set_device(gpu)
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+
+    started = time.monotonic()
+    try:
+        if rank != 0 and env.master_port is not None:  # the store's client retries with C++ frames: connect once
+            wait_for_listener(env.master_addr or "localhost", env.master_port, timeout_s, waiting)  # it listens
+        bounded(init, timeout_s, waiting, started=started)
+    except TimeoutError:
+        raise PeerError(f"{me}: the run's {world} processes did not all arrive at {where} within {timeout_s:g} s; "
+                        f"{fix}", []) from None
+    except Exception as e:
+        if not (is_transport_failure(e) or isinstance(e, OSError)):
+            raise
+        raise PeerError(f"{me}: the run's rendezvous at {where} failed ({describe_exception(e)}); {fix}", []) from None
+
+
+def init_process_groups(workers: int, ranks_per_worker: int = 1, backend: str | None = None,
+                        timeout_s: float = DEFAULT_TIMEOUT_S, outer_backend: str | None = "gloo",
+                        sharded_outer: bool = False) -> DistContext:
+    """Join the run started by torchrun or ``eagerloco launch`` (its WORLD, in a bounded wait) and build the
+    inner and outer groups (:func:`~eagerloco.comm.groups.process_groups`, which says what each one is).
+
+    Raises:
+        ConfigError: an invalid setting, or a WORLD of another size than M x R.
+        PeerError: the run's other processes did not all arrive within the timeout.
+    """
+    backend, device = world_backend(workers, ranks_per_worker, backend, timeout_s, outer_backend, sharded_outer)
+    env = Environment.read()
+    if not dist.is_initialized():
+        init_world(backend, timeout_s, env)
+    elif dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+        raise RuntimeError("torch.distributed is already initialized with a different rank or world size")
+    return process_groups(workers, ranks_per_worker, backend, device, timeout_s, outer_backend, sharded_outer)
+
+
+@dataclass(frozen=True)
+class OuterRendezvous:
+    """Where the workers of a run find each other when each is its own job: worker 0 hosts a TCPStore at
+    host:port, every worker's first rank connects to it."""
+
+    host: str
+    port: int
+    worker: int
+    workers: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, addr: str, worker: int | None, workers: int | None) -> OuterRendezvous:
+        """From ``host:port``, this worker's id and the number of workers; ConfigError if invalid."""
+        host, sep, port = str(addr).rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ConfigError(f"--outer-addr must be host:port with a port in 1..65535, got {addr!r}")
+        if workers is None or isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"--workers must be an integer >= 1 with --outer-addr, got {workers!r}")
+        if worker is None or isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < workers:
+            raise ConfigError(f"--worker-id must be an integer in 0..{workers - 1} (one per job), got {worker!r}")
+        return cls(host.strip("[]"), int(port), worker, workers)
+
+    @classmethod
+    def find(cls, outer_addr: str | None, worker_id: int | None, workers: int | None,
+             env: Environment) -> OuterRendezvous | None:
+        """The rendezvous the arguments give, else the environment's (EAGERLOCO_OUTER_ADDR, ...); None: none."""
+        if outer_addr:
+            return cls.parse(outer_addr, worker_id, workers)
+        if env.outer_addr:
+            return cls.parse(env.outer_addr, env.worker_id, env.workers)
+        return None
+
+
+def wait_for_workers(store: dist.Store, me: int, workers: int, timeout_s: float, where: str,
+                     report_every_s: float = REPORT_EVERY_S) -> None:
+    """Wait until all ``workers`` joined the outer store (each set ``eagerloco/join/<id>`` and its M).
+
+    Raises:
+        ConfigError: a worker was started with another number of workers (named, with both numbers).
+        PeerError: a worker did not join within the timeout (named), or, on a worker other than 0, the
+            store went away meanwhile (worker 0, which hosts it, stopped).
+    """
+    def missing() -> list[int]:
+        others = [w for w in range(workers) if w != me]
+        try:
+            present = [w for w in others if store.check([f"eagerloco/join/{w}"])]
+            sizes = {w: int(store.get(f"eagerloco/size/{w}").decode()) if store.check([f"eagerloco/size/{w}"])
+                     else workers for w in present}
+        except Exception as e:
+            if me == 0 or not is_transport_failure(e):
+                raise
+            names = ", ".join(f"worker {w}" for w in others)
+            raise PeerError(f"worker {me}: worker 0 stopped while the workers waited for {names} at {where} (its "
+                            f"outer store is gone: {describe_exception(e)}); start all {workers} workers with the "
+                            "same --outer-addr and --workers, and see worker 0's log", [0, *others]) from None
+        for w, other in sizes.items():
+            if other != workers:
+                raise ConfigError(f"the workers at {where} were started with different --workers: worker {me} with "
+                                  f"{workers}, worker {w} with {other}; start every worker with the same --workers")
+        return [w for w in others if w not in present]
+
+    def names(left: Sequence[int]) -> str:
+        return ", ".join(f"worker {w}" for w in left)
+
+    left = poll(missing, timeout_s, lambda left: f"worker {me}: waiting for {names(left)} at {where}",
+                report_every_s=report_every_s)
+    if left:
+        raise PeerError(f"worker {me}: {names(left)} did not join the outer rendezvous at {where} within "
+                        f"{timeout_s:g} s; start all {workers} workers with the same --outer-addr and --workers",
+                        list(left))
+
+
+def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
+    """Join the other workers as one job of several: this job's WORLD is the worker's inner group.
+
+    The job's WORLD (torchrun's, or one process alone) is left as it is: its ranks are the worker's
+    data-parallel (or FSDP) ranks. If RANK and WORLD_SIZE say the job has several processes and nobody
+    initialized WORLD yet, it is initialized here (env://). The job's rank 0 connects to the TCPStore
+    worker 0 hosts at ``host:port`` (worker 0's first rank starts it) and forms the outer gloo group of the
+    M workers under its own key prefix. Heartbeats go to the same store.
+
+    Raises:
+        ConfigError: an invalid setting, two jobs with the same worker id, or workers that disagree on M.
+        PeerError: the rendezvous did not complete within timeout_s.
+    """
+    if not (timeout_s > 0):
+        raise ConfigError(f"--dist-timeout must be a positive number of seconds, got {timeout_s}")
+    env = Environment.read()
+    rank, world = env.rank or 0, env.world_size or 1
+    if not dist.is_initialized() and world > 1:
+        init_world("nccl" if torch.cuda.is_available() else "gloo", timeout_s, env)
+    backend = "gloo"
+    if dist.is_initialized():
+        rank, world, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
+    local_rank = env.local_rank or 0
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
+    ctx = DistContext(rank=rank, world_size=world, worker=rdzv.worker, rank_in_worker=rank, workers=rdzv.workers,
+                      ranks_per_worker=world, local_rank=local_rank, device=device, backend=backend,
+                      timeout_s=timeout_s, separate_jobs=True)
+    if rank != 0:
+        return ctx
+    where, me = rdzv.where, f"worker {rdzv.worker}"
+    what = "start the outer store at" if rdzv.worker == 0 else "reach worker 0's outer store at"
+    waiting = f"{me}: waiting for worker 0's outer store at {where}"
+    started = time.monotonic()
+    try:  # a connection that never answers must not hold the job past the timeout, nor ignore Ctrl-C
+        if rdzv.worker != 0:  # the store's client only once worker 0 listens: its own retries print C++ frames
+            wait_for_listener(rdzv.host, rdzv.port, timeout_s, waiting)
+        store = bounded(lambda: dist.TCPStore(rdzv.host, rdzv.port, is_master=rdzv.worker == 0,
+                                              wait_for_workers=False, timeout=timedelta(seconds=timeout_s)),
+                        timeout_s, waiting, started=started)
+    except TimeoutError:
+        raise PeerError(f"{me} cannot {what} {where}: no answer within {timeout_s:g} s; check --outer-addr and "
+                        "that worker 0 runs", [0]) from None
+    except Exception as e:
+        raise PeerError(f"{me} cannot {what} {where} ({describe_exception(e)}); check --outer-addr and that "
+                        "worker 0 runs", [0]) from None
+    if store.add(f"eagerloco/join/{rdzv.worker}", 1) != 1:
+        raise ConfigError(f"two jobs joined {where} as worker {rdzv.worker}: give each job its own --worker-id "
+                          f"in 0..{rdzv.workers - 1} (or use a fresh --outer-addr port for a new run)")
+    store.set(f"eagerloco/size/{rdzv.worker}", str(rdzv.workers))
+    wait_for_workers(store, rdzv.worker, rdzv.workers, timeout_s, where)
+    try:
+        group = bounded(lambda: gloo_group(dist.PrefixStore(OUTER_PG_PREFIX, store), rdzv.worker, rdzv.workers,
+                                           timeout_s), timeout_s, f"{me}: forming the outer group at {where}")
+    except Exception as e:
+        raise PeerError(f"{me}: the outer rendezvous at {where} did not complete within {timeout_s:g} s "
+                        f"({describe_exception(e)}); start all {rdzv.workers} workers with the same --outer-addr "
+                        "and --workers", []) from None
+    ctx.outer_group, ctx.outer_store = group, store
+    ctx.store = dist.PrefixStore(HEARTBEAT_PREFIX, store)
+    return ctx
+
+
+def leave_outer_group(ctx: DistContext) -> None:
+    """Shut down a group formed across jobs (:func:`join_outer_group`) now, and free it and its store.
+
+    Such a group is not WORLD's, so ``destroy_process_group`` does not know it, and gloo's ``shutdown()``
+    stops none of its threads: they end only when the group is freed. Left to the interpreter's exit (a
+    framework's trainer holding the loop in a reference cycle), it is freed while Python is torn down,
+    which can abort a process that succeeded (status 134). The cycles that still hold it are collected here.
+    """
+    group = ctx.outer_group
+    if group is not None:
+        group.shutdown()
+    ctx.outer_group = None
+    ctx.store = ctx.outer_store = None
+    del group
+    gc.collect()
+
+
+__all__ = ["AGREE_PREFIX", "REPORT_EVERY_S", "Meeting", "OuterRendezvous", "bounded", "check_agreement", "differences",
+           "init_process_groups", "init_world", "join_outer_group", "leave_outer_group", "parameter_digest", "poll",
+           "publish_and_gather", "shapes_digest", "wait_for_listener", "wait_for_workers"]
