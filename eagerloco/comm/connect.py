@@ -120,7 +120,8 @@ class Connection:
 
 def outer_meeting(ctx: DistContext, where: str = "") -> Meeting | None:
     """The workers' meeting in the outer store (separate jobs) or the run's (one WORLD): their first ranks."""
-    store = dist.PrefixStore("eagerloco/", ctx.outer_store) if ctx.outer_store is not None else ctx.store
+    # torch.distributed imports PrefixStore from its C module without re-exporting it for type checkers.
+    store = dist.PrefixStore("eagerloco/", ctx.outer_store) if ctx.outer_store is not None else ctx.store  # type: ignore[attr-defined]
     if not ctx.is_outer_rank or store is None:
         return None
     return Meeting(store, ctx.worker, list(range(ctx.workers)), lambda w: f"worker {w}", where)
