@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -29,3 +30,18 @@ def test_the_wheel_carries_py_typed(tmp_path: Path) -> None:
     (wheel,) = (tmp_path / "dist").glob("eagerloco-*.whl")
     with zipfile.ZipFile(wheel) as z:
         assert "eagerloco/py.typed" in z.namelist()
+
+
+@pytest.mark.processes
+def test_a_type_checker_sees_the_top_level_signatures(tmp_path: Path) -> None:
+    """``eagerloco.outer_loop`` and ``eagerloco.connect`` are loaded lazily at run time, but a type checker sees
+    their signatures (not ``Any``)."""
+    user = tmp_path / "user.py"
+    user.write_text("import eagerloco\nreveal_type(eagerloco.outer_loop)\nreveal_type(eagerloco.connect)\n"
+                    "eagerloco.outer_loop(1, 2, method='eager')\n")
+    done = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(user)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "MYPYPATH": str(REPO)})
+    out = done.stdout
+    assert "Revealed type is \"def (model: torch.nn.modules.module.Module, inner_optimizer: Any, config:" in out, out
+    assert "-> eagerloco.comm.connect.Connection" in out, out
+    assert 'Unexpected keyword argument "method"' in out, out  # the algorithm's settings go in an OuterConfig
