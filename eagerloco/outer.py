@@ -190,7 +190,7 @@ class OuterSync:
         grads = [local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p))
                  for p in self._grad_params]
         self._grad_handle = self.comm.allreduce_mean(grads, self.codec, self.generator, keep_own=False,
-                                                     **self._agreed())
+                                                     transport=self.config.transport, **self._agreed())
         self.comm.add_overhead(time.perf_counter() - t0)
 
     def finish_grads(self) -> None:
@@ -254,7 +254,8 @@ class OuterSync:
                 sent = [t * scale for t in sent]
             # Only eager and error feedback read their own share back (handle.own); elsewhere the runtime may reuse it.
             handle = self.comm.allreduce_mean(sent, self.codec, self.generator,
-                                              keep_own=self.own_state or feedback is not None, **self._agreed())
+                                              keep_own=self.own_state or feedback is not None,
+                                              transport=cfg.transport, **self._agreed())
             if feedback is not None and scale:  # the buffer loses what it sent (unweighted)
                 feedback.sent(p, handle.own if scale == 1.0 else [o / scale for o in handle.own])
             # Eager applies its own share now: the outer gradient itself, or with error feedback what it
@@ -321,7 +322,7 @@ class OuterSync:
             describe = (f"method {cfg.method}, H {cfg.inner_steps}, {cfg.fragments} fragment(s) of "
                         f"{sizes} values ({cfg.fragment_pattern}), overlap {cfg.overlap_steps}, "
                         f"eager rounds {cfg.eager_rounds}, codec {self.codec.name}/{cfg.codec_block}, "
-                        f"error feedback {cfg.error_feedback}, adaptive steps "
+                        f"transport {cfg.transport}, error feedback {cfg.error_feedback}, adaptive steps "
                         f"{(cfg.worker_speeds or 'measured') if cfg.adaptive_steps else 'off'}, "
                         f"at step {self.step} of {self.num_workers} workers")
             self._agreement = self.comm.agree(describe.encode(), describe)
