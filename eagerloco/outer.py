@@ -253,9 +253,8 @@ class OuterSync:
             if scale != 1.0:
                 sent = [t * scale for t in sent]
             # Only eager and error feedback read their own share back (handle.own); elsewhere the runtime may reuse it.
-            handle = self.comm.allreduce_mean(sent, self.codec, self.generator,
-                                              keep_own=self.own_state or feedback is not None,
-                                              transport=cfg.transport, **self._agreed())
+            handle = self.comm.allreduce_mean(sent, self.codec, self.generator, transport=cfg.transport,
+                                              keep_own=self.own_state or feedback is not None, **self._agreed())
             if feedback is not None and scale:  # the buffer loses what it sent (unweighted)
                 feedback.sent(p, handle.own if scale == 1.0 else [o / scale for o in handle.own])
             # Eager applies its own share now: the outer gradient itself, or with error feedback what it
