@@ -92,11 +92,11 @@ def markdown(out: dict) -> str:
                      f"| {rs['simulated']:,.0f} | {fp['measured']:,} "
                      f"| {rs['measured'] / first['reduce-scatter']['measured']:.2f}x |")
     last = out["rows"][-1]
+    growth = {t: last[t]["measured"] / first[t]["measured"] for t in TRANSPORTS}
     lines += [
         "",
-        f"At M = {last['workers']} the reduce-scatter sends {last['reduce-scatter']['measured'] / first['reduce-scatter']['measured']:.2f}x "
-        f"what it sends at M = {first['workers']} (the goal: within 2x); the all-gather "
-        f"{last['allgather']['measured'] / first['allgather']['measured']:.1f}x. The reduce-scatter tends to "
+        f"At M = {last['workers']} the reduce-scatter sends {growth['reduce-scatter']:.2f}x what it sends at "
+        f"M = {first['workers']} (the goal: within 2x); the all-gather {growth['allgather']:.1f}x. It tends to "
         "2 payloads, the ring all-reduce's 2(M-1)/M, plus at most one scale block of padding per shard.",
         "",
     ]
