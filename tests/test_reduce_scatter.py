@@ -16,7 +16,7 @@ from eagerloco.comm.base import flatten, wire_bytes
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.inprocess import InProcessGroup
 from eagerloco.config import ConfigError, OuterConfig, TrainConfig
-from eagerloco.sim.model import Variant, exchange_wire_bytes
+from eagerloco.sim.model import ModelSpec, Variant, exchange_wire_bytes, traffic
 
 DENSE = [n for n in CODEC_NAMES if n != "fp32"]
 NUMEL = 1000  # not a multiple of the block: a partial block, and padding in the last shard
@@ -232,3 +232,16 @@ def test_toy_model_trains_with_reduce_scatter() -> None:
     _, syncs, _, _ = run_inprocess(cfg, 3, 6, seeded_grads(5), model=Toy())
     for a, b in zip(syncs[0].outer[0], syncs[2].outer[0], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("workers", [2, 8, 32])
+def test_simulator_charges_a_round_what_the_communicator_counts(workers: int) -> None:
+    """`simulate --transport reduce-scatter`: a DiLoCo round of the tiny model's size costs each worker what
+    the in-process communicator counts for that exchange; all-gathered, M-1 payloads."""
+    numel = 820_352
+    model = ModelSpec("tiny", numel, 4, 0.1)
+    variant = Variant("diloco", "DiLoCo e2m1", "diloco", 4)
+    rs = traffic(model, variant, workers, 10, 1, transport="reduce-scatter")
+    assert rs.transfers == [reduce_scatter_wire_bytes("e2m1", numel, workers)]
+    ag = traffic(model, variant, workers, 10, 1, transport="allgather")
+    assert ag.transfers == [(workers - 1) * packed_nbytes("e2m1", numel)]
