@@ -436,6 +436,7 @@ def outer_loop(
     codec: str | None = None,
     codec_block: int | None = None,
     stochastic_rounding: bool | None = None,
+    transport: str | None = None,
     topk: int | None = None,
     topk_chunk: int | None = None,
     error_feedback: float | None = None,
@@ -485,6 +486,8 @@ def outer_loop(
         codec: the outer gradient's format on the link (fp32, bf16, fp8, int8, e2m1, ...) [fp32].
         codec_block: values sharing one scale in the block formats [32].
         stochastic_rounding: round the quantized payload stochastically [False].
+        transport: how a quantized dense exchange moves: allgather, or reduce-scatter (about two payloads
+            per worker whatever M, one more rounding) [allgather].
         topk, topk_chunk: send only the ``topk`` entries of largest magnitude of every chunk of
             ``topk_chunk`` values, with their positions [None: every value; 4096].
         error_feedback: beta, keep what the compressed exchange did not send and add it to the next
