@@ -184,7 +184,7 @@ class AdaptiveSteps:
         speed = self.meter.steps_per_s if self.measured else self.config.worker_speeds[rank]
         mine[rank] = speed * self.comm.num_workers
         self.pending = self.comm.allreduce_mean([mine.to(torch.float32)], get_codec("fp32"), None, keep_own=False,
-                                                **agreed)
+                                                transport="allgather", **agreed)
         return waited
 
     def resize(self, speeds: list[float], contributors: Sequence[int] | None) -> None:
