@@ -102,9 +102,9 @@ class OuterSync:
         cfg = self.config
         block_list = find_blocks(model) if blocks is None else list(blocks)
         cfg.validate(num_blocks=len(block_list))
-        self.model = model
-        self.inner_optimizer = inner_optimizer
-        self.comm = comm
+        self.model, self.inner_optimizer, self.comm = model, inner_optimizer, comm
+        # Named to the communicator only when not its default, so one written before transports existed still works.
+        self._transport: dict[str, Any] = {} if cfg.transport == "allgather" else {"transport": cfg.transport}
         self.codec = get_codec(cfg.codec, block_size=cfg.codec_block, stochastic=cfg.stochastic_rounding,
                                topk=cfg.topk, chunk=cfg.topk_chunk)
         # On the parameters' device: the codecs draw their rounding noise where they encode.
@@ -190,7 +190,7 @@ class OuterSync:
         grads = [local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p))
                  for p in self._grad_params]
         self._grad_handle = self.comm.allreduce_mean(grads, self.codec, self.generator, keep_own=False,
-                                                     transport=self.config.transport, **self._agreed())
+                                                     **self._transport, **self._agreed())
         self.comm.add_overhead(time.perf_counter() - t0)
 
     def finish_grads(self) -> None:
@@ -253,7 +253,7 @@ class OuterSync:
             if scale != 1.0:
                 sent = [t * scale for t in sent]
             # Only eager and error feedback read their own share back (handle.own); elsewhere the runtime may reuse it.
-            handle = self.comm.allreduce_mean(sent, self.codec, self.generator, transport=cfg.transport,
+            handle = self.comm.allreduce_mean(sent, self.codec, self.generator, **self._transport,
                                               keep_own=self.own_state or feedback is not None, **self._agreed())
             if feedback is not None and scale:  # the buffer loses what it sent (unweighted)
                 feedback.sent(p, handle.own if scale == 1.0 else [o / scale for o in handle.own])
@@ -308,7 +308,7 @@ class OuterSync:
         self.launch_outer()
         self.finish_outer()
 
-    def _agreed(self) -> dict[str, bool]:
+    def _agreed(self) -> dict[str, Any]:
         """Agree with the other workers, once, on everything that decides which exchanges this object
         launches when; a runtime may then skip its per-exchange check (a round trip on the link).
 
