@@ -20,7 +20,8 @@ from eagerloco.codecs import get_codec
 from eagerloco.comm.base import flatten, wire_bytes
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.inprocess import InProcessGroup
-from eagerloco.config import ConfigError, OuterConfig, TrainConfig
+from eagerloco.comm.link import check_exchange_fits
+from eagerloco.config import ConfigError, LinkConfig, OuterConfig, TrainConfig
 from eagerloco.model import GPT, model_config
 from eagerloco.sim.model import ModelSpec, Variant, exchange_wire_bytes, traffic
 
@@ -265,3 +266,17 @@ def test_train_with_transport_reduce_scatter_counts_the_shards(tmp_path: Path) -
     assert summary["syncs_per_worker"] == 2
     assert summary["bytes_sent_per_worker"] == 2 * reduce_scatter_wire_bytes("e2m1", numel, 4)
     assert math.isfinite(summary["final_eval_loss"])
+
+
+def test_the_timeout_check_counts_the_shards() -> None:
+    """At M = 32 an all-gathered exchange of 1e6 e2m1 values takes 31 payloads on the link, the reduce-scatter
+    about 2: a link and timeout between the two refuse the first only."""
+    link = LinkConfig(bandwidth_gbps=0.01)  # 14 s for 31 payloads of 0.56 MB, 0.9 s for the shards
+    numel = 1_000_000
+    for transport, fits in (("allgather", False), ("reduce-scatter", True)):
+        outer = OuterConfig(codec="e2m1", transport=transport)
+        if fits:
+            check_exchange_fits(link, outer, 32, numel, timeout_s=5.0)
+        else:
+            with pytest.raises(ConfigError, match="--dist-timeout"):
+                check_exchange_fits(link, outer, 32, numel, timeout_s=5.0)
