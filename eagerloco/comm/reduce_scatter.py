@@ -13,7 +13,8 @@ grid). ``handle.own`` stays the first quantization: error feedback keeps what th
 does not absorb the second (the shard's owner alone knows it, after the exchange).
 
 The same functions serve the in-process runtime (exact math, the simulated link's bytes) and the
-torch.distributed one (whose collectives move the rows these functions lay out).
+torch.distributed one (whose collectives move the rows these functions lay out). An emulated link
+charges the exchange its wire bytes and one latency, as it does every exchange.
 """
 
 from __future__ import annotations
