@@ -103,8 +103,6 @@ class OuterSync:
         block_list = find_blocks(model) if blocks is None else list(blocks)
         cfg.validate(num_blocks=len(block_list))
         self.model, self.inner_optimizer, self.comm = model, inner_optimizer, comm
-        # Named to the communicator only when not its default, so one written before transports existed still works.
-        self._transport: dict[str, Any] = {} if cfg.transport == "allgather" else {"transport": cfg.transport}
         self.codec = get_codec(cfg.codec, block_size=cfg.codec_block, stochastic=cfg.stochastic_rounding,
                                topk=cfg.topk, chunk=cfg.topk_chunk)
         # On the parameters' device: the codecs draw their rounding noise where they encode.
@@ -190,7 +188,7 @@ class OuterSync:
         grads = [local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p))
                  for p in self._grad_params]
         self._grad_handle = self.comm.allreduce_mean(grads, self.codec, self.generator, keep_own=False,
-                                                     **self._transport, **self._agreed())
+                                                     **self._agreed())
         self.comm.add_overhead(time.perf_counter() - t0)
 
     def finish_grads(self) -> None:
@@ -253,7 +251,7 @@ class OuterSync:
             if scale != 1.0:
                 sent = [t * scale for t in sent]
             # Only eager and error feedback read their own share back (handle.own); elsewhere the runtime may reuse it.
-            handle = self.comm.allreduce_mean(sent, self.codec, self.generator, **self._transport,
+            handle = self.comm.allreduce_mean(sent, self.codec, self.generator,
                                               keep_own=self.own_state or feedback is not None, **self._agreed())
             if feedback is not None and scale:  # the buffer loses what it sent (unweighted)
                 feedback.sent(p, handle.own if scale == 1.0 else [o / scale for o in handle.own])
@@ -312,8 +310,8 @@ class OuterSync:
         """Agree with the other workers, once, on everything that decides which exchanges this object
         launches when; a runtime may then skip its per-exchange check (a round trip on the link).
 
-        Returns the keyword to launch with: ``agreed=True``, or nothing where the communicator did
-        not agree (one written before ``agreed`` existed need not accept it).
+        Returns the keywords to launch with: ``agreed=True`` where the communicator agreed, and ``transport``
+        where not the default (a communicator written before either existed need not accept them).
         """
         if self._agreement is None:
             cfg = self.config
@@ -325,7 +323,8 @@ class OuterSync:
                         f"{(cfg.worker_speeds or 'measured') if cfg.adaptive_steps else 'off'}, "
                         f"at step {self.step} of {self.num_workers} workers")
             self._agreement = self.comm.agree(describe.encode(), describe)
-        return {"agreed": True} if self._agreement else {}
+        launch = {} if self.config.transport == "allgather" else {"transport": self.config.transport}
+        return {"agreed": True, **launch} if self._agreement else launch
 
     def _eager_update(self, p: int) -> float:
         """Delayed / eager outer step of fragment p at one of its sync steps; returns seconds waited."""
