@@ -166,7 +166,7 @@ class AdaptiveSteps:
         own, so it measures afresh (until it has, the rounds keep its H_m)."""
         self.meter, self.compute_mark = SpeedMeter(), None
 
-    def round_end(self, **agreed: bool) -> float:
+    def round_end(self, **agreed: Any) -> float:
         """At a round's end (after the tick's outer exchanges): take the speeds launched a round ago for the
         round that starts, and launch this round's (measured, or elastic). Returns the real seconds blocked on
         them (0.0 on a simulated clock, whose wait is the clock's), which the caller leaves out of its overhead."""

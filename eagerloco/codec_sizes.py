@@ -56,6 +56,31 @@ def packed_nbytes(codec: str, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) 
     return body + math.ceil(numel / block_size) * SCALE_BYTES
 
 
+def shard_numel(numel: int, workers: int, align: int = 1) -> int:
+    """Values in each of the ``workers`` equal shards of a reduce-scatter of numel values: numel / workers
+    rounded up to a multiple of ``align`` (a block format's scale block, so that each shard quantizes
+    exactly as its part of the whole vector does); the last shard is padded with zeros.
+    """
+    blocks = -(-numel // align)
+    return -(-blocks // max(workers, 1)) * align
+
+
+def shard_align(codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """What a reduce-scatter's shards of the named codec are a multiple of: its scale block, or 1."""
+    return block_size if codec in BLOCK_SCALED else 1
+
+
+def reduce_scatter_wire_bytes(codec: str, numel: int, workers: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Bytes one worker sends for one reduce-scatter exchange of numel values in the named codec: its M-1
+    quantized shards to their owners, then its requantized shard to the M-1 others (sent and received
+    alike). About two payloads whatever M; 0 for one worker alone.
+    """
+    if workers <= 1:
+        return 0
+    shard = shard_numel(numel, workers, shard_align(codec, block_size))
+    return 2 * (workers - 1) * packed_nbytes(codec, shard, block_size)
+
+
 def chunk_position_bits(length: int, k: int) -> int:
     """Bits that say which k of a chunk's length values a sparse payload keeps: k indices of
     ceil(log2 length) bits each, or a mask of length bits, whichever is smaller (the mask on a tie).

@@ -105,9 +105,7 @@ class OuterSync:
         cfg = self.config
         block_list = find_blocks(model) if blocks is None else list(blocks)
         cfg.validate(num_blocks=len(block_list))
-        self.model = model
-        self.inner_optimizer = inner_optimizer
-        self.comm = comm
+        self.model, self.inner_optimizer, self.comm = model, inner_optimizer, comm
         self.codec = get_codec(cfg.codec, block_size=cfg.codec_block, stochastic=cfg.stochastic_rounding,
                                topk=cfg.topk, chunk=cfg.topk_chunk)
         # On the parameters' device: the codecs draw their rounding noise where they encode.
@@ -310,12 +308,12 @@ class OuterSync:
         self.launch_outer()
         self.finish_outer()
 
-    def _agreed(self) -> dict[str, bool]:
+    def _agreed(self) -> dict[str, Any]:
         """Agree with the other workers, once, on everything that decides which exchanges this object
         launches when; a runtime may then skip its per-exchange check (a round trip on the link).
 
-        Returns the keyword to launch with: ``agreed=True``, or nothing where the communicator did
-        not agree (one written before ``agreed`` existed need not accept it).
+        Returns the keywords to launch with: ``agreed=True`` where the communicator agreed, and ``transport``
+        where not the default (a communicator written before either existed need not accept them).
         """
         if self._agreement is None:
             cfg = self.config
@@ -323,11 +321,12 @@ class OuterSync:
             describe = (f"method {cfg.method}, H {cfg.inner_steps}, {cfg.fragments} fragment(s) of "
                         f"{sizes} values ({cfg.fragment_pattern}), overlap {cfg.overlap_steps}, "
                         f"eager rounds {cfg.eager_rounds}, codec {self.codec.name}/{cfg.codec_block}, "
-                        f"error feedback {cfg.error_feedback}, adaptive steps "
+                        f"transport {cfg.transport}, error feedback {cfg.error_feedback}, adaptive steps "
                         f"{(cfg.worker_speeds or 'measured') if cfg.adaptive_steps else 'off'}, "
                         f"at step {self.step} of {self.num_workers} workers")
             self._agreement = self.comm.agree(describe.encode(), describe)
-        return {"agreed": True} if self._agreement else {}
+        launch = {} if self.config.transport == "allgather" else {"transport": self.config.transport}
+        return {"agreed": True, **launch} if self._agreement else launch
 
     def _eager_update(self, p: int) -> float:
         """Delayed / eager outer step of fragment p at one of its sync steps; returns seconds waited."""

@@ -221,7 +221,7 @@ class Communicator(ABC):
     @abstractmethod
     def allreduce_mean(
         self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
-        *, keep_own: bool = True, agreed: bool = False,
+        *, keep_own: bool = True, agreed: bool = False, transport: str = "allgather",
     ) -> Handle:
         """Start averaging tensors over the workers (background); returns at once.
 
@@ -238,6 +238,10 @@ class Communicator(ABC):
             agreed: :meth:`agree` returned True for the schedule this exchange belongs to, so every
                 worker launches this same exchange now and a runtime may skip its own per-exchange
                 check.
+            transport: how a quantized dense payload moves (``OuterConfig.transport``): ``allgather``
+                (exact FP32 sums of the payloads) or ``reduce-scatter`` (about two payloads per worker
+                whatever M, one more rounding: :mod:`eagerloco.comm.reduce_scatter`). FP32 and sparse
+                payloads ignore it; a runtime that cannot shard (elastic) refuses it.
 
         Returns:
             A :class:`Handle` to wait on exactly once; ``handle.own`` is this worker's contribution

@@ -42,6 +42,7 @@ from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext, outer_rank
 from eagerloco.comm.heartbeat import HEARTBEAT_S, Heartbeat
 from eagerloco.comm.ops import AGREE, BARRIER, Op, check_headers, check_schedules, header
 from eagerloco.comm.peers import Peers
+from eagerloco.comm.reduce_scatter import Shards, uses_reduce_scatter
 from eagerloco.comm.regroup import Regroup
 from eagerloco.comm.staging import Staging
 from eagerloco.config import LinkConfig
@@ -220,15 +221,21 @@ class TorchDistCommunicator(Communicator):
 
     def allreduce_mean(
         self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
-        *, keep_own: bool = True, agreed: bool = False,
+        *, keep_own: bool = True, agreed: bool = False, transport: str = "allgather",
     ) -> TorchDistHandle:
         self._check_open()
         flat = flatten(tensors)
         numel = flat.numel()
-        packed, own_flat = encode(codec, flat, generator)  # on the parameters' device
+        shards = Shards(codec, numel, self.num_workers) if uses_reduce_scatter(codec, transport, self.num_workers) \
+            else None
+        if shards is not None and self.elastic:
+            raise ValueError("transport reduce-scatter shards by the number of workers, which an elastic group "
+                             "changes mid-exchange: use transport allgather")
+        # On the parameters' device.
+        packed, own_flat = encode(codec, flat, generator) if shards is None else shards.pack(flat, generator)
         nbytes = packed.numel()
         packed, ready = self.staging.send(packed)  # gloo: to (pinned) host memory, without waiting
-        wire = wire_bytes(nbytes, self.num_workers, codec.summable)
+        wire = wire_bytes(nbytes, self.num_workers, codec.summable) if shards is None else shards.wire_bytes
         st = self.stats
         st.bytes_sent += wire  # ring all-reduce / all-gather: as many bytes in as out
         st.bytes_received += wire
@@ -241,7 +248,8 @@ class TorchDistCommunicator(Communicator):
         # Without keep_own the payload is the communicator's alone; outside elastic mode a failed
         # collective ends the run, so no rerun needs it intact either.
         op = Op(handle.seq, numel, time.time(), handle, codec, packed, wire, self.step_hint,
-                  inplace=not keep_own and not self.elastic, checked=not (agreed and self._agreed), ready=ready)
+                inplace=not keep_own and not self.elastic, checked=not (agreed and self._agreed), ready=ready,
+                shards=shards)
         self.exchanges.put(op)
         return handle
 
@@ -386,6 +394,18 @@ class TorchDistCommunicator(Communicator):
         self._in_collective_since = None
         return out.view(self.num_workers, buf.numel()).to(home)
 
+    def _scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        """All-to-all of equal-size uint8 rows: row j goes to group position j; returns the rows received,
+        in group order (gloo sends the M-1 others' rows and copies this worker's own)."""
+        out = torch.empty_like(rows)
+        self._in_collective_since = time.monotonic()
+        try:
+            dist.all_to_all_single(out, rows, group=self.peers.group)
+        except Exception as e:
+            raise TransportError(str(e)) from e
+        self._in_collective_since = None
+        return out
+
     def _sum(self, buf: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) an FP32 buffer in place: half the bytes of an all-gather beyond M = 2."""
         self._in_collective_since = time.monotonic()
@@ -431,6 +451,8 @@ class TorchDistCommunicator(Communicator):
             # share, or a rerun among the survivors of a failed collective in elastic mode).
             buf = op.payload if op.inplace else op.payload.clone()
             mean = self._sum(buf.view(torch.float32)).div_(self.num_workers)
+        elif op.shards is not None:  # :mod:`~eagerloco.comm.reduce_scatter`: an all-to-all, then an all-gather
+            mean = op.shards.exchange(op.payload, self._scatter, self._gather)
         else:
             payloads = list(self._gather(op.payload).unbind(0))
             mean = mean_of_payloads(codec, payloads, op.numel)

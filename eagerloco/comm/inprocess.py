@@ -28,14 +28,15 @@ from eagerloco.comm.base import (
     unflatten,
     wire_bytes,
 )
+from eagerloco.comm.reduce_scatter import Shards, uses_reduce_scatter
 from eagerloco.config import LinkConfig
 
 
 class _Exchange:
     """One collective: every worker's payload, and when the link delivers it."""
 
-    def __init__(self, num_workers: int, codec: Codec, like: list[torch.Tensor]) -> None:
-        self.codec = codec
+    def __init__(self, num_workers: int, codec: Codec, like: list[torch.Tensor], transport: str) -> None:
+        self.codec, self.transport = codec, transport
         self.like = [torch.empty(t.shape) for t in like]
         self.numel = sum(t.numel() for t in like)
         self.payloads: list[torch.Tensor | None] = [None] * num_workers
@@ -45,6 +46,9 @@ class _Exchange:
         self.mean_flat: torch.Tensor | None = None
         self.waits = 0
         self.reusable: list[torch.Tensor] = []  # payloads launched with keep_own=False (fp32)
+        #: The reduce-scatter's layout, when the exchange goes through one.
+        self.shards = Shards(codec, self.numel, num_workers) if uses_reduce_scatter(codec, transport, num_workers) \
+            else None
 
     def complete(self) -> bool:
         return all(p is not None for p in self.payloads)
@@ -99,8 +103,11 @@ class InProcessHandle(Handle):
                 "(drive the workers with eagerloco.outer.lockstep)"
             )
         if ex.mean is None:
-            spare = self._group._spare.pop(ex.numel, None)
-            flat = mean_of_payloads(ex.codec, ex.payloads, ex.numel, out=spare)  # type: ignore[arg-type]
+            if ex.shards is not None:
+                flat = ex.shards.mean_of_payloads(ex.payloads)  # type: ignore[arg-type]
+            else:
+                spare = self._group._spare.pop(ex.numel, None)
+                flat = mean_of_payloads(ex.codec, ex.payloads, ex.numel, out=spare)  # type: ignore[arg-type]
             ex.mean_flat, ex.mean = flat, unflatten(flat, ex.like)
         return ex.mean
 
@@ -163,28 +170,33 @@ class InProcessGroup:
         return self.communicators[worker]
 
     def _launch(self, comm: InProcessCommunicator, tensors: list[torch.Tensor], codec: Codec,
-                generator: torch.Generator | None, keep_own: bool = True) -> InProcessHandle:
+                generator: torch.Generator | None, keep_own: bool = True, transport: str = "allgather"
+                ) -> InProcessHandle:
         idx = comm._next
         comm._next += 1
         ex = self._by_seq.get(idx)
         if ex is None:
-            ex = self._by_seq[idx] = _Exchange(self.num_workers, codec, tensors)
+            ex = self._by_seq[idx] = _Exchange(self.num_workers, codec, tensors, transport)
         reuse = not keep_own and isinstance(codec, Fp32Codec)
         spares = self._spare_payloads.get(sum(t.numel() for t in tensors)) if reuse else None
         flat = flatten(tensors, out=spares.pop() if spares else None)
         if reuse:
             ex.reusable.append(flat)  # its memory serves a later payload once everyone has the mean
-        if flat.numel() != ex.numel or codec.name != ex.codec.name:
+        if flat.numel() != ex.numel or codec.name != ex.codec.name or transport != ex.transport:
             raise RuntimeError(
-                f"worker {comm.rank}'s exchange #{idx} ({flat.numel()} values, {codec.name}) does not match "
-                f"worker(s) that launched it first ({ex.numel} values, {ex.codec.name}): workers must run "
-                "the same schedule"
+                f"worker {comm.rank}'s exchange #{idx} ({flat.numel()} values, {codec.name}, {transport}) does not "
+                f"match worker(s) that launched it first ({ex.numel} values, {ex.codec.name}, {ex.transport}): "
+                "workers must run the same schedule"
             )
-        buf, own_flat = encode(codec, flat, generator)
+        if ex.shards is not None:
+            buf, own_flat = ex.shards.pack(flat, generator)
+            nbytes, wire = buf.numel(), ex.shards.wire_bytes
+        else:
+            buf, own_flat = encode(codec, flat, generator)
+            nbytes = buf.numel()
+            wire = wire_bytes(nbytes, self.num_workers, codec.summable)
         ex.payloads[comm.rank] = buf
         ex.launch_times[comm.rank] = comm._clock
-        nbytes = buf.numel()
-        wire = wire_bytes(nbytes, self.num_workers, codec.summable)
         st = comm.stats
         st.bytes_sent += wire
         st.bytes_received += wire
@@ -227,9 +239,9 @@ class InProcessCommunicator(Communicator):
 
     def allreduce_mean(
         self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
-        *, keep_own: bool = True, agreed: bool = False,
+        *, keep_own: bool = True, agreed: bool = False, transport: str = "allgather",
     ) -> InProcessHandle:
-        return self.group._launch(self, tensors, codec, generator, keep_own)
+        return self.group._launch(self, tensors, codec, generator, keep_own, transport)
 
     def clock(self) -> float:
         return self._clock

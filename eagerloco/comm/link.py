@@ -4,7 +4,7 @@ exchange fits within the time after which peers are declared dead. Pure function
 
 from __future__ import annotations
 
-from eagerloco.codec_sizes import packed_nbytes
+from eagerloco.codec_sizes import packed_nbytes, reduce_scatter_wire_bytes
 from eagerloco.config import ConfigError, LinkConfig, OuterConfig
 
 
@@ -32,8 +32,13 @@ def check_exchange_fits(link: LinkConfig, outer: OuterConfig, workers: int, num_
     Raises:
         ConfigError: naming the exchange's size and time, and the two ways out.
     """
-    payload = packed_nbytes(outer.codec, -(-num_params // outer.fragments), outer.codec_block)
-    seconds = link.transfer_seconds(payload * max(1, workers - 1))
+    numel = -(-num_params // outer.fragments)
+    payload = packed_nbytes(outer.codec, numel, outer.codec_block)
+    if outer.transport == "reduce-scatter" and outer.topk is None and outer.codec != "fp32":
+        wire = reduce_scatter_wire_bytes(outer.codec, numel, workers, outer.codec_block)
+    else:
+        wire = payload * max(1, workers - 1)
+    seconds = link.transfer_seconds(wire)
     if seconds > timeout_s:
         raise ConfigError(
             f"one exchange ({payload / 1e6:.3g} MB per worker, {workers} workers) takes {seconds:.3g} s on a "

@@ -19,6 +19,7 @@ import torch
 from eagerloco.codecs import CODEC_NAMES, Codec
 from eagerloco.comm.base import OpHandle
 from eagerloco.comm.errors import ScheduleMismatchError
+from eagerloco.comm.reduce_scatter import Shards
 
 #: ``Op.numel`` of a barrier (also what a header says for one).
 BARRIER = -1
@@ -45,6 +46,8 @@ class Op:
     note: str = ""  # AGREE: this worker's schedule in words, for the error
     #: A CUDA event the payload is ready after (encode or copy to pinned memory); None on a CPU.
     ready: object = None
+    #: The reduce-scatter's layout when the exchange goes through one (the payload is then its shards).
+    shards: Shards | None = None
 
 
 def header(op: Op) -> torch.Tensor:

@@ -35,6 +35,8 @@ class ScriptedCall:
     ready_at: float  # simulated clock at which wait() returns
     mean: list[torch.Tensor] = field(default_factory=list)  # what wait() hands out (empty if it fails)
     waited: bool = False
+    #: The transport asked for (recorded only: the scripted mean is the all-gathered one).
+    transport: str = "allgather"
 
 
 class ScriptedHandle(Handle):
@@ -129,7 +131,7 @@ class ScriptedCommunicator(Communicator):
 
     def allreduce_mean(
         self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
-        *, keep_own: bool = True, agreed: bool = False,
+        *, keep_own: bool = True, agreed: bool = False, transport: str = "allgather",
     ) -> ScriptedHandle:
         i = len(self.calls)
         flat = flatten(tensors)
@@ -141,6 +143,7 @@ class ScriptedCommunicator(Communicator):
             index=i, tensors=[t.detach().to(torch.float32).clone() for t in tensors], codec=codec,
             numel=flat.numel(), payload_bytes=payload.numel(), keep_own=keep_own, agreed=agreed,
             num_workers=self.num_workers, launched_at=self.now, ready_at=self.now + float(duration),
+            transport=transport,
         )
         error = self.fail.get(i)
         if error is None:

@@ -14,6 +14,7 @@ from eagerloco.comm.base import Communicator, Handle, WorkerStats, flatten, hand
 from eagerloco.comm.distributed import TorchDistCommunicator, TorchDistHandle
 from eagerloco.comm.errors import PeerError, describe_exception
 from eagerloco.comm.groups import DistContext
+from eagerloco.comm.reduce_scatter import Shards, uses_reduce_scatter
 from eagerloco.config import LinkConfig
 
 
@@ -38,17 +39,22 @@ class WorkerCommunicator(Communicator):
 
     def allreduce_mean(
         self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
-        *, keep_own: bool = True, agreed: bool = False,
+        *, keep_own: bool = True, agreed: bool = False, transport: str = "allgather",
     ) -> _WorkerHandle:
         like = [torch.empty(t.shape, device="meta") for t in tensors]
         device = tensors[0].device if tensors else torch.device("cpu")
         if self.outer is not None:
-            h = self.outer.allreduce_mean(tensors, codec, generator, keep_own=keep_own, agreed=agreed)
+            h = self.outer.allreduce_mean(tensors, codec, generator, keep_own=keep_own, agreed=agreed,
+                                          transport=transport)
             return _WorkerHandle(self, h, h.own, h.payload_bytes, like, device)
         flat = flatten(tensors)
-        packed = codec.pack(flat, generator)  # same generator state as the first rank: same `own`
-        own = unflatten(codec.unpack(packed, flat.numel()), like)
-        return _WorkerHandle(self, None, own, packed.numel(), like, device)
+        # Packed as the first rank packs it, with the same generator state: the same `own`.
+        if uses_reduce_scatter(codec, transport, self.num_workers):
+            packed, own_flat = Shards(codec, flat.numel(), self.num_workers).pack(flat, generator)
+        else:
+            packed = codec.pack(flat, generator)
+            own_flat = codec.unpack(packed, flat.numel())
+        return _WorkerHandle(self, None, unflatten(own_flat, like), packed.numel(), like, device)
 
     def agree(self, schedule: bytes, describe: str = "") -> bool:
         """The first rank agrees with the other workers; the others have no exchange to check."""

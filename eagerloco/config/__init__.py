@@ -6,7 +6,7 @@ environment), :mod:`.schema` (settings from TOML tables), :mod:`.checks` (what t
 """
 
 from eagerloco.config.checks import ConfigError, flag_name, setting
-from eagerloco.config.outer import METHODS, OUTER_OPTIMIZERS, WEIGHTINGS, LinkConfig, OuterConfig
+from eagerloco.config.outer import METHODS, OUTER_OPTIMIZERS, TRANSPORTS, WEIGHTINGS, LinkConfig, OuterConfig
 from eagerloco.config.runtime import BACKENDS, RUNTIMES, RuntimeConfig
 from eagerloco.config.schema import SECTIONS, from_dict, train_config_from_tables
 from eagerloco.config.train import TrainConfig, parse_slow_workers
@@ -25,6 +25,7 @@ __all__ = [
     "RUNTIMES",
     "RuntimeConfig",
     "SECTIONS",
+    "TRANSPORTS",
     "TrainConfig",
     "WEIGHTINGS",
     "flag_name",

@@ -13,6 +13,8 @@ METHODS = ("dp", "diloco", "streaming", "delayed", "eager")
 WEIGHTINGS = ("nonlocal", "stale_average")
 #: average: plain averaging with an outer lr (SGD without momentum), as SparseLoCo steps its outer model.
 OUTER_OPTIMIZERS = ("sgd", "average", "adam", "adamw")
+#: How a quantized dense exchange moves: all-gathered payloads, or a reduce-scatter with one requantization.
+TRANSPORTS = ("allgather", "reduce-scatter")
 MAX_ROUNDS_IN_FLIGHT = 64
 #: Slower than this (1 kbit/s) no link carries a model's outer gradient in any useful time.
 MIN_BANDWIDTH_GBPS = 1e-6
@@ -53,6 +55,11 @@ class OuterConfig:
     """Values sharing one scale in the block formats (MX uses 32)."""
     stochastic_rounding: bool = False
     """Round the quantized payload stochastically instead of to nearest."""
+    transport: str = setting("allgather", choices=TRANSPORTS, group="compression")
+    """How a quantized dense exchange moves: allgather (every worker receives the M-1 payloads and sums them in
+    FP32: M-1 payloads per worker) or reduce-scatter (each worker sums one shard in FP32 from the others'
+    quantized shards, requantizes it to nearest and all-gathers it: about 2 payloads per worker whatever M).
+    fp32 always uses a ring all-reduce; --topk payloads are always all-gathered."""
     topk: int | None = setting(None, metavar="K", group="compression", shown_default="off: every value is sent")
     """Sparse exchange: send only the K entries of largest magnitude of every chunk of --topk-chunk values
     (their positions packed beside them, the values in --codec, e.g. 2bit). SparseLoCo: 64 of 4096."""
@@ -92,6 +99,7 @@ class OuterConfig:
         check_choice("eager_weighting", self.eager_weighting, WEIGHTINGS)
         check_choice("codec", self.codec, CODEC_NAMES)
         check_choice("outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
+        check_choice("transport", self.transport, TRANSPORTS)
         check_int_at_least("inner_steps", self.inner_steps, 1)
         check_int_at_least("fragments", self.fragments, 1)
         check_int_at_least("eager_rounds", self.eager_rounds, 1)
@@ -130,6 +138,10 @@ class OuterConfig:
         if beta is not None and (not is_finite(beta) or not 0.0 <= beta <= 1.0):
             raise ConfigError(f"{flag_name('error_feedback')} must be a decay in [0, 1] (SparseLoCo: 0.95), "
                               f"got {beta!r}")
+        if self.topk is not None and self.transport != "allgather":
+            raise ConfigError(f"{flag_name('transport')} {self.transport} sums dense shards on the way; a "
+                              f"{flag_name('topk')} payload keeps other positions on every worker and is all-gathered: "
+                              f"drop {flag_name('topk')} or use {flag_name('transport')} allgather")
         if self.method == "dp" and (self.topk is not None or beta is not None):
             raise ConfigError(
                 f"{flag_name('topk')} and {flag_name('error_feedback')} compress outer gradients; "
@@ -256,4 +268,4 @@ class LinkConfig:
 
 
 __all__ = ["LinkConfig", "MAX_ROUNDS_IN_FLIGHT", "METHODS", "MIN_BANDWIDTH_GBPS", "OUTER_OPTIMIZERS", "OuterConfig",
-           "WEIGHTINGS"]
+           "TRANSPORTS", "WEIGHTINGS"]

@@ -174,6 +174,9 @@ class TrainConfig:
         if self.outer.adaptive_steps and not self.outer.worker_speeds and self.runtime.fsdp:
             raise ConfigError("--adaptive-steps measures each rank's speed, and under --fsdp every rank exchanges "
                               "its own: give the speeds with --worker-speeds")
+        if self.outer.transport != "allgather" and self.runtime.elastic:
+            raise ConfigError(f"--transport {self.outer.transport} shards each exchange by the number of workers, "
+                              "which --elastic changes mid-exchange: use --transport allgather with --elastic")
         self.runtime.validate(self.workers, env, self.device if isinstance(self.device, str) else "auto")
         kernel = self.runtime.kernel_link_gbps
         if kernel is not None:  # the kernel shapes the bandwidth: the run records its rate

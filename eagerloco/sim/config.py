@@ -40,7 +40,7 @@ GROUPS = {"model": "model", "method": "method", "exchange": "exchange", "link": 
 DEFAULT_TARGETS = "0.5,0.8,0.9,0.95,0.99"
 MAX_INNER_STEPS = 100_000
 MAX_ROUNDS_IN_FLIGHT = 64
-TRANSPORTS = ("ring", "allgather")
+TRANSPORTS = ("ring", "allgather", "reduce-scatter")
 
 
 @dataclass
@@ -120,7 +120,8 @@ class SimConfig:
     """Bytes per block scale below 16 bits (the runtime's codecs always store bfloat16 scales)."""
     transport: str = setting("ring", choices=TRANSPORTS, group="exchange")
     """ring: 2(M-1)/M of the payload per worker; allgather: (M-1) payloads for quantized outer gradients,
-    as the runtime sends them to keep FP32 sums."""
+    as the runtime sends them to keep FP32 sums; reduce-scatter: train's --transport reduce-scatter, 2(M-1)
+    shards of whole scale blocks per worker, the bytes the runtime counts."""
 
     # -- the link
     bandwidth_gbps: str | None = setting(None, group="link")
@@ -272,7 +273,7 @@ class SimConfig:
         if any(v.method == "dp" for v in variants):
             notes.append(f"--topk applies to the outer exchanges; the data-parallel row sends its {self.dp_codec} "
                          "gradients dense, every step")
-        if self.transport == "ring" and workers > 2 and any(v.sparse for v in variants):
+        if self.transport != "allgather" and workers > 2 and any(v.sparse for v in variants):
             notes.append(f"sparse rows are all-gathered ({workers - 1} payloads per worker), not ring-reduced: "
                          "the workers keep different positions")
         return notes

@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from eagerloco.codec_sizes import SCALE_BYTES, sparse_counts
+from eagerloco.codec_sizes import SCALE_BYTES, shard_numel, sparse_counts
 from eagerloco.config import METHODS
 from eagerloco.schedule import block_groups
 
@@ -244,6 +244,23 @@ def wire_bytes(payload: float, workers: int, bits: int, transport: str = "ring",
     return 2 * (workers - 1) / workers * payload
 
 
+def exchange_wire_bytes(numel: float, variant: Variant, workers: int, block: int = 32,
+                        scale_bytes: int = SCALE_BYTES, transport: str = "ring") -> float:
+    """Bytes one worker sends for one outer exchange of numel values (:func:`wire_bytes` of its payload).
+
+    reduce-scatter: a quantized dense payload goes as the runtime's ``--transport reduce-scatter`` sends
+    it: M-1 shards of numel / M values (whole scale blocks below 16 bits) to their owners, then M-1
+    requantized shards (:func:`eagerloco.codec_sizes.reduce_scatter_wire_bytes` with the default scale
+    bytes); FP32 and sparse payloads go as under ring.
+    """
+    if transport == "reduce-scatter" and not variant.sparse and variant.bits < 32 and workers > 1:
+        shard = shard_numel(round(numel), workers, block if variant.bits < 16 else 1)
+        return 2 * (workers - 1) * payload_bytes(shard, variant.bits, block, scale_bytes)
+    ring_or_gather = "ring" if transport == "reduce-scatter" else transport
+    return wire_bytes(exchange_payload_bytes(numel, variant, block, scale_bytes), workers, variant.bits,
+                      ring_or_gather, variant.sparse)
+
+
 @dataclass(frozen=True)
 class Traffic:
     """Link traffic of one variant on one model, per worker."""
@@ -290,11 +307,7 @@ def traffic(
         else [tuple(range(model.layers))]
     )
     counts = [len(g) for g in groups]
-    sizes = [
-        wire_bytes(exchange_payload_bytes(c * per_layer, variant, block, scale_bytes), workers, variant.bits,
-                   transport, variant.sparse)
-        for c in counts
-    ]
+    sizes = [exchange_wire_bytes(c * per_layer, variant, workers, block, scale_bytes, transport) for c in counts]
     return Traffic(sizes, inner_steps, tuple(groups))
 
 

@@ -1,0 +1,97 @@
+"""Dense quantized exchanges through a reduce-scatter: about two payloads per worker whatever M.
+
+An all-gathered exchange makes every worker receive the M-1 others' payloads (M-1 payloads per worker).
+Here each worker quantizes its flat vector once, as M equal shards (:func:`~eagerloco.codec_sizes.shard_numel`:
+whole scale blocks, so each shard quantizes exactly as its part of the whole vector does). Shard j of
+every worker goes to worker j, which dequantizes the M payloads of its shard (its own included) and sums
+them in FP32 in worker order, divides by M and quantizes that mean once more, to nearest; the requantized
+shards are then all-gathered. Every worker sends M-1 shards twice: 2(M-1)/M payloads, as a ring all-reduce.
+
+The mean differs from the all-gathered one by that second rounding (at most half a step of the
+requantized block's grid; none for M = 1, which exchanges nothing, nor where the mean is already on the
+grid). ``handle.own`` stays the first quantization: error feedback keeps what the first rounding lost and
+does not absorb the second (the shard's owner alone knows it, after the exchange).
+
+The same functions serve the in-process runtime (exact math, the simulated link's bytes) and the
+torch.distributed one (whose collectives move the rows these functions lay out). An emulated link
+charges the exchange its wire bytes and one latency, as it does every exchange.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from eagerloco.codec_sizes import shard_align, shard_numel
+from eagerloco.codecs import Codec, TopKCodec, dense_codec
+
+#: The ``transport`` that routes a quantized dense exchange through a reduce-scatter.
+REDUCE_SCATTER = "reduce-scatter"
+
+
+def uses_reduce_scatter(codec: Codec, transport: str, workers: int) -> bool:
+    """Whether an exchange in this codec goes through the reduce-scatter: a quantized dense codec among
+    several workers (FP32 is summed by a plain all-reduce; a sparse payload keeps other positions on
+    every worker and is all-gathered)."""
+    return transport == REDUCE_SCATTER and workers > 1 and not codec.summable and not isinstance(codec, TopKCodec)
+
+
+class Shards:
+    """The layout of one reduce-scatter exchange: numel values in M shards of ``length`` values, each
+    packed to ``nbytes`` bytes; a worker's payload is its M packed shards, one row each."""
+
+    def __init__(self, codec: Codec, numel: int, workers: int) -> None:
+        self.codec, self.numel, self.workers = codec, numel, workers
+        self.length = shard_numel(numel, workers, shard_align(codec.name, codec.block_size))
+        self.nbytes = codec.packed_nbytes(self.length)
+        #: The second rounding is to nearest: stochastic noise would differ between runtimes.
+        self.requantizer = dense_codec(codec.name, codec.block_size) if codec.stochastic else codec
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes one worker sends (and receives): M-1 quantized shards, then M-1 requantized ones
+        (:func:`~eagerloco.codec_sizes.reduce_scatter_wire_bytes`)."""
+        return 2 * (self.workers - 1) * self.nbytes
+
+    def pack(self, flat: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(payload, own): the M packed shards of a flat FP32 vector, one after the other (M * nbytes
+        bytes, row j for worker j), and its values as the shards' owners decode them."""
+        padded = flat.new_zeros(self.workers * self.length)
+        padded[: self.numel] = flat
+        rows = torch.stack([self.codec.pack(s, generator) for s in padded.view(self.workers, self.length)])
+        return rows.view(-1), self.unpack_rows(self.codec, rows)
+
+    def reduce(self, received: list[torch.Tensor]) -> torch.Tensor:
+        """A shard's requantized mean from every worker's packed copy of it (in worker order): dequantized,
+        summed in FP32 in worker order, divided by M, packed once more."""
+        vals = (self.codec.unpack(r, self.length) for r in received)
+        total = next(vals).clone()
+        for v in vals:
+            total += v
+        return self.requantizer.pack(total.div_(len(received)))
+
+    def unpack_rows(self, codec: Codec, rows: torch.Tensor) -> torch.Tensor:
+        """The flat vector of numel values that (M, nbytes) packed shards hold."""
+        return torch.cat([codec.unpack(r, self.length) for r in rows.unbind(0)])[: self.numel]
+
+    def mean(self, rows: torch.Tensor) -> torch.Tensor:
+        """The exchange's flat FP32 mean from the all-gathered requantized shards (M, nbytes)."""
+        return self.unpack_rows(self.requantizer, rows)
+
+    def mean_of_payloads(self, payloads: list[torch.Tensor]) -> torch.Tensor:
+        """The mean every worker ends with, from all M workers' payloads at once (the in-process runtime)."""
+        rows = [p.view(self.workers, self.nbytes) for p in payloads]
+        reduced = torch.stack([self.reduce([r[j] for r in rows]) for j in range(self.workers)])
+        return self.mean(reduced)
+
+    def exchange(self, payload: torch.Tensor, scatter: Callable[[torch.Tensor], torch.Tensor],
+                 gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One worker's side over real collectives: ``scatter`` sends row j of the (M, nbytes) payload to
+        group position j and returns the rows received, in group order (this worker's own row at its
+        place); ``gather`` all-gathers one row into (M, nbytes). Returns the flat FP32 mean."""
+        received = scatter(payload.view(self.workers, self.nbytes))
+        return self.mean(gather(self.reduce(list(received.unbind(0)))))
+
+
+__all__ = ["REDUCE_SCATTER", "Shards", "uses_reduce_scatter"]
