@@ -412,6 +412,7 @@ class TorchDistCommunicator(Communicator):
         """
         self.exchanges.entered = job.seq
         self.heartbeat.announce()
+        self.heartbeat.wait_for_peers(job.seq, self.peers.members, self.peers.names, self.timeout_s, self._cancel)
         codec = job.codec
         start = job.launch_wall
         if job.checked:

@@ -32,7 +32,9 @@ class RuntimeConfig:
     """Backend of the outer group between workers: gloo (payloads move through pinned host memory and a
     dead peer is an exception) or nccl (payloads stay on the GPU)."""
     dist_timeout: float = setting(300.0, group=_GROUP)
-    """Seconds before a silent peer is declared dead, above 0 and at most 604800 (a week)."""
+    """Seconds before a silent peer (no heartbeat, or a collective that stopped) is declared dead, above 0 and at
+    most 604800 (a week); a peer alive but behind is waited for as long as its inner steps advance, each
+    within this."""
     outer_addr: str | None = setting(None, metavar="HOST:PORT", group=_GROUP,
                                      shown_default="$EAGERLOCO_OUTER_ADDR")
     """Each worker its own job (one process, started on its own): the outer rendezvous worker 0 hosts at
