@@ -121,3 +121,21 @@ def test_a_diverged_launched_run_ends_with_the_same_status(tmp_path: Path) -> No
     assert r.returncode == DIVERGED_EXIT_CODE, r.stdout
     assert "is not finite (NaN or inf): the run diverged" in r.stdout
     assert "Traceback" not in r.stdout
+
+
+def test_a_loss_that_is_not_finite_ends_the_run_where_it_is_read(tmp_path: Path, monkeypatch) -> None:
+    """No exchange in the run (H past its steps): the loss alone, read at the first log point, ends it."""
+    from eagerloco.train.worker import Worker
+
+    forward_backward = Worker.forward_backward
+
+    def diverging(self: Worker) -> None:
+        forward_backward(self)
+        if self.comm.rank == 1:
+            self.last_loss = math.inf
+
+    monkeypatch.setattr(Worker, "forward_backward", diverging)
+    r = train_here(["--model", "micro", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1",
+                    "--no-progress", "--steps", "4", "--inner-steps", "50", "--log-every", "2", "--out", str(tmp_path)])
+    assert r.returncode == DIVERGED_EXIT_CODE
+    assert _one_line(r.stderr).startswith("eagerloco: error: worker 1's loss at step 2 is not finite"), r.stderr
