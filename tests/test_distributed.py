@@ -94,7 +94,7 @@ def test_peer_failure_raises_peer_error_naming_the_worker(peer: tuple[str, int, 
         if mode == "dead":
             assert "gone" in msg and r["elapsed_s"] < PEER_TIMEOUT_S, r  # no need to wait for the timeout
         else:
-            assert "has not reached exchange #2" in msg and "alive but took no inner step" in msg, msg
+            assert "has not reached exchange #2" in msg, msg
             assert PEER_TIMEOUT_S - 0.5 <= r["elapsed_s"] < PEER_TIMEOUT_S + 10, r
         assert r["blocked_s"] >= 0.9 * r["elapsed_s"] - 0.1, r
         assert r["later"] == msg and r["later_s"] < 0.5, r

@@ -30,6 +30,7 @@ def _pair(entered: list[int]) -> tuple[Heartbeat, Heartbeat]:
 def test_a_slow_peer_that_keeps_stepping_is_waited_for_past_the_timeout() -> None:
     entered = [1]
     me, peer = _pair(entered)
+    events.inner_step_done(0, 10)  # this worker is at its 10th inner step, worker 1 at its first
 
     def slow_worker() -> None:  # an inner step every 0.2 s, exchange #2 after 1.2 s: six times the patience
         for step in range(1, 7):
@@ -52,6 +53,7 @@ def test_a_slow_peer_that_keeps_stepping_is_waited_for_past_the_timeout() -> Non
 
 def test_a_peer_alive_without_progress_is_named_slow_with_the_fix() -> None:
     me, peer = _pair([1])
+    events.inner_step_done(0, 10)
     events.inner_step_done(1, 7)
     try:
         with pytest.raises(PeerError, match=r"worker 1 has not reached exchange #2 and is alive but took no inner "
@@ -64,9 +66,22 @@ def test_a_peer_alive_without_progress_is_named_slow_with_the_fix() -> None:
         peer.stop("closed")
 
 
+def test_a_peer_at_this_workers_step_is_a_moment_behind_not_waited_for() -> None:
+    me, peer = _pair([1])
+    events.inner_step_done(0, 10)
+    events.inner_step_done(1, 10)
+    time.sleep(0.2)  # its heartbeat published
+    t0 = time.monotonic()
+    me.wait_for_peers(2, [0, 1], NAMES, patience_s=30.0, cancel=threading.Event())
+    assert time.monotonic() - t0 < 1.0
+    me.stop("closed")
+    peer.stop("closed")
+
+
 @pytest.mark.parametrize("how", ["silent", "closed"])
 def test_a_silent_or_closed_peer_is_left_to_the_collective(how: str) -> None:
     me, peer = _pair([1])
+    events.inner_step_done(0, 10)  # worker 1 is behind: only its silence ends the wait at once
     peer.stop("closed")
     if how == "silent":  # its last heartbeat older than the staleness bound, as "up"
         me.store.set("hb/1", f"{time.time() - 10:.3f} 1 up 0 3")

@@ -109,15 +109,16 @@ class Heartbeat:
     def _count_step(self, worker: int, step: int) -> None:
         if worker == self.worker:
             self.steps_done = step
+            self.announce()  # the peers that wait for this worker see its progress at once
 
     def wait_for_peers(self, seq: int, members: list[int], names: Mapping[int, str], patience_s: float,
                        cancel: threading.Event) -> None:
         """Before exchange seq's collective, wait for the peers that have not entered it yet while they are
         alive and stepping: a slow worker, not a dead one, so that the collective's timeout only ever meets a
         silent peer. Each such peer is waited for as long as its inner steps advance, at most ``patience_s``
-        (the run's --dist-timeout) without one. Returns at once when every peer has entered, or when one is
-        silent, closed or gone (the collective then fails and :meth:`diagnose` names it). The first looks
-        come milliseconds apart, so a peer a moment behind costs no more than that.
+        (the run's --dist-timeout) without one. Returns at once when every peer has entered or is at this
+        worker's inner step (a moment behind: the collective waits for it, as dp's every step does), or when
+        one is silent, closed or gone (the collective then fails and :meth:`diagnose` names it).
 
         Raises:
             PeerError: a peer alive whose inner steps did not advance for ``patience_s``: slow or stuck, named
@@ -125,7 +126,7 @@ class Heartbeat:
         """
         if self.store is None or self.store_lost:
             return
-        pause, seen = 0.002, {}  # peer -> (its progress, when that last changed)
+        mine, pause, seen = self.steps_done, 0.002, {}  # seen: peer -> (its progress, when that last changed)
         while not cancel.is_set():
             now, behind = time.monotonic(), []
             for w in members:
@@ -136,7 +137,7 @@ class Heartbeat:
                         return
                     fields = self.store.get(self.key(w)).decode().split()
                     entered, state = int(fields[1]), fields[2]
-                    if entered >= seq:
+                    if entered >= seq or (len(fields) > 4 and int(fields[4]) >= mine):
                         continue
                     if state != "up" or time.time() - float(fields[0]) > self.stale_s or exit_note(self.store, w):
                         return
@@ -195,6 +196,7 @@ class Heartbeat:
         assert self.store is not None
         strong: Suspects = []
         weak: Suspects = []
+        gave_up: Suspects = []
         now = time.time()
         for w in members:
             if w == self.worker:
@@ -208,8 +210,8 @@ class Heartbeat:
             except Exception as e:
                 return f"the rendezvous store is unreachable ({str(e).splitlines()[0][:120]})"
             age, last = now - float(stamp), int(entered)
-            if state == "failed":  # a fellow survivor that already gave up: a cause only where nothing else is
-                weak.append((w, f"{name} gave up on this exchange first (its own line says why)"))
+            if state == "failed":  # a fellow survivor that already gave up: named only where nothing else is
+                gave_up.append((w, f"{name} gave up on this exchange first (its own line says why)"))
                 continue
             exit_note = self._exit_note(w)
             if exit_note:  # the launcher saw its process end: no need to wait for a stale heartbeat
@@ -221,7 +223,7 @@ class Heartbeat:
                 strong.append((w, note))
             elif last < seq:
                 weak.append((w, f"{name} has not reached exchange #{seq} (alive, last entered #{last})"))
-        return strong, weak
+        return strong, weak or gave_up
 
     def _exit_note(self, w: int) -> str:
         """How worker w's process ended, if ``eagerloco launch`` recorded it ('' if not)."""
