@@ -314,7 +314,7 @@ class OuterSync:
         self.finish_outer()
 
     def _refuse_non_finite(self, tensors: list[torch.Tensor], what: str) -> None:
-        """Nothing that is not finite reaches a codec or a peer: the run stops at once (docs/algorithms.md, 12)."""
+        """Nothing that is not finite reaches a codec or a peer: the run stops at once (docs/algorithms.md, 13)."""
         if tensors and not bool(torch.stack([t.isfinite().all() for t in tensors]).all()):
             raise DivergedError(what, self.step, self.comm.rank)
 

@@ -1,4 +1,4 @@
-"""A run whose numbers stop being finite stops there with one line (docs/algorithms.md, section 12): nothing
+"""A run whose numbers stop being finite stops there with one line (docs/algorithms.md, section 13): nothing
 that is not finite reaches a codec or a peer, whatever the method and codec, in process, launched or on the
 hook API; a resume never takes a state that is not finite; a loss that is not finite is a failed run."""
 
