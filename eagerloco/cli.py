@@ -66,7 +66,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 def _exit_code(e: BaseException) -> int | None:
     """2 for bad input (a setting, a file, data, a checkpoint, an optional package not installed), 3 for a
-    dead peer, 4 for workers that launched different exchanges; None: not ours to report.
+    dead peer, 4 for workers that launched different exchanges, 5 for a run whose numbers stopped being finite;
+    None: not ours to report.
 
     The error classes are imported here, when an error is being reported, so that a command
     that never loads torch does not load it to name the errors it cannot raise.
@@ -74,6 +75,7 @@ def _exit_code(e: BaseException) -> int | None:
     from eagerloco.checkpoint import CheckpointError
     from eagerloco.comm.errors import MISMATCH_EXIT_CODE, PEER_EXIT_CODE, PeerError, ScheduleMismatchError
     from eagerloco.data import DataError
+    from eagerloco.errors import DIVERGED_EXIT_CODE, DivergedError
     from eagerloco.extras import MissingExtraError
 
     if isinstance(e, (ConfigError, FileNotFoundError, DataError, CheckpointError, MissingExtraError)):
@@ -82,6 +84,8 @@ def _exit_code(e: BaseException) -> int | None:
         return PEER_EXIT_CODE
     if isinstance(e, ScheduleMismatchError):
         return MISMATCH_EXIT_CODE
+    if isinstance(e, DivergedError):
+        return DIVERGED_EXIT_CODE
     return None
 
 
@@ -142,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         The exit status: 0, 2 for bad input (with one line naming it on stderr), 3 for a dead peer, 4 for
-        workers that launched different exchanges, 130 for Ctrl-C before the command started.
+        workers that launched different exchanges, 5 for a run that diverged, 130 for Ctrl-C before the command
+        started.
     """
     argv = sys.argv[1:] if argv is None else argv
     quiet_torch_cpp_warnings()

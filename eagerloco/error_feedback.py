@@ -51,13 +51,16 @@ class ErrorFeedback:
         """Take the buffers of :meth:`state`.
 
         Raises:
-            ValueError: the saved buffers do not match these fragments' shapes.
+            ValueError: the saved buffers do not match these fragments' shapes, or are not finite.
         """
         if len(saved) != len(self.buffers) or any(
             len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True))
             for a, b in zip(saved, self.buffers, strict=True)
         ):
             raise ValueError("the saved error-feedback buffers do not match this model's fragments")
+        if not all(bool(s.isfinite().all()) for frag in saved for s in frag):
+            raise ValueError("the saved error-feedback buffers are not finite (NaN or inf): the state was saved "
+                             "after the run diverged")
         for frag, frag_saved in zip(self.buffers, saved, strict=True):
             for e, s in zip(frag, frag_saved, strict=True):
                 e.copy_(s)

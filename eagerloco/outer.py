@@ -17,6 +17,7 @@ from eagerloco.codecs import get_codec
 from eagerloco.comm.base import Communicator, Handle, ReadyHandle
 from eagerloco.config import OuterConfig
 from eagerloco.error_feedback import ErrorFeedback
+from eagerloco.errors import DivergedError
 from eagerloco.fragments import assign_fragments, find_blocks, trainable_fragments
 from eagerloco.fsdp import like_param, local_shard
 from eagerloco.outer_optimizer import OuterOptimizerFactory, make_outer_optimizer
@@ -183,6 +184,7 @@ class OuterSync:
 
         Raises:
             PeerError: the communicator's group already failed.
+            DivergedError: a gradient is not finite.
         """
         if not self.is_dp:
             return
@@ -190,6 +192,7 @@ class OuterSync:
         self._grad_params = [p for p in self.params[0] if p.requires_grad]
         grads = [local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p))
                  for p in self._grad_params]
+        self._refuse_non_finite(grads, "gradient")
         self._grad_handle = self.comm.allreduce_mean(grads, self.codec, self.generator, keep_own=False,
                                                      **self._agreed())
         self.comm.add_overhead(time.perf_counter() - t0)
@@ -235,6 +238,7 @@ class OuterSync:
         Raises:
             PeerError: the communicator's group already failed.
             ScheduleMismatchError: the workers run different settings (checked at the first exchange).
+            DivergedError: an outer gradient (or error-feedback buffer) due to be sent is not finite.
         """
         self.step += 1
         if self.is_dp:
@@ -247,6 +251,8 @@ class OuterSync:
             with torch.no_grad():
                 delta = [o - l.detach().to(torch.float32) for o, l in zip(self.outer[p], self.local[p], strict=True)]
             sent = delta if feedback is None else feedback.add(p, delta)
+            self._refuse_non_finite(sent, f"outer gradient{'' if feedback is None else ' with its error feedback'} "
+                                          f"of fragment {p}")
             # Adaptive steps: M * w_m times the contribution, so the mean is the token-weighted sum_m w_m Delta_m.
             weight = None if adaptive is None else adaptive.weigh(p)
             scale = 1.0 if weight is None else weight.scale
@@ -257,9 +263,9 @@ class OuterSync:
                                               keep_own=self.own_state or feedback is not None, **self._agreed())
             if feedback is not None and scale:  # the buffer loses what it sent (unweighted)
                 feedback.sent(p, handle.own if scale == 1.0 else [o / scale for o in handle.own])
-            # Eager applies its own share now: the outer gradient itself, or with error feedback what it
-            # sent (C_m), so that every value sent is applied once and the unsent rest stays in the buffer.
-            fresh = (sent if feedback is None else handle.own) if self.own_state else None
+            # Eager applies its own share now: what it sent (C_m, as the others decode it), so that every value
+            # sent is applied once; the unsent rest stays in the error-feedback buffer, or is dropped without one.
+            fresh = handle.own if self.own_state else None
             item = _InFlight(p, handle, self.step, self.step + self.delay, fresh, self.comm.num_workers)
             if weight is not None:
                 item.workers, item.others, item.window = weight.workers, weight.others, weight.window
@@ -307,6 +313,11 @@ class OuterSync:
         """
         self.launch_outer()
         self.finish_outer()
+
+    def _refuse_non_finite(self, tensors: list[torch.Tensor], what: str) -> None:
+        """Nothing that is not finite reaches a codec or a peer: the run stops at once (docs/algorithms.md, 13)."""
+        if tensors and not bool(torch.stack([t.isfinite().all() for t in tensors]).all()):
+            raise DivergedError(what, self.step, self.comm.rank)
 
     def _agreed(self) -> dict[str, Any]:
         """Agree with the other workers, once, on everything that decides which exchanges this object
@@ -568,15 +579,8 @@ class OuterSync:
 
 
 def before_inner_step_all(syncs: Sequence[OuterSync]) -> None:
-    """:meth:`OuterSync.before_inner_step` for M workers in one process, in lockstep: every worker launches
-    before any waits (a worker waiting first would wait for a launch that never comes).
-
-    Args:
-        syncs: one OuterSync per worker, on communicators of the same in-process group.
-
-    Raises:
-        PeerError: as :meth:`OuterSync.before_inner_step`.
-    """
+    """:meth:`OuterSync.before_inner_step` for M workers of one in-process group, in lockstep: every worker
+    launches before any waits (a worker waiting first would wait for a launch that never comes)."""
     for s in syncs:
         s.launch_grads()
     for s in syncs:
@@ -584,15 +588,8 @@ def before_inner_step_all(syncs: Sequence[OuterSync]) -> None:
 
 
 def after_inner_step_all(syncs: Sequence[OuterSync]) -> None:
-    """:meth:`OuterSync.after_inner_step` for M workers in one process, in lockstep: every worker launches
-    before any waits (a worker waiting first would wait for a launch that never comes).
-
-    Args:
-        syncs: one OuterSync per worker, on communicators of the same in-process group.
-
-    Raises:
-        PeerError: as :meth:`OuterSync.after_inner_step`.
-    """
+    """:meth:`OuterSync.after_inner_step` for M workers of one in-process group, in lockstep (as
+    :func:`before_inner_step_all`)."""
     for s in syncs:
         s.launch_outer()
     for s in syncs:

@@ -157,6 +157,18 @@ def test_odd_block_sizes_across_internal_chunks(name: str, block_size: int) -> N
     assert torch.equal(c.unpack(buf, n), _reference_nearest(name, q) * s)
 
 
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_a_block_longer_than_the_vector_is_the_vector(name: str, stochastic: bool) -> None:
+    """A block longer than the values is encoded as long as the values, never padded to the block size (a
+    block of 10**9 for 1000 values once allocated 4 GB a payload): the same bytes as a block of exactly them."""
+    x = _heavy_tailed(1000, 5)
+    short = get_codec(name, block_size=1000, stochastic=stochastic)
+    huge = get_codec(name, block_size=10**9, stochastic=stochastic)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert torch.equal(huge.pack(x, g2), short.pack(x, g1))
+
+
 # ----------------------------------------------------------------------------- exact grids
 
 

@@ -47,10 +47,11 @@ BAD = {
     "eager_rounds": st.sampled_from((0, -1)),
     "eager_weighting": st.just("both"),
     "codec": st.just("fp7"),
-    "codec_block": st.sampled_from((0, -32)),
+    "codec_block": st.sampled_from((0, -32, 2**16 + 1, 10**9)),
     "outer_optimizer": st.just("lion"),
-    "outer_lr": st.sampled_from((0.0, -1.0, float("inf"), float("nan"))),
+    "outer_lr": st.sampled_from((0.0, -1.0, 10.5, 1e30, float("inf"), float("nan"))),
     "outer_momentum": st.sampled_from((1.0, 1.2, -0.1)),
+    "outer_nesterov": st.sampled_from(("no", "yes", 1, None)),
 }
 
 
@@ -70,9 +71,11 @@ def expected_valid(c: OuterConfig) -> bool:
         return False
     if c.outer_optimizer not in ("sgd", "adam", "adamw"):
         return False
-    if c.inner_steps < 1 or c.fragments < 1 or c.eager_rounds < 1 or c.overlap_steps < 0 or c.codec_block < 1:
+    if c.inner_steps < 1 or c.fragments < 1 or c.eager_rounds < 1 or c.overlap_steps < 0:
         return False
-    if not (0 <= c.alpha <= 1) or not (math.isfinite(c.outer_lr) and c.outer_lr > 0):  # nan fails both
+    if not 1 <= c.codec_block <= 2**16 or not isinstance(c.outer_nesterov, bool):
+        return False
+    if not (0 <= c.alpha <= 1) or not (math.isfinite(c.outer_lr) and 0 < c.outer_lr <= 10):  # nan fails both
         return False
     if not (0 <= c.outer_momentum < 1):
         return False

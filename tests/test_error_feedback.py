@@ -109,6 +109,33 @@ def test_every_sent_value_is_applied_once_and_the_rest_stays_in_the_buffer(metho
     assert any(e.abs().max() > 1e-3 for s in syncs for e in s.feedback.buffers[0])
 
 
+@pytest.mark.parametrize(("values", "k"), [("fp32", 1), ("fp32", 2), ("e2m1", 1)])
+def test_without_error_feedback_eager_applies_what_it_sent_and_drops_the_rest(values: str, k: int) -> None:
+    """No --error-feedback is beta = 0 of section 10 with the buffer's rest dropped: eager's own share is C_m/M,
+    what it sent, as for the others. Plain outer SGD with lr 1, drained: every worker's outer copy is
+    theta_0 - (1/M) sum_m sum_r C_m^r, each C_m^r = Q(TopK(Delta_m^r)) with Delta_m^r = eta * (the round's
+    gradients summed), from the codec alone (the inner steps restart from the outer copy every round)."""
+    m_workers, h, rounds, eta = 3, 2, 4, 0.1
+    grads = seeded_grads(11)
+    cfg = OuterConfig(method="eager", inner_steps=h, eager_rounds=k, topk=2, topk_chunk=8, codec=values,
+                      **plain_sgd_outer(1.0))
+    models, syncs, _, init = run_inprocess(cfg, m_workers, h * rounds, grads, inner_lr=eta)
+    for s in syncs:
+        s.drain(apply=True)
+    names = syncs[0].fragment_names[0]
+    shapes = {n: p.shape for n, p in init.named_parameters()}
+    codec = get_codec(values, topk=2, chunk=8)
+    sent = torch.zeros(sum(shapes[n].numel() for n in names))
+    for m in range(m_workers):
+        for r in range(rounds):
+            steps = range(r * h + 1, (r + 1) * h + 1)
+            delta = _flat([eta * sum(grads(m, st, n, torch.zeros(shapes[n])) for st in steps) for n in names])
+            sent += codec.unpack(codec.pack(delta), delta.numel())
+    theta0 = _flat([dict(init.named_parameters())[n].detach() for n in names])
+    for s in syncs:
+        torch.testing.assert_close(_flat(s.outer[0]), theta0 - sent / m_workers, rtol=0, atol=2e-6)
+
+
 def test_eager_applies_its_own_sent_values_not_its_outer_gradient() -> None:
     """Eager's own share is C_m / M (what it sent), so after one round a worker's outer copy moved by
     exactly its own sent values over M, the others' not yet arrived."""

@@ -205,8 +205,8 @@ def test_a_straggler_costs_time_not_numbers_and_eager_absorbs_its_lag(tmp_path: 
 
 @pytest.mark.parametrize("spec,message", [
     (["5:2"], "worker id must be in 0..1"),
-    (["1:0.5"], "FACTOR must be a finite number >= 1"),
-    (["1:nan"], "FACTOR must be a finite number >= 1"),
+    (["1:0.5"], "FACTOR must be a number from 1 to 1000"),
+    (["1:nan"], "FACTOR must be a number from 1 to 1000"),
     (["one"], "expected ID:FACTOR"),
     (["1:2", "1:3"], "given twice"),
 ])

@@ -289,17 +289,25 @@ class _BlockCodec(Codec):
         for b0 in range(0, nb, step):
             b1 = min(nb, b0 + step)
             i0, i1 = b0 * bs, min(n, b1 * bs)
-            chunk = v[i0:i1]
-            if i1 - i0 != (b1 - b0) * bs:  # last block partial: pad with zeros (not stored)
-                chunk = torch.cat((chunk, chunk.new_zeros((b1 - b0) * bs - (i1 - i0))))
-            blocks = chunk.view(b1 - b0, bs)
-            scale_bits, scales = self._scales(blocks)
-            scale_out[b0 * SCALE_BYTES : b1 * SCALE_BYTES] = scale_bits.view(torch.uint8)
-            # Division (not multiplication by a reciprocal) because 1/scale overflows for tiny
-            # scales. A zero scale only occurs for an all-zero block, whose codes are zero: divide by 1.
-            q = blocks / torch.where(scales > 0, scales, 1.0)[:, None]
-            u = torch.rand(q.shape, generator=generator, device=q.device) if self.stochastic else None
-            codes = self._encode(q, u).view(-1)[: i1 - i0]
+            chunk, full = v[i0:i1], (i1 - i0) // bs
+            # The last block may be partial: it is encoded as a row of its own length, not padded to the
+            # block size (a padded copy would cost a whole block's memory whatever the vector's length).
+            rows = [chunk[: full * bs].view(full, bs)] if full else []
+            if full * bs < i1 - i0:
+                rows.append(chunk[full * bs :].view(1, -1))
+            u = torch.rand(i1 - i0, generator=generator, device=v.device) if self.stochastic else None
+            parts, at = [], 0
+            for j, blocks in enumerate(rows):
+                scale_bits, scales = self._scales(blocks)
+                scale_out[(b0 + j * full) * SCALE_BYTES : (b0 + j * full + len(blocks)) * SCALE_BYTES] = (
+                    scale_bits.view(torch.uint8))
+                # Division (not multiplication by a reciprocal) because 1/scale overflows for tiny scales.
+                # A zero scale only occurs for an all-zero block, whose codes are zero: divide by 1.
+                q = blocks / torch.where(scales > 0, scales, 1.0)[:, None]
+                noise = None if u is None else u[at : at + q.numel()].view(q.shape)
+                parts.append(self._encode(q, noise).view(-1))
+                at += q.numel()
+            codes = parts[0] if len(parts) == 1 else torch.cat(parts)
             per = self.per_byte
             if per > 1:
                 if codes.numel() % per:  # only in the last chunk: its last byte is partly empty

@@ -432,6 +432,7 @@ class TorchDistCommunicator(Communicator):
         """
         self.exchanges.entered = op.seq
         self.heartbeat.announce()
+        self.heartbeat.wait_for_peers(op.seq, self.peers.members, self.peers.names, self.timeout_s, self._cancel)
         codec = op.codec
         start = op.launch_wall
         if op.checked:

@@ -1,11 +1,12 @@
 """Heartbeats of the outer ranks in the run's store, and the diagnosis read from them on a failure.
 
 Every outer rank's heartbeat thread writes ``hb/<worker>`` (``hb/<worker>/<channel>`` for the other
-shards of a sharded worker) = "wall time, last exchange entered, state, step" under
+shards of a sharded worker) = "wall time, last exchange entered, state, step, inner steps done" under
 :data:`~eagerloco.comm.groups.HEARTBEAT_PREFIX`. When a collective fails, the survivors read the
 others' heartbeats to name the workers whose heartbeat went stale, that closed their communicator,
 or (failing that) that never reached the failed exchange. ``eagerloco launch`` adds ``exited/<worker>``
-when it sees a process end.
+when it sees a process end. Before a collective, a worker waits for a peer that is behind but alive and
+still stepping (:meth:`Heartbeat.wait_for_peers`): slow is not dead.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping
 
 import torch.distributed as dist
 
+from eagerloco import events
 from eagerloco.comm.errors import PEER_EXIT_CODE, PeerError
 
 #: How often each outer rank refreshes its heartbeat in the store (seconds).
@@ -49,6 +51,9 @@ class Heartbeat:
         self.stale_s = max(3 * interval_s, 2.0)
         self.state = "up"
         self._progress = progress
+        #: Inner steps this worker completed (announced through :mod:`eagerloco.events`): a slow peer's progress.
+        self.steps_done = 0
+        self._unwatch = events.on_inner_step(self._count_step)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -79,12 +84,14 @@ class Heartbeat:
                 return
             entered, step = self._progress()
             try:
-                self.store.set(self.key(self.worker), f"{time.time():.3f} {entered} {self.state} {step}")
+                self.store.set(self.key(self.worker),
+                               f"{time.time():.3f} {entered} {self.state} {step} {self.steps_done}")
             except Exception:  # the store host is gone; a diagnosis will say so
                 self.store_lost = True
 
     def stop(self, state: str) -> None:
         """Stop the thread and publish a last heartbeat with this state ("failed" or "closed")."""
+        self._unwatch()
         if self._thread is None:
             return
         self._stop.set()
@@ -98,6 +105,60 @@ class Heartbeat:
             self._wake.clear()
             if not self._stop.is_set():
                 self.publish()
+
+    def _count_step(self, worker: int, step: int) -> None:
+        if worker == self.worker:
+            self.steps_done = step
+            self.announce()  # the peers that wait for this worker see its progress at once
+
+    def wait_for_peers(self, seq: int, members: list[int], names: Mapping[int, str], patience_s: float,
+                       cancel: threading.Event) -> None:
+        """Before exchange seq's collective, wait for the peers that have not entered it yet while they are
+        alive and stepping: a slow worker, not a dead one, so that the collective's timeout only ever meets a
+        silent peer. Each such peer is waited for as long as its inner steps advance, at most ``patience_s``
+        (the run's --dist-timeout) without one. Returns at once when every peer has entered or is at this
+        worker's inner step (a moment behind: the collective waits for it, as dp's every step does), or when
+        one is silent, closed or gone (the collective then fails and :meth:`diagnose` names it).
+
+        Raises:
+            PeerError: a peer alive whose inner steps did not advance for ``patience_s``: slow or stuck, named
+                with the bound and how to raise it.
+        """
+        if self.store is None or self.store_lost:
+            return
+        mine, pause, seen = self.steps_done, 0.002, {}  # seen: peer -> (its progress, when that last changed)
+        while not cancel.is_set():
+            now, behind = time.monotonic(), []
+            for w in members:
+                if w == self.worker:
+                    continue
+                try:
+                    if not self.store.check([self.key(w)]):
+                        return
+                    fields = self.store.get(self.key(w)).decode().split()
+                    entered, state = int(fields[1]), fields[2]
+                    if entered >= seq or (len(fields) > 4 and int(fields[4]) >= mine):
+                        continue
+                    if state != "up" or time.time() - float(fields[0]) > self.stale_s or exit_note(self.store, w):
+                        return
+                except Exception:  # the store is gone: the collective fails and the diagnosis says why
+                    return
+                progress = (entered, *fields[3:])
+                if w not in seen or seen[w][0] != progress:
+                    seen[w] = (progress, now)
+                elif now - seen[w][1] > patience_s:
+                    done = f", {fields[4]} inner steps done" if len(fields) > 4 else ""
+                    raise PeerError(
+                        f"outer exchange #{seq}: {names.get(w, f'worker {w}')} has not reached exchange #{seq} and is "
+                        f"alive but took no inner step for {patience_s:g} s (it last entered #{entered}{done}): it "
+                        f"is slow or stuck, not dead. If its inner steps are that slow, raise --dist-timeout (now "
+                        f"{patience_s:g} s) above one of them; else check its log, then restart all workers and "
+                        "resume from the last checkpoint", [w])
+                behind.append(w)
+            if not behind:
+                return
+            time.sleep(pause)
+            pause = min(2 * pause, 0.1)
 
     # -- diagnosis ----------------------------------------------------------------------------------
 
@@ -135,6 +196,7 @@ class Heartbeat:
         assert self.store is not None
         strong: Suspects = []
         weak: Suspects = []
+        gave_up: Suspects = []
         now = time.time()
         for w in members:
             if w == self.worker:
@@ -148,7 +210,8 @@ class Heartbeat:
             except Exception as e:
                 return f"the rendezvous store is unreachable ({str(e).splitlines()[0][:120]})"
             age, last = now - float(stamp), int(entered)
-            if state == "failed":  # a fellow survivor that already gave up: not a cause
+            if state == "failed":  # a fellow survivor that already gave up: named only where nothing else is
+                gave_up.append((w, f"{name} gave up on this exchange first (its own line says why)"))
                 continue
             exit_note = self._exit_note(w)
             if exit_note:  # the launcher saw its process end: no need to wait for a stale heartbeat
@@ -160,7 +223,7 @@ class Heartbeat:
                 strong.append((w, note))
             elif last < seq:
                 weak.append((w, f"{name} has not reached exchange #{seq} (alive, last entered #{last})"))
-        return strong, weak
+        return strong, weak or gave_up
 
     def _exit_note(self, w: int) -> str:
         """How worker w's process ended, if ``eagerloco launch`` recorded it ('' if not)."""

@@ -6,7 +6,15 @@ import math
 from dataclasses import dataclass
 
 from eagerloco.codec_sizes import CODEC_NAMES
-from eagerloco.config.checks import ConfigError, check_choice, check_int_at_least, flag_name, is_finite, setting
+from eagerloco.config.checks import (
+    ConfigError,
+    check_choice,
+    check_int_at_least,
+    check_switch,
+    flag_name,
+    is_finite,
+    setting,
+)
 from eagerloco.schedule import PATTERNS, apply_delay
 
 METHODS = ("dp", "diloco", "streaming", "delayed", "eager")
@@ -18,6 +26,14 @@ TRANSPORTS = ("allgather", "reduce-scatter")
 MAX_ROUNDS_IN_FLIGHT = 64
 #: Slower than this (1 kbit/s) no link carries a model's outer gradient in any useful time.
 MIN_BANDWIDTH_GBPS = 1e-6
+#: The block formats' largest block: one scale per 65,536 values already gives up what blocks are for.
+MAX_CODEC_BLOCK = 1 << 16
+#: Past this outer learning rate every outer step overshoots many times over (the papers: 0.4 to 1).
+MAX_OUTER_LR = 10.0
+#: The slowest worker's speed is at least the fastest's over this: beyond it one step of the slowest outlasts a run.
+MAX_SPEED_RATIO = 1000.0
+#: One-way latency beyond a minute describes no link (around the Earth is about 0.1 s).
+MAX_LATENCY_MS = 60_000.0
 
 
 @dataclass
@@ -52,7 +68,7 @@ class OuterConfig:
     codec: str = setting("fp32", choices=CODEC_NAMES)
     """Format of the outer gradient on the link (bf16, fp8, e2m1, ...); sums stay FP32."""
     codec_block: int = 32
-    """Values sharing one scale in the block formats (MX uses 32)."""
+    """Values sharing one scale in the block formats, 1 to 65536 (MX uses 32)."""
     stochastic_rounding: bool = False
     """Round the quantized payload stochastically instead of to nearest."""
     transport: str = setting("allgather", choices=TRANSPORTS, group="compression")
@@ -74,7 +90,8 @@ class OuterConfig:
     """The outer optimizer applied to the averaged outer gradient: sgd (with --outer-momentum, Nesterov), average
     (plain averaging with --outer-lr, as SparseLoCo), adam or adamw."""
     outer_lr: float = 0.7
-    """Outer learning rate (the DiLoCo papers: 0.7; the eager paper lowers it to about 0.4)."""
+    """Outer learning rate, above 0 and at most 10 (the DiLoCo papers: 0.7; the eager paper lowers it to about
+    0.4)."""
     outer_momentum: float = 0.9
     """Outer momentum (SGD) or beta1 (Adam); the papers use 0.9."""
     outer_nesterov: bool = True
@@ -85,7 +102,8 @@ class OuterConfig:
     --worker-speeds), the fastest running H, and the exchange is the token-weighted mean of the outer gradients."""
     worker_speeds: list[float] = setting(factory=list, metavar="S0,S1,...", group="heterogeneous", sep=",",
                                          shown_default="equal")
-    """Relative inner-step speed of each worker (1,0.5: worker 1 at half speed). Emulates unequal hardware
+    """Relative inner-step speed of each worker (1,0.5: worker 1 at half speed), positive and the slowest at
+    least 1/1000 of the fastest. Emulates unequal hardware
     (a worker's step takes the fastest's time over its speed) and, with --adaptive-steps, fixes the speeds
     its rounds are sized by instead of measuring them (reproducible runs)."""
 
@@ -110,13 +128,19 @@ class OuterConfig:
             )
         check_int_at_least("overlap_steps", self.overlap_steps, 0)
         check_int_at_least("codec_block", self.codec_block, 1)
+        if self.codec_block > MAX_CODEC_BLOCK:
+            raise ConfigError(f"{flag_name('codec_block')} must be at most {MAX_CODEC_BLOCK} values per scale "
+                              f"(MX uses 32), got {self.codec_block:,}")
+        for name in ("stochastic_rounding", "outer_nesterov", "adaptive_steps"):
+            check_switch(name, getattr(self, name))
         self._validate_compression()
         self._validate_speeds()
         if not is_finite(self.alpha) or not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"{flag_name('alpha')} must be in [0, 1] (weight of the local parameters), "
                               f"got {self.alpha}")
-        if not is_finite(self.outer_lr) or self.outer_lr <= 0:
-            raise ConfigError(f"{flag_name('outer_lr')} must be a positive number, got {self.outer_lr}")
+        if not is_finite(self.outer_lr) or not 0 < self.outer_lr <= MAX_OUTER_LR:
+            raise ConfigError(f"{flag_name('outer_lr')} must be a number above 0 and at most {MAX_OUTER_LR:g} "
+                              f"(the papers use 0.4 to 1), got {self.outer_lr!r}")
         if not is_finite(self.outer_momentum) or not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError(f"{flag_name('outer_momentum')} must be in [0, 1), got {self.outer_momentum}")
         if self.outer_nesterov and self.outer_optimizer == "sgd" and self.outer_momentum == 0:
@@ -153,6 +177,10 @@ class OuterConfig:
         if not isinstance(speeds, list) or not all(is_finite(v) and v > 0 for v in speeds):
             raise ConfigError(f"{flag_name('worker_speeds')} must be positive numbers, one per worker "
                               f"(e.g. 1,0.5), got {speeds!r}")
+        if speeds and max(speeds) > MAX_SPEED_RATIO * min(speeds):
+            raise ConfigError(f"{flag_name('worker_speeds')}: the slowest worker must run at least "
+                              f"1/{MAX_SPEED_RATIO:g} of the fastest's speed (one of its steps would outlast the "
+                              f"run), got {speeds!r}")
         if self.adaptive_steps and self.method == "dp":
             raise ConfigError(f"{flag_name('adaptive_steps')} sizes outer rounds and {flag_name('method')} dp has "
                               "none (it averages gradients every step): choose diloco, streaming, delayed or eager")
@@ -238,13 +266,14 @@ class LinkConfig:
     bandwidth_gbps: float = math.inf
     """Link bandwidth in Gbit/s between workers (the papers' x-axis); inf: no limit."""
     latency_ms: float = 0.0
-    """One-way latency added to every exchange, in milliseconds."""
+    """One-way latency added to every exchange, in milliseconds, 0 to 60000."""
     jitter_ms: float = 0.0
-    """Uniform extra latency in [0, J] milliseconds per exchange."""
+    """Uniform extra latency in [0, J] milliseconds per exchange, J from 0 to 60000."""
 
     def validate(self) -> LinkConfig:
         """Raise ConfigError on the first invalid setting; returns self for chaining."""
-        if math.isnan(self.bandwidth_gbps) or self.bandwidth_gbps <= 0:
+        bw = self.bandwidth_gbps
+        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or math.isnan(bw) or bw <= 0:
             raise ConfigError(
                 f"--bandwidth-gbps must be a positive number of Gbit/s (inf for no limit), got {self.bandwidth_gbps}"
             )
@@ -255,8 +284,9 @@ class LinkConfig:
             )
         for name in ("latency_ms", "jitter_ms"):
             v = getattr(self, name)
-            if not is_finite(v) or v < 0:
-                raise ConfigError(f"{flag_name(name)} must be a finite number >= 0, got {v}")
+            if not is_finite(v) or not 0 <= v <= MAX_LATENCY_MS:
+                raise ConfigError(f"{flag_name(name)} must be a number of milliseconds from 0 to {MAX_LATENCY_MS:g}, "
+                                  f"got {v!r}")
         return self
 
     def transfer_seconds(self, nbytes: int) -> float:
@@ -267,5 +297,5 @@ class LinkConfig:
         return self.latency_ms / 1e3 + nbytes * 8 / (self.bandwidth_gbps * 1e9)
 
 
-__all__ = ["LinkConfig", "MAX_ROUNDS_IN_FLIGHT", "METHODS", "MIN_BANDWIDTH_GBPS", "OUTER_OPTIMIZERS", "OuterConfig",
-           "TRANSPORTS", "WEIGHTINGS"]
+__all__ = ["LinkConfig", "MAX_CODEC_BLOCK", "MAX_OUTER_LR", "MAX_ROUNDS_IN_FLIGHT", "METHODS", "MIN_BANDWIDTH_GBPS",
+           "OUTER_OPTIMIZERS", "OuterConfig", "TRANSPORTS", "WEIGHTINGS"]

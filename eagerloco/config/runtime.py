@@ -11,6 +11,8 @@ BACKENDS = ("gloo", "nccl")
 #: The ways of starting workers (:meth:`RuntimeConfig.kind`).
 RUNTIMES = ("inprocess", "distributed", "elastic", "job")
 _GROUP = "multi-process"
+#: A week: longer waits than this are no timeout (and overflow the timedelta torch.distributed takes).
+MAX_DIST_TIMEOUT = 7 * 24 * 3600.0
 
 
 @dataclass
@@ -30,7 +32,9 @@ class RuntimeConfig:
     """Backend of the outer group between workers: gloo (payloads move through pinned host memory and a
     dead peer is an exception) or nccl (payloads stay on the GPU)."""
     dist_timeout: float = setting(300.0, group=_GROUP)
-    """Seconds before a silent peer is declared dead."""
+    """Seconds before a silent peer (no heartbeat, or a collective that stopped) is declared dead, above 0 and at
+    most 604800 (a week); a peer alive but behind is waited for as long as its inner steps advance, each
+    within this."""
     outer_addr: str | None = setting(None, metavar="HOST:PORT", group=_GROUP,
                                      shown_default="$EAGERLOCO_OUTER_ADDR")
     """Each worker its own job (one process, started on its own): the outer rendezvous worker 0 hosts at
@@ -90,8 +94,9 @@ class RuntimeConfig:
             check_choice("backend", self.backend, BACKENDS)
         check_choice("outer_backend", self.outer_backend, BACKENDS)
         t = self.dist_timeout
-        if not is_finite(t) or t <= 0:
-            raise ConfigError(f"--dist-timeout must be a positive, finite number of seconds, got {t!r}")
+        if not is_finite(t) or not 0 < t <= MAX_DIST_TIMEOUT:
+            raise ConfigError(f"--dist-timeout must be a number of seconds above 0 and at most {MAX_DIST_TIMEOUT:g} "
+                              f"(a week), got {t!r}")
         r = self.ranks_per_worker
         assert r is not None  # resolve() filled it
         kind = self.kind(env)

@@ -25,6 +25,10 @@ MAX_STEPS = 10**9
 MAX_WORKERS = 4096
 #: The inner AdamW's learning rate: past this every step overflows.
 MAX_LR = 10.0
+MAX_WEIGHT_DECAY = 10.0
+#: An emulated inner step longer than an hour, or a straggler a thousand times slower, outlasts any run.
+MAX_STEP_TIME = 3600.0
+MAX_SLOWDOWN = 1000.0
 INNER_OPTIMIZERS = ("adamw", "muon")
 #: Muon's usual peak lr (with torch.optim.Muon's default shape adjustment) and momentum.
 MUON_LR = 0.02
@@ -61,7 +65,8 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate of the inner AdamW."""
     weight_decay: float = 0.1
-    """Weight decay of the inner AdamW (and of Muon with --inner-optimizer muon: decoupled, lr x decay a step)."""
+    """Weight decay of the inner AdamW, 0 to 10 (and of Muon with --inner-optimizer muon: decoupled, lr x decay a
+    step)."""
     inner_optimizer: str = setting("adamw", choices=INNER_OPTIMIZERS)
     """The inner steps' optimizer: adamw; or muon (MuLoCo): torch.optim.Muon for the transformer blocks' 2-D
     weights at --muon-lr, AdamW for the rest (embeddings, head, norms) at --lr, both on the one warmup and
@@ -88,8 +93,8 @@ class TrainConfig:
     out: str = "runs/latest"
     """Run directory: metrics.jsonl, summary.json, checkpoints/."""
     sim_step_time: float | None = None
-    """Seconds per inner step. In-process: the simulated time of a step instead of the measured one.
-    Multi-process: each step is padded with a sleep to this wall time, an emulated accelerator of that
+    """Seconds per inner step, above 0 and at most 3600. In-process: the simulated time of a step instead of the
+    measured one. Multi-process: each step is padded with a sleep to this wall time, an emulated accelerator of that
     speed, so that processes sharing cores run at equal speed (steps that take longer are counted as
     slow_steps)."""
     progress: bool = True
@@ -117,7 +122,7 @@ class TrainConfig:
     """Start afresh in an out directory that holds another run, deleting its checkpoints and metrics
     (without it such an out is refused)."""
     slow_workers: list[str] = setting(factory=list, flag="--slow-worker", metavar="ID:FACTOR", group="faults")
-    """Emulate a straggler: worker ID takes FACTOR (>= 1) times its measured time per inner step
+    """Emulate a straggler: worker ID takes FACTOR (1 to 1000) times its measured time per inner step
     (multi-process: it sleeps; in-process: simulated time); repeatable."""
     outer: OuterConfig = setting(factory=OuterConfig)
     """The outer algorithm."""
@@ -160,8 +165,10 @@ class TrainConfig:
         self._validate_sizes()
         self._validate_inner_optimizer()
         self._validate_device()
-        if self.sim_step_time is not None and not (math.isfinite(self.sim_step_time) and self.sim_step_time > 0):
-            raise ConfigError(f"--sim-step-time must be a positive number of seconds, got {self.sim_step_time}")
+        t = self.sim_step_time
+        if t is not None and not (is_finite(t) and 0 < t <= MAX_STEP_TIME):
+            raise ConfigError(f"--sim-step-time must be a number of seconds above 0 and at most {MAX_STEP_TIME:g}, "
+                              f"got {t!r}")
         self._validate_data()
         self.outer.validate()
         self.link.validate()
@@ -216,6 +223,9 @@ class TrainConfig:
             if getattr(self, name) > high:
                 raise ConfigError(f"--{name} {getattr(self, name):,} is more {what} than any run of this tool can "
                                   f"take (at most {high:,}); did you mean a smaller number?")
+        if self.weight_decay > MAX_WEIGHT_DECAY:
+            raise ConfigError(f"--weight-decay {self.weight_decay:g} is past {MAX_WEIGHT_DECAY:g}, where each step "
+                              "shrinks the weights past zero; the papers use about 0.1")
         if self.lr > MAX_LR:
             raise ConfigError(f"--lr {self.lr:g} is past {MAX_LR:g}, where every AdamW step overflows; the papers' "
                               "inner learning rates are about 1e-4 to 1e-2")
@@ -320,10 +330,9 @@ def parse_slow_workers(specs: Any, workers: int | None = None) -> dict[int, floa
         if w < 0 or (workers is not None and w >= workers):
             hi = f"0..{workers - 1}" if workers is not None else ">= 0"
             raise ConfigError(f"--slow-worker {text!r}: worker id must be in {hi} (--workers {workers})")
-        if not math.isfinite(f) or f < 1.0:
-            raise ConfigError(
-                f"--slow-worker {text!r}: FACTOR must be a finite number >= 1 (how many times slower), got {fac}"
-            )
+        if not math.isfinite(f) or not 1.0 <= f <= MAX_SLOWDOWN:
+            raise ConfigError(f"--slow-worker {text!r}: FACTOR must be a number from 1 to {MAX_SLOWDOWN:g} (how many "
+                              f"times slower), got {fac}")
         if w in out:
             raise ConfigError(f"--slow-worker: worker {w} is given twice; give each worker once")
         out[w] = f

@@ -12,6 +12,7 @@ import torch
 
 from eagerloco.comm.errors import MISMATCH_EXIT_CODE, PEER_EXIT_CODE, PeerError, ScheduleMismatchError
 from eagerloco.config import ConfigError
+from eagerloco.errors import DIVERGED_EXIT_CODE, DivergedError
 from eagerloco.extras import MissingExtraError
 
 
@@ -34,13 +35,14 @@ def exit_on_errors() -> Iterator[None]:
     ``eagerloco: error: ...`` on stderr and exits with status 3; an invalid setting (ConfigError) or an
     optional package not installed (MissingExtraError, naming the extra) does the same with status 2,
     and workers that launched different exchanges (:class:`~eagerloco.comm.errors.ScheduleMismatchError`)
-    with status 4, as the ``eagerloco`` command does. Other errors pass through unchanged.
+    with status 4, and a run whose numbers stopped being finite (DivergedError) with status 5, as the ``eagerloco``
+    command does. Other errors pass through unchanged.
     """
     try:
         yield
-    except (PeerError, ConfigError, MissingExtraError, ScheduleMismatchError) as e:
+    except (PeerError, ConfigError, MissingExtraError, ScheduleMismatchError, DivergedError) as e:
         code = (PEER_EXIT_CODE if isinstance(e, PeerError) else MISMATCH_EXIT_CODE
-                if isinstance(e, ScheduleMismatchError) else 2)
+                if isinstance(e, ScheduleMismatchError) else DIVERGED_EXIT_CODE if isinstance(e, DivergedError) else 2)
         print(f"eagerloco: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(code) from None
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from eagerloco.comm.errors import PEER_EXIT_CODE, PeerError
 from eagerloco.config import Environment
+from eagerloco.errors import DIVERGED_EXIT_CODE, DivergedError
 from eagerloco.flags import build_train_config
 from eagerloco.signals import RunStopped, die_with_launcher, signal_name, stop_on_signals
 from eagerloco.train.outputs import format_table
@@ -23,8 +24,9 @@ def run(args: argparse.Namespace) -> int:
         args: parsed by a parser that has :func:`eagerloco.flags.add_train_flags`.
 
     Returns:
-        The exit status: 0; 2 when a file cannot be written for lack of room; 3 for a dead peer;
-        128 + the signal that stopped the run. Each prints one line naming what happened.
+        The exit status: 0; 2 when a file cannot be written for lack of room; 3 for a dead peer; 5 for a run
+        whose numbers stopped being finite; 128 + the signal that stopped the run. Each prints one line naming
+        what happened.
     """
     env = Environment.read()
     cfg = build_train_config(args, env)
@@ -44,6 +46,13 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"eagerloco: error: {e} ({resume_hint(checkpoint_root(Path(cfg.out)))})", file=sys.stderr, flush=True)
         return PEER_EXIT_CODE
+    except DivergedError as e:  # nothing after it was checkpointed: name what was kept
+        from eagerloco.checkpoint import checkpoint_root, newest_intact
+
+        found = newest_intact(checkpoint_root(Path(cfg.out)))
+        kept = "no checkpoint was written" if found is None else f"the newest checkpoint, {found[0]}, is from before it"
+        print(f"eagerloco: error: {e} ({kept})", file=sys.stderr, flush=True)
+        return DIVERGED_EXIT_CODE
     except OSError as e:
         from eagerloco.checkpoint import NO_ROOM_ERRNOS
 

@@ -14,9 +14,10 @@ from eagerloco.jsonfiles import finite_json
 
 #: Settings that may change between a run and its resumption without changing its numbers (the runtime's
 #: layout is checked on its own: check_resume_layout; elastic and rejoin: where they were before [runtime]).
+#: data_dir is where the cache of the named data lives, not which data: --data and --tokenizer decide those.
 RESUMABLE_CHANGES = {"progress", "resume", "overwrite", "out", "checkpoint_every", "keep_checkpoints", "eval_every",
                      "log_every", "runtime", "elastic", "rejoin", "slow_workers", "eval_tasks", "eval_limit",
-                     "tensorboard", "device", "peak_tflops"}
+                     "tensorboard", "device", "peak_tflops", "data_dir"}
 
 
 def check_resume_config(saved: dict[str, Any], cfg: TrainConfig) -> None:

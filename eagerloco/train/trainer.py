@@ -12,6 +12,7 @@ log, checkpoint. At the end: drain what is in flight, the final evaluation, the 
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from dataclasses import asdict
@@ -23,6 +24,7 @@ import torch
 from eagerloco import checkpoint as ckpt
 from eagerloco import events
 from eagerloco.config import TrainConfig
+from eagerloco.errors import DivergedError
 from eagerloco.flops import mfu
 from eagerloco.jsonfiles import write_json_atomic
 from eagerloco.metrics import link_metrics
@@ -118,6 +120,7 @@ class Trainer:
                 eval_loss = self.evaluate(step) if eval_point else None
                 if step % cfg.log_every == 0 or step == cfg.steps or eval_loss is not None:
                     output.log(self.record(step, real_t0, eval_loss))
+                    self.check_loss(step)
                 if progress is not None:
                     progress.update(step, real_t0, self.tokens(step))
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
@@ -135,8 +138,17 @@ class Trainer:
                 if self.final_evals is not None:
                     extra = self.final_evals(m)
             events.evaluation_done(cfg.steps)
+            if not math.isfinite(final_eval):
+                raise DivergedError("eval loss of the outer parameters", cfg.steps, workers[0].comm.rank)
         rt.after_eval(cfg.steps)
         return self.summary(final_eval, real_wall, extra)
+
+    def check_loss(self, step: int) -> None:
+        """A loss that is not finite stops the run where it is found (at a log point or a checkpoint, where the
+        loss is read back anyway): the checkpoints written before it stay, none is written after it."""
+        for w in self.workers:
+            if not math.isfinite(w.last_loss):
+                raise DivergedError("loss", step, w.comm.rank)
 
     def evaluate(self, step: int) -> float | None:
         """The eval loss of the outer parameters at an evaluation point (None where another process evaluates)."""
@@ -232,6 +244,7 @@ class Trainer:
         process, which writes meta.json last and renames the directory into place, and every process
         learns the outcome (a failure raises CheckpointError on all of them)."""
         cfg, rt = self.cfg, self.runtime
+        self.check_loss(step)
         rt.doing = f"the checkpoint of step {step}"
         root = ckpt.checkpoint_root(self.out)
         stage = ckpt.staging_dir(root, step)

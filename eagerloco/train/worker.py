@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eagerloco.checkpoint import CheckpointError
 from eagerloco.comm.base import Communicator
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.device import (
@@ -187,12 +188,25 @@ class Worker:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_model_state(self.model, state["model"])
-        self.opt.load_state_dict(state["opt"])
-        shard_optimizer_state(self.opt)
-        self.sched.load_state_dict(state["sched"])
-        self.sync.load_state_dict(state["sync"])
-        self.stream.load_state_dict(state["stream"])
+        """Continue from :meth:`state_dict`.
+
+        Raises:
+            CheckpointError: the state does not fit this run's model, optimizers or outer settings (a
+                checkpoint whose meta.json was edited to other settings, say), naming what differs.
+        """
+        try:
+            load_model_state(self.model, state["model"])
+            self.opt.load_state_dict(state["opt"])
+            shard_optimizer_state(self.opt)
+            self.sched.load_state_dict(state["sched"])
+            self.sync.load_state_dict(state["sync"])
+            self.stream.load_state_dict(state["stream"])
+        except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
+            raise CheckpointError(
+                f"--resume: worker {self.comm.rank}'s state in the checkpoint does not fit this run's settings "
+                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}), although its meta.json says it "
+                "does (edited?): remove that checkpoint to resume from an earlier one, or start afresh with --overwrite"
+            ) from None
         for k, v in state["stats"].items():
             setattr(self.comm.stats, k, v)
         if state["clock"] is not None and self.comm.simulated_clock:
