@@ -76,7 +76,7 @@ def test_outer_syncs_count_the_outer_exchanges_alone(settings: dict[str, typing.
         monkeypatch.delenv(var, raising=False)
     model = Toy()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with eagerloco.outer_loop(model, opt, inner_steps=2, **settings) as outer:
+    with eagerloco.outer_loop(model, opt, eagerloco.OuterConfig(inner_steps=2, **settings)) as outer:
         for step in range(1, 11):
             opt.zero_grad()
             _loss(model, step).backward()
@@ -92,7 +92,7 @@ def test_the_hook_api_and_the_trainer_share_the_metric_names(tmp_path: Path) -> 
     assert shared < set(typing.get_type_hints(OuterMetrics))
     model = copy.deepcopy(Toy())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with eagerloco.outer_loop(model, opt, inner_steps=1) as outer:
+    with eagerloco.outer_loop(model, opt, eagerloco.OuterConfig(inner_steps=1)) as outer:
         pass
     assert set(outer.metrics()) == set(typing.get_type_hints(OuterMetrics))
     out = tmp_path / "run"

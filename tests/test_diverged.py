@@ -62,7 +62,7 @@ def test_the_hook_api_raises_the_same_error_and_exit_on_errors_makes_it_one_line
     model = Toy()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(SystemExit) as stop, exit_on_errors(), eagerloco.outer_loop(
-            model, opt, inner_steps=2, topk=2, topk_chunk=8, codec="2bit", error_feedback=0.95):
+            model, opt, eagerloco.OuterConfig(inner_steps=2, topk=2, topk_chunk=8, codec="2bit", error_feedback=0.95)):
         for step in (1, 2):
             for p in model.parameters():
                 p.grad = torch.full_like(p, math.nan if step == 2 else 1.0)

@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent("""
     from torch import nn
     from transformers import Trainer, TrainerCallback, TrainingArguments
     import eagerloco
+    from eagerloco import OuterConfig
     from eagerloco.integrations.hf import OuterLoopCallback
 
     class Linear(nn.Module):
@@ -50,7 +51,7 @@ SCRIPT = textwrap.dedent("""
                              use_cpu=True, disable_tqdm=True, save_strategy="no", logging_strategy="no")
     with eagerloco.exit_on_errors():
         Trainer(model=Linear(), args=args, train_dataset=Data(),
-                callbacks=[OuterLoopCallback(method="diloco", inner_steps=2), Stop()]).train()
+                callbacks=[OuterLoopCallback(OuterConfig(method="diloco", inner_steps=2)), Stop()]).train()
 """)
 
 
@@ -88,6 +89,7 @@ LIGHTNING = textwrap.dedent("""
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
     import eagerloco
+    from eagerloco import OuterConfig
     from eagerloco.integrations.lightning import OuterLoopCallback
 
     class Linear(pl.LightningModule):
@@ -111,7 +113,7 @@ LIGHTNING = textwrap.dedent("""
     data = DataLoader(TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)), batch_size=4)
     trainer = pl.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[OuterLoopCallback(method="diloco", inner_steps=2), Stop()])
+                         callbacks=[OuterLoopCallback(OuterConfig(method="diloco", inner_steps=2)), Stop()])
     with eagerloco.exit_on_errors():
         trainer.fit(Linear(), data)
 """)

@@ -39,8 +39,8 @@ def test_the_plan_of_a_7b_states_its_assumptions_and_the_commands_within_30_line
     # A sparse exchange comes with error feedback and plain averaging, at the outer lr its comparison tuned.
     assert lines[4] == ("  eagerloco train --method diloco --inner-steps 30 --codec 2bit --topk 64 --topk-chunk 4096 "
                         "--error-feedback 0.95 --outer-optimizer average --outer-lr 1.5 --workers 2 --bandwidth-gbps 1")
-    assert lines[5] == ("  outer_loop(model, optimizer, method='diloco', inner_steps=30, codec='2bit', topk=64, "
-                        "topk_chunk=4096, error_feedback=0.95, outer_optimizer='average', outer_lr=1.5)")
+    assert lines[5] == ("  outer_loop(model, optimizer, OuterConfig(method='diloco', inner_steps=30, codec='2bit', "
+                        "topk=64, topk_chunk=4096, error_feedback=0.95, outer_optimizer='average', outer_lr=1.5))")
     assert lines[6].startswith("  measured loss cost: +0.014 nats [-0.009, +0.037] against DiLoCo in fp32")
     assert lines[7].startswith("runner-up: ") and "2bit" not in lines[7]  # the other kind of exchange: dense
     assert "warning" not in text  # the step time was given

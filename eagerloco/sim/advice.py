@@ -115,9 +115,9 @@ def train_command(row: dict[str, Any], report: dict[str, Any]) -> str:
 
 
 def outer_loop_call(row: dict[str, Any], report: dict[str, Any]) -> str:
-    """The same settings as ``outer_loop``'s arguments, for a training loop of one's own."""
+    """The same settings as ``outer_loop``'s OuterConfig, for a training loop of one's own."""
     args = ", ".join(f"{k}={v!r}" for k, v in settings(row).items())
-    return f"outer_loop(model, optimizer, {args})"
+    return f"outer_loop(model, optimizer, OuterConfig({args}))"
 
 
 def _answer(title: str, row: dict[str, Any], report: dict[str, Any]) -> list[str]:
