@@ -331,8 +331,11 @@ def wait_for_workers(store: dist.Store, me: int, workers: int, timeout_s: float,
         PeerError: a worker did not join within the timeout (named), or, on a worker other than 0, the
             store went away meanwhile (worker 0, which hosts it, stopped).
     """
+    others = [w for w in range(workers) if w != me]
+    waited = [w for w in others if w != 0]  # whom the last look found missing, worker 0 (the store's host) aside
+
     def missing() -> list[int]:
-        others = [w for w in range(workers) if w != me]
+        nonlocal waited
         try:
             present = [w for w in others if store.check([f"eagerloco/join/{w}"])]
             sizes = {w: int(store.get(f"eagerloco/size/{w}").decode()) if store.check([f"eagerloco/size/{w}"])
@@ -340,15 +343,16 @@ def wait_for_workers(store: dist.Store, me: int, workers: int, timeout_s: float,
         except Exception as e:
             if me == 0 or not is_transport_failure(e):
                 raise
-            names = ", ".join(f"worker {w}" for w in others)
-            raise PeerError(f"worker {me}: worker 0 stopped while the workers waited for {names} at {where} (its "
-                            f"outer store is gone: {describe_exception(e)}); start all {workers} workers with the "
-                            "same --outer-addr and --workers, and see worker 0's log", [0, *others]) from None
+            raise PeerError(f"worker {me}: worker 0 stopped while the workers waited for {names(waited)} at {where} "
+                            f"(its outer store is gone: {describe_exception(e)}); start all {workers} workers with "
+                            "the same --outer-addr and --workers, and see worker 0's log", [0, *waited]) from None
         for w, other in sizes.items():
             if other != workers:
                 raise ConfigError(f"the workers at {where} were started with different --workers: worker {me} with "
                                   f"{workers}, worker {w} with {other}; start every worker with the same --workers")
-        return [w for w in others if w not in present]
+        left = [w for w in others if w not in present]
+        waited = [w for w in left if w != 0]
+        return left
 
     def names(left: Sequence[int]) -> str:
         return ", ".join(f"worker {w}" for w in left)
