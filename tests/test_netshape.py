@@ -211,7 +211,8 @@ def test_separate_jobs_share_one_shaped_bridge_and_train_as_unshaped(tmp_path: P
     args = ["--method", "diloco", "--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--inner-steps", "4",
             "--steps", "8", "--eval-batches", "1", "--no-progress", "--seed", "3", "--dist-timeout", "30",
             "--checkpoint-every", "8"]
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV and not k.startswith("EAGERLOCO_")}
+    env = {k: v for k, v in os.environ.items()  # the session's data cache stays: the reference below reads it
+           if k not in _DIST_ENV and (not k.startswith("EAGERLOCO_") or k == "EAGERLOCO_DATA_DIR")}
     jobs = [subprocess.Popen([sys.executable, "-m", "eagerloco", "launch", "--outer-addr", f"127.0.0.1:{port}",
                               "--worker-id", str(w), "--workers", "2", "--kernel-link-gbps", str(gbps), "--", *args,
                               "--out", str(tmp_path / f"w{w}")],
