@@ -49,7 +49,10 @@ def train_args(args: argparse.Namespace, out: Path) -> list[str]:
 
 
 def command(args: argparse.Namespace, out: Path, resume: bool) -> list[str]:
-    return [sys.executable, "-m", "eagerloco", "launch", "--workers", str(args.workers), "--grace-s", "10", "--",
+    # --spawn-ranks: each rank an interpreter of its own, whose environment names its RANK (a rank forked from the
+    # rank server keeps the server's), so that the faults find the training ranks (chaoslib.tagged).
+    return [sys.executable, "-m", "eagerloco", "launch", "--workers", str(args.workers), "--grace-s", "10",
+            "--spawn-ranks", "--",
             *train_args(args, out), *(["--resume"] if resume else [])]
 
 
