@@ -30,7 +30,7 @@ from eagerloco.lab.compare.tune import apply_setting
 DEMO_GRID = ("single", "no-overlap", "delayed-1", "eager-1")
 #: How long `make demo` takes on 2 idle cores from a fresh clone (bootstrap, download and the four runs),
 #: measured; the README says the same, and the demo prints its own runs' time at the end.
-DEMO_MINUTES = 6
+DEMO_MINUTES = 4
 DEMO_OUT = "runs/demo"
 #: The printed table's width limit (a terminal); the report keeps every column.
 TABLE_WIDTH = 100
