@@ -175,17 +175,6 @@ def save(root: Path, step: int, states: dict[int, dict[str, Any]], meta: dict[st
     return publish(root, step, entries, meta, keep)
 
 
-def remove_staging(root: Path) -> list[Path]:
-    """Remove what checkpoints that were never completed left under root (a crash, a full disk).
-
-    Call only while no process of the run writes checkpoints. Returns the directories removed.
-    """
-    gone = sorted(root.glob(f".partial-{_PREFIX}*")) if root.is_dir() else []
-    for stage in gone:
-        shutil.rmtree(stage, ignore_errors=True)
-    return gone
-
-
 def list_checkpoints(root: Path) -> list[Path]:
     """Published checkpoints (directories ``step_NNNNNNNN``, not links), oldest first."""
     if not root.is_dir():
