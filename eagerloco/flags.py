@@ -24,7 +24,6 @@ import ast
 import functools
 import inspect
 import math
-import textwrap
 import tomllib
 import types
 from dataclasses import MISSING, Field, fields
@@ -50,10 +49,7 @@ def _module_tree(path: str) -> ast.Module:
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a dataclass (read from its source: Python keeps none at run time)."""
     tree = _module_tree(inspect.getfile(cls))  # one parse of the module: inspect.getsource would parse it twice
-    node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__qualname__), None)
-    if node is None:  # not at the top of its module
-        node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
-    body = node.body  # type: ignore[attr-defined]
+    body = next(n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__qualname__)
     docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:], strict=False):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
