@@ -1,10 +1,5 @@
 """A whole training run's settings: the model, data, inner optimizer and budget, with the outer
-algorithm, the link and the runtime as sections.
-
-Every check runs before any training step and raises :class:`ConfigError` with a message that
-names the flag and the values it accepts. Each field's docstring says what it means in the papers'
-terms; it is also the flag's help (:mod:`eagerloco.flags`).
-"""
+algorithm, the link and the runtime as sections. Each field's docstring is also its flag's help."""
 
 from __future__ import annotations
 
@@ -13,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from eagerloco.config.checks import ConfigError, check_choice, check_switch, is_finite, setting
+from eagerloco.config.checks import ConfigError, check_choice, check_int_at_least, check_switch, is_finite, setting
 from eagerloco.config.outer import LinkConfig, OuterConfig
 from eagerloco.config.runtime import RuntimeConfig
 from eagerloco.environment import Environment
@@ -132,32 +127,22 @@ class TrainConfig:
     """Where the workers run and how they meet."""
 
     def validate(self, env: Environment | None = None) -> TrainConfig:
-        """Check every setting, resolving ``tokens`` into ``steps`` and what the runtime leaves to the
-        environment (:meth:`RuntimeConfig.resolve`).
-
-        Args:
-            env: this process's environment (default: read it).
-
-        Returns:
-            self, for chaining.
+        """Check every setting before any step, resolving ``tokens`` into ``steps`` and what the runtime leaves to
+        ``env`` (default: read it); returns self.
 
         Raises:
             ConfigError: naming the first invalid setting's flag and the values it accepts.
         """
         env = Environment.read() if env is None else env
         for name in ("batch_size", "seq_len", "steps", "workers", "eval_batches", "log_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+            check_int_at_least(name, getattr(self, name), 1)
         if self.tokens is not None:
             if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
                 raise ConfigError(f"--tokens must be a positive integer token budget, got {self.tokens!r}")
             per_step = self.batch_size * self.seq_len * self.workers
             self.steps = -(-self.tokens // per_step)
         for name in ("warmup_steps", "eval_every", "seed", "checkpoint_every", "keep_checkpoints"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}")
+            check_int_at_least(name, getattr(self, name), 0)
         for name in ("lr", "weight_decay", "grad_clip"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (name == "lr" and v == 0):
@@ -266,8 +251,7 @@ class TrainConfig:
             raise ConfigError(f"--eval-tasks: unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
         if self.eval_task_list:
             check("pyarrow", "--eval-tasks")  # read at the end of the run: refused before it, not after
-        if isinstance(self.eval_limit, bool) or not isinstance(self.eval_limit, int) or self.eval_limit < 1:
-            raise ConfigError(f"--eval-limit must be an integer >= 1, got {self.eval_limit!r}")
+        check_int_at_least("eval_limit", self.eval_limit, 1)
 
     def _validate_device(self) -> None:
         from eagerloco.device import DEVICE_PATTERN, PRECISIONS, DeviceError, resolve_device  # imports torch
@@ -296,18 +280,8 @@ class TrainConfig:
 
 
 def parse_slow_workers(specs: Any, workers: int | None = None) -> dict[int, float]:
-    """Parse the straggler settings.
-
-    Args:
-        specs: ``["1:1.5", ...]`` (``--slow-worker``, repeatable), one such string, or None.
-        workers: the number of workers, to check the ids against, when known.
-
-    Returns:
-        {worker id: slowdown factor}.
-
-    Raises:
-        ConfigError: naming the bad entry and the fix.
-    """
+    """``{worker id: slowdown factor}`` from ``--slow-worker`` specs (``["1:1.5", ...]``, one string, or None),
+    ids checked against ``workers`` when known; ConfigError naming a bad entry and the fix."""
     if specs is None:
         return {}
     if isinstance(specs, str):
