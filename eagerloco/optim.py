@@ -1,12 +1,6 @@
 """The inner optimizer of Muon runs (MuLoCo): Muon for the blocks' weight matrices, AdamW for the rest,
-stepped as one optimizer (:class:`CombinedOptimizer`).
-
-Muon orthogonalizes each matrix's momentum (a few Newton-Schulz iterations), which only means something
-for the 2-D weights of the hidden layers: the transformer blocks' projections. Embeddings, the head, the
-norms and biases keep AdamW. The pair is one ``torch.optim.Optimizer`` to everything that holds an
-optimizer: an LR scheduler scales both (each group from its own peak), checkpoints hold both, the hook
-API's step hooks run once per step of both.
-"""
+stepped as one ``torch.optim.Optimizer`` (:class:`CombinedOptimizer`), so that one LR scheduler, one
+checkpoint and the hook API's step hooks cover both."""
 
 from __future__ import annotations
 
@@ -58,18 +52,10 @@ class _States(MutableMapping[torch.Tensor, Any]):
 class CombinedOptimizer(torch.optim.Optimizer):
     """Several optimizers over disjoint parameters, stepped, zeroed and checkpointed as one.
 
-    ``param_groups`` is every optimizer's groups, in order, as the same dicts: an LR scheduler over
-    the combination sets each optimizer's lr (``LambdaLR`` scales each group from its own peak), and
-    gradient scalers see every parameter. ``state`` reads each parameter's state from its owner.
-    ``step()`` runs the optimizers in order; step hooks registered on the combination (the hook API's,
-    :func:`eagerloco.outer_loop`) run once around all of them.
-
-    Args:
-        *optimizers: torch optimizers, each over its own parameters (a parameter in two is refused).
-
-    Raises:
-        ValueError: no optimizers, one that is not a torch optimizer, or a parameter held by two of them.
-    """
+    ``param_groups`` holds every optimizer's group dicts in order (an LR scheduler sets each one's lr, a
+    gradient scaler sees every parameter); ``state`` reads each parameter's from its owner; step hooks on
+    the combination run once around all of them. ValueError for no optimizers, a non-optimizer, or a
+    parameter held by two."""
 
     def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
         if not optimizers:
@@ -120,11 +106,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` returned, each optimizer its own part.
-
-        Raises:
-            ValueError: a state dict of another optimizer, or of a combination of another length.
-        """
+        """Load what :meth:`state_dict` returned (ValueError for another optimizer's, or another combination's)."""
         parts = state_dict.get("optimizers") if isinstance(state_dict, dict) else None
         if not isinstance(parts, list) or len(parts) != len(self.optimizers):
             got = f"{len(parts)} optimizers" if isinstance(parts, list) else "a single optimizer's state"
@@ -140,18 +122,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
 def muon_parameters(
     model: nn.Module, blocks: Sequence[nn.Module] | None = None
 ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """Split a model's parameters between Muon and AdamW.
-
-    Args:
-        model: the model.
-        blocks: its transformer blocks; default :func:`eagerloco.fragments.find_blocks` (``model.blocks``,
-            else the largest ModuleList).
-
-    Returns:
-        (matrices, rest): the 2-D weights inside the blocks, for Muon; every other parameter
-        (embeddings, a head, norms, biases, anything outside the blocks), for AdamW; each in model
-        order, a tied parameter once.
-    """
+    """(matrices, rest): the 2-D weights inside ``blocks`` (default :func:`eagerloco.fragments.find_blocks`) for
+    Muon, every other parameter for AdamW; each in model order, a tied parameter once."""
     inside = {id(p) for b in (find_blocks(model) if blocks is None else blocks) for p in b.parameters()}
     matrices: list[nn.Parameter] = []
     rest: list[nn.Parameter] = []
@@ -170,23 +142,10 @@ def muon_with_adamw(
     muon_momentum: float = MUON_MOMENTUM,
     blocks: Sequence[nn.Module] | None = None,
 ) -> CombinedOptimizer:
-    """The inner optimizer of ``--inner-optimizer muon``: AdamW, then Muon, as one optimizer.
-
-    Args:
-        model: the model whose parameters it steps.
-        lr, weight_decay, betas: AdamW's, for everything but the blocks' matrices (fused on CUDA).
-        muon_lr, muon_momentum: ``torch.optim.Muon``'s for the blocks' 2-D weights (Nesterov, 5
-            Newton-Schulz steps, the update scaled by sqrt(max(1, rows / cols)); its decoupled weight
-            decay is ``weight_decay`` too, applied as ``muon_lr * weight_decay`` per step).
-        blocks: the transformer blocks (default: found as :func:`muon_parameters` does).
-
-    Returns:
-        A :class:`CombinedOptimizer` of (AdamW, Muon): ``param_groups[0]`` is AdamW's (Muon alone for a
-        model whose every parameter is a block's matrix).
-
-    Raises:
-        ConfigError: the model has no 2-D weights inside transformer blocks.
-    """
+    """The inner optimizer of ``--inner-optimizer muon``: a :class:`CombinedOptimizer` of AdamW (``lr``,
+    ``weight_decay``, ``betas``; ``param_groups[0]``) and ``torch.optim.Muon`` for the blocks' 2-D weights
+    (``muon_lr``, ``muon_momentum``, decoupled decay ``muon_lr * weight_decay`` a step). ConfigError when the
+    model has no such weights."""
     matrices, rest = muon_parameters(model, blocks)
     if not matrices:
         raise ConfigError("--inner-optimizer muon steps the transformer blocks' 2-D weights, and this model has none "

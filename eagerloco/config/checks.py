@@ -1,9 +1,7 @@
 """What every settings dataclass shares: the error, the checks of one value, and how a field is declared.
 
-A field's name, type, default and docstring are the setting's whole description: the command line
-(:mod:`eagerloco.flags`), the TOML schema (:mod:`eagerloco.config.schema`) and the error messages are
-made from them. :func:`setting` adds what only the command line needs (another spelling, choices).
-"""
+A field's name, type, default and docstring are the setting's whole description: the command line, the
+TOML schema and the error messages are made from them."""
 
 from __future__ import annotations
 
@@ -35,15 +33,13 @@ def setting(
 
     Args:
         default: the default value (or ``factory``: a callable making it).
-        flag: the flag's spelling when it is not ``--field-name`` (e.g. ``--non-iid`` for ``iid``:
-            a switch that turns a True default off).
-        choices: the values the flag accepts (checked by the parser and by validation).
+        flag: the flag's spelling when not ``--field-name`` (``--non-iid`` for ``iid``).
+        choices: the values the flag accepts.
         metavar: the placeholder in ``--help``.
         group: the ``--help`` section, when not the dataclass's.
         cli: False for a setting no flag sets (the launcher passes it through the environment).
-        shown_default: what ``--help`` says the default is, when not the value itself (None: the value).
-        sep: a list setting whose flag takes its values in one argument, separated by this (``1,0.5``),
-            instead of one value per repeated flag.
+        shown_default: what ``--help`` says the default is, when not the value itself.
+        sep: a list setting whose flag takes its values in one argument separated by this (``1,0.5``).
     """
     meta = {"flag": flag, "choices": choices, "metavar": metavar, "group": group, "cli": cli,
             "shown_default": shown_default, "sep": sep}

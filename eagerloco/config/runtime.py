@@ -76,16 +76,8 @@ class RuntimeConfig:
         return "inprocess"
 
     def validate(self, workers: int, env: Environment, device: str = "auto") -> RuntimeConfig:
-        """Resolve (:meth:`resolve`), then check the settings against each other and the environment.
-
-        Args:
-            workers: M, the run's number of workers.
-            env: this process's environment.
-            device: the run's device setting (elastic groups are CPU-only).
-
-        Raises:
-            ConfigError: naming the setting and the fix.
-        """
+        """Resolve, then check the settings against each other, ``workers`` (M), ``env`` and ``device`` (elastic
+        groups are CPU-only); ConfigError naming the setting and the fix."""
         self.resolve(env)
         for name in ("fsdp", "elastic", "rejoin"):
             check_switch(name, getattr(self, name))

@@ -1,11 +1,9 @@
-"""Settings from a mapping (a TOML file's tables): every key and value checked against the dataclasses.
+"""Settings from a mapping (a TOML file's tables): every key and value checked against the dataclasses'
+type hints.
 
-The dataclasses' own type hints are the schema. Why not jsonargparse (or tyro), which read a file into
-dataclasses too: its messages are not these (one line naming the key, the file, the expected type, and
-the known keys for an unknown one, as the tests check), it would own the parser that the flags share
-with ``compare`` and ``launch`` (see :mod:`eagerloco.flags`), and the check of a handful of flat types
-takes 40 lines.
-"""
+Not jsonargparse or tyro: their messages are not these (one line naming the key, the file, the expected
+type, and the known keys for an unknown one), they would own the parser the flags share with ``compare``
+and ``launch``, and the check of a handful of flat types takes 40 lines."""
 
 from __future__ import annotations
 
@@ -58,21 +56,9 @@ C = TypeVar("C", bound="DataclassInstance")
 
 
 def from_dict(cls: type[C], data: Any, where: str) -> C:
-    """Build a config dataclass from a mapping, checking every key and value against the field's type.
-
-    Args:
-        cls: OuterConfig, LinkConfig, RuntimeConfig or TrainConfig (sections are built by
-            :func:`train_config_from_tables`).
-        data: the mapping, e.g. a TOML table.
-        where: what to name in errors, e.g. ``--config run.toml``.
-
-    Returns:
-        The dataclass (not yet validated for ranges and combinations: call ``validate()``).
-
-    Raises:
-        ConfigError: an unknown key (listing the known ones) or a value of the wrong type, naming
-            the key, ``where`` and the expected type.
-    """
+    """Build ``cls`` from the mapping ``data``, checking every key and value against the field's type; not yet
+    validated for ranges (call ``validate()``). ConfigError for an unknown key (listing the known ones) or
+    a value of the wrong type, naming the key, ``where`` (e.g. ``--config run.toml``) and the type."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a table of settings, got {data!r}")
     hints = get_type_hints(cls)
@@ -87,11 +73,7 @@ def from_dict(cls: type[C], data: Any, where: str) -> C:
 
 
 def train_config_from_tables(tables: dict[str, dict[str, Any]], where: str) -> TrainConfig:
-    """A TrainConfig from its top-level settings (``tables[""]``) and its sections (``tables["outer"]``, ...).
-
-    Raises:
-        ConfigError: see :func:`from_dict`.
-    """
+    """A TrainConfig from its top-level settings (``tables[""]``) and its sections (``tables["outer"]``, ...)."""
     cfg = from_dict(TrainConfig, tables.get("", {}), where)
     for name, cls in SECTIONS.items():
         setattr(cfg, name, from_dict(cls, tables.get(name, {}), f"[{name}] of {where}"))

@@ -1,11 +1,6 @@
-"""Real text for training: named corpora, Hugging Face datasets or the user's own text files.
-
-Sources are loaded into a verified cache (``default_data_dir``), split into whole train / eval
-documents (``load_corpus``), tokenized (``get_tokenizer``, ``encode_corpus``) and cut into one
-independent, resumable stream per worker (``worker_streams``) plus fixed ``eval_batches``. A named
-corpus is whatever is registered under ``CORPORA_GROUP`` (``named_corpora``): eagerloco's lab
-registers Brown, the King James Bible and Austen, and fetches them.
-"""
+"""Real text for training: named corpora (registered under ``CORPORA_GROUP``), Hugging Face datasets or the
+user's own text files; cached and verified, split into whole train / eval documents, tokenized and cut
+into one resumable stream per worker plus fixed eval batches."""
 
 from eagerloco.data.cache import DataError, default_data_dir
 from eagerloco.data.corpus import (

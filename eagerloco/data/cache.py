@@ -50,19 +50,9 @@ def file_sha256(path: Path) -> str:
 
 @contextmanager
 def locked(directory: Path, what: str = "what this run needs") -> Iterator[None]:
-    """Serialize fetches by processes sharing one cache (e.g. torchrun ranks).
-
-    Creates the directory. Only taken when something must be written: a complete cache is read
-    without it, so a read-only cache that holds everything works.
-
-    Args:
-        directory: the cache directory to write in.
-        what: what is missing there, for the message when it cannot be written.
-
-    Raises:
-        ReadOnlyCacheError: the directory cannot be written (read-only, not ours); the message names
-            it, what is missing, and the fix.
-    """
+    """Serialize fetches by processes sharing one cache (torchrun ranks); creates ``directory``. Taken only to
+    write, so a read-only cache that holds everything works; ReadOnlyCacheError naming ``what`` is missing
+    and the fix when it cannot be written."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
         lock = FileLock(directory / ".lock")

@@ -29,10 +29,8 @@ Loader = Callable[[Path], tuple[list[str], list[str], list[str]]]
 
 @dataclass
 class Corpus:
-    """Documents split into train / eval; ``*_groups`` (genre or source) drive non-iid sharding.
-
-    ``data_dir`` is the cache this corpus came from: tokenizers and token ids are cached there too.
-    """
+    """Documents split into train / eval; ``*_groups`` (genre or source) drive non-iid sharding; ``data_dir``,
+    the cache it came from, holds its tokenizers and token ids too."""
 
     train_docs: list[str]
     eval_docs: list[str]
@@ -92,15 +90,10 @@ def load_corpus(
 ) -> Corpus:
     """Load, cache and split a corpus into whole train / eval documents.
 
-    ``source`` is a named corpus (``named_corpora``; eagerloco registers "brown", "kjv" and "austen"), a
-    Hugging Face dataset ("hf:NAME[:CONFIG][@DOCS]", needs the ``datasets`` package and network on first
-    use), a .txt file, a directory of .txt files, or a comma-separated mix of those ("brown,kjv,austen").
-    A mix makes each source one group and holds out ``eval_fraction`` of each source's documents (the
-    same ones as loading it alone).
-
-    A directory's files are documents grouped by their top-level subfolder (or by file, when flat);
-    a single file is cut into up to SINGLE_FILE_PIECES documents at line boundaries.
-    """
+    ``source``: a named corpus (``named_corpora``), a Hugging Face dataset ("hf:NAME[:CONFIG][@DOCS]"), a .txt
+    file (cut at lines into up to SINGLE_FILE_PIECES documents), a directory of .txt files (grouped by
+    top-level subfolder, or by file), or a comma list of those, each one group, each holding out
+    ``eval_fraction`` of its documents as it would alone."""
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     root = default_data_dir(data_dir)
@@ -175,11 +168,8 @@ def _split(name: str, names: list[str], docs: list[str], groups: list[str], eval
 
 
 def _read_text(path: Path) -> tuple[str, int, int]:
-    """A user file as UTF-8: (text, bytes that are not UTF-8, total bytes).
-
-    errors="replace": a stray byte should not stop a run, but it is counted so that the caller
-    can warn about it, or refuse a file that is mostly not UTF-8 (binary, or Latin-1 and the like).
-    """
+    """A user file as UTF-8 with errors replaced: (text, bytes that are not UTF-8, total bytes), so the caller
+    can warn, or refuse a file that is mostly not UTF-8."""
     data = path.read_bytes()
     text = data.decode("utf-8", errors="replace")
     bad = text.count("\ufffd") - data.count("\ufffd".encode())  # replacements, not U+FFFD in the file
@@ -187,16 +177,8 @@ def _read_text(path: Path) -> tuple[str, int, int]:
 
 
 def check_encoding(spec: str, bad: int, total: int, first: Path | None = None) -> None:
-    """Warn about bytes of --data that are not UTF-8; refuse when they are more than MAX_UNDECODABLE.
-
-    Args:
-        spec: the --data path, for the message.
-        bad: undecodable bytes (each trained on as U+FFFD), total: bytes read.
-        first: the first file with such bytes (a directory's), named in the message.
-
-    Raises:
-        DataError: more than MAX_UNDECODABLE of the bytes are not UTF-8.
-    """
+    """Warn about the ``bad`` of ``total`` bytes of --data ``spec`` that are not UTF-8 (``first``: the first
+    such file); DataError when they are more than MAX_UNDECODABLE."""
     if not bad:
         return
     share = bad / max(1, total)

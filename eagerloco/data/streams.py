@@ -91,15 +91,9 @@ def worker_streams(
     seed: int,
     iid: bool = True,
 ) -> list[TokenStream]:
-    """One stream per worker, each over its own disjoint part of the training text.
-
-    iid: documents shuffled by ``seed``, concatenated, cut into ``workers`` contiguous equal shards.
-    non-iid: documents ordered by (group, name). With no more workers than groups, whole groups are
-    dealt out in contiguous runs of about equal length, so each worker sees different genres or
-    sources; with more workers, each worker gets part of a single group (bigger groups get more
-    workers) and groups are cut at document boundaries. Every worker gets data either way.
-    Token ids come from ``encode_corpus`` (memory-mapped from the cache when the corpus has one).
-    """
+    """One stream per worker over its own disjoint part of the training text. iid: documents shuffled by
+    ``seed`` and cut into ``workers`` equal shards; non-iid: ordered by (group, name), whole groups dealt out
+    in contiguous runs (with more workers than groups, each gets part of one group, cut at documents)."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     docs = corpus.train_docs
@@ -169,11 +163,8 @@ def eval_batches(
     batch_size: int,
     max_batches: int | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Non-overlapping windows of the held-out documents, the same on every call and every worker.
-
-    Only full batches are returned (comparable losses), unless there are too few windows for one.
-    With ``max_batches``, windows are taken evenly across the whole eval text rather than its start.
-    """
+    """Non-overlapping windows of the held-out documents, the same everywhere: full batches only (unless too
+    few windows for one); with ``max_batches``, taken evenly across the whole eval text."""
     if not corpus.eval_docs:
         raise DataError(f"{corpus.name}: no eval documents (eval_fraction was 0)")
     tokens = encode_corpus(corpus, tokenizer)[1].join()

@@ -68,11 +68,8 @@ class ByteTokenizer:
 
 
 class BPETokenizer:
-    """A Hugging Face ``tokenizers`` byte-level BPE behind the small Tokenizer interface.
-
-    Byte-level BPE never meets an unknown token and decodes back to the exact text, like bytes, while
-    cutting sequence length ~4x, so a CPU-sized model sees more text per step.
-    """
+    """A Hugging Face ``tokenizers`` byte-level BPE behind the Tokenizer interface: no unknown token, exact
+    decoding, sequences ~4x shorter than bytes."""
 
     def __init__(self, tok: Any, name: str = "bpe") -> None:
         self.tok = tok
@@ -121,12 +118,8 @@ def parse_tokenizer_name(name: str) -> tuple[str, int | None]:
 
 
 def bpe_key(train_docs: list[str], vocab_size: int) -> str:
-    """Cache key of a BPE: training documents in order, vocabulary, settings and library version.
-
-    Eval documents are left out on purpose: holding out other documents must not retrain. Training
-    takes seconds to minutes, so the result is cached under this key: a different corpus or setting
-    trains anew, the same ones load the file.
-    """
+    """Cache key of a BPE: training documents in order, vocabulary, settings and library version (eval
+    documents left out: holding out others must not retrain)."""
     tokenizers = _import_tokenizers()
     h = hashlib.sha256()
     h.update(json.dumps({**BPE_SETTINGS, "vocab_size": vocab_size, "tokenizers": tokenizers.__version__}).encode())
@@ -170,11 +163,8 @@ def _cached_bpe(path: Path, meta_path: Path) -> BPETokenizer | None:
 
 
 def load_or_train_bpe(corpus: Corpus, vocab_size: int, data_dir: str | Path | None = None) -> BPETokenizer:
-    """The BPE for ``corpus.train_docs``: from <data_dir>/tokenizers when cached, else trained and cached.
-
-    It is trained on the training documents only: merges learnt from held-out documents would leak
-    them into the evaluation (a word seen only in eval text must not become one cheap token).
-    """
+    """The BPE for ``corpus.train_docs``, loaded from <data_dir>/tokenizers or trained and cached; trained on
+    training documents only, so held-out words do not leak into the evaluation as cheap tokens."""
     if not corpus.train_docs:
         raise DataError(f"{corpus.name}: no training documents to learn a BPE from")
     root = default_data_dir(data_dir if data_dir is not None else corpus.data_dir) / "tokenizers"
@@ -215,10 +205,8 @@ def load_or_train_bpe(corpus: Corpus, vocab_size: int, data_dir: str | Path | No
 def get_tokenizer(
     name: str = "byte", corpus: Corpus | None = None, data_dir: str | Path | None = None
 ) -> ByteTokenizer | BPETokenizer:
-    """"byte", or "bpe" / "bpe:<vocab>" trained on ``corpus``'s training split (cached under data_dir).
-
-    data_dir defaults to the corpus's own data dir, then $EAGERLOCO_DATA_DIR, then ~/.cache/eagerloco.
-    """
+    """"byte", or "bpe" / "bpe:<vocab>" trained on ``corpus``'s training split, cached under data_dir
+    (default: the corpus's, then $EAGERLOCO_DATA_DIR, then ~/.cache/eagerloco)."""
     kind, vocab = parse_tokenizer_name(name)
     if kind == "byte":
         return ByteTokenizer()

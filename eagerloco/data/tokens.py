@@ -40,11 +40,8 @@ def _encode_many(texts: Sequence[str], tokenizer: Tokenizer) -> list[list[int]] 
 
 @dataclass
 class EncodedDocs:
-    """Token ids of documents back to back, with offsets; memory-mapped when read from the cache.
-
-    Documents are encoded one by one and joined with the separator's ids, so any order of them (the
-    iid shuffle, the non-iid shards) is a cheap concatenation of slices rather than a re-encode.
-    """
+    """Token ids of documents back to back, with offsets (memory-mapped from the cache), so any order of them
+    is a concatenation of slices rather than a re-encode."""
 
     tokens: np.ndarray  # 1-D ids of every document, no separators
     offsets: np.ndarray  # int64, len(docs) + 1; document i is tokens[offsets[i]:offsets[i + 1]]
@@ -84,10 +81,8 @@ class EncodedDocs:
 
 
 def encode_docs(docs: Sequence[str], tokenizer: Tokenizer) -> torch.Tensor:
-    """Documents separated by a blank line, as one 1-D tensor in the smallest dtype the vocabulary allows.
-
-    For bytes this equals encoding the joined text; a BPE encodes each document on its own.
-    """
+    """Documents separated by a blank line, as one 1-D tensor in the smallest dtype the vocabulary allows (for
+    bytes, the encoding of the joined text; a BPE encodes each document alone)."""
     fast = getattr(tokenizer, "encode_tensor", None)
     if fast is not None:
         encoded: torch.Tensor = fast(DOC_SEPARATOR.join(docs))
@@ -135,11 +130,8 @@ def _read_token_cache(directory: Path) -> tuple[EncodedDocs, EncodedDocs] | None
 
 
 def encode_corpus(corpus: Corpus, tokenizer: Tokenizer) -> tuple[EncodedDocs, EncodedDocs]:
-    """(train, eval) token ids; cached under <data_dir>/tokens/<corpus hash>-<tokenizer hash>/.
-
-    The byte tokenizer, and a corpus built by hand (no ``data_dir``), are encoded in memory: reading
-    bytes back from disk would not be faster than encoding them.
-    """
+    """(train, eval) token ids, cached under <data_dir>/tokens/<corpus hash>-<tokenizer hash>/; the byte
+    tokenizer and a corpus without ``data_dir`` are encoded in memory (no faster from disk)."""
     if corpus.data_dir is None or isinstance(tokenizer, ByteTokenizer):
         return EncodedDocs.encode(corpus.train_docs, tokenizer), EncodedDocs.encode(corpus.eval_docs, tokenizer)
     directory = token_cache_dir(corpus, tokenizer)

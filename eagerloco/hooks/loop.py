@@ -145,10 +145,8 @@ class OuterLoop:
         return self
 
     def _count_skipped_steps(self) -> None:
-        """A GradScaler skips the optimizer's step (an inf or a nan in the gradients) on one worker alone:
-        that worker's hooks would not run, its schedule would fall a step behind the others', and they
-        would wait for an exchange it never launches. The scaler's update(), called every iteration,
-        counts a step it skipped as a step (the parameters unchanged), so every schedule stays the same."""
+        """A GradScaler skips a step (an inf in the gradients) on one worker alone, whose schedule would fall
+        behind the others'; the scaler's update() counts a skipped step as a step, so every schedule stays the same."""
         scaler, original = self.grad_scaler, self.grad_scaler.update
 
         def update(*args: Any, **kwargs: Any) -> Any:
@@ -246,17 +244,14 @@ class OuterLoop:
 
     # ------------------------------------------------------------------ the end
     def finish(self, consensus: bool | None = None) -> None:
-        """Detach the hooks, wait for what is in flight (drain), meet the other workers, release
-        the connection. The drain's wait counts as ``drain_s``, not as blocked training time.
+        """Detach the hooks, wait for what is in flight (counted as ``drain_s``, not blocked time), meet the other
+        workers, release the connection.
 
         Args:
-            consensus: under eager, end with one model on every worker: the mean of the workers' outer
-                parameters, loaded into the model (one more exchange of the model). On by default (None)
-                where this loop joined the workers itself, because a run is expected to end with one
-                model, as DiLoCo's does; eager's workers each mix their own outer gradient in, so
-                without it they end with slightly different ones. False keeps each worker's own; with a
-                Communicator as ``peers=`` the caller drives the workers and says so itself. The other
-                methods end with one model anyway.
+            consensus: under eager, end with one model on every worker, the mean of their outer parameters (one
+                more exchange), as DiLoCo's runs do; without it each keeps its own, slightly different one. On by
+                default (None) where this loop joined the workers itself; with a Communicator as ``peers=`` the
+                caller says. The other methods end with one model anyway.
         """
         if self.finished:
             return
@@ -324,11 +319,7 @@ class OuterLoop:
                 "sync": self.sync.state_dict(), "stats": self.comm.stats.as_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict` (after the model and inner optimizer were restored).
-
-        Raises:
-            ValueError: another layout, or a state for another method or model.
-        """
+        """Continue from :meth:`state_dict` (the model and inner optimizer restored); ValueError for another layout."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"not an eagerloco outer state of version {STATE_VERSION}: {state.get('version')!r}")
         self.sync.load_state_dict(state["sync"])
@@ -377,27 +368,22 @@ def outer_loop(
 
     Args:
         model: the module whose parameters the inner optimizer updates (unwrapped: not the DDP wrapper).
-            Parameters with ``requires_grad=False`` (frozen) are never exchanged and keep their values.
+            Frozen parameters (``requires_grad=False``) are never exchanged and keep their values.
         inner_optimizer: a torch optimizer (or a framework's wrapper of one); its step() gets the hooks.
-        config: the outer algorithm's settings (:class:`~eagerloco.config.OuterConfig`: method, H, fragments,
-            codec, outer optimizer, ...) [OuterConfig()]. Under ``adaptive_steps`` every worker must run the
-            same ticks: end the loop on ``outer.ticks`` reaching a multiple of H, not on a count of steps.
-        peers: the other workers: :func:`eagerloco.comm.connect.connect`'s connection, which the loop
-            releases at its end [``connect()``: the outer rendezvous of the environment, else the torchrun
-            WORLD, else this worker alone], or a Communicator of the caller's (tests, custom transports;
-            nothing is agreed then, nothing released). Connected,
-            the workers compare their settings, model shapes and outer optimizer first, then at the first
-            forward pass the step and a digest of the outer state a resumed run loaded; any difference
-            stops them all with one line naming it. A run at step 0 starts from worker 0's weights
-            (``connect(init_sync=True)``).
-        blocks: the modules to split into the config's fragments (default: found automatically: ``blocks``,
+        config: the outer algorithm's settings (:class:`~eagerloco.config.OuterConfig`) [OuterConfig()].
+            Under ``adaptive_steps`` every worker must run the same ticks: end the loop on ``outer.ticks``
+            reaching a multiple of H, not on a count of steps.
+        peers: the other workers: :func:`eagerloco.comm.connect.connect`'s connection, released at the
+            loop's end [``connect()``], or a Communicator of the caller's (nothing agreed nor released).
+            Connected, the workers compare settings, model shapes and outer optimizer, then at the first
+            forward pass the step and the outer state; any difference stops them all with one line. A run
+            at step 0 starts from worker 0's weights.
+        blocks: the modules to split into the config's fragments (default: found: ``blocks``,
             ``transformer.h``, Hugging Face's ``model.layers``, ...).
         outer_optimizer: a factory taking the list of FP32 outer tensors, in place of the config's.
-        apply_in_flight: at the end, apply what is still in flight (every outer gradient counted once)
-            instead of only waiting for it.
-        grad_scaler: the ``torch.amp.GradScaler`` the loop steps through (``scaler.step(opt)``), if any: a
-            step it skips (an inf in the gradients) still counts, so every worker's schedule stays the
-            same. Not with method dp.
+        apply_in_flight: at the end, apply what is still in flight instead of only waiting for it.
+        grad_scaler: the ``torch.amp.GradScaler`` the loop steps through, if any: a step it skips still
+            counts, so every worker's schedule stays the same. Not with method dp.
 
     Raises:
         ConfigError: an invalid setting or launch.

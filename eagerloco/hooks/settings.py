@@ -29,15 +29,10 @@ def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 @contextmanager
 def exit_on_errors() -> Iterator[None]:
-    """Around a training script's main: eagerloco's errors end it with one line instead of a traceback.
-
-    A dead or frozen peer (:class:`~eagerloco.comm.errors.PeerError`, naming the worker) prints
-    ``eagerloco: error: ...`` on stderr and exits with status 3; an invalid setting (ConfigError) or an
-    optional package not installed (MissingExtraError, naming the extra) does the same with status 2,
-    and workers that launched different exchanges (:class:`~eagerloco.comm.errors.ScheduleMismatchError`)
-    with status 4, and a run whose numbers stopped being finite (DivergedError) with status 5, as the ``eagerloco``
-    command does. Other errors pass through unchanged.
-    """
+    """Around a training script's main: eagerloco's errors end it with one line (``eagerloco: error: ...``)
+    instead of a traceback, and the ``eagerloco`` command's status: 3 for a dead or frozen peer (PeerError),
+    2 for an invalid setting or a missing extra, 4 for workers that launched different exchanges, 5 for a
+    diverged run. Other errors pass through."""
     try:
         yield
     except (PeerError, ConfigError, MissingExtraError, ScheduleMismatchError, DivergedError) as e:

@@ -1,13 +1,9 @@
-"""What the workers of a run agree on before the first step: the settings that must match, the model,
-its initial parameters, and the checkpoint step to resume from.
+"""What the workers of a run agree on before the first step: the settings that must match, the model, its
+initial parameters, and the checkpoint step to resume from.
 
-The workers of a multi-process run each parse their own command line; nothing else stops two jobs
-started with a different ``--seed`` or ``--outer-lr`` from training two different models that never
-agree while both exit 0. Before the first step each process publishes what it will run
-(:mod:`eagerloco.comm.connect`) and every difference stops every process with one line naming the
-setting and each worker's value. Jobs resumed from different steps (each job its own checkpoints)
-resume from the newest step they all have.
-"""
+Each process parses its own command line: without this, jobs started with a different ``--seed`` would
+train two models and both exit 0. Every difference stops every process with one line naming the setting
+and each worker's value; jobs with different checkpoints resume from the newest step they all have."""
 
 from __future__ import annotations
 
@@ -48,14 +44,9 @@ def agreed_settings(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def agree_before_start(rt: Runtime, found: Found | None, model: nn.Module) -> Found | None:
-    """Compare this process's settings, model and start with every other process of the run; returns the
-    checkpoint to resume from (an older one than ``found`` where another worker lacks the newer).
-
-    Raises:
-        ConfigError: a setting differs (each one named with every worker's value), or the workers'
-            checkpoints have no step in common.
-        PeerError: a worker did not arrive within the timeout.
-    """
+    """Compare this process's settings, model and start with every other process's; returns the checkpoint to
+    resume from (an older one where another worker lacks the newer). ConfigError naming what differs;
+    PeerError for a worker that did not arrive."""
     place = rt.agreement()
     if place is None:
         return found

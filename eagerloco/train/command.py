@@ -18,16 +18,8 @@ from eagerloco.train.run import train
 
 def run(args: argparse.Namespace) -> int:
     """`eagerloco train`: in-process, this process's share of a multi-process run, or one worker as its
-    own job (``--outer-addr``).
-
-    Args:
-        args: parsed by a parser that has :func:`eagerloco.flags.add_train_flags`.
-
-    Returns:
-        The exit status: 0; 2 when a file cannot be written for lack of room; 3 for a dead peer; 5 for a run
-        whose numbers stopped being finite; 128 + the signal that stopped the run. Each prints one line naming
-        what happened.
-    """
+    own job (``--outer-addr``). Returns the exit status: 0; 2 when a file cannot be written for lack of room;
+    3 for a dead peer; 5 for a diverged run; 128 + the signal that stopped the run (each with one line)."""
     env = Environment.read()
     cfg = build_train_config(args, env)
     try:
@@ -66,15 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def stopped_line(signum: int, out: Path) -> str:
-    """What a run stopped by a signal says: the signal and the newest intact checkpoint to resume from.
-
-    Args:
-        signum: the signal that stopped it.
-        out: the run directory.
-
-    Returns:
-        One line, without the program prefix.
-    """
+    """The line (without the program prefix) of a run stopped by ``signum``: the checkpoint to resume from."""
     from eagerloco import checkpoint as ckpt
 
     found = ckpt.newest_intact(ckpt.checkpoint_root(out))
@@ -86,15 +70,8 @@ def stopped_line(signum: int, out: Path) -> str:
 
 
 def no_room_line(e: OSError, out: Path) -> str:
-    """What a run says when a file of it cannot be written for lack of room (a full disk, a quota).
-
-    Args:
-        e: the write error (its errno one of ``checkpoint.NO_ROOM_ERRNOS``).
-        out: the run directory.
-
-    Returns:
-        One line naming the file, the reason, the directory to free and the checkpoint to resume from.
-    """
+    """The line of a run whose file cannot be written for lack of room (``e.errno`` in
+    ``checkpoint.NO_ROOM_ERRNOS``): the file, the reason, the directory to free, the checkpoint to resume."""
     from eagerloco import checkpoint as ckpt
 
     where = e.filename or out

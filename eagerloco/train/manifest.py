@@ -1,17 +1,9 @@
 """``<out>/.eagerloco-run.json``: the files a run created in its directory, so that ``--overwrite``
 removes exactly those.
 
-The reporting process lists each path before (or as) it creates it: the run lock, metrics.jsonl,
-summary.json, TensorBoard's event files, and every checkpoint directory with its files (a staging
-directory is listed before any process writes into it). The list is rewritten atomically at each
-change and reread first, so a new reporter (an elastic leader) extends it. A directory a run
-created is removed only once empty: a file someone else put in it keeps it.
-
-:func:`survey` tells, at the paths a run writes (:data:`RUN_NAMES`), what is the run's and what is
-not (``checkpoints/resnet``: not); :func:`remove` removes the run's, and never through a symbolic
-link: an entry is removed only while it is still the kind of thing the run made (a regular file,
-a real directory).
-"""
+The reporting process lists each path before (or as) it creates it, rewriting the list atomically and
+rereading it first (a new reporter extends it). :func:`remove` never removes through a symbolic link,
+nor an entry no longer of the kind the run made, nor a directory someone else put a file in."""
 
 from __future__ import annotations
 
@@ -46,12 +38,8 @@ Entries = dict[str, str]
 
 
 def kind_of(path: Path) -> str | None:
-    """"link" (a symbolic link, whatever it points to), "dir", "file", "other", or None (nothing there).
-
-    One look (lstat): a file that another rank publishes (renames into place) meanwhile is seen as absent or
-    as a file, never as something else, as successive looks (is it a link, a directory, a file, anything?)
-    could see it.
-    """
+    """"link", "dir", "file", "other", or None (nothing there), from one lstat: a file another rank renames
+    into place meanwhile is seen as absent or as a file, never as something else."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -64,11 +52,7 @@ def kind_of(path: Path) -> str | None:
 
 
 def read_manifest(out: Path) -> Entries | None:
-    """The entries of ``out``'s manifest; None when it has none.
-
-    Raises:
-        ConfigError: the manifest is not a regular file, unreadable, or not one eagerloco wrote.
-    """
+    """The entries of ``out``'s manifest (None: none); ConfigError for one that is not eagerloco's or unreadable."""
     path = out / MANIFEST_NAME
     kind = kind_of(path)
     if kind is None:
@@ -104,11 +88,7 @@ def _manifest_problem(raw: Any) -> str:
 
 
 class RunManifest:
-    """The manifest of the run directory ``out``; only the process that reports writes it.
-
-    Args:
-        out: the run directory (``--out``).
-    """
+    """The manifest of the run directory ``out``; only the process that reports writes it."""
 
     def __init__(self, out: Path | str) -> None:
         self.out = Path(out)
@@ -153,20 +133,8 @@ class RunManifest:
 
 
 def survey(out: Path, listed: Entries) -> tuple[Entries, list[str]]:
-    """What at the paths a run writes is the run's, and what is not.
-
-    Args:
-        out: the run directory.
-        listed: its manifest's entries.
-
-    Returns:
-        (the listed entries present as the kind they were listed as, with the checkpoint files in
-        listed staging directories; the paths under :data:`RUN_NAMES` that are not the run's, each
-        named at its topmost point: ``checkpoints/resnet``, not every file under it).
-
-    Raises:
-        ConfigError: a directory cannot be read.
-    """
+    """(The listed entries present as the kind listed, with the checkpoint files in listed staging
+    directories; the paths under :data:`RUN_NAMES` that are not the run's, each named at its topmost point)."""
     try:
         ours = {rel: kind for rel, kind in listed.items() if rel not in OWN_NAMES and kind_of(out / rel) == kind}
         for rel in [r for r, k in ours.items() if k == "dir" and STAGING_DIR.fullmatch(r.rsplit("/", 1)[-1])]:
@@ -197,15 +165,8 @@ def _foreign(out: Path, rel: str, ours: Entries, found: list[str], top: bool = F
 
 
 def remove(out: Path, entries: Entries) -> tuple[list[str], list[str]]:
-    """Remove the run's entries: files first and deepest first, a directory only once empty, nothing
-    that is no longer the kind of thing listed (a file replaced by a link stays, and its target).
-
-    Returns:
-        (what was removed, the directories kept because something else is in them).
-
-    Raises:
-        ConfigError: a file cannot be removed (permissions); the message names it.
-    """
+    """Remove the run's entries, deepest first, a directory only once empty, nothing no longer of the kind
+    listed; returns (what was removed, the directories kept). ConfigError naming a file that cannot go."""
     removed: list[str] = []
     kept: list[str] = []
     for rel in sorted(entries, key=lambda r: (-r.count("/"), entries[r] == "dir", r)):

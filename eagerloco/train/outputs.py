@@ -1,8 +1,5 @@
-"""What a run writes: metrics.jsonl, TensorBoard events, summary.json; one path for every runtime.
-
-The in-process, multi-process and elastic drivers all log through :class:`RunOutput` and sum up
-their workers with :func:`accounting`, so the files mean the same whatever carried the exchange.
-"""
+"""What a run writes: metrics.jsonl, TensorBoard events, summary.json; one path for every runtime, so the
+files mean the same whatever carried the exchange."""
 
 from __future__ import annotations
 
@@ -51,16 +48,12 @@ def tensorboard_writer(cfg: TrainConfig, out: Path, manifest: RunManifest | None
 
 
 class RunOutput:
-    """metrics.jsonl (and TensorBoard events) of a run, written by the process that reports.
+    """metrics.jsonl (and TensorBoard events) of a run, written by the process that reports (asked at every line:
+    an elastic run's reporter can change).
 
-    The reporter is asked at every line (``is_writer``), as the reporting worker of an elastic run
-    can change. The first writer rewrites the file, keeping the lines up to a resumed ``start_step``;
-    a later one (a new elastic leader) takes over, keeping the lines before its first and adding,
-    from the records it kept while it did not report, those of the steps the file lacks (the old
-    reporter died between a step and its line). Lines that do not parse (a writer that died
-    mid-line) are dropped. The file is opened at the first line, so a run that dies before logging
-    leaves an earlier file as it was; each writer lists the files it creates in ``manifest``.
-    """
+    The first writer rewrites the file up to a resumed ``start_step``; a later one (a new elastic leader)
+    keeps the lines before its first and adds, from the records it kept, the steps the file lacks. Lines that
+    do not parse (a writer that died mid-line) are dropped; the file is opened at the first line."""
 
     #: Records a process that does not report keeps for a takeover (the newest ones).
     KEEP_PENDING = 10_000
@@ -136,11 +129,8 @@ class RunOutput:
 
 
 class ProgressLines:
-    """Progress where there is no terminal for a bar (a pipe, a log file, a launched rank).
-
-    One line every ``every_s`` seconds of wall time: step, loss, bytes sent, time blocked, pace,
-    tokens/s and, where the device's peak is known, MFU.
-    """
+    """Progress where there is no terminal for a bar: one line every ``every_s`` seconds (step, loss, bytes
+    sent, time blocked, pace, tokens/s and, where the peak is known, MFU)."""
 
     def __init__(self, method: str, steps: int, start_step: int, every_s: float | None = None) -> None:
         self.method, self.steps = method, steps
@@ -150,11 +140,8 @@ class ProgressLines:
 
     def update(self, step: int, loss: float | Callable[[], float], stats: Any, tokens: int | None = None,
                per_token: float = 0.0, peak: float | None = None, devices: int = 1) -> None:
-        """Called after every inner step; prints when the interval has passed.
-
-        loss: the value, or a function giving it (read only when a line is printed: on a GPU reading
-        it waits for the device). tokens: trained so far (all workers), for tokens/s and MFU.
-        """
+        """After every inner step. ``loss``: the value or a function giving it (read only when a line is printed:
+        on a GPU reading it waits); ``tokens``: trained so far by all workers."""
         now = time.perf_counter()
         if now - self.last < self.every_s:
             return
@@ -174,15 +161,8 @@ class ProgressLines:
 
 
 def accounting(entries: list[tuple[dict[str, Any], float]]) -> dict[str, Any]:
-    """The link and time accounting of a run from its workers: the one summary formula.
-
-    Args:
-        entries: per worker, its ``WorkerStats.as_dict()`` and its wall time in seconds.
-
-    Returns:
-        Means over workers of bytes, syncs and times; the largest peak payload and wall time;
-        compute utilization = total compute / total wall time; and ``per_worker``, the stats.
-    """
+    """The one summary formula from ``entries`` (per worker, ``WorkerStats.as_dict()`` and its wall seconds):
+    means of bytes, syncs and times; the largest peak payload and wall; compute utilization; ``per_worker``."""
     n = len(entries)
     stats = [s for s, _ in entries]
     walls = [w for _, w in entries]
@@ -208,16 +188,9 @@ def accounting(entries: list[tuple[dict[str, Any], float]]) -> dict[str, Any]:
 
 
 def add_throughput(summary: dict[str, Any], devices: int = 1) -> None:
-    """Add tokens/s and MFU to a summary that has its accounting, ``flops_per_token`` and ``peak_tflops``.
-
-    - ``tokens_per_s``: every worker's tokens over the training loop's real wall time;
-    - ``inner_tokens_per_s``: one worker's tokens over its inner compute seconds (forward, backward,
-      inner optimizer step): the speed of the inner loop alone;
-    - ``mfu``: ``tokens_per_s`` in model FLOPs over the peak of the run's ``devices`` accelerators;
-    - ``inner_mfu``: the same for ``inner_tokens_per_s`` on one device.
-
-    Both MFUs are None (null) where the peak is unknown (a CPU without ``--peak-tflops``).
-    """
+    """Add ``tokens_per_s`` (all workers' tokens over the loop's wall time), ``inner_tokens_per_s`` (one
+    worker's over its inner compute seconds), ``mfu`` and ``inner_mfu`` (the same in model FLOPs over the
+    peak of ``devices`` accelerators, resp. one; None where the peak is unknown)."""
     per_token, peak = summary["flops_per_token"], summary["peak_tflops"]
     wall, compute = summary["real_wall_s"], summary["compute_s"]
     rate = summary["tokens"] / wall if wall > 0 else float("nan")
@@ -229,12 +202,8 @@ def add_throughput(summary: dict[str, Any], devices: int = 1) -> None:
 
 
 def per_worker(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One accounting entry per worker from those of its link-using ranks.
-
-    With one such rank per worker that is its entry. With sharded exchanges (FSDP) the worker's
-    ranks each move a shard at the same time: bytes and the peak payload add up; times (the same
-    steps on every rank) are averaged; a step slow on any rank was slow for the worker.
-    """
+    """One accounting entry per worker from those of its link-using ranks: under FSDP the ranks move shards
+    at once, so bytes and peak payload add up, times are averaged, a step slow on any rank was slow."""
     by_worker: dict[int, list[dict[str, Any]]] = {}
     for e in entries:
         by_worker.setdefault(e["worker"], []).append(e)
@@ -257,12 +226,8 @@ def per_worker(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def aggregate(summary: dict[str, Any], workers: list[dict[str, Any]]) -> None:
-    """Replace one process's accounting in ``summary`` by that of every worker (multi-process runs).
-
-    Args:
-        summary: what :func:`~eagerloco.train.loop.run_training` returned on the reporting process.
-        workers: one entry per worker, ``{"stats": WorkerStats.as_dict(), "wall": seconds}``.
-    """
+    """Replace one process's accounting in ``summary`` by that of ``workers`` (one
+    ``{"stats": WorkerStats.as_dict(), "wall": seconds}`` per worker)."""
     summary.update(accounting([(e["stats"], e["wall"]) for e in workers]))
     summary["slow_steps"] = sum(int(e["stats"].get("slow_steps", 0)) for e in workers)  # each warned at its first
 

@@ -21,11 +21,7 @@ RESUMABLE_CHANGES = {"progress", "resume", "overwrite", "out", "checkpoint_every
 
 
 def check_resume_config(saved: dict[str, Any], cfg: TrainConfig) -> None:
-    """Refuse to resume a checkpoint made with settings that change the run's numbers.
-
-    Raises:
-        ConfigError: listing each differing setting, old and new.
-    """
+    """Refuse (ConfigError, naming each setting old and new) a checkpoint of settings that change the numbers."""
     now = finite_json(asdict(cfg))
     # A setting added since the checkpoint was made had its default then.
     saved = {**finite_json(asdict(TrainConfig())), **saved}
@@ -39,22 +35,11 @@ def check_resume_config(saved: dict[str, Any], cfg: TrainConfig) -> None:
 
 
 def resume_checkpoint(cfg: TrainConfig, runtime: str = "inprocess") -> tuple[Path, dict[str, Any]] | None:
-    """The checkpoint to continue from.
+    """With ``cfg.resume``, the newest valid checkpoint under ``<out>/checkpoints`` and its meta (else None).
 
-    Args:
-        cfg: the run's settings.
-        runtime: "inprocess" or "distributed", the runtime that resumes: a checkpoint holds the
-            state of the runtime that wrote it (the in-process group's simulated link, or one file
-            per rank), so it resumes in the same runtime.
-
-    Returns:
-        With ``cfg.resume``, the newest valid checkpoint under ``<out>/checkpoints`` and its
-        metadata; None without ``cfg.resume``.
-
-    Raises:
-        ConfigError: there is none, it was made with other settings, or by the other runtime.
-        CheckpointError: there are checkpoints but none is intact (each problem is listed).
-    """
+    ``runtime`` ("inprocess" or "distributed") is the one resuming: a checkpoint holds its writer's runtime
+    state, so it resumes in the same one. ConfigError when there is none or it does not fit;
+    CheckpointError when none is intact."""
     if not cfg.resume:
         return None
     root = ckpt.checkpoint_root(Path(cfg.out))
@@ -65,11 +50,7 @@ def resume_checkpoint(cfg: TrainConfig, runtime: str = "inprocess") -> tuple[Pat
 
 
 def check_checkpoint(cfg: TrainConfig, runtime: str, found: tuple[Path, dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
-    """A verified checkpoint, checked to fit these settings and this runtime; returns it.
-
-    Raises:
-        ConfigError: it was made with other settings, or by the other runtime.
-    """
+    """A verified checkpoint, returned once checked (ConfigError) to fit these settings and this runtime."""
     path, meta = found
     written = "distributed" if meta.get("runtime") == "distributed" else "inprocess"
     if written != runtime:
@@ -84,9 +65,8 @@ def check_checkpoint(cfg: TrainConfig, runtime: str, found: tuple[Path, dict[str
 
 
 def meta_problem(meta: dict[str, Any], cfg: TrainConfig) -> str:
-    """What in a checkpoint's meta.json, beyond its files and step (:func:`eagerloco.checkpoint.verify`),
-    a run of ``cfg`` cannot resume from, or "": every field the runtimes read is checked here first.
-    """
+    """What in a checkpoint's meta.json, beyond its files and step, a run of ``cfg`` cannot resume from, or "":
+    every field the runtimes read is checked here first."""
     step = meta["step"]
     if step > cfg.steps:
         return f"step {step} is past the run's last step ({cfg.steps})"
@@ -119,12 +99,7 @@ def intact_steps(cfg: TrainConfig) -> list[int]:
 
 
 def checkpoint_at(cfg: TrainConfig, runtime: str, step: int) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint of ``step`` under ``<out>/checkpoints``, verified and checked to fit.
-
-    Raises:
-        CheckpointError: there is none for that step, or it does not verify.
-        ConfigError: see :func:`check_checkpoint`.
-    """
+    """The checkpoint of ``step``, verified (CheckpointError) and checked to fit (ConfigError)."""
     path = ckpt.checkpoint_dir(ckpt.checkpoint_root(Path(cfg.out)), step)
     meta = ckpt.verify(path, required=("config",), check=lambda m: meta_problem(m, cfg))
     return check_checkpoint(cfg, runtime, (path, meta))
@@ -136,11 +111,7 @@ def announce_resume(path: Path, step: int, cfg: TrainConfig) -> None:
 
 
 def check_resume_layout(meta: dict[str, Any], ranks_per_worker: int, fsdp: bool) -> None:
-    """A checkpoint holds one file per rank, replicas or (FSDP) shards: resume with the same layout.
-
-    Raises:
-        ConfigError: naming the layout the checkpoint was written with.
-    """
+    """Refuse (ConfigError) to resume a checkpoint of another layout: one file per rank, replicas or FSDP shards."""
     saved_r, saved_fsdp = int(meta.get("ranks_per_worker", 1)), bool(meta.get("fsdp", False))
     if (saved_r, saved_fsdp) != (ranks_per_worker, fsdp):
         def layout(r: int, f: bool) -> str:

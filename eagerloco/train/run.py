@@ -19,23 +19,19 @@ RUNTIMES: dict[str, type[Runtime]] = {"inprocess": InProcessRuntime, "distribute
 
 def train(cfg: TrainConfig, env: Environment | None = None, *, validated: bool = False) -> dict[str, Any] | None:
     """Train: M workers in this process; under ``eagerloco launch`` or torchrun this rank's share; with
-    ``cfg.runtime.outer_addr`` one worker as a job of its own.
-
-    With ``cfg.checkpoint_every``, checkpoints go to ``<out>/checkpoints``; ``cfg.resume`` continues
-    from the newest valid one, giving the same numbers as a run that was never interrupted.
+    ``cfg.runtime.outer_addr`` one worker as a job of its own. ``cfg.resume`` continues from the newest
+    valid checkpoint with the numbers of an uninterrupted run.
 
     Args:
         cfg: the run's settings.
         env: this process's environment (default: read it).
-        validated: the settings were validated against ``env`` already (by :func:`eagerloco.flags.build_train_config`):
-            skip the check.
+        validated: ``cfg`` was validated against ``env`` already: skip the check.
 
     Returns:
-        The summary on the reporting process (also written to ``<out>/summary.json``, with
-        ``metrics.jsonl`` beside it); None on the other processes of a multi-process run.
+        The summary on the reporting process (also in ``<out>/summary.json``); None on the others.
 
     Raises:
-        ConfigError: an invalid setting, or a checkpoint or launch that does not fit these settings.
+        ConfigError: an invalid setting, or a checkpoint or launch that does not fit them.
         DataError: the data cannot be fetched or read.
         PeerError: another worker died or stopped answering; the message names it.
     """

@@ -1,16 +1,8 @@
 """The run directory (``--out``), guarded: checked before the first step, locked while a run writes it.
 
-A run refuses to start in a directory that holds another run's files unless it continues it
-(``--resume``) or replaces it (``--overwrite``), and a lock file naming the holder's process and
-host keeps two runs out of one directory. A lock left by a process that no longer exists on this
-host is taken over with a message.
-
-``--overwrite`` removes exactly the files the earlier run listed in its manifest
-(:mod:`eagerloco.train.manifest`) and nothing else: a directory that holds anything else at a run's paths is refused,
-naming it, before anything is removed, and so is a directory without a manifest that holds anything
-else at all (``--out .`` in a home directory). Every file a run writes there is checked to be a regular
-file (or absent) first, so that a directory or a link in its place is one line, not a traceback.
-"""
+A run refuses a directory holding another run's files unless it continues it (``--resume``) or replaces
+it (``--overwrite``, which removes exactly the files the earlier run's manifest lists and refuses
+anything else at a run's paths)."""
 
 from __future__ import annotations
 
@@ -47,11 +39,7 @@ RUN_FILE_ROLES = {"metrics.jsonl": "metrics", "summary.json": "summary",
 
 
 def check_out_dir(out: str) -> Path:
-    """The ``--out`` directory, made if needed and checked writable before anything runs.
-
-    Raises:
-        ConfigError: empty, a file, under a file, or not writable; the message names it and the fix.
-    """
+    """The ``--out`` directory, made if needed and checked writable; ConfigError naming the fix if not."""
     if not isinstance(out, str) or not out.strip():
         raise ConfigError("--out must name a directory for the run's files, got an empty path")
     path = Path(out)
@@ -71,13 +59,8 @@ def check_out_dir(out: str) -> Path:
 
 
 def check_kinds(cfg: TrainConfig, path: Path) -> None:
-    """Each file a run writes in ``path`` is a regular file or absent, never a directory or a link (a run never
-    writes through a link, nor removes one); ``checkpoints`` (and, with ``--tensorboard``, ``tensorboard``)
-    is a directory or absent.
-
-    Raises:
-        ConfigError: naming the path, what it is, and the fix.
-    """
+    """Raise ConfigError unless each file a run writes in ``path`` is a regular file or absent (never a link
+    or a directory), and ``checkpoints`` (and ``tensorboard`` when used) a directory or absent."""
     for name, role in RUN_FILE_ROLES.items():
         kind = kind_of(path / name)
         if kind not in (None, "file"):
@@ -93,12 +76,8 @@ def check_kinds(cfg: TrainConfig, path: Path) -> None:
 
 
 def run_files(path: Path) -> tuple[Entries, list[str], bool]:
-    """What in ``path`` an earlier eagerloco run wrote, and what at a run's paths it did not.
-
-    Returns:
-        (the earlier run's entries present, by its manifest; the other paths at a run's names; whether
-        the directory has no manifest).
-    """
+    """(The earlier run's entries present, by its manifest; the other paths at a run's names; whether
+    ``path`` has no manifest)."""
     listed = read_manifest(path)
     ours, foreign = survey(path, listed or {})
     return ours, foreign, listed is None
@@ -139,12 +118,8 @@ def _named(paths: list[str], most: int = 6) -> str:
 
 
 def check_fresh_start(cfg: TrainConfig, path: Path) -> None:
-    """Refuse to start a run over files it would mix with or write over; with ``--overwrite``, over files
-    other than an earlier eagerloco run's (which :func:`claim` then removes). Reads only.
-
-    Raises:
-        ConfigError: naming what was found and the fix.
-    """
+    """Refuse (ConfigError) to start over files the run would mix with or write over; with ``--overwrite``,
+    over files other than an earlier eagerloco run's. Reads only."""
     check_kinds(cfg, path)
     if cfg.resume:
         return
@@ -185,9 +160,8 @@ def check_fresh_start(cfg: TrainConfig, path: Path) -> None:
 
 
 def start_manifest(cfg: TrainConfig, path: Path) -> None:
-    """Write the run's manifest: with ``--overwrite`` once the earlier run's files are removed, with
-    ``--resume`` keeping the earlier run's entries, and listing the lock and the directories this run will
-    create."""
+    """Write the run's manifest: the earlier run's entries kept (``--resume``) or removed (``--overwrite``),
+    plus the lock and the directories this run will create."""
     ours, _ = survey(path, read_manifest(path) or {})
     if cfg.resume:
         entries = ours
@@ -227,27 +201,16 @@ def remove_leftovers(path: Path) -> None:
 class RunLock:
     """``<out>/.eagerloco.lock`` held while a run writes its directory.
 
-    Our own lock rather than filelock's (which the data cache and the kernel-shaped link use): it must refuse
-    at once naming its holder (process and host), so that the message says which run is in the way; take over
-    a holder that died on this host with a line saying so; and hold for hosts that share the directory, where
-    a flock taken on another host may go unseen and a dead host's lock must be named to whoever removes it.
-    filelock's FileLock records no holder, and its SoftFileLock names one in a refusal only when it is on
-    another host and takes over a dead one without a word.
-
-    Args:
-        path: the run directory (checked by :func:`check_out_dir`).
-    """
+    Our own rather than filelock's: a refusal must name the holder (process and host), a holder dead on this
+    host is taken over with a line saying so, and it must hold across hosts sharing the directory, where a
+    flock may go unseen. filelock records no holder (FileLock) or takes over silently (SoftFileLock)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path / LOCK_NAME
         self.held = False
 
     def acquire(self) -> RunLock:
-        """Take the lock, or take over a stale one.
-
-        Raises:
-            ConfigError: a live process (on this host, or any process on another host) holds it.
-        """
+        """Take the lock, or take over a stale one; ConfigError when a live process (or another host) holds it."""
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
         for _ in range(3):
             try:
@@ -279,12 +242,8 @@ class RunLock:
                           "another run keeps taking it: pass another --out")
 
     def _holder(self) -> dict[str, Any] | None:
-        """The holder, ``{"pid": int, "host": str}``; pid None for a torn lock older than 5 s (stale);
-        None while it is being written or once it is gone.
-
-        Raises:
-            ConfigError: the lock cannot be read, or holds JSON that eagerloco never writes (naming the field).
-        """
+        """The holder, ``{"pid": int, "host": str}`` (pid None: a torn lock older than 5 s); None while it is
+        being written or once gone. ConfigError for a lock unreadable or not eagerloco's."""
         try:
             text = self.path.read_text()
             holder = json.loads(text)
@@ -332,15 +291,8 @@ def _lock_problem(holder: Any) -> str:
 
 
 def claim(cfg: TrainConfig) -> RunLock:
-    """Check ``--out``, lock it, check it holds no other run (removing an earlier run's files with
-    ``--overwrite``) and start the run's manifest.
-
-    Returns:
-        The held lock; release it (or use it as a context manager) when the run ends.
-
-    Raises:
-        ConfigError: see :func:`check_out_dir`, :meth:`RunLock.acquire` and :func:`check_fresh_start`.
-    """
+    """Check ``--out``, lock it, refuse another run in it (or remove an earlier one with ``--overwrite``),
+    start the run's manifest; returns the held lock."""
     path = check_out_dir(cfg.out)
     check_kinds(cfg, path)  # the lock's path too, before it is taken
     lock = RunLock(path).acquire()
@@ -355,15 +307,8 @@ def claim(cfg: TrainConfig) -> RunLock:
 
 
 def guard_run_dir(cfg: TrainConfig, reporting: bool) -> RunLock | None:
-    """The run-directory guard of one process of a multi-process run.
-
-    The reporting process claims the directory (:func:`claim`); every other process checks, before
-    the processes meet, that it holds no other run, so that a refused start fails on every process
-    with the same message.
-
-    Returns:
-        The held lock on the reporting process, else None.
-    """
+    """The run-directory guard of one process of a multi-process run: the reporting process claims the
+    directory (returning the lock), the others only check it, so a refused start fails everywhere alike."""
     if reporting:
         return claim(cfg)
     if cfg.overwrite:  # what the reporting process removes is in flux: check only what it cannot change

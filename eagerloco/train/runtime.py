@@ -1,16 +1,8 @@
 """What differs between the ways of starting workers, behind one small interface the trainer drives.
 
-A :class:`Runtime` answers, for the process it runs in: which workers live here and what they talk
-through (:meth:`~Runtime.build`), who evaluates and who writes the run's files, how a checkpoint's
-files reach the process that publishes it and how every process learns the outcome, what happens
-after each step and each evaluation, and how the summary is gathered. The loop itself, the one
-checkpoint protocol and the summary's formula are the :class:`~eagerloco.train.trainer.Trainer`'s.
-
-The four runtimes: :mod:`~eagerloco.train.inprocess` (M workers in this process, a simulated link),
-:mod:`~eagerloco.train.distributed` (one rank per process under a launcher),
-:mod:`~eagerloco.train.elastic` (the same, surviving dead workers) and :mod:`~eagerloco.train.job`
-(one worker per job, an outer rendezvous). A new one is a subclass that overrides what differs.
-"""
+A :class:`Runtime` answers, for its process: which workers live here and what they talk through, who
+evaluates and writes the run's files, how checkpoint files reach the publisher, and how the summary is
+gathered. The runtimes: ``inprocess``, ``distributed``, ``elastic`` and ``job`` (modules of this package)."""
 
 from __future__ import annotations
 
@@ -35,18 +27,9 @@ Found = tuple[Path, dict[str, Any]]
 
 
 class Runtime:
-    """The runtime of one process; the defaults are those of a process that holds whole workers alone.
-
-    Args:
-        cfg: the run's settings, validated (:meth:`TrainConfig.validate`).
-        env: this process's environment.
-
-    Attributes:
-        checkpoint_kind: which runtime's checkpoints this one resumes ("inprocess" or "distributed").
-        doing: what the process is doing, for error messages ("training", "the checkpoint of step 20").
-        devices: the accelerators all workers of the run use together (MFU is measured against them).
-        manifest: the run directory's list of the files the run wrote; only the reporting process writes it.
-    """
+    """The runtime of one process (``cfg`` validated); the defaults are those of a process that holds whole
+    workers alone. ``doing`` names the current work in error messages; ``devices`` counts the accelerators
+    MFU is measured against; ``manifest`` lists the run's files (the reporting process writes it)."""
 
     checkpoint_kind = "inprocess"
 
@@ -135,12 +118,8 @@ class Runtime:
     # -- checkpoints --------------------------------------------------------------------------------
     def gather_checkpoint(self, step: int, entries: dict[int, Any], problem: str | None
                           ) -> tuple[dict[int, Any] | None, str | None]:
-        """Bring every process's manifest entries (or its write error) to the publishing process.
-
-        Returns:
-            (every file's entry by file id, the first problem) on the process that publishes; (None,
-            problem) elsewhere.
-        """
+        """Bring every process's manifest entries (or its write error) to the publishing process: (entries by
+        file id, the first problem) there, (None, problem) elsewhere."""
         return entries, problem
 
     def checkpoint_meta(self) -> dict[str, Any]:

@@ -1,14 +1,9 @@
-"""The training loop, once, for every way of starting workers.
+"""The training loop, once, for every way of starting workers: ``Trainer(cfg, runtime).run()``.
 
-    summary = Trainer(cfg, runtime).run()
-
-reads top to bottom: take the run directory, find the checkpoint to resume, build this process's
-workers (the :class:`~eagerloco.train.runtime.Runtime` says which and what they talk through), agree
-with the other processes on the settings and the step to start from (:mod:`.agree`), then
-per inner step: forward and backward on every local worker -> ``OuterSync.before_inner_step`` ->
-inner optimizer step -> ``OuterSync.after_inner_step`` -> the runtime's per-step work -> evaluate,
-log, checkpoint. At the end: drain what is in flight, the final evaluation, the summary.
-"""
+Take the run directory, find the checkpoint to resume, build this process's workers (the runtime says
+which), agree with the other processes (:mod:`.agree`), then per inner step: forward and backward ->
+``OuterSync.before_inner_step`` -> inner step -> ``OuterSync.after_inner_step`` -> the runtime's
+per-step work -> evaluate, log, checkpoint. At the end: drain, the final evaluation, the summary."""
 
 from __future__ import annotations
 
@@ -39,12 +34,7 @@ from eagerloco.units import fmt_bytes
 
 
 class Trainer:
-    """One process's share of a run: its workers, driven in lockstep from the first step to the summary.
-
-    Args:
-        cfg: the run's settings, validated.
-        runtime: how this process's workers are started and reach the others.
-    """
+    """One process's share of a run (``cfg`` validated): its workers, driven in lockstep to the summary."""
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime) -> None:
         self.cfg, self.runtime = cfg, runtime
@@ -59,14 +49,8 @@ class Trainer:
         self.perf: dict[str, Any] = {}  # what MFU is computed from (model_flops)
 
     def run(self) -> dict[str, Any] | None:
-        """Train; returns the summary (also written to ``<out>/summary.json``) on the reporting
-        process, None elsewhere.
-
-        Raises:
-            ConfigError: a checkpoint or launch that does not fit the settings.
-            PeerError: another worker died or stopped answering; the message names it.
-            CheckpointError: a checkpoint could not be written.
-        """
+        """Train; returns the summary (also written to ``<out>/summary.json``) on the reporting process, None
+        elsewhere. Raises ConfigError, PeerError (naming the worker) or CheckpointError."""
         cfg, rt = self.cfg, self.runtime
         torch.manual_seed(cfg.seed)
         with rt:
@@ -239,10 +223,9 @@ class Trainer:
         return summary
 
     def save(self, step: int) -> None:
-        """The one checkpoint protocol: every process writes its workers' files into the step's staging
-        directory, the runtime brings their manifest entries (or a write error) to the publishing
-        process, which writes meta.json last and renames the directory into place, and every process
-        learns the outcome (a failure raises CheckpointError on all of them)."""
+        """The one checkpoint protocol: every process writes its files into the staging directory, the publisher
+        gets their entries (or a write error), writes meta.json last and renames the directory into place;
+        every process learns the outcome (a failure raises CheckpointError everywhere)."""
         cfg, rt = self.cfg, self.runtime
         self.check_loss(step)
         rt.doing = f"the checkpoint of step {step}"

@@ -1,8 +1,5 @@
-"""A worker of the loop: a model replica with its inner optimizer, its data stream and its outer algorithm.
-
-Also what every runtime builds workers from: the data and initial model (:func:`prepare`), the
-evaluation, and the model's FLOPs. The loop that drives workers is :class:`~eagerloco.train.trainer.Trainer`.
-"""
+"""A worker of the loop: a model replica with its inner optimizer, data stream and outer algorithm; and
+what every runtime builds workers from (:func:`prepare`, evaluation, the model's FLOPs)."""
 
 from __future__ import annotations
 
@@ -59,13 +56,8 @@ def build_inner_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.devi
 
 
 class Worker:
-    """One replica: model, inner optimizer with its schedule, outer algorithm, data stream.
-
-    The model runs where its parameters are (the driver places it); batches follow it there. On
-    CUDA the step's two halves end with a device synchronization, so that the compute time the
-    accounting (and a simulated clock) uses is the kernels' and not their launch's; the loss is read
-    back only when something reports it.
-    """
+    """One replica: model, inner optimizer with its schedule, outer algorithm, data stream. On CUDA each
+    half-step ends with a synchronization, so the accounted compute time is the kernels', not their launch's."""
 
     def __init__(
         self, model: nn.Module, comm: Communicator, stream: Any, cfg: TrainConfig, inner_group: Any = None
@@ -116,14 +108,9 @@ class Worker:
         self.comm.add_compute(t)
 
     def _pace(self, seconds: float, share: float, step_s: float) -> None:
-        """A fixed step time on a real clock: an emulated accelerator that takes step_s per inner step.
-
-        The step's real compute (forward/backward, then the optimizer step; share 1.0 and 0.0) is
-        padded with a sleep to step_s, so that workers sharing a few cores run in step as equal
-        accelerators would instead of drifting apart with the scheduler. Time waiting on an
-        exchange between the two parts is not part of the step. A step whose real compute alone
-        exceeds step_s keeps its real length and is counted in ``stats.slow_steps``.
-        """
+        """An emulated accelerator on a real clock: the step's real compute (``share`` 1.0 for forward/backward,
+        0.0 for the optimizer step) is padded with a sleep to ``step_s``, so workers sharing cores keep pace as
+        equal accelerators would; a step whose compute alone exceeds it counts in ``stats.slow_steps``."""
         self._step_real += seconds
         if share != 0.0:  # the forward/backward half: the optimizer step comes next
             return
@@ -188,12 +175,8 @@ class Worker:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`.
-
-        Raises:
-            CheckpointError: the state does not fit this run's model, optimizers or outer settings (a
-                checkpoint whose meta.json was edited to other settings, say), naming what differs.
-        """
+        """Continue from :meth:`state_dict`; CheckpointError naming what differs when the state does not fit
+        this run's model, optimizers or outer settings."""
         try:
             load_model_state(self.model, state["model"])
             self.opt.load_state_dict(state["opt"])
@@ -226,12 +209,8 @@ class Worker:
         self._compute(time.perf_counter() - t0, 0.0)
 
     def finish_tick(self, steps: int) -> None:
-        """The rest of this worker's ``steps`` inner steps of a tick (``OuterSync.inner_steps_due``), whose first
-        forward and backward are done when steps > 0: its optimizer step, then the others whole.
-
-        The learning rate follows the ticks, the fastest worker's steps, so that every worker is at the
-        same point of its schedule at the same time: it moves once a tick, whatever the steps in it.
-        """
+        """The rest of this worker's ``steps`` inner steps of a tick (its first forward and backward done when
+        steps > 0). The learning rate moves once a tick, so every worker is at the same point of its schedule."""
         if steps == 1:  # the run without adaptive steps, exactly
             self.optimizer_step()
             return
