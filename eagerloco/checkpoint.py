@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +38,20 @@ class CheckpointError(RuntimeError):
     is wrong and what to do."""
 
 
-def newest_intact(root: Path) -> tuple[Path, int] | None:
-    """The newest checkpoint under root that verifies, and its step, without reporting the others."""
+def intact(root: Path, required: tuple[str, ...] = (),
+           check: Callable[[dict[str, Any]], str] | None = None) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """The checkpoints under root that verify (:func:`verify`), newest first, with their meta."""
     for path in reversed(list_checkpoints(root)):
         try:
-            return path, int(verify(path)["step"])
+            meta = verify(path, required, check)
         except CheckpointError:
             continue
-    return None
+        yield path, meta
+
+
+def newest_intact(root: Path) -> tuple[Path, int] | None:
+    """The newest checkpoint under root that verifies, and its step, without reporting the others."""
+    return next(((path, int(meta["step"])) for path, meta in intact(root)), None)
 
 
 def resume_hint(root: Path) -> str:

@@ -88,14 +88,8 @@ def meta_problem(meta: dict[str, Any], cfg: TrainConfig) -> str:
 
 def intact_steps(cfg: TrainConfig) -> list[int]:
     """The steps of the checkpoints under ``<out>/checkpoints`` that verify, oldest first."""
-    steps = []
-    for path in ckpt.list_checkpoints(ckpt.checkpoint_root(Path(cfg.out))):
-        try:
-            meta = ckpt.verify(path, required=("config",), check=lambda m: meta_problem(m, cfg))
-            steps.append(int(meta["step"]))
-        except ckpt.CheckpointError:
-            continue
-    return steps
+    found = ckpt.intact(ckpt.checkpoint_root(Path(cfg.out)), ("config",), lambda m: meta_problem(m, cfg))
+    return sorted(int(meta["step"]) for _, meta in found)
 
 
 def checkpoint_at(cfg: TrainConfig, runtime: str, step: int) -> tuple[Path, dict[str, Any]]:
@@ -130,14 +124,8 @@ def has_worker(meta: dict[str, Any], worker: int) -> bool:
 
 def own_last_state(root: Path, worker: int) -> dict[str, Any] | None:
     """This worker's state in the newest valid checkpoint that has one (a returning worker's data position)."""
-    for path in reversed(ckpt.list_checkpoints(root)):
-        try:
-            meta = ckpt.verify(path)
-        except ckpt.CheckpointError:
-            continue
-        if has_worker(meta, worker):
-            return ckpt.load_worker_state(path, worker)
-    return None
+    found = (path for path, meta in ckpt.intact(root) if has_worker(meta, worker))
+    return next((ckpt.load_worker_state(path, worker) for path in found), None)
 
 
 def checkpoint_meta(cfg: TrainConfig, real_elapsed: float, **extra: Any) -> dict[str, Any]:
