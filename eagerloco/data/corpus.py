@@ -99,33 +99,22 @@ def load_corpus(
     root = default_data_dir(data_dir)
     specs = split_sources(source)
     named = named_corpora()
-    if len(specs) == 1:
-        names, docs, groups = _load_source(specs[0], root, named)
-        corpus = _split(_source_label(specs[0], named), names, docs, groups, eval_fraction, seed)
-    else:
-        # Each source of a mix is one group, so non-iid sharding gives workers different sources, and
-        # each source holds out its own documents.
-        parts = []
-        for spec in specs:
-            label = _source_label(spec, named)
-            names, docs, groups = _load_source(spec, root, named)
-            part = _split(label, names, docs, groups, eval_fraction, seed)
+    parts = []
+    for spec in specs:
+        label = _source_label(spec, named)
+        part = _split(label, *_load_source(spec, root, named), eval_fraction, seed)
+        if len(specs) > 1:  # each source of a mix is one group: non-iid workers get different sources
             part.train_names = [f"{label}:{n}" for n in part.train_names]
             part.eval_names = [f"{label}:{n}" for n in part.eval_names]
             part.train_groups = [label] * len(part.train_docs)
             part.eval_groups = [label] * len(part.eval_docs)
-            parts.append(part)
-        corpus = Corpus(
-            train_docs=[d for p in parts for d in p.train_docs],
-            eval_docs=[d for p in parts for d in p.eval_docs],
-            name="+".join(p.name for p in parts),
-            train_groups=[g for p in parts for g in p.train_groups],
-            eval_groups=[g for p in parts for g in p.eval_groups],
-            train_names=[n for p in parts for n in p.train_names],
-            eval_names=[n for p in parts for n in p.eval_names],
-        )
-    corpus.data_dir = root
-    return corpus
+        parts.append(part)
+
+    def joined(key: str) -> list[str]:
+        return [x for p in parts for x in getattr(p, key)]
+
+    return Corpus(joined("train_docs"), joined("eval_docs"), "+".join(p.name for p in parts), joined("train_groups"),
+                  joined("eval_groups"), joined("train_names"), joined("eval_names"), root)
 
 
 def _load_source(spec: str, root: Path, named: dict[str, EntryPoint]) -> tuple[list[str], list[str], list[str]]:
