@@ -92,12 +92,8 @@ class BPETokenizer:
 
     @classmethod
     def from_file(cls, path: str | Path, name: str = "bpe") -> BPETokenizer:
-        tokenizers = _import_tokenizers()
+        tokenizers = require("tokenizers", BPE_NEEDS)
         return cls(tokenizers.Tokenizer.from_file(str(path)), name=name)
-
-
-def _import_tokenizers() -> Any:
-    return require("tokenizers", BPE_NEEDS)
 
 
 def parse_tokenizer_name(name: str) -> tuple[str, int | None]:
@@ -120,7 +116,7 @@ def parse_tokenizer_name(name: str) -> tuple[str, int | None]:
 def bpe_key(train_docs: list[str], vocab_size: int) -> str:
     """Cache key of a BPE: training documents in order, vocabulary, settings and library version (eval
     documents left out: holding out others must not retrain)."""
-    tokenizers = _import_tokenizers()
+    tokenizers = require("tokenizers", BPE_NEEDS)
     h = hashlib.sha256()
     h.update(json.dumps({**BPE_SETTINGS, "vocab_size": vocab_size, "tokenizers": tokenizers.__version__}).encode())
     h.update(len(train_docs).to_bytes(8, "little"))
@@ -131,7 +127,7 @@ def bpe_key(train_docs: list[str], vocab_size: int) -> str:
 
 def train_bpe(train_docs: list[str], vocab_size: int) -> Any:
     """A fresh byte-level BPE (a ``tokenizers.Tokenizer``) learnt from ``train_docs``."""
-    tokenizers = _import_tokenizers()
+    tokenizers = require("tokenizers", BPE_NEEDS)
     decoders, models, pre_tokenizers, trainers = (
         tokenizers.decoders, tokenizers.models, tokenizers.pre_tokenizers, tokenizers.trainers)
 
