@@ -83,11 +83,6 @@ def run_files(path: Path) -> tuple[Entries, list[str], bool]:
     return ours, foreign, listed is None
 
 
-def earlier_run(path: Path) -> list[str]:
-    """The files of an earlier eagerloco run in ``path``, summarized (empty when there is none)."""
-    return _summarize(run_files(path)[0])
-
-
 def _summarize(ours: Entries) -> list[str]:
     found: list[str] = [name for name in ("metrics.jsonl", "summary.json", "summary.json.tmp") if name in ours]
     files = [r for r, k in ours.items() if k == "file"]
@@ -319,4 +314,4 @@ def guard_run_dir(cfg: TrainConfig, reporting: bool) -> RunLock | None:
 
 
 __all__ = ["LOCK_NAME", "MAX_PID", "RUN_FILE_ROLES", "RunLock", "check_fresh_start", "check_kinds", "check_out_dir",
-           "claim", "earlier_run", "guard_run_dir", "remove_leftovers", "run_files", "start_manifest"]
+           "claim", "guard_run_dir", "remove_leftovers", "run_files", "start_manifest"]
