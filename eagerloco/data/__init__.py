@@ -7,22 +7,13 @@ from eagerloco.data.corpus import (
     CORPORA_GROUP,
     SINGLE_FILE_PIECES,
     Corpus,
-    Loader,
     load_corpus,
     named_corpora,
     split_sources,
 )
-from eagerloco.data.streams import TokenStream, eval_batches, stream_seed, worker_streams
-from eagerloco.data.tokenizer import (
-    TOKENIZER_NAMES,
-    BPETokenizer,
-    ByteTokenizer,
-    Tokenizer,
-    bpe_key,
-    get_tokenizer,
-    parse_tokenizer_name,
-)
-from eagerloco.data.tokens import DOC_SEPARATOR, EncodedDocs, encode_corpus, encode_docs
+from eagerloco.data.streams import TokenStream, eval_batches, worker_streams
+from eagerloco.data.tokenizer import BPETokenizer, ByteTokenizer, bpe_key, get_tokenizer
+from eagerloco.data.tokens import DOC_SEPARATOR, encode_corpus, encode_docs
 
 __all__ = [
     "BPETokenizer",
@@ -31,12 +22,8 @@ __all__ = [
     "Corpus",
     "DOC_SEPARATOR",
     "DataError",
-    "EncodedDocs",
-    "Loader",
     "SINGLE_FILE_PIECES",
-    "TOKENIZER_NAMES",
     "TokenStream",
-    "Tokenizer",
     "bpe_key",
     "default_data_dir",
     "encode_corpus",
@@ -45,8 +32,6 @@ __all__ = [
     "get_tokenizer",
     "load_corpus",
     "named_corpora",
-    "parse_tokenizer_name",
     "split_sources",
-    "stream_seed",
     "worker_streams",
 ]
