@@ -157,15 +157,6 @@ def remove_checkpoint(path: Path) -> bool:
     return True
 
 
-def save(root: Path, step: int, states: dict[int, dict[str, Any]], meta: dict[str, Any], keep: int = 2) -> Path:
-    """Save every worker's state of a process that holds them all (the in-process runtime)."""
-    stage = staging_dir(root, step)
-    if stage.exists():
-        shutil.rmtree(stage)
-    entries = [write_worker_state(stage, m, s) for m, s in sorted(states.items())]
-    return publish(root, step, entries, meta, keep)
-
-
 def list_checkpoints(root: Path) -> list[Path]:
     """Published checkpoints (directories ``step_NNNNNNNN``, not links), oldest first."""
     if not root.is_dir():

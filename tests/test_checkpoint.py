@@ -26,9 +26,16 @@ def _states() -> dict[int, dict]:
     return {m: {"w": torch.arange(1000, dtype=torch.float32) * (m + 1), "step": 5} for m in range(2)}
 
 
+def save(root: Path, step: int, states: dict[int, dict], meta: dict, keep: int = 2) -> Path:
+    """Every worker's state written and published as a run does it (the trainer's save, in one process)."""
+    stage = ckpt.staging_dir(root, step)
+    entries = [ckpt.write_worker_state(stage, m, s) for m, s in sorted(states.items())]
+    return ckpt.publish(root, step, entries, meta, keep)
+
+
 def test_save_and_verify_round_trip(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    path = ckpt.save(root, 5, _states(), {"config": {"x": 1}})
+    path = save(root, 5, _states(), {"config": {"x": 1}})
     meta = ckpt.verify(path)
     assert meta["step"] == 5 and meta["config"] == {"x": 1}
     assert torch.equal(ckpt.load_worker_state(path, 1)["w"], torch.arange(1000.0) * 2)
@@ -38,15 +45,15 @@ def test_save_and_verify_round_trip(tmp_path: Path) -> None:
 def test_keeps_only_the_newest(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3, 4):
-        ckpt.save(root, step, _states(), {}, keep=2)
+        save(root, step, _states(), {}, keep=2)
     assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_00000003", "step_00000004"]
 
 
 @pytest.mark.parametrize("fraction", [i / 10 for i in range(10)])
 def test_truncated_checkpoint_is_refused_and_the_previous_used(tmp_path: Path, fraction: float) -> None:
     root = tmp_path / "checkpoints"
-    ckpt.save(root, 1, _states(), {})
-    newest = ckpt.save(root, 2, _states(), {})
+    save(root, 1, _states(), {})
+    newest = save(root, 2, _states(), {})
     f = newest / "worker_1.pt"
     data = f.read_bytes()
     f.write_bytes(data[: int(len(data) * fraction)])
@@ -58,7 +65,7 @@ def test_truncated_checkpoint_is_refused_and_the_previous_used(tmp_path: Path, f
 
 def test_flipped_byte_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    path = ckpt.save(root, 1, _states(), {})
+    path = save(root, 1, _states(), {})
     f = path / "worker_0.pt"
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -71,7 +78,7 @@ def test_flipped_byte_is_refused(tmp_path: Path) -> None:
 
 def test_missing_or_corrupt_meta(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    path = ckpt.save(root, 1, _states(), {})
+    path = save(root, 1, _states(), {})
     (path / "meta.json").write_text("{not json")
     with pytest.raises(ckpt.CheckpointError, match="meta.json is unreadable"):
         ckpt.verify(path)
