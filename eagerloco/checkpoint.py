@@ -25,8 +25,9 @@ from eagerloco.atomic import fsync_dir
 FORMAT_VERSION = 1
 _PREFIX = "step_"
 _STEP_NAME = re.compile(r"step_(\d{8,})")
-#: The files a checkpoint directory holds.
-_FILE_NAME = re.compile(r"worker_\d+\.pt|meta\.json")
+#: The files a checkpoint directory holds, and the name of a checkpoint's staging directory.
+FILE_NAME = re.compile(r"worker_\d+\.pt|meta\.json")
+STAGING_NAME = re.compile(r"\.partial-step_\d{8,}")
 
 
 #: Write errors that mean "no room here" (a full disk, a quota, a file size limit) or "no writing here".
@@ -148,7 +149,7 @@ def remove_checkpoint(path: Path) -> bool:
     if path.is_symlink() or not path.is_dir():
         return False
     for f in path.iterdir():
-        if _FILE_NAME.fullmatch(f.name) and f.is_file() and not f.is_symlink():
+        if FILE_NAME.fullmatch(f.name) and f.is_file() and not f.is_symlink():
             f.unlink(missing_ok=True)
     try:
         path.rmdir()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import stat
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,8 +29,6 @@ RUN_DIRS = ("checkpoints", "tensorboard")
 #: eagerloco's own bookkeeping files: never a reason to refuse a directory, never removed by --overwrite.
 OWN_NAMES = (LOCK_NAME, MANIFEST_NAME, MANIFEST_NAME + ".tmp")
 
-STAGING_DIR = re.compile(r"\.partial-step_\d{8,}")
-CHECKPOINT_FILE = re.compile(r"worker_\d+\.pt|meta\.json")
 
 #: Paths relative to the run directory ("checkpoints/step_00000002/meta.json") -> "file" or "dir".
 Entries = dict[str, str]
@@ -137,9 +134,9 @@ def survey(out: Path, listed: Entries) -> tuple[Entries, list[str]]:
     directories; the paths under :data:`RUN_NAMES` that are not the run's, each named at its topmost point)."""
     try:
         ours = {rel: kind for rel, kind in listed.items() if rel not in OWN_NAMES and kind_of(out / rel) == kind}
-        for rel in [r for r, k in ours.items() if k == "dir" and STAGING_DIR.fullmatch(r.rsplit("/", 1)[-1])]:
+        for rel in [r for r, k in ours.items() if k == "dir" and ckpt.STAGING_NAME.fullmatch(r.rsplit("/", 1)[-1])]:
             for child in (out / rel).iterdir():
-                if CHECKPOINT_FILE.fullmatch(child.name) and kind_of(child) == "file":
+                if ckpt.FILE_NAME.fullmatch(child.name) and kind_of(child) == "file":
                     ours[f"{rel}/{child.name}"] = "file"
         foreign: list[str] = []
         for name in RUN_NAMES:
