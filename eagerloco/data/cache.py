@@ -40,12 +40,9 @@ def default_data_dir(data_dir: str | Path | None = None) -> Path:
 
 
 def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    h = hashlib.sha256()
+    """Hex sha256 of a file, read in chunks."""
     with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @contextmanager
