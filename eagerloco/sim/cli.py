@@ -1,21 +1,7 @@
 """``eagerloco simulate``: compute utilization of each method on a given link, before paying for a run.
 
-Entry points for the main console script::
-
-    add_parser(subparsers)  # registers "simulate" and set_defaults(func=run)
-    run(args) -> int        # exit code: 0, or 2 with a message naming the bad flag
-
-Modes: the default tables (least bandwidth per target, utilization per bandwidth, bytes);
-``--paper`` (the papers' accounting, printed with the table); ``--paper --compare-reference``
-(ours beside the papers' published tables, cell by cell); ``--plan`` (the cheapest settings that
-reach ``--target-cu`` at ``--bandwidth-gbps``, per model, as the commands to copy with their assumptions;
-the full tables with ``--verbose``; with several models, their report is
-``{"bandwidth_gbps", "target", "plans": [one per model]}`` and a summary follows the tables);
-``--goodput`` (goodput under failures and stalls per method, all-or-nothing rounds against quorum
-exchanges: :mod:`eagerloco.sim.goodput`).
-Everything printed is also in the report dictionary that ``--json`` writes. The flags are made
-from :class:`~eagerloco.sim.config.SimConfig`, with train's names where they mean the same.
-Nothing here imports torch.
+Modes: the default tables, ``--paper``, ``--paper --compare-reference``, ``--plan`` and ``--goodput``
+(docs/guides/simulator.md); everything printed is also in the report that ``--json`` writes. Imports no torch.
 """
 
 from __future__ import annotations
@@ -57,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The simulate flags (separate from add_parser so a standalone parser can reuse them)."""
+    """The simulate flags, made from :class:`SimConfig` and :class:`GoodputConfig`."""
     groups = {name: p.add_argument_group(title) for name, title in GROUPS.items()}
     add_dataclass_flags(groups, SimConfig)
     add_dataclass_flags(groups, GoodputConfig)
@@ -156,7 +142,7 @@ def write_json(path: str | None, report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m eagerloco.sim``) until the main CLI wires the subcommand in."""
+    """``python -m eagerloco.sim``: the simulate subcommand on its own."""
     parser = argparse.ArgumentParser(prog="eagerloco")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)

@@ -1,12 +1,7 @@
 """The settings of ``eagerloco simulate``: one field per flag, checked and resolved into what is simulated.
 
-:class:`SimConfig` holds the flags as given (a comma list is a sweep, one table row per value);
-its field docstrings are the ``--help`` (:func:`eagerloco.flags.add_dataclass_flags` makes the
-flags from them). A setting that is the same thing as one of ``eagerloco train`` has train's name:
-``--inner-steps``, ``--overlap-steps``, ``--codec``, ``--codec-block``, ``--topk``, ``--topk-chunk``,
-``--fragment-pattern``, ``--workers``, ``--bandwidth-gbps``, ``--latency-ms``, ``--peak-tflops``.
-:meth:`SimConfig.validate` checks every flag (an error names it) and returns :class:`Settings`: the
-models, the rows and the numbers of each list.
+The field docstrings are the ``--help`` (:func:`eagerloco.flags.add_dataclass_flags`); a setting that
+``eagerloco train`` also has takes train's name. A comma list is a sweep, one table row per value.
 """
 
 from __future__ import annotations
@@ -172,16 +167,9 @@ class SimConfig:
         return cls(**{f.name: given[f.name] for f in fields(cls) if given.get(f.name) is not None})
 
     def validate(self) -> Settings:
-        """Check every flag and resolve them: the models, the rows, the numbers of each comma list.
+        """Check every flag (SimError naming the first bad one) and resolve the :class:`Settings` to simulate.
 
-        ``--paper`` only changes defaults (a flag given still wins).
-
-        Returns:
-            The :class:`Settings` to simulate.
-
-        Raises:
-            SimError: naming the first bad flag and what it accepts.
-        """
+        ``--paper`` only changes defaults (a flag given still wins)."""
         models, sources = self._models()
         if self.compare_reference and not self.paper:
             raise SimError("--compare-reference compares with the papers' accounting: add --paper")

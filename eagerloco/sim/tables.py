@@ -1,8 +1,4 @@
-"""The default mode of ``eagerloco simulate``: every (model, row) on the grid and at each bandwidth asked.
-
-:func:`compute` returns the report dictionary that the tables (:func:`eagerloco.sim.report.format_text`)
-and ``--json`` are made from, and the utilization curves that ``--plot`` draws.
-"""
+"""The default mode of ``eagerloco simulate``: every (model, row) on the grid and at each bandwidth asked."""
 
 from __future__ import annotations
 
