@@ -1,7 +1,5 @@
-"""A slow link shaped by the kernel: one network namespace per worker, each worker's uplink limited.
-
-See :class:`KernelLink` for how it works. Only the launcher uses this module (it needs root); the
-processes it starts learn the rate from :data:`~eagerloco.environment.KERNEL_LINK_ENV`.
+"""A slow link shaped by the kernel: one network namespace per worker, each worker's uplink limited (root only;
+the processes learn the rate from :data:`~eagerloco.environment.KERNEL_LINK_ENV`).
 """
 
 from __future__ import annotations
@@ -37,12 +35,8 @@ def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
 
 
 def tbf_args(bandwidth_gbps: float) -> list[str]:
-    """The tbf qdisc parameters for a rate of bandwidth_gbps.
-
-    burst: at least 64 KiB, since a segmentation-offloaded packet can be that large and tbf drops
-    a packet bigger than its bucket, and at least one 250 Hz timer tick of data. limit: a queue of
-    four bursts or 4 MiB, so that TCP sees a slow link rather than losses.
-    """
+    """The tbf qdisc parameters for a rate: a burst of at least 64 KiB (an offloaded segment; tbf drops a packet
+    larger than its bucket) and one 250 Hz tick of data, a queue of four bursts or 4 MiB (TCP sees a slow link)."""
     rate_bytes = bandwidth_gbps * 1e9 / 8
     burst = max(64 * 1024, int(rate_bytes / 250))
     limit = max(4 * burst, 4 * 1024 * 1024)
@@ -109,30 +103,16 @@ def _remove(made: list[tuple[str, str]]) -> None:
 
 
 class KernelLink:
-    """Namespaces, bridge and shaped uplinks for one launch; a context manager that removes them.
+    """Namespaces, bridge and shaped uplinks of ``eagerloco launch --kernel-link-gbps B``; a context manager that
+    removes them.
 
-    The default link of the multi-process runtime is emulated in user space (:mod:`eagerloco.comm.
-    emulated_link`): the payload crosses loopback at full speed and the communicator then waits for
-    the time the link would have taken. This module is the second mode, ``eagerloco launch
-    --kernel-link-gbps B``: the bytes really cross a link that carries B Gbit/s, so everything on it
-    (the gloo collective's own chunks and round trips, the header exchange, TCP's behaviour under a
-    rate limit) takes the time it would.
+    The bytes really cross a link of B Gbit/s (gloo's chunks and round trips, TCP under a rate limit), where the
+    default link is emulated in user space. A bridge in the launcher's namespace holds the store's address; each
+    worker's processes run in their own namespace, joined by a veth pair whose worker end sends through a tbf, so
+    only traffic between workers is shaped. Latency and jitter stay emulated (kernels often lack ``sch_netem``).
+    ``ip``/``tc`` through subprocess: a dozen fixed commands of iproute2, on every machine that can do this.
 
-    Topology (Linux, root): a bridge in the launcher's namespace holds the rendezvous store's address;
-    each worker's processes run in their own namespace, joined to the bridge by a veth pair whose
-    worker-side end sends through a token-bucket filter (``tc qdisc ... tbf rate B``). The ranks of one
-    worker share its namespace and reach each other over its loopback, unshaped: only traffic between
-    workers crosses a shaped uplink, as between datacenters. Latency and jitter stay emulated by the
-    communicator: the kernels this runs on often lack ``sch_netem`` (this one does), and a delay on
-    every packet would also slow the rendezvous and heartbeats, which the emulated latency does not.
-
-    Why ``ip``/``tc`` through subprocess and not a netlink library: these two commands are on every
-    Linux machine that can do this at all (iproute2), and the setup is a dozen fixed commands.
-
-    workers: M; bandwidth_gbps: each worker's uplink rate. Use ``command(cmd, worker)`` to run a
-    process in worker's namespace, ``master_addr`` as the rendezvous address and ``env()`` for the
-    variables each of its processes needs.
-    """
+    Use ``command(cmd, worker)`` to run a process in a worker's namespace, ``master_addr`` and ``env()``."""
 
     def __init__(self, workers: int, bandwidth_gbps: float, tag: int | None = None) -> None:
         _check_sizes(workers, bandwidth_gbps)
@@ -204,21 +184,13 @@ class KernelLink:
 
 
 class JobLink:
-    """One job's worker behind a shaped uplink on a bridge that the jobs of one run share: the
-    kernel-shaped link of ``eagerloco launch --outer-addr 127.0.0.1:PORT --worker-id I --workers M
-    --kernel-link-gbps B``, for jobs on one machine (on separate machines the real link is the link).
+    """One job's worker behind a shaped uplink on a bridge the jobs of one run share on one machine (``eagerloco
+    launch --outer-addr 127.0.0.1:PORT --worker-id I --kernel-link-gbps B``).
 
-    The jobs agree on everything without talking: the bridge is named after the outer port
-    (``elbj<port>``), and its subnet is whatever the first job to make it picked (read back from the
-    bridge by the others). Worker I's namespace holds 10.213.X.(10 + I) on its ``eth0``, which sends
-    through the tbf; worker 0's outer store listens in its namespace, so every job's rendezvous
-    address is :attr:`outer_host` (the launch rewrites ``--outer-addr``). Building, joining and
-    removing happen under one machine-wide lock, and the last job to leave removes the bridge, so it
-    never vanishes under a running job. The namespace is named after the launching process
-    (``eloc<pid>w<I>``): a killed job's namespace, and a bridge left without members, are removed by
-    the next job or launch that starts. A second job claiming worker I of the same port finds its
-    uplink (``elj<port>w<I>``) taken and is refused.
-    """
+    The bridge is named after the outer port (``elbj<port>``), its subnet picked by the first job; worker I is
+    10.213.X.(10 + I) in namespace ``eloc<pid>w<I>``, and worker 0's store listens at :attr:`outer_host`. Changes
+    happen under one machine-wide lock; the last job removes the bridge, the next one a killed job's leftovers, and a
+    second claim of the same worker (``elj<port>w<I>`` taken) is refused."""
 
     def __init__(self, port: int, worker: int, workers: int, bandwidth_gbps: float, tag: int | None = None) -> None:
         _check_sizes(workers, bandwidth_gbps)

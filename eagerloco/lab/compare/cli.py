@@ -83,11 +83,7 @@ def _parse_h_list(text: str) -> list[int]:
 
 
 def prepare(args: argparse.Namespace) -> tuple[TrainConfig, Path, float]:
-    """The shared base configuration, the output directory and the lowered-lr entries' outer lr, checked.
-
-    Raises:
-        ConfigError: a bad setting, --threads below 1, or a lowered outer lr that is not positive.
-    """
+    """The checked base configuration, output directory and lowered-lr outer lr; ConfigError for a bad setting."""
     base, out = build_base_config(args)
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 1:

@@ -1,10 +1,7 @@
 """`eagerloco demo` (`make demo`): one seed of the committed seeded comparison, at its tuned settings.
 
-The demo trains a few methods on the protocol of ``bench/results/compare_seeds_400`` (the one where
-tuned DiLoCo first beat a single worker), each at the outer lr that comparison's sweep chose for it
-(shipped as data: :mod:`.reference`), and prints a table that fits a 100-column terminal with the
-comparison's paired result (3 seeds, 90% interval) beside this run's own difference. The full table,
-plots and the seeded comparison's every row go to ``<out>/report.md``.
+It prints a table that fits a 100-column terminal, the comparison's paired result (3 seeds, 90% interval) beside
+this run's own difference; the full table and plots go to ``<out>/report.md``.
 """
 
 from __future__ import annotations
@@ -70,11 +67,8 @@ def demo_defaults(reference: dict[str, Any]) -> dict[str, Any]:
 
 
 def with_defaults(args: argparse.Namespace, reference: dict[str, Any]) -> argparse.Namespace:
-    """``args`` with the demo's defaults where no flag was given (not --steps when --tokens was).
-
-    Raises:
-        ConfigError: a flag that makes it a seeded, tuned or swept comparison (that is `eagerloco compare`).
-    """
+    """``args`` with the demo's defaults where no flag was given (not --steps when --tokens was); ConfigError for a
+    flag that makes it a seeded, tuned or swept comparison."""
     given = [f for f in NOT_IN_DEMO if getattr(args, f, None) is not None]
     if given:
         flags = ", ".join("--" + f.replace("_", "-") for f in given)
@@ -88,18 +82,8 @@ def with_defaults(args: argparse.Namespace, reference: dict[str, Any]) -> argpar
 
 
 def plan_demo(args: argparse.Namespace, reference: dict[str, Any]) -> tuple[list[PlannedRun], Any, Path, float]:
-    """Every run of the demo, each at its tuned setting (none when --outer-lr is given), validated.
-
-    Args:
-        args: the parsed flags, the demo's defaults filled in (:func:`with_defaults`).
-        reference: from :func:`~eagerloco.lab.compare.reference.load_reference`.
-
-    Returns:
-        The planned runs, the base configuration, the output directory and the lowered-lr entries' outer lr.
-
-    Raises:
-        ConfigError: a bad setting, or a grid entry invalid at its tuned setting (named).
-    """
+    """Every run of the demo at its tuned setting (none with --outer-lr), validated: the runs, the base configuration,
+    the output directory and the lowered-lr outer lr; ConfigError naming a bad setting or entry."""
     from eagerloco.model import model_config
 
     entries = resolve_grid(args.grid)
@@ -139,11 +123,8 @@ def _mark(r: dict[str, Any]) -> str:
 
 
 def demo_table(results: list[dict[str, Any]], reference: dict[str, Any], seed: int, width: int = TABLE_WIDTH) -> str:
-    """This run's rows beside the seeded comparison's: method, outer lr, compute utilization, eval loss,
-    this run's difference to no overlap and the comparison's (mean [90% interval] over its seeds).
-
-    Labels give way to the entries' short names when the table would be wider than ``width``.
-    """
+    """This run's rows beside the seeded comparison's (its paired difference, mean [90% interval]); labels give way to
+    short names where the table would be wider than ``width``."""
     ref = next((r for r in results if r["name"] == "no-overlap"), None)
     b = fmt_loss(ref.get("final_eval_loss")) if ref else "n/a"
     seeds = reference["seeds"]

@@ -1,7 +1,5 @@
-"""The comparison report: a Markdown table, the combined summary.json and PNG plots.
-
-Kept apart from the runner so a report can be redrawn from finished runs without
-training, and so matplotlib is imported only when a report is written.
+"""The comparison report: a Markdown table, the combined summary.json and PNG plots (apart from the runner, so that
+a report can be redrawn from finished runs).
 """
 
 from __future__ import annotations
@@ -475,10 +473,8 @@ def _paper_rows() -> list[tuple[str, float]]:
 
 def write_report(out: Path, results: list[dict[str, Any]], meta: dict[str, Any],
                  preface: list[str] | None = None) -> dict[str, Any]:
-    """Write <out>/report.md, <out>/summary.json and the plots; returns their paths and the table.
-
-    ``preface``: Markdown lines put before the table (which then gets the heading "Every column").
-    """
+    """Write <out>/report.md, <out>/summary.json and the plots; returns their paths and the table. ``preface``:
+    Markdown lines before the table."""
     out.mkdir(parents=True, exist_ok=True)
     sweep = meta["kind"] != "grid"
     table = sweep_table(results) if sweep else grid_table(results)

@@ -43,16 +43,8 @@ def _mean(rs: list[dict[str, Any]], key: str) -> float | None:
 
 
 def aggregate(units: list[Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per unit: per-seed losses, the mean with its interval, the difference to the no-overlap
-    row at the same H (paired by seed), diverged seeds, and the link columns (means over seeds).
-
-    Args:
-        units: the comparison's rows (``name``, ``entry``, ``h``).
-        results: every seeded run's result, each with ``unit``, ``seed`` and ``diverged``.
-
-    Returns:
-        The rows, in the units' order.
-    """
+    """One row per unit, in the units' order: per-seed losses, the mean with its interval, the difference to the
+    no-overlap row at the same H (paired by seed), diverged seeds, and the link columns (means over seeds)."""
     by_unit: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         by_unit.setdefault(r["unit"], []).append(r)
@@ -371,18 +363,8 @@ def _notes(rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: dict
 
 def write_seeded_report(out: Path, units: list[Any], results: list[dict[str, Any]],
                         tune_results: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    """Write <out>/report.md, <out>/summary.json and the plots of a seeded comparison.
-
-    Args:
-        out: the comparison's directory.
-        units: its rows.
-        results: the seeded runs' results (with ``unit``, ``seed``, ``diverged``).
-        tune_results: the tuning runs' results (with ``unit``, ``setting``, ``chosen``), or [].
-        meta: what the command knows (kind, seeds, tune, tune_seed, chosen, base_config, ...).
-
-    Returns:
-        The paths of the report, summary and plots, and the main table's text.
-    """
+    """Write <out>/report.md, <out>/summary.json and the plots of a seeded comparison; returns their paths and the
+    main table's text."""
     out.mkdir(parents=True, exist_ok=True)
     sweep = meta["kind"] == "seeded-sweep-inner-steps"
     rows = aggregate(units, results)

@@ -1,9 +1,7 @@
 """Running a comparison: plan every run of a grid from one base config, then train or reuse each.
 
-Every run of a grid shares one base :class:`~eagerloco.config.TrainConfig`; a grid entry only
-changes the outer algorithm, so differences in the report come from the method alone. Runs go
-one after another in this process, each into ``<out>/runs/<name>``; a run whose ``summary.json``
-was written with the same settings is reused, so a killed compare is cheap to rerun.
+An entry changes only the outer algorithm, so the report's differences come from the method alone. Runs go one
+after another into ``<out>/runs/<name>``; one whose ``summary.json`` has the same settings is reused.
 """
 
 from __future__ import annotations

