@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from eagerloco import schedule
 from eagerloco.config import ConfigError
+from eagerloco.schedule import block_groups
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -24,14 +24,6 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
             if size > best_size:
                 best, best_size = list(mod), size
     return best
-
-
-def block_groups(num_blocks: int, fragments: int, pattern: str) -> list[list[int]]:
-    """Block indices of each fragment (:func:`eagerloco.schedule.block_groups`); ConfigError naming the flag."""
-    try:
-        return schedule.block_groups(num_blocks, fragments, pattern)
-    except ValueError:
-        raise ConfigError(f"--fragment-pattern must be one of sequential, strided; got {pattern!r}") from None
 
 
 def assign_fragments(

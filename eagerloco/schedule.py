@@ -11,6 +11,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from eagerloco.errors import ConfigError
+
 
 def fragment_offsets(inner_steps: int, fragments: int) -> list[int]:
     """Staggered offsets round(p*H/P); distinct whenever P <= H."""
@@ -70,7 +72,7 @@ PATTERNS = ("sequential", "strided")
 
 def block_groups(num_blocks: int, fragments: int, pattern: str) -> list[list[int]]:
     """Block indices of each fragment, every block in exactly one: "strided" (fragment p holds p, p+P, ...) or
-    "sequential" (contiguous, the first ones a block longer); ValueError for another pattern."""
+    "sequential" (contiguous, the first ones a block longer); ConfigError naming the flag for another pattern."""
     if pattern == "strided":
         return [list(range(p, num_blocks, fragments)) for p in range(fragments)]
     if pattern == "sequential":
@@ -81,7 +83,7 @@ def block_groups(num_blocks: int, fragments: int, pattern: str) -> list[list[int
             groups.append(list(range(start, start + n)))
             start += n
         return groups
-    raise ValueError(f"unknown fragment pattern {pattern!r}; choose one of {', '.join(PATTERNS)}")
+    raise ConfigError(f"--fragment-pattern must be one of {', '.join(PATTERNS)}; got {pattern!r}")
 
 
 def short_run_note(steps: int, inner_steps: int) -> str | None:

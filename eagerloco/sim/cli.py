@@ -15,15 +15,16 @@ from typing import Any
 
 from eagerloco.extras import MissingExtraError, check
 from eagerloco.flags import add_dataclass_flags
+from eagerloco.jsonfiles import finite_json
 from eagerloco.sim import paper
 from eagerloco.sim.config import GROUPS, Settings, SimConfig
 from eagerloco.sim.goodput import GoodputConfig, format_goodput, goodput_report
 from eagerloco.sim.model import SimError
 from eagerloco.sim.plot import PLOT_NEEDS, plot_cu
-from eagerloco.sim.report import format_text, jsonable
+from eagerloco.sim.report import format_text
 from eagerloco.sim.tables import compute
 
-__all__ = ["add_arguments", "add_parser", "compute", "format_text", "jsonable", "main", "run"]
+__all__ = ["add_arguments", "add_parser", "compute", "format_text", "main", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -134,7 +135,7 @@ def write_json(path: str | None, report: dict[str, Any]) -> None:
     """Write the report as strict JSON to path ('-': stdout); nothing when path is None."""
     if path is None:
         return
-    data = json.dumps(jsonable(report), indent=2, allow_nan=False)
+    data = json.dumps(finite_json(report), indent=2, allow_nan=False)
     if path == "-":
         print(data)
     else:

@@ -446,13 +446,9 @@ def _ints(flag: str, text: str | None, low: int) -> list[int]:
     return out
 
 
-def _positive(flag: str, v: float | None, allow_inf: bool = False) -> None:
-    if v is None:
-        return
-    if math.isnan(v) or v <= 0 or (math.isinf(v) and not allow_inf):
-        raise SimError(
-            f"{flag} must be a positive {'number (inf allowed)' if allow_inf else 'finite number'}, got {v}"
-        )
+def _positive(flag: str, v: float | None) -> None:
+    if v is not None and (math.isnan(v) or v <= 0 or math.isinf(v)):
+        raise SimError(f"{flag} must be a positive finite number, got {v}")
 
 
 def _at_least(flag: str, v: int | None, low: int) -> None:

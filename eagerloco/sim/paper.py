@@ -25,8 +25,6 @@ REFERENCE_FILES = ("streaming_diloco_table4.json", "eager_table5.json")
 #: MFU at which the presets' step times (0.1 / 0.8 / 4.9 s) are stated (the tables' captions).
 PRESET_MFU = 0.6
 PAPER_WORKERS = 2
-PAPER_BITS = 16  # outer gradients (and data-parallel gradients) not quantized: bf16
-PAPER_LOW_BITS = 4  # FP4 exchange: 4 bits a value, no scale bytes (Table 1's 400x = H * 16 / 4)
 PAPER_FRAGMENT_LAYERS = 3
 PAPER_TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
 #: How a published cell is read off the grid: "last-below" (the last grid point still under the

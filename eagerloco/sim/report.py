@@ -8,17 +8,6 @@ from typing import Any
 from eagerloco.sim.search import meets
 
 
-def jsonable(x: Any) -> Any:
-    """The report with infinite floats as the string "inf", so the JSON is strict."""
-    if isinstance(x, float) and math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if isinstance(x, dict):
-        return {k: jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [jsonable(v) for v in x]
-    return x
-
-
 def cell_key(x: float) -> str:
     """A float as a JSON key: 'inf' or its repr."""
     return "inf" if math.isinf(x) else repr(float(x))
