@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from typing import Self
 
 from filelock import FileLock
 
@@ -102,7 +103,45 @@ def _remove(made: list[tuple[str, str]]) -> None:
         _run(["ip", "netns" if kind == "ns" else "link", "del", name], check=False)
 
 
-class KernelLink:
+class _ShapedLink:
+    """What both shaped links share: the bridge's address, the processes' environment, building under the lock."""
+
+    bandwidth_gbps: float
+    subnet: str  # "10.213.X", picked (or read from a job bridge) on entry
+    _made: list[tuple[str, str]]  # ("ns" | "link", name), in creation order
+
+    @property
+    def master_addr(self) -> str:
+        """The bridge's address: the launcher's store, seen from the namespaces."""
+        return f"{self.subnet}.1"
+
+    def env(self) -> dict[str, str]:
+        """What every process in a namespace needs; gloo binds to the interface the other workers reach."""
+        return {KERNEL_LINK_ENV: repr(self.bandwidth_gbps), "GLOO_SOCKET_IFNAME": _IFACE,
+                "MASTER_ADDR": self.master_addr}
+
+    def __enter__(self) -> Self:
+        KernelLink.check()
+        with _setup_lock():
+            remove_stale()
+            try:
+                self._setup()
+            except BaseException:
+                _remove(self._made)
+                raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _setup(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class KernelLink(_ShapedLink):
     """Namespaces, bridge and shaped uplinks of ``eagerloco launch --kernel-link-gbps B``; a context manager that
     removes them.
 
@@ -120,24 +159,13 @@ class KernelLink:
         self.tag = os.getpid() if tag is None else tag
         self.subnet = ""  # "10.213.X", a free one, picked on entry
         self.bridge = f"elbr{self.tag}"
-        self._made: list[tuple[str, str]] = []  # ("ns" | "link", name), in creation order
-
-    @property
-    def master_addr(self) -> str:
-        """The bridge's address: where every namespace reaches the rendezvous store."""
-        return f"{self.subnet}.1"
+        self._made = []
 
     def namespace(self, worker: int) -> str:
         return f"{_PREFIX}{self.tag}w{worker}"
 
     def command(self, cmd: Sequence[str], worker: int) -> list[str]:
         return ["ip", "netns", "exec", self.namespace(worker), *cmd]
-
-    def env(self) -> dict[str, str]:
-        """What every process in a namespace needs. gloo binds to the interface the other workers
-        can reach (not the namespace's loopback)."""
-        return {KERNEL_LINK_ENV: repr(self.bandwidth_gbps), "GLOO_SOCKET_IFNAME": _IFACE,
-                "MASTER_ADDR": self.master_addr}
 
     @staticmethod
     def check() -> None:
@@ -154,20 +182,6 @@ class KernelLink:
                 "install iproute2 (apt-get install iproute2) or use the emulated link (--bandwidth-gbps)"
             )
 
-    def __enter__(self) -> KernelLink:
-        self.check()
-        with _setup_lock():
-            remove_stale()
-            try:
-                self._setup()
-            except BaseException:
-                self.close()
-                raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _setup(self) -> None:
         self.subnet = _free_subnet(self.tag)
         _add_bridge(self.bridge, self.master_addr, self._made)
@@ -183,7 +197,7 @@ class KernelLink:
         _remove(self._made)
 
 
-class JobLink:
+class JobLink(_ShapedLink):
     """One job's worker behind a shaped uplink on a bridge the jobs of one run share on one machine (``eagerloco
     launch --outer-addr 127.0.0.1:PORT --worker-id I --kernel-link-gbps B``).
 
@@ -199,13 +213,8 @@ class JobLink:
         self.bridge = f"{_JOB_BRIDGE}{port}"
         self.uplink = f"{_JOB_VETH}{port}w{worker}"
         self.ns = f"{_PREFIX}{self.tag}w{worker}"
-        self.subnet = ""  # "10.213.X": the bridge's, read or picked on entry
-        self._made: list[tuple[str, str]] = []
-
-    @property
-    def master_addr(self) -> str:
-        """The bridge's address: this job's launcher store, seen from its namespace."""
-        return f"{self.subnet}.1"
+        self.subnet = ""
+        self._made = []
 
     @property
     def outer_host(self) -> str:
@@ -215,24 +224,6 @@ class JobLink:
     def command(self, cmd: Sequence[str], worker: int = 0) -> list[str]:
         """cmd run in this job's namespace (worker: as for KernelLink; this job has one)."""
         return ["ip", "netns", "exec", self.ns, *cmd]
-
-    def env(self) -> dict[str, str]:
-        return {KERNEL_LINK_ENV: repr(self.bandwidth_gbps), "GLOO_SOCKET_IFNAME": _IFACE,
-                "MASTER_ADDR": self.master_addr}
-
-    def __enter__(self) -> JobLink:
-        KernelLink.check()
-        with _setup_lock():
-            remove_stale()
-            try:
-                self._setup()
-            except BaseException:
-                _remove(self._made)
-                raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _setup(self) -> None:
         subnet = _bridge_subnet(self.bridge)
