@@ -244,6 +244,14 @@ def pyplot() -> Any:
     return require("matplotlib.pyplot", PLOT_NEEDS)
 
 
+def save(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay the figure out, write it to ``path`` as a PNG at 110 dpi and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def line_styles(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """One color and line style per grid entry, the same in every plot."""
     cmap = require("matplotlib", PLOT_NEEDS).colormaps["tab10"]
@@ -328,11 +336,7 @@ def plot_curves(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) 
             notes.append("points before a run's first exchange\n(0 bytes) are not shown")
         ax.text(1.01, 0.0, "\n".join(notes), transform=ax.transAxes, va="bottom", ha="left", fontsize=7,
                 color="dimgray")
-        fig.tight_layout()
-        path = out / PLOTS[kind]
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths[kind] = path
+        paths[kind] = save(plt, fig, out / PLOTS[kind])
     return paths
 
 
@@ -382,11 +386,7 @@ def plot_sweep(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -
     ax2.set_xlabel("inner steps per round H (log scale)")
     ax.set_title(f"Final eval loss against H\n{setup_line(meta, results)}", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / SWEEP_PLOT
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(plt, fig, out / SWEEP_PLOT)
 
 
 # --------------------------------------------------------------------------------------------------

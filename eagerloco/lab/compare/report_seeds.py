@@ -17,6 +17,7 @@ from eagerloco.lab.compare.report import (
     load_curves,
     markdown_table,
     pyplot,
+    save,
     setup_line,
     zoom_y,
 )
@@ -211,11 +212,7 @@ def plot_steps(rows: list[dict[str, Any]], results: list[dict[str, Any]], out: P
     if clipped:
         ax.text(1.01, 0.0, f"y axis clipped: {clipped} point(s) above it", transform=ax.transAxes, fontsize=7,
                 color="dimgray")
-    fig.tight_layout()
-    path = out / SEED_PLOTS["steps"]
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(plt, fig, out / SEED_PLOTS["steps"])
 
 
 def plot_delta(rows: list[dict[str, Any]], out: Path, subtitle: str) -> Path:
@@ -237,11 +234,7 @@ def plot_delta(rows: list[dict[str, Any]], out: Path, subtitle: str) -> Path:
     ax.grid(True, axis="x", alpha=0.3)
     ax.set_xlabel(f"final eval loss minus no overlap's, same seed (mean, {100 * LEVEL:.0f}% t interval)")
     ax.set_title(f"Difference to no overlap, paired by seed\n{subtitle}", fontsize=9)
-    fig.tight_layout()
-    path = out / SEED_PLOTS["delta"]
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(plt, fig, out / SEED_PLOTS["delta"])
 
 
 def plot_tune(tune_results: list[dict[str, Any]], out: Path, key: str, subtitle: str) -> Path:
@@ -268,11 +261,7 @@ def plot_tune(tune_results: list[dict[str, Any]], out: Path, key: str, subtitle:
     ax.grid(True, alpha=0.3)
     ax.set_title(f"Tuning sweep: circle = chosen, red x = diverged\n{subtitle}", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    fig.tight_layout()
-    path = out / SEED_PLOTS["tune"]
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(plt, fig, out / SEED_PLOTS["tune"])
 
 
 def plot_sweep_bands(rows: list[dict[str, Any]], out: Path, subtitle: str) -> Path:
@@ -302,11 +291,7 @@ def plot_sweep_bands(rows: list[dict[str, Any]], out: Path, subtitle: str) -> Pa
     ax.set_ylabel("final eval loss (nats/token)")
     ax.set_title(f"Final eval loss against H: mean over seeds, {100 * LEVEL:.0f}% t band\n{subtitle}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / SEED_PLOTS["sweep"]
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(plt, fig, out / SEED_PLOTS["sweep"])
 
 
 # --------------------------------------------------------------------------------------------------
