@@ -68,7 +68,7 @@ def kjv_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         pytest.skip("apt-get or dpkg-deb is not on PATH: cannot fetch bible-kjv")
     root = shared_root(tmp_path_factory)
-    corpora.fetch_kjv(root)
+    corpora.load_kjv(root)
     return root
 
 
@@ -77,7 +77,7 @@ def austen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         pytest.skip("apt-get or dpkg-deb is not on PATH: cannot fetch r-cran-janeaustenr")
     root = shared_root(tmp_path_factory)
-    corpora.fetch_austen(root)
+    corpora.load_austen(root)
     return root
 
 

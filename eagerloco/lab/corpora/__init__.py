@@ -9,12 +9,12 @@ from pathlib import Path
 
 from eagerloco.data import DataError, default_data_dir, split_sources
 from eagerloco.data.hf import hf_dir, load_hf, parse_hf
-from eagerloco.lab.corpora.austen import austen_chapters, fetch_austen, load_austen, read_lazyload_db
+from eagerloco.lab.corpora.austen import austen_chapters, load_austen, read_lazyload_db
 from eagerloco.lab.corpora.brown import detag, fetch_brown, load_brown
-from eagerloco.lab.corpora.kjv import fetch_kjv, load_kjv, parse_kjv
+from eagerloco.lab.corpora.kjv import load_kjv, parse_kjv
 
-#: The lab's corpora by name, each with what fetches it into the cache (and returns its directory).
-FETCHERS: dict[str, Callable[[Path], Path]] = {"brown": fetch_brown, "kjv": fetch_kjv, "austen": fetch_austen}
+#: The lab's corpora by name, each with what fetches it into <root>/<name> when it is not there yet.
+FETCHERS: dict[str, Callable[[Path], object]] = {"brown": fetch_brown, "kjv": load_kjv, "austen": load_austen}
 
 
 def fetch_source(source: str, data_dir: str | Path | None = None) -> list[Path]:
@@ -23,7 +23,8 @@ def fetch_source(source: str, data_dir: str | Path | None = None) -> list[Path]:
     out = []
     for spec in split_sources(source):
         if spec in FETCHERS:
-            out.append(FETCHERS[spec](root))
+            FETCHERS[spec](root)
+            out.append(root / spec)
         elif spec.startswith("hf:"):
             load_hf(spec, root)
             out.append(hf_dir(root, *parse_hf(spec)))
@@ -36,9 +37,7 @@ __all__ = [
     "FETCHERS",
     "austen_chapters",
     "detag",
-    "fetch_austen",
     "fetch_brown",
-    "fetch_kjv",
     "fetch_source",
     "load_austen",
     "load_brown",

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from eagerloco.data.cache import DataError, default_data_dir
+from eagerloco.data.cache import DataError
 from eagerloco.data.store import Doc, stored, unzip_docs
 from eagerloco.extras import require
 from eagerloco.lab.corpora.debian import from_debs
@@ -99,18 +99,7 @@ def _austen_from_tree(tree: Path) -> list[Doc]:
     return docs
 
 
-def fetch_austen(data_dir: str | Path | None = None) -> Path:
-    """Make <data_dir>/austen hold the chapters of six Austen novels with a verified manifest."""
-    root = default_data_dir(data_dir)
-    _stored_austen(root)
-    return root / "austen"
-
-
-def _stored_austen(root: Path) -> list[Doc]:
-    """The verified documents under <root>/austen, extracted from the Debian packages if missing."""
-    return stored("austen", root, lambda d: from_debs(d, AUSTEN_PACKAGES, _austen_from_tree))
-
-
 def load_austen(root: Path) -> tuple[list[str], list[str], list[str]]:
-    """(names, texts, novel titles) of the 269 chapters, one document per chapter, cached under <root>/austen."""
-    return unzip_docs(_stored_austen(root))
+    """(names, texts, novel titles) of the 269 chapters, one document per chapter, extracted from the Debian package
+    into <root>/austen (with a verified manifest) when missing."""
+    return unzip_docs(stored("austen", root, lambda d: from_debs(d, AUSTEN_PACKAGES, _austen_from_tree)))
