@@ -186,22 +186,18 @@ def play_rounds(events: Events, workers: int, rounds: int, t: Timing, restart_s:
     spreads: deque[float] = deque(maxlen=GRACE_WINDOW)  # auto grace: the first exchanges are all-or-nothing
     out = Outcome(0.0, 0.0, 0.0)
     done = 0
-    for r in sorted(events):
+    for r in [*sorted(events), rounds]:  # each round with an event, then the end of the run
         quiet = r - done  # rounds before this one with no event and, once the late ones are played, no one late
         while late and quiet > 0:
             _round(out, {}, late, workers, t, share, restart_s, quorum, grace, max_late, spreads)
             quiet -= 1
         out.wall += quiet * t.period
         out.good += quiet * workers * t.compute
+        if r == rounds:
+            break
         spreads.extend([0.0] * min(quiet, GRACE_WINDOW))
         _round(out, events[r], late, workers, t, share, restart_s, quorum, grace, max_late, spreads)
         done = r + 1
-    quiet = rounds - done
-    while late and quiet > 0:
-        _round(out, {}, late, workers, t, share, restart_s, quorum, grace, max_late, spreads)
-        quiet -= 1
-    out.wall += quiet * t.period
-    out.good += quiet * workers * t.compute
     out.goodput = out.good / (workers * out.wall) if out.wall > 0 else 0.0
     return out
 
