@@ -174,7 +174,7 @@ def compare(
     return {"settings": settings, "rows": rows, "summary": summary, "summary_other": summary_other}
 
 
-def format_compare(report: dict[str, Any], markdown: bool = False) -> str:
+def format_compare(report: dict[str, Any]) -> str:
     """The side-by-side table: per row and target, paper / ours and the ratio."""
     st = report["settings"]
     head = ["source", "model", "row", "H"] + [f"{100 * t:g}%" for t in PAPER_TARGETS]
@@ -190,17 +190,11 @@ def format_compare(report: dict[str, Any], markdown: bool = False) -> str:
     mode = f"cold start, {st['cold_rounds']} rounds" if st["cold_rounds"] else "steady state"
     lines.append(f"paper / ours Gbit/s (ours / paper), MFU {st['mfu']:g}, {mode}, {st['pattern']} fragments, "
                  f"cells read as {st['reading']}")
-    if markdown:
-        lines.append("")
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "---|" * len(head))
-        lines += ["| " + " | ".join(b) + " |" for b in body]
-    else:
-        widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-        for n, x in enumerate([head, *body]):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip())
-            if n == 0:
-                lines.append("  ".join("-" * w for w in widths))
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    for n, x in enumerate([head, *body]):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
     lines.append("")
     for key, name in (("summary", st["reading"]), ("summary_other", st["other_reading"])):
         for source, models in report[key].items():
