@@ -10,11 +10,11 @@ from pathlib import Path
 from eagerloco.data import DataError, default_data_dir, split_sources
 from eagerloco.data.hf import hf_dir, load_hf, parse_hf
 from eagerloco.lab.corpora.austen import austen_chapters, load_austen, read_lazyload_db
-from eagerloco.lab.corpora.brown import detag, fetch_brown, load_brown
+from eagerloco.lab.corpora.brown import detag, load_brown
 from eagerloco.lab.corpora.kjv import load_kjv, parse_kjv
 
-#: The lab's corpora by name, each with what fetches it into <root>/<name> when it is not there yet.
-FETCHERS: dict[str, Callable[[Path], object]] = {"brown": fetch_brown, "kjv": load_kjv, "austen": load_austen}
+#: The lab's corpora by name, each with its loader, which fetches it into <root>/<name> when it is not there yet.
+FETCHERS: dict[str, Callable[[Path], object]] = {"brown": load_brown, "kjv": load_kjv, "austen": load_austen}
 
 
 def fetch_source(source: str, data_dir: str | Path | None = None) -> list[Path]:
@@ -37,7 +37,6 @@ __all__ = [
     "FETCHERS",
     "austen_chapters",
     "detag",
-    "fetch_brown",
     "fetch_source",
     "load_austen",
     "load_brown",
