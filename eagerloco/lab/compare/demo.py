@@ -18,7 +18,7 @@ from eagerloco.lab.compare.cli import add_arguments, prepare, use_threads
 from eagerloco.lab.compare.grid import ENTRIES, resolve_grid
 from eagerloco.lab.compare.reference import PROTOCOL_FLAGS, load_reference, protocol_of, tuned_settings
 from eagerloco.lab.compare.report import as_number, fmt_cu, fmt_loss, fmt_outer_lr, markdown_table
-from eagerloco.lab.compare.runner import PlannedRun, plan_runs, run_plans
+from eagerloco.lab.compare.runner import PlannedRun, checked, plan_runs, run_plans
 from eagerloco.lab.compare.tune import apply_setting
 
 #: The rows: one worker alone (does communicating pay at all?), the reference, the naive delay and the
@@ -84,22 +84,15 @@ def with_defaults(args: argparse.Namespace, reference: dict[str, Any]) -> argpar
 def plan_demo(args: argparse.Namespace, reference: dict[str, Any]) -> tuple[list[PlannedRun], Any, Path, float]:
     """Every run of the demo at its tuned setting (none with --outer-lr), validated: the runs, the base configuration,
     the output directory and the lowered-lr outer lr; ConfigError naming a bad setting or entry."""
-    from eagerloco.model import model_config
-
     entries = resolve_grid(args.grid)
     base, out, lowered = prepare(args)
     settings = {} if args.outer_lr is not None else tuned_settings(reference, [e.name for e in entries])
     plans = plan_runs(base, entries, out, lowered)
-    num_blocks = model_config(base.model).n_layers
     for p in plans:
         setting = settings.get(p.entry.name)
         if setting:
-            p.cfg, p.setting = apply_setting(p.cfg, setting), setting
-            try:
-                p.cfg.validate()
-                p.cfg.outer.validate(num_blocks=num_blocks)
-            except ConfigError as err:
-                raise ConfigError(f"grid entry {p.entry.name!r} at its tuned {setting}: {err}") from err
+            where = f"grid entry {p.entry.name!r} at its tuned {setting}"
+            p.cfg, p.setting = checked(apply_setting(p.cfg, setting), where), setting
     return plans, base, out, lowered
 
 

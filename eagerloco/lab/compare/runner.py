@@ -57,24 +57,29 @@ def entry_config(base: Any, entry: GridEntry, run_dir: Path, lowered_lr: float, 
     return replace(base, **entry.train, outer=replace(base.outer, **outer), out=str(run_dir), overwrite=True)
 
 
+def checked(cfg: TrainConfig, where: str) -> TrainConfig:
+    """``cfg`` validated as its run will validate it (with its model's blocks); a ConfigError names ``where`` first."""
+    from eagerloco.model import model_config
+
+    num_blocks = model_config(cfg.model).n_layers
+    try:
+        cfg.validate()
+        cfg.outer.validate(num_blocks=num_blocks)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from err
+    return cfg
+
+
 def plan_runs(
     base: Any, entries: list[GridEntry], out: Path, lowered_lr: float, sweep_h: list[int] | None = None
 ) -> list[PlannedRun]:
     """Every run of the comparison, validated (with the model's block count) before any trains."""
-    from eagerloco.model import model_config
-
-    num_blocks = model_config(base.model).n_layers
     plans = []
     for h in sweep_h or [None]:
         for e in entries:
             name = e.name if h is None else f"H{h}-{e.name}"
-            cfg = entry_config(base, e, out / "runs" / name, lowered_lr, h)
-            try:
-                cfg.validate()
-                cfg.outer.validate(num_blocks=num_blocks)
-            except ConfigError as err:
-                where = f"grid entry {e.name!r}" + (f" at H = {h}" if h is not None else "")
-                raise ConfigError(f"{where}: {err}") from err
+            where = f"grid entry {e.name!r}" + (f" at H = {h}" if h is not None else "")
+            cfg = checked(entry_config(base, e, out / "runs" / name, lowered_lr, h), where)
             plans.append(PlannedRun(e, cfg, out / "runs" / name, cfg.outer.inner_steps, h is not None))
     return plans
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.lab.compare.grid import BASELINES, ENTRIES, GridEntry
-from eagerloco.lab.compare.runner import PlannedRun, entry_config, run_plans
+from eagerloco.lab.compare.runner import PlannedRun, checked, entry_config, run_plans
 from eagerloco.lab.compare.stats import diverged, spiked, unigram_entropy
 from eagerloco.lab.compare.tune import TuneAxis, apply_setting, choose, setting_text, settings_for
 
@@ -53,16 +53,11 @@ def units_for(entries: list[GridEntry], sweep_h: list[int] | None) -> list[Unit]
 
 
 def _plan(base: TrainConfig, unit: Unit, run_dir: Path, lowered: float, seed: int, setting: dict[str, Any],
-          axes: list[TuneAxis], num_blocks: int, tag: str) -> PlannedRun:
+          tag: str) -> PlannedRun:
+    where = f"grid entry {unit.entry.name!r}" + (f" at H = {unit.h}" if unit.h is not None else "")
+    where += f" with {setting_text(setting)}" if setting else ""
     cfg = entry_config(base, unit.entry, run_dir, lowered, unit.h)
-    cfg = replace(apply_setting(cfg, setting), seed=seed)
-    try:
-        cfg.validate()
-        cfg.outer.validate(num_blocks=num_blocks)
-    except ConfigError as err:
-        where = f"grid entry {unit.entry.name!r}" + (f" at H = {unit.h}" if unit.h is not None else "")
-        where += f" with {setting_text(setting)}" if setting else ""
-        raise ConfigError(f"{where}: {err}") from err
+    cfg = checked(replace(apply_setting(cfg, setting), seed=seed), where)
     return PlannedRun(unit.entry, cfg, run_dir, cfg.outer.inner_steps, unit.h is not None, seed, setting, tag)
 
 
@@ -70,9 +65,6 @@ def plan_tuning(base: TrainConfig, units: list[Unit], axes: list[TuneAxis], out:
                 tune_seed: int) -> dict[str, list[PlannedRun]]:
     """The sweep on ``tune_seed``: {unit: one run per setting} for each unit with a free swept key, under
     ``<out>/tune/<unit>/<setting>``; ConfigError naming an invalid setting before anything trains."""
-    from eagerloco.model import model_config
-
-    num_blocks = model_config(base.model).n_layers
     plans: dict[str, list[PlannedRun]] = {}
     names = {u.name for u in units}
     for u in units:
@@ -80,7 +72,7 @@ def plan_tuning(base: TrainConfig, units: list[Unit], axes: list[TuneAxis], out:
         if settings == [{}] or parent_unit(u, names) is not None:
             continue
         plans[u.name] = [
-            _plan(base, u, out / "tune" / u.name / setting_text(s), lowered, tune_seed, s, axes, num_blocks,
+            _plan(base, u, out / "tune" / u.name / setting_text(s), lowered, tune_seed, s,
                   f"tune/{u.name}/{setting_text(s)}")
             for s in settings
         ]
@@ -115,15 +107,11 @@ def chosen_from(path: Path, units: list[Unit]) -> dict[str, dict[str, Any]]:
 
 
 def plan_seeded(base: TrainConfig, units: list[Unit], chosen: dict[str, dict[str, Any]], seeds: list[int],
-                out: Path, lowered: float, axes: list[TuneAxis]) -> list[PlannedRun]:
+                out: Path, lowered: float) -> list[PlannedRun]:
     """Every unit once per seed at its chosen setting (else the base one), under ``<out>/runs/<unit>/seed<s>``;
     ConfigError naming an invalid entry before anything trains."""
-    from eagerloco.model import model_config
-
-    num_blocks = model_config(base.model).n_layers
     return [
-        _plan(base, u, out / "runs" / u.name / f"seed{s}", lowered, s, chosen.get(u.name, {}), axes, num_blocks,
-              f"{u.name}/seed{s}")
+        _plan(base, u, out / "runs" / u.name / f"seed{s}", lowered, s, chosen.get(u.name, {}), f"{u.name}/seed{s}")
         for u in units
         for s in seeds
     ]
@@ -188,7 +176,7 @@ def run_seeded(args: argparse.Namespace, entries: list[GridEntry], base: TrainCo
     tuning = plan_tuning(base, units, axes, out, lowered, tune_seed) if axes else {}
     if axes and getattr(args, "tuned_from", None) is not None:
         raise ConfigError("pass either --tune (sweep here) or --tuned-from (settings chosen before), not both")
-    plan_seeded(base, units, {}, seeds, out, lowered, axes)  # every entry valid before anything trains
+    plan_seeded(base, units, {}, seeds, out, lowered)  # every entry valid before anything trains
     link = f"{base.link.bandwidth_gbps:g} Gbit/s + {base.link.latency_ms:g} ms"
     n_tune = sum(len(v) for v in tuning.values())
     print(f"compare: {len(units)} methods x {len(seeds)} seed(s) ({', '.join(map(str, seeds))})"
@@ -215,7 +203,7 @@ def run_seeded(args: argparse.Namespace, entries: list[GridEntry], base: TrainCo
         parent = parent_unit(u, names)
         if parent is not None and parent in chosen:
             chosen[u.name] = dict(chosen[parent])
-    plans = plan_seeded(base, units, chosen, seeds, out, lowered, axes)
+    plans = plan_seeded(base, units, chosen, seeds, out, lowered)
     results = run_plans(plans, force=args.force)
     mark_divergence(results, plans)
     for r, u in zip(results, [u for u in units for _ in seeds], strict=True):
