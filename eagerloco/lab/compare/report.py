@@ -91,10 +91,6 @@ def fmt_cu(x: Any) -> str:
     return f"{v:.3f}" if v is not None else "n/a"
 
 
-def _cu(r: dict[str, Any]) -> str:
-    return fmt_cu(r.get("compute_utilization"))
-
-
 def _wall(r: dict[str, Any]) -> str:
     v = as_number(r.get("wall_s"))
     return f"{v:.1f} s" if v is not None else "n/a"
@@ -174,8 +170,8 @@ def _cells(r: dict[str, Any], ref: dict[str, Any] | None, with_ref: bool, lr_col
     if with_ref:
         row.append(_delta(r, ref))
     row += [fmt_score(benchmark_score(r, keys)) for _, keys in bench]
-    row += [fmt_bytes(r.get("bytes_sent_per_worker")), fmt_bytes(r.get("peak_sync_bytes")), _cu(r), _wall(r),
-            fmt_rate(r), fmt_mfu(r)]
+    row += [fmt_bytes(r.get("bytes_sent_per_worker")), fmt_bytes(r.get("peak_sync_bytes")),
+            fmt_cu(r.get("compute_utilization")), _wall(r), fmt_rate(r), fmt_mfu(r)]
     return row + (fmt_per_worker(r) if unequal else [])
 
 
@@ -453,7 +449,7 @@ def _notes(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
         notes.append("- **Spiked**: " + "; ".join(r["label"] for r in jumpy) + ": their eval loss climbed back "
                      "above the unigram entropy of the data after having been below it, then recovered.")
     names = {r["name"] for r in results}
-    paper = [(n, v) for n, v in _paper_rows() if n in names]
+    paper = [(n, v) for n, v in PAPER_EVAL_LOSS.items() if n in names]
     if paper and meta["kind"] == "grid":
         ref = "; ".join(f"{ENTRIES[n].label} {v:.2f}" for n, v in paper)
         notes.append(f"- For scale, the eager paper reports eval loss for a 500M model at H = 30: {ref}.")
@@ -465,10 +461,6 @@ def _device_line(results: list[dict[str, Any]]) -> str:
                    + (f", {r['peak_tflops']:g} TFLOP/s" if as_number(r.get("peak_tflops")) else "")
                    + (", compiled" if r.get("compile") else "") for r in results})
     return "; ".join(seen) if seen else "n/a"
-
-
-def _paper_rows() -> list[tuple[str, float]]:
-    return list(PAPER_EVAL_LOSS.items())
 
 
 def write_report(out: Path, results: list[dict[str, Any]], meta: dict[str, Any],
