@@ -175,22 +175,15 @@ def _cells(r: dict[str, Any], ref: dict[str, Any] | None, with_ref: bool, lr_col
     return row + (fmt_per_worker(r) if unequal else [])
 
 
-def grid_table(results: list[dict[str, Any]]) -> str:
-    ref = next((r for r in results if r["name"] == REFERENCE), None)
-    headers, bench = _columns(results, ref is not None)
-    lr_col = headers[0] == "outer lr"
-    rows = [[r["label"], *_cells(r, ref, ref is not None, lr_col, bench, _unequal(results))] for r in results]
-    return markdown_table(["method", *headers], rows)
-
-
-def sweep_table(results: list[dict[str, Any]]) -> str:
-    refs = {r["inner_steps"]: r for r in results if r["name"] == REFERENCE}
+def results_table(results: list[dict[str, Any]], sweep: bool = False) -> str:
+    """One row per run; in a sweep the runs sorted by H, each compared with the no-overlap run at its own H."""
+    refs = {r["inner_steps"] if sweep else None: r for r in reversed(results) if r["name"] == REFERENCE}
     headers, bench = _columns(results, bool(refs))
     lr_col = headers[0] == "outer lr"
-    rows = [[str(r["inner_steps"]), r["label"],
-             *_cells(r, refs.get(r["inner_steps"]), bool(refs), lr_col, bench, _unequal(results))]
-            for r in sorted(results, key=lambda r: r["inner_steps"])]
-    return markdown_table(["H", "method", *headers], rows)
+    rows = [[*([str(r["inner_steps"])] if sweep else []), r["label"],
+             *_cells(r, refs.get(r["inner_steps"] if sweep else None), bool(refs), lr_col, bench, _unequal(results))]
+            for r in (sorted(results, key=lambda r: r["inner_steps"]) if sweep else results)]
+    return markdown_table([*(["H"] if sweep else []), "method", *headers], rows)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -469,7 +462,7 @@ def write_report(out: Path, results: list[dict[str, Any]], meta: dict[str, Any],
     Markdown lines before the table."""
     out.mkdir(parents=True, exist_ok=True)
     sweep = meta["kind"] != "grid"
-    table = sweep_table(results) if sweep else grid_table(results)
+    table = results_table(results, sweep)
     lines = [
         "# Inner-steps sweep" if sweep else "# Method comparison",
         "",
