@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             name = m["model"]["name"]
             title = (
                 f"{name}: {m['model']['params']:.3g} params, step {m['model']['step_time']:.3g} s, "
-                f"M={settings.workers}, H={settings.inner_steps}, P={m['fragments']}"
+                f"M={settings.workers}, H={cfg.inner_steps}, P={m['fragments']}"
             )
             safe = name.replace("*", "-custom")
             written.append(
@@ -104,7 +104,7 @@ def special(cfg: SimConfig, s: Settings) -> tuple[dict[str, Any], str]:
     """--compare-reference and --plan: their report and text."""
     if cfg.compare_reference:
         mfu = paper.PRESET_MFU if cfg.mfu is None else cfg.mfu
-        report = paper.compare(mfu, s.cold_rounds, s.pattern)
+        report = paper.compare(mfu, cfg.rounds, cfg.fragment_pattern)
         return report, paper.format_compare(report)
     from dataclasses import replace
 
@@ -112,8 +112,9 @@ def special(cfg: SimConfig, s: Settings) -> tuple[dict[str, Any], str]:
     from eagerloco.sim.plan import SPARSE, Question, cheapest, format_summary, plan
 
     sparse = SPARSE if s.sparse is None or s.sparse in SPARSE else (*SPARSE, s.sparse)
-    q = Question(s.bandwidths[0], s.targets[0], s.workers, s.fragment_layers, s.scale_bytes, s.transport,
-                 s.latency_ms, s.pattern, s.dp_bits, s.block, sparse, None if s.speeds is None else tuple(s.speeds))
+    q = Question(s.bandwidths[0], s.targets[0], s.workers, cfg.fragment_layers, s.scale_bytes, cfg.transport,
+                 cfg.latency_ms, cfg.fragment_pattern, s.dp_bits, cfg.codec_block, sparse,
+                 None if s.speeds is None else tuple(s.speeds))
     reports, texts = [], []
     for m in s.models:
         report = plan(m, q)
@@ -123,7 +124,7 @@ def special(cfg: SimConfig, s: Settings) -> tuple[dict[str, Any], str]:
         report["step_time_source"] = source
         report["at_other_step_times"] = None if shifted is None else {str(f): r for f, r in shifted.items()}
         reports.append(report)
-        texts.append(format_decision(report, source, shifted, s.verbose))
+        texts.append(format_decision(report, source, shifted, cfg.verbose))
     notes = "".join(f"\nnote: {n}" for n in s.notes)
     if len(reports) == 1:
         return reports[0], texts[0] + notes

@@ -223,15 +223,10 @@ class SimConfig:
         if self.plan and (len(bandwidths) != 1 or len(targets) != 1):
             raise SimError("--plan needs one --bandwidth-gbps and one --target-cu (one plan per --model)")
         s = Settings(
-            models=models, variants=variants, dp_bits=bits["dp_codec"], workers=workers,
-            inner_steps=self.inner_steps, fragment_layers=self.fragment_layers, fragments=self.fragments,
-            block=self.codec_block, scale_bytes=scale_bytes, transport=self.transport, latency_ms=self.latency_ms,
-            bandwidths=bandwidths, targets=targets, bw_min=self.bw_min, bw_max=self.bw_max,
-            per_decade=self.grid_per_decade, warmup_rounds=self.warmup_rounds, rounds=self.measure_rounds,
-            tokens_per_step=self.tokens_per_step, tokens=self.tokens, pattern=self.fragment_pattern,
-            cold_rounds=self.rounds, paper=self.paper, grid=paper.paper_grid() if self.paper else None,
+            self, models=models, variants=variants, dp_bits=bits["dp_codec"], workers=workers, scale_bytes=scale_bytes,
+            bandwidths=bandwidths, targets=targets, grid=paper.paper_grid() if self.paper else None,
             sparse=None if self.topk is None else (bits["codec"], self.topk, self.topk_chunk),
-            speeds=self._speeds(workers), step_sources=sources, verbose=self.verbose,
+            speeds=self._speeds(workers), step_sources=sources,
         )
         s.add_notes()
         if self.topk is not None:
@@ -360,56 +355,37 @@ class SimConfig:
 
 @dataclass
 class Settings:
-    """What one simulate invocation simulates: :meth:`SimConfig.validate` resolved the flags into it."""
+    """What one simulate invocation simulates: the checked flags, and what :meth:`SimConfig.validate` resolved."""
 
+    cfg: SimConfig
     models: list[ModelSpec]
     variants: list[Variant]
     dp_bits: int
     workers: int
-    inner_steps: int
-    fragment_layers: int
-    fragments: int | None
-    block: int
     scale_bytes: int
-    transport: str
-    latency_ms: float
     bandwidths: list[float]
     targets: list[float]
-    bw_min: float
-    bw_max: float
-    per_decade: int
-    warmup_rounds: int
-    rounds: int
-    tokens_per_step: float
-    tokens: float
-    pattern: str = "strided"
-    cold_rounds: int | None = None
-    paper: bool = False
-    grid: np.ndarray | None = None  # explicit grid (--paper), else bw_min..bw_max per_decade
+    grid: np.ndarray | None = None  # explicit grid (--paper), else --bw-min..--bw-max
     sparse: tuple[int, int, int] | None = None  # --topk: (bits of --codec, K, --topk-chunk)
     speeds: list[float] | None = None  # --worker-speeds
     #: Where each model's step time came from, in words, and whether it is assumed (not --step-time).
     step_sources: dict[str, tuple[str, bool]] = field(default_factory=dict)
-    verbose: bool = False  # --plan: the full tables too
     notes: list[str] = field(default_factory=list)
 
     def fragments_for(self, model: ModelSpec) -> int:
-        return (
-            self.fragments
-            if self.fragments is not None
-            else fragment_count(model.layers, self.fragment_layers)
-        )
+        c = self.cfg
+        return c.fragments if c.fragments is not None else fragment_count(model.layers, c.fragment_layers)
 
     def add_notes(self) -> None:
         """The notes printed under the tables: the paper's assumptions, rows that training would refuse."""
-        if self.paper:
+        if self.cfg.paper:
             self.notes.extend(f"paper accounting: {a}" for a in paper.PAPER_ASSUMPTIONS)
         for model in self.models:
             P = self.fragments_for(model)
             for v in self.variants:
-                if v.fragmented and v.overlap_steps and v.overlap_steps * P >= self.inner_steps:
+                if v.fragmented and v.overlap_steps and v.overlap_steps * P >= self.cfg.inner_steps:
                     self.notes.append(
-                        f"{model.name}: {v.label} has tau*P = {v.overlap_steps * P} >= H = {self.inner_steps}; "
+                        f"{model.name}: {v.label} has tau*P = {v.overlap_steps * P} >= H = {self.cfg.inner_steps}; "
                         "simulated as is, but training refuses it (exchanges of several fragments overlap)"
                     )
 

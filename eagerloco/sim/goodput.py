@@ -326,6 +326,7 @@ def format_goodput(rep: dict[str, Any]) -> str:
 def goodput_report(cfg: GoodputConfig, s: Settings) -> dict[str, Any]:
     """The goodput report of the resolved simulate settings: their models, rows, H, first tau and k, each row's CU at
     the first --bandwidth-gbps (1 without one)."""
+    c = s.cfg
     rows: dict[str, Variant] = {}
     for v in s.variants:  # the first row of each method, a Streaming row with overlap before one without
         first = rows.get(v.method)
@@ -341,8 +342,8 @@ def goodput_report(cfg: GoodputConfig, s: Settings) -> dict[str, Any]:
         if not s.bandwidths or math.isinf(s.bandwidths[0]):
             return 1.0
         v = rows[method]
-        tr = traffic(model, v, workers, s.inner_steps, s.fragments_for(model), s.block, s.scale_bytes, s.transport,
-                     s.pattern)
-        return float(simulate(model, v, tr, s.bandwidths[0], s.latency_ms, s.inner_steps).cu[0])
+        tr = traffic(model, v, workers, c.inner_steps, s.fragments_for(model), c.codec_block, s.scale_bytes,
+                     c.transport, c.fragment_pattern)
+        return float(simulate(model, v, tr, s.bandwidths[0], c.latency_ms, c.inner_steps).cu[0])
 
-    return goodput_table(cfg, s.models, list(rows), s.inner_steps, fragments, tau, k, cu)
+    return goodput_table(cfg, s.models, list(rows), c.inner_steps, fragments, tau, k, cu)
