@@ -27,15 +27,11 @@ class MissingExtraError(ImportError):
     """An optional package is not installed (or does not import); the message names the extra to install."""
 
 
-def install_command(module: str) -> str:
-    """``pip install 'eagerloco[EXTRA]'`` for an optional module (a top-level name of :data:`EXTRAS`)."""
-    return f"pip install 'eagerloco[{EXTRAS[module.partition('.')[0]]}]'"
-
-
 def _missing(module: str, needed_for: str, reason: ImportError | None) -> MissingExtraError:
     top = module.partition(".")[0]
     why = "" if reason is None or reason.name == top else f" (importing it failed: {reason})"
-    return MissingExtraError(f"{needed_for} needs the {top} package{why}: {install_command(top)}", name=top)
+    return MissingExtraError(f"{needed_for} needs the {top} package{why}: pip install 'eagerloco[{EXTRAS[top]}]'",
+                             name=top)
 
 
 def require(module: str, needed_for: str) -> ModuleType:
@@ -61,4 +57,4 @@ def check(module: str, needed_for: str) -> None:
         raise _missing(top, needed_for, None)
 
 
-__all__ = ["EXTRAS", "MissingExtraError", "check", "install_command", "require"]
+__all__ = ["EXTRAS", "MissingExtraError", "check", "require"]
