@@ -66,36 +66,30 @@ def run(args: argparse.Namespace) -> int:
     except (SimError, MissingExtraError) as e:
         print(f"eagerloco simulate: error: {e}", file=sys.stderr)
         return 2
-    text_out = sys.stderr if cfg.json == "-" else sys.stdout
+    text = None  # the default tables are written once the report has its time
     if gp.goodput:
-        report["seconds"] = time.perf_counter() - started
-        print(format_goodput(report), file=text_out)
-        write_json(cfg.json, report)
-        return 0
-    if cfg.compare_reference or cfg.plan:
+        text = format_goodput(report)
+    elif cfg.compare_reference or cfg.plan:
         report, text = special(cfg, settings)
-        report["seconds"] = time.perf_counter() - started
-        print(text, file=text_out)
-        write_json(cfg.json, report)
-        return 0
-    report, curves, grid = compute(settings)
-    if cfg.plot is not None:
-        written = []
-        for m in report["models"]:
-            name = m["model"]["name"]
-            title = (
-                f"{name}: {m['model']['params']:.3g} params, step {m['model']['step_time']:.3g} s, "
-                f"M={settings.workers}, H={cfg.inner_steps}, P={m['fragments']}"
-            )
-            safe = name.replace("*", "-custom")
-            written.append(
-                str(plot_cu(Path(cfg.plot) / f"cu_{safe}.png", title, grid, curves[name], settings.targets))
-            )
-        report["plots"] = written
+    else:
+        report, curves, grid = compute(settings)
+        if cfg.plot is not None:
+            written = []
+            for m in report["models"]:
+                name = m["model"]["name"]
+                title = (
+                    f"{name}: {m['model']['params']:.3g} params, step {m['model']['step_time']:.3g} s, "
+                    f"M={settings.workers}, H={cfg.inner_steps}, P={m['fragments']}"
+                )
+                safe = name.replace("*", "-custom")
+                written.append(
+                    str(plot_cu(Path(cfg.plot) / f"cu_{safe}.png", title, grid, curves[name], settings.targets))
+                )
+            report["plots"] = written
     report["seconds"] = time.perf_counter() - started
-    print(format_text(report), file=text_out)
-    for path in report.get("plots", []):
-        print(f"wrote {path}", file=text_out)
+    if text is None:
+        text = "\n".join([format_text(report), *(f"wrote {path}" for path in report.get("plots", []))])
+    print(text, file=sys.stderr if cfg.json == "-" else sys.stdout)
     write_json(cfg.json, report)
     return 0
 
