@@ -19,7 +19,7 @@ from eagerloco.lab.compare.grid import ENTRIES, resolve_grid
 from eagerloco.lab.compare.reference import PROTOCOL_FLAGS, load_reference, protocol_of, tuned_settings
 from eagerloco.lab.compare.report import as_number, fmt_cu, fmt_loss, fmt_outer_lr, markdown_table
 from eagerloco.lab.compare.runner import PlannedRun, checked, plan_runs, run_plans
-from eagerloco.lab.compare.tune import apply_setting
+from eagerloco.lab.compare.tune import apply_setting, value_text
 
 #: The rows: one worker alone (does communicating pay at all?), the reference, the naive delay and the
 #: eager update that fixes it. The comparison's other rows are quoted from it in the report, not run:
@@ -39,7 +39,7 @@ def add_parser(subparsers: Any) -> None:
     """Register the ``demo`` subcommand (compare's flags, the demo's defaults); its handler is :func:`run`."""
     try:
         ref = load_reference()
-        protocol = " " + " ".join(f"{flag} {_flag_value(ref['protocol'][k])}" for k, flag in PROTOCOL_FLAGS)
+        protocol = " " + " ".join(f"{flag} {value_text(ref['protocol'][k])}" for k, flag in PROTOCOL_FLAGS)
         source = ref["source"]
     except ConfigError:  # reported when the demo runs, not by every command
         protocol, source = "", "the committed seeded comparison"
@@ -53,10 +53,6 @@ def add_parser(subparsers: Any) -> None:
     )
     add_arguments(p)
     p.set_defaults(func=run)
-
-
-def _flag_value(v: Any) -> str:
-    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def demo_defaults(reference: dict[str, Any]) -> dict[str, Any]:
@@ -180,7 +176,7 @@ def _numbers(r: dict[str, Any]) -> bool:
 def protocol_changes(base: Any, reference: dict[str, Any]) -> list[str]:
     """The comparison's protocol settings this run changed, as ``steps 100 (seeded: 400)``."""
     mine = protocol_of(asdict(base))
-    return [f"{k} {_flag_value(v)} (seeded: {_flag_value(reference['protocol'][k])})"
+    return [f"{k} {value_text(v)} (seeded: {value_text(reference['protocol'][k])})"
             for k, v in mine.items() if v != reference["protocol"][k]]
 
 

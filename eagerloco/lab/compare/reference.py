@@ -17,6 +17,7 @@ from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.lab.compare.grid import BASELINES
 from eagerloco.lab.compare.seeded import TUNE_SEED_OFFSET
 from eagerloco.lab.compare.stats import LEVEL, mean_interval
+from eagerloco.lab.compare.tune import value_text
 
 REFERENCE_FILE = Path(__file__).resolve().with_name("tuned_400.json")
 SOURCE = "bench/results/compare_seeds_400"
@@ -52,8 +53,7 @@ def seeded_command(summary: dict[str, Any], out: str = "runs/compare_seeds_400")
     """The `eagerloco compare` command line that reruns the seeded comparison into ``out``, tuning included."""
     b = summary["base_config"]
     flat = {**b, **b["outer"]}
-    parts = ["eagerloco compare", *(f"{flag} {flat[k]:g}" if isinstance(flat[k], float) else f"{flag} {flat[k]}"
-                                     for k, flag in PROTOCOL_FLAGS)]
+    parts = ["eagerloco compare", *(f"{flag} {value_text(flat[k])}" for k, flag in PROTOCOL_FLAGS)]
     parts.append("--threads 1")
     parts.append(f"--seeds {len(summary['seeds'])}")
     if summary["seeds"][0] != 0:

@@ -22,7 +22,7 @@ from eagerloco.lab.compare.report import (
     zoom_y,
 )
 from eagerloco.lab.compare.stats import LEVEL, Interval, mean_interval, paired_difference
-from eagerloco.lab.compare.tune import setting_text
+from eagerloco.lab.compare.tune import setting_text, value_text
 from eagerloco.units import fmt_bytes
 
 SEED_PLOTS = {"steps": "loss_vs_steps.png", "delta": "delta_vs_no_overlap.png", "tune": "tuning.png",
@@ -298,10 +298,6 @@ def plot_sweep_bands(rows: list[dict[str, Any]], out: Path, subtitle: str) -> Pa
 # The report
 
 
-def _value_text(v: Any) -> str:
-    return f"{v:g}" if isinstance(v, float) else str(v)
-
-
 def _notes(rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     b = meta["base_config"]
     outer = b["outer"]
@@ -332,7 +328,7 @@ def _notes(rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: dict
         f"(warmup {b['warmup_steps']}, cosine to 10%), data {b['data']}.",
     ]
     if meta["tune"]:
-        axes = "; ".join(f"{a['key']} in {{{', '.join(map(_value_text, a['values']))}}}" for a in meta["tune"])
+        axes = "; ".join(f"{a['key']} in {{{', '.join(map(value_text, a['values']))}}}" for a in meta["tune"])
         notes.append(
             f"- **Tuning**: every method with a free swept setting ({axes}) ran each value once on the tuning "
             f"seed {meta['tune_seed']} (not a reported seed) and keeps the one with the lowest final held-out "

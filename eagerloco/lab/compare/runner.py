@@ -28,6 +28,7 @@ from eagerloco.lab.compare.grid import (
     tolerated_steps,
     tolerated_text,
 )
+from eagerloco.lab.compare.tune import value_text
 
 
 @dataclass
@@ -169,7 +170,7 @@ def _check_run_dirs(plans: list[PlannedRun]) -> None:
 
 
 def _setting_brief(setting: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in setting.items())
+    return ", ".join(f"{k} {value_text(v)}" for k, v in setting.items())
 
 
 def _result(plan: PlannedRun, summary: dict[str, Any], cached: bool) -> dict[str, Any]:

@@ -96,9 +96,14 @@ def apply_setting(cfg: TrainConfig, setting: dict[str, Any]) -> TrainConfig:
     return replace(cfg, **by["train"], outer=replace(cfg.outer, **by["outer"]), link=replace(cfg.link, **by["link"]))
 
 
+def value_text(v: Any) -> str:
+    """A setting's value as the reports and commands write it: a float in its shortest form (``0.35``, ``1e-05``)."""
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
 def setting_text(setting: dict[str, Any]) -> str:
     """``outer_lr=0.35,lr=0.003``, or ``base`` for the empty setting; also a run directory's name."""
-    return ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in setting.items()) or "base"
+    return ",".join(f"{k}={value_text(v)}" for k, v in setting.items()) or "base"
 
 
 def choose(losses: list[float], diverged: list[bool]) -> int:
@@ -114,4 +119,4 @@ def choose(losses: list[float], diverged: list[bool]) -> int:
 
 
 __all__ = ["NOT_TUNABLE", "TuneAxis", "apply_setting", "choose", "parse_tune", "section_of", "setting_text",
-           "settings_for"]
+           "settings_for", "value_text"]
