@@ -46,7 +46,7 @@ def stopped_by(signum: int) -> RunStopped:
 
 
 class RunStopped(BaseException):
-    """A signal asked this process to stop (a BaseException, as KeyboardInterrupt: ``except Exception`` passes it)."""
+    """A signal asked this process to stop; a BaseException, as KeyboardInterrupt, so ``except Exception`` misses it."""
 
     def __init__(self, signum: int) -> None:
         self.signum = signum
