@@ -9,7 +9,7 @@ from pathlib import Path
 
 from eagerloco.data import DataError, default_data_dir, split_sources
 from eagerloco.data.hf import hf_dir, load_hf, parse_hf
-from eagerloco.lab.corpora.austen import austen_chapters, load_austen, read_lazyload_db
+from eagerloco.lab.corpora.austen import austen_chapters, load_austen
 from eagerloco.lab.corpora.brown import detag, load_brown
 from eagerloco.lab.corpora.kjv import load_kjv, parse_kjv
 
@@ -42,5 +42,4 @@ __all__ = [
     "load_brown",
     "load_kjv",
     "parse_kjv",
-    "read_lazyload_db",
 ]
