@@ -1,9 +1,7 @@
-"""``python -m eagerloco`` and the ``eagerloco`` command: the command line, with Ctrl-C at any moment of the
-start-up (parsing, importing torch) ending in one line.
+"""``python -m eagerloco`` and the ``eagerloco`` command, with Ctrl-C at any moment of the start-up ending in one line.
 
-The command's entry point is :func:`run`, here, rather than ``cli.main``: the console script's own import of
-its target is then this small module alone, and everything after it, ``eagerloco.cli`` included, runs inside
-the handler. What remains is the interpreter's own start (its ``site`` imports) and that one import.
+The console script's target is :func:`run`, here, so that its own import is this small module alone and
+everything after it, ``eagerloco.cli`` included, runs inside the handler.
 """
 
 import os

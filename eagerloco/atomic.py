@@ -1,9 +1,7 @@
-"""Files written atomically: a reader sees the old file or the new one, never half of one, and a crash or a
-full disk leaves no half-written file behind (torch-free).
+"""Files written atomically: a reader sees the old file or the new one, and a crash leaves no half-written file.
 
-The one recipe every writer of the package uses: a temporary file beside the target, flushed and fsynced,
-renamed over the target, then the directory fsynced so that the rename survives a power cut. Written here
-rather than taken from a library: it is six calls, and the library that did it (atomicwrites) is archived.
+A temporary file beside the target, fsynced, renamed over it, then the directory fsynced. Written here rather
+than taken from a library: it is six calls, and the library that did it (atomicwrites) is archived.
 """
 
 from __future__ import annotations
@@ -32,15 +30,10 @@ def fsync_dir(path: Path) -> None:
 
 @contextmanager
 def atomic_file(path: Path, temp: Path | None = None) -> Iterator[BinaryIO]:
-    """A binary file for ``path``'s new content, which replaces ``path`` when the block ends without an error
-    (else the temporary file is removed and ``path`` is left as it was).
+    """A binary file for ``path``'s new content (0644), which replaces ``path`` when the block ends without an error.
 
-    Args:
-        path: the file to write (made or replaced), readable by all (0644).
-        temp: where to write first. By default a fresh name beside ``path``, so that processes writing the
-            same file at once (ranks sharing a data cache) never share one; a fixed name is for a file whose
-            leftover a run's own bookkeeping lists and removes.
-    """
+    ``temp``: a fixed temporary name, for a file whose leftover a run lists and removes; by default a fresh one, so
+    that processes writing the same file at once never share it."""
     if temp is None:
         fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         tmp = Path(name)

@@ -90,15 +90,8 @@ def _exit_code(e: BaseException) -> int | None:
 
 
 def is_launched_training(argv: list[str] | None = None) -> bool:
-    """Whether this process is a rank of a launched run (eagerloco launch, torchrun) running ``train``: such a
-    process ends without the interpreter's teardown once the command returns (``python -m eagerloco``).
-
-    Args:
-        argv: the arguments after the program name (default ``sys.argv[1:]``).
-
-    Returns:
-        True for ``train`` under a launcher (RANK and WORLD_SIZE set).
-    """
+    """Whether this process is a rank of a launched run (RANK and WORLD_SIZE set) running ``train`` (``argv``: the
+    arguments after the program name), which ends without the interpreter's teardown."""
     from eagerloco.environment import Environment
 
     argv = sys.argv[1:] if argv is None else argv
@@ -106,9 +99,8 @@ def is_launched_training(argv: list[str] | None = None) -> bool:
 
 
 def preload_train() -> None:
-    """Import what the ``train`` command runs (torch, the trainer and the compiler stack every torch
-    optimizer loads on its first step), with torch's C++ warnings as quiet as :func:`main` makes them:
-    the rank server does it once for all the ranks it forks."""
+    """Import what ``train`` runs (torch, the trainer, the compiler stack an optimizer loads on its first step), torch's
+    C++ warnings quieted: the rank server does it once for every rank it forks."""
     quiet_torch_cpp_warnings()
     import torch._dynamo  # noqa: F401 - the first optimizer step imports it, about half of a rank's start
 
@@ -116,17 +108,8 @@ def preload_train() -> None:
 
 
 def run_rank(argv: list[str], threads: str | None) -> int:
-    """A forked rank's ``python -m eagerloco ARGV``, in the rank server's child (stdout, stderr, the
-    environment and the session already its own).
-
-    Args:
-        argv: the arguments after the program name.
-        threads: the rank's OMP_NUM_THREADS, which a started process's OpenMP reads when it loads.
-
-    Returns:
-        The exit status, as :func:`main` and ``python -m eagerloco`` give it (130 for Ctrl-C before the
-        command installed its own handler).
-    """
+    """A forked rank's ``python -m eagerloco ARGV`` (``threads``: its OMP_NUM_THREADS); the exit status as
+    :func:`main` gives it, 130 for Ctrl-C before the command started."""
     import torch
 
     if threads:
@@ -139,16 +122,8 @@ def run_rank(argv: list[str], threads: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the `eagerloco` command.
-
-    Args:
-        argv: the arguments after the program name (default ``sys.argv[1:]``).
-
-    Returns:
-        The exit status: 0, 2 for bad input (with one line naming it on stderr), 3 for a dead peer, 4 for
-        workers that launched different exchanges, 5 for a run that diverged, 130 for Ctrl-C before the command
-        started.
-    """
+    """Run the `eagerloco` command; the exit status: 0, 2 for bad input (one line on stderr names it), 3 for a dead
+    peer, 4 for workers that launched different exchanges, 5 for a run that diverged."""
     argv = sys.argv[1:] if argv is None else argv
     quiet_torch_cpp_warnings()
     parser = make_parser()

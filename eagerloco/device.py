@@ -1,10 +1,8 @@
 """Where the inner steps run and in what arithmetic: device, precision, compile, fused AdamW, MFU's peak.
 
-Everything CUDA-only is behind the device's type, so a CPU run takes the very path it always took:
-fp32, no autocast, the default AdamW, no synchronization. On CUDA the defaults are those of GPU
-training: bf16 autocast (weights, gradients, the inner AdamW's state and the outer copies stay FP32:
-autocast only lowers the matmuls' inputs), fused AdamW, and scaled_dot_product_attention picking its
-FlashAttention kernel (it does so by itself for bf16 inputs of a causal mask).
+Everything CUDA-only is behind the device's type, so a CPU run takes the path it always took (fp32, the default
+AdamW); on CUDA the defaults are GPU training's: bf16 autocast (weights, gradients and optimizer states stay
+FP32), fused AdamW, and scaled_dot_product_attention's FlashAttention kernel.
 """
 
 from __future__ import annotations
@@ -29,11 +27,8 @@ class DeviceError(ValueError):
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """The torch device of a ``--device`` setting: auto is cuda (the local rank's GPU) when available.
-
-    Raises:
-        DeviceError: an unknown name, or cuda where CUDA is not available.
-    """
+    """The torch device of a ``--device`` setting (auto: the local rank's GPU when CUDA is available); DeviceError
+    for an unknown name or cuda without CUDA."""
     if not isinstance(name, str) or not re.fullmatch(DEVICE_PATTERN, name):
         raise DeviceError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
     if name == "auto":

@@ -1,11 +1,8 @@
 """The process environment, read in this one place: what a launcher or the user set for this process.
 
-A launcher (``eagerloco launch``, torchrun) tells each process where it stands through environment
-variables; the user may set a few as defaults of flags. Everything eagerloco reads from the
-environment is a field of :class:`Environment`, read by :meth:`Environment.read` (no other module
-reads ``os.environ``). No setting passes through it: a launcher passes the variables to the processes
-it starts (:meth:`Environment.for_child`). The one variable written here is torch's own log level,
-which the command line lowers before torch loads (:func:`quiet_torch_cpp_warnings`).
+Everything eagerloco reads from the environment is a field of :class:`Environment` (no other module reads
+``os.environ``); a launcher passes it on with :meth:`Environment.for_child`. The one variable written here is
+torch's own log level (:func:`quiet_torch_cpp_warnings`).
 """
 
 from __future__ import annotations
@@ -40,13 +37,10 @@ TORCH_CPP_LOG_LEVEL = "ERROR"
 
 
 def quiet_torch_cpp_warnings() -> None:
-    """Drop torch's C++ warnings from the command's output, before torch is loaded (it reads
-    ``TORCH_CPP_LOG_LEVEL`` once, when its library loads; a level set by the caller is kept).
+    """Drop torch's C++ warnings (``TORCH_CPP_LOG_LEVEL``, read when its library loads) unless the caller set a level.
 
-    A store whose host is gone makes every later store call log a warning that carries the C++ stack
-    frames of the error (``TCPStore.cpp: sendBytes failed ... frame #0 ...``) before it raises the
-    error the run turns into one line naming the worker.
-    """
+    A store whose host is gone makes every later store call log the C++ stack of its error before the error the
+    run turns into one line naming the worker."""
     if "torch" not in sys.modules:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", TORCH_CPP_LOG_LEVEL)
 
@@ -89,13 +83,8 @@ class Environment:
 
     @staticmethod
     def adopt(environ: Mapping[str, str]) -> None:
-        """Make this process's environment exactly ``environ``: a rank forked by the rank server
-        (:mod:`eagerloco.rankserver`) takes the one its launcher gave it, as a started process would have
-        it from exec. The one place the process environment is written.
-
-        Args:
-            environ: the whole environment the process is to have.
-        """
+        """Make this process's environment exactly ``environ``: a rank forked by the rank server takes the one its
+        launcher gave it. The one place the process environment is written."""
         os.environ.clear()
         os.environ.update(environ)
 
@@ -111,11 +100,7 @@ class Environment:
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Environment:
-        """The environment of this process (or of ``environ``).
-
-        Raises:
-            ConfigError: a variable is set to something it cannot be (naming it and its value).
-        """
+        """This process's environment (or ``environ``); ConfigError naming a variable set to something it cannot be."""
         env = os.environ if environ is None else environ
 
         def text(name: str) -> str | None:

@@ -1,8 +1,5 @@
-"""Points of a run that code outside the loop can watch: each completed inner step, each evaluation.
-
-The trainer (in every runtime) and the hook API announce them here; a watcher registers a function
-and gets a function that removes it. The project's fault injection (``testing/faults.py`` of the
-checkout, never installed) kills a worker at a known step through these.
+"""Points of a run that code outside the loop can watch: each completed inner step, each evaluation (the
+project's fault injection kills a worker at a known step through these).
 """
 
 from __future__ import annotations
@@ -16,21 +13,13 @@ _eval_watchers: list[EvalWatcher] = []
 
 
 def on_inner_step(fn: StepWatcher) -> Callable[[], None]:
-    """Call ``fn(worker, step)`` once each inner step of a worker of this process is complete.
-
-    Returns:
-        A function that stops the calls.
-    """
+    """Call ``fn(worker, step)`` after each inner step of a worker of this process; returns what stops the calls."""
     _step_watchers.append(fn)
     return lambda: _step_watchers.remove(fn) if fn in _step_watchers else None
 
 
 def on_evaluation(fn: EvalWatcher) -> Callable[[], None]:
-    """Call ``fn(step)`` on the evaluating process after each evaluation, before the others go on.
-
-    Returns:
-        A function that stops the calls.
-    """
+    """Call ``fn(step)`` on the evaluating process after each evaluation; returns what stops the calls."""
     _eval_watchers.append(fn)
     return lambda: _eval_watchers.remove(fn) if fn in _eval_watchers else None
 

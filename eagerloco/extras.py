@@ -1,9 +1,7 @@
 """Optional packages: each comes with an extra of the package, and a missing one is one line naming it.
 
-``pip install eagerloco`` brings what the hook API and training need: torch, numpy, tqdm and filelock. The
-rest is installed by extras (``pip install 'eagerloco[plot]'``, ``[all]`` for every one), and every
-place that imports an optional package does it through :func:`require`, so that a missing package
-is a :class:`MissingExtraError` whose message names the extra, never an ImportError traceback.
+Every import of an optional package goes through :func:`require`, so that a missing one is a
+:class:`MissingExtraError` naming the extra (``pip install 'eagerloco[plot]'``), never an ImportError traceback.
 """
 
 from __future__ import annotations
@@ -29,27 +27,16 @@ class MissingExtraError(ImportError):
     """An optional package is not installed (or does not import); the message names the extra to install."""
 
 
-def install_command(module: str) -> str:
-    """``pip install 'eagerloco[EXTRA]'`` for an optional module (a top-level name of :data:`EXTRAS`)."""
-    return f"pip install 'eagerloco[{EXTRAS[module.partition('.')[0]]}]'"
-
-
 def _missing(module: str, needed_for: str, reason: ImportError | None) -> MissingExtraError:
     top = module.partition(".")[0]
     why = "" if reason is None or reason.name == top else f" (importing it failed: {reason})"
-    return MissingExtraError(f"{needed_for} needs the {top} package{why}: {install_command(top)}", name=top)
+    return MissingExtraError(f"{needed_for} needs the {top} package{why}: pip install 'eagerloco[{EXTRAS[top]}]'",
+                             name=top)
 
 
 def require(module: str, needed_for: str) -> ModuleType:
-    """Import an optional module (``matplotlib.pyplot``), or raise the one line that names its extra.
-
-    Args:
-        module: the module to import; its top-level package must be a key of :data:`EXTRAS`.
-        needed_for: what needs it, as the message's subject (``"--plot"``, ``"the BPE tokenizer"``).
-
-    Raises:
-        MissingExtraError: the package is not installed, or it (or something it imports) failed to import.
-    """
+    """Import an optional module (its top-level package a key of :data:`EXTRAS`), or raise the
+    :class:`MissingExtraError` that says what needs it (``needed_for``) and the extra that installs it."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
@@ -59,9 +46,8 @@ def require(module: str, needed_for: str) -> ModuleType:
 
 
 def check(module: str, needed_for: str) -> None:
-    """Raise :class:`MissingExtraError` now if an optional package is not installed, without importing it:
-    for a command to refuse at its start what it would otherwise find missing at its end.
-    """
+    """Raise :class:`MissingExtraError` now if an optional package is missing, without importing it: a command refuses
+    at its start what it would otherwise find missing at its end."""
     top = module.partition(".")[0]
     try:
         found = importlib.util.find_spec(top) is not None
@@ -71,4 +57,4 @@ def check(module: str, needed_for: str) -> None:
         raise _missing(top, needed_for, None)
 
 
-__all__ = ["EXTRAS", "MissingExtraError", "check", "install_command", "require"]
+__all__ = ["EXTRAS", "MissingExtraError", "check", "require"]

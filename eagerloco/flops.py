@@ -1,11 +1,7 @@
 """Model FLOPs per token, the peak of known accelerators, and MFU; torch-free arithmetic.
 
-MFU (model FLOPs utilization, PaLM appendix B) counts the FLOPs the model needs, not the FLOPs the
-kernels happen to run: 6 N per token for the weight matmuls of a forward and backward (2 N forward,
-4 N backward; N counts a tied embedding once, since the output head is a matmul and the lookup is
-free), plus 12 L d T for attention's score and value matmuls over a context of T (PaLM's
-convention: the full T x T square, as nanoGPT and most published MFUs count it, although a causal
-kernel skips half of it). Recomputation, norms, softmax and the optimizer are not counted.
+MFU (PaLM appendix B) counts the FLOPs the model needs: 6 N per token for the weight matmuls (a tied embedding
+counted once) plus 12 L d T for attention over the full T x T square, as nanoGPT and most published MFUs count it.
 """
 
 from __future__ import annotations
@@ -26,14 +22,7 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 
 
 def flops_per_token(num_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
-    """Training FLOPs per token (forward and backward): 6 N + 12 L d T.
-
-    Args:
-        num_params: N, distinct parameters (a tied embedding counted once).
-        n_layers: L, transformer blocks.
-        d_model: d, the width (heads x head size).
-        seq_len: T, tokens per sequence (the attention context).
-    """
+    """Training FLOPs per token, 6 N + 12 L d T (N distinct parameters, L blocks, d the width, T the context)."""
     for name, v in (("num_params", num_params), ("n_layers", n_layers), ("d_model", d_model), ("seq_len", seq_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -41,10 +30,7 @@ def flops_per_token(num_params: int, n_layers: int, d_model: int, seq_len: int) 
 
 
 def peak_for(device_name: str, precision: str) -> float | None:
-    """The dense peak TFLOP/s of a known accelerator at a precision, or None (unknown, or a CPU).
-
-    device_name: as ``torch.cuda.get_device_name`` says it, e.g. ``NVIDIA H100 80GB HBM3``.
-    """
+    """The dense peak TFLOP/s of an accelerator named as ``torch.cuda.get_device_name`` does, or None (unknown, CPU)."""
     name = device_name.upper()
     for key, peaks in PEAK_TFLOPS.items():
         if key.upper() in name:

@@ -1,25 +1,18 @@
-"""Split a model's parameters into the fragments Streaming DiLoCo synchronizes one at a time.
-
-A fragment is a group of transformer blocks. Parameters outside the blocks (embeddings, final
-norm, head) go to fragment 0, so every parameter is in exactly one fragment. Frozen parameters
-(``requires_grad=False``) are left out of what is exchanged (:func:`trainable_fragments`).
+"""Split a model's parameters into the fragments Streaming DiLoCo synchronizes one at a time: groups of
+transformer blocks, with every parameter outside them (embeddings, final norm, head) in fragment 0.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from eagerloco import schedule
 from eagerloco.config import ConfigError
+from eagerloco.schedule import block_groups
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's transformer blocks, in order.
-
-    A ``blocks`` ModuleList is used when present; otherwise the ModuleList with the most
-    parameters (``transformer.h`` in GPT-2 style models, ``layers`` in Llama style ones).
-    A model without one has no blocks and can only be a single fragment.
-    """
+    """The model's transformer blocks in order: its ``blocks`` ModuleList, else the ModuleList with the most parameters
+    (``transformer.h``, ``layers``); none: the model is one fragment."""
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.ModuleList):
         return list(blocks)
@@ -31,18 +24,6 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
             if size > best_size:
                 best, best_size = list(mod), size
     return best
-
-
-def block_groups(num_blocks: int, fragments: int, pattern: str) -> list[list[int]]:
-    """Block indices of each fragment (see :func:`eagerloco.schedule.block_groups`).
-
-    Raises:
-        ConfigError: an unknown pattern, named as the flag.
-    """
-    try:
-        return schedule.block_groups(num_blocks, fragments, pattern)
-    except ValueError:
-        raise ConfigError(f"--fragment-pattern must be one of sequential, strided; got {pattern!r}") from None
 
 
 def assign_fragments(
@@ -77,12 +58,8 @@ def assign_fragments(
 def trainable_fragments(
     frags: list[list[tuple[str, nn.Parameter]]],
 ) -> list[list[tuple[str, nn.Parameter]]]:
-    """The fragments without their frozen parameters (``requires_grad=False``): no inner step changes
-    those, so no exchange carries them and the outer step leaves them as they are.
-
-    Raises:
-        ConfigError: a fragment holds only frozen parameters.
-    """
+    """The fragments without their frozen parameters (no inner step changes them, so no exchange carries them);
+    ConfigError when a fragment holds only frozen ones."""
     out = [[(name, p) for name, p in frag if p.requires_grad] for frag in frags]
     for i, (kept, frag) in enumerate(zip(out, frags, strict=True)):
         if not kept:

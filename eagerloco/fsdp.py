@@ -1,15 +1,8 @@
 """Fully sharded data parallelism inside a worker (``--fsdp``), on PyTorch's FSDP2 (``fully_shard``).
 
-With R ranks per worker, each rank holds 1/R of every parameter, gradient and inner-optimizer
-state; FSDP gathers the parameters block by block for forward and backward and reduce-scatters the
-gradients, so a worker fits a model R times larger than one rank could hold. The outer algorithm
-then needs nothing gathered: its outer gradient, outer copy and outer-optimizer state are
-elementwise, so each rank runs it on its own shard and exchanges that shard with the same rank of
-every other worker (:func:`eagerloco.comm.rendezvous.init_process_groups` with ``sharded_outer``).
-
-The parameters become DTensors; :func:`local_shard` gives the plain tensor of this rank's shard, which
-aliases the parameter's storage (in-place writes to it are writes to the parameter). Checkpoints
-hold the local shards: each rank writes and reads its own file.
+Each of a worker's R ranks holds 1/R of every parameter, gradient and optimizer state. The outer algorithm is
+elementwise, so each rank runs it on its own shard (:func:`local_shard`, which aliases the parameter) and
+exchanges that shard with the same rank of every other worker; each rank checkpoints its own shards.
 """
 
 from __future__ import annotations

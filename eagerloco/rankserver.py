@@ -1,15 +1,10 @@
 """The rank server of `eagerloco launch` (``python -m eagerloco.rankserver FD``): imports torch and the
-trainer once, then forks one rank per request that comes over the socket FD (:mod:`eagerloco.launch.ranks`
-is the other end, and says why).
+trainer once, then forks one rank per request on the socket FD (:mod:`eagerloco.launch.ranks` is the other end).
 
-Requests: ``{"argv": [...], "env": {...}}`` (and ``"cwd"``, where the child is to start in another
-directory) with the write end of the rank's output (and of its stderr, where that goes elsewhere);
-answers: ``{"started": pid}`` (or ``{"failed": why}``), and ``{"exited": pid, "code": status}`` when a
-rank ends (negative: the signal that killed it). The server ends when the launcher closes the socket or
-dies; its ranks then get SIGTERM, their parent-death signal, as they do when a launcher dies.
-
-:func:`serve` takes what to import and what a child runs, so that another program can fork other children
-the same way (the project's tests fork their job scripts from a server of their own).
+Requests: ``{"argv", "env"[, "cwd"]}`` with the write end of the rank's output (and of its stderr where that
+goes elsewhere); answers: ``{"started": pid}`` or ``{"failed": why}``, then ``{"exited": pid, "code": status}``
+(negative: the killing signal). The server ends with the launcher's socket; its ranks then get SIGTERM, their
+parent-death signal.
 """
 
 from __future__ import annotations
@@ -36,17 +31,8 @@ Child = Callable[[dict[str, Any], list[int], int], None]
 def become_child(message: dict[str, Any], output: list[int], ready: int) -> None:
     """In a forked child: become the process a launcher would have started for this request.
 
-    Its own session, as the launcher starts every rank (Ctrl-C reaches only the launcher), announced to
-    the server by closing ``ready`` (the launcher may signal it at once); stdout and stderr on ``output``,
-    line-buffered as with PYTHONUNBUFFERED; default signal handlers; the request's environment and
-    working directory.
-
-    Args:
-        message: the request (``env``, and ``cwd`` where given).
-        output: the descriptor its stdout goes to, and the one its stderr goes to if not the same (closed
-            here once duplicated).
-        ready: the write end of the server's handshake pipe (closed here).
-    """
+    Its own session (announced by closing ``ready``), stdout and stderr on ``output`` (closed here once duplicated),
+    line-buffered; default signal handlers; the request's environment and working directory."""
     os.setsid()
     os.dup2(output[0], 1)
     os.dup2(output[-1], 2)
@@ -104,17 +90,10 @@ def _tell(sock: socket.socket, message: dict[str, object]) -> bool:
 
 
 def serve(fd: int, preload: Callable[[], None] = _preload_ranks, child: Child = _run_rank) -> int:
-    """Import what a child needs, then fork children on request until the launcher goes away.
+    """Run ``preload`` once, then fork a child running ``child`` per request until the launcher goes away; 0 then.
 
-    Args:
-        fd: the server's end of the launcher's SOCK_SEQPACKET socket pair.
-        preload: imports what every child needs, once (default: the trainer's, for ranks).
-        child: runs in each forked child with the request, its output's descriptors and the handshake's
-            (:func:`become_child` first), and never returns: it ends the process (default: a rank).
-
-    Returns:
-        0 once the launcher closed the socket.
-    """
+    ``child`` gets the request, its output's descriptors and the handshake's, calls :func:`become_child` first
+    and never returns (the project's tests fork their job scripts this way)."""
     sock = socket.socket(fileno=fd)
     # A terminal's Ctrl-C and hang-up go to the launcher's process group, this server included: the launcher
     # handles them (and stops the ranks); the server must outlive them to report how the ranks end.

@@ -1,11 +1,8 @@
-"""When each fragment's exchange is launched and when it must be applied.
+"""When each fragment's exchange is launched and when it is applied, shared by the outer algorithm and the
+simulator so that the two cannot drift apart.
 
-One description of the schedule, shared by the outer algorithm (:mod:`eagerloco.outer`) and the
-compute-utilization simulator (:mod:`eagerloco.sim`), so the two cannot drift apart.
-
-Steps are counted as inner steps completed: step s is the point right after the s-th inner
-optimizer step (s = 1, 2, ...). Fragment p is synchronized at every step s > 0 with
-s mod H == offset_p, offset_p = round(p * H / P) (round half up).
+Step s is the point right after the s-th inner optimizer step (s = 1, 2, ...); fragment p syncs at every s > 0
+with s mod H == round(p * H / P) (round half up).
 """
 
 from __future__ import annotations
@@ -14,6 +11,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from eagerloco.errors import ConfigError
+
 
 def fragment_offsets(inner_steps: int, fragments: int) -> list[int]:
     """Staggered offsets round(p*H/P); distinct whenever P <= H."""
@@ -21,11 +20,8 @@ def fragment_offsets(inner_steps: int, fragments: int) -> list[int]:
 
 
 def apply_delay(method: str, inner_steps: int, overlap_steps: int, eager_rounds: int) -> int:
-    """Inner steps between launching an exchange and applying it (its tolerated window).
-
-    dp and blocking DiLoCo/Streaming: 0. Streaming with tau overlap: tau. Naive delayed and
-    eager with k rounds: k * H (applied at that fragment's k-th next sync).
-    """
+    """Inner steps between launching an exchange and applying it: 0 for dp and blocking DiLoCo/Streaming, tau with
+    overlap, k * H for naive delayed and eager."""
     if method in ("delayed", "eager"):
         return eager_rounds * inner_steps
     if method == "dp":
@@ -75,20 +71,8 @@ PATTERNS = ("sequential", "strided")
 
 
 def block_groups(num_blocks: int, fragments: int, pattern: str) -> list[list[int]]:
-    """Block indices of each fragment, shared by the trainer and the simulator.
-
-    Args:
-        num_blocks: transformer blocks L.
-        fragments: fragments P (at most L).
-        pattern: "strided" (fragment p holds blocks p, p+P, ...) or "sequential" (contiguous runs,
-            the first fragments one block longer when P does not divide L).
-
-    Returns:
-        One list of block indices per fragment; every block is in exactly one.
-
-    Raises:
-        ValueError: an unknown pattern.
-    """
+    """Block indices of each fragment, every block in exactly one: "strided" (fragment p holds p, p+P, ...) or
+    "sequential" (contiguous, the first ones a block longer); ConfigError naming the flag for another pattern."""
     if pattern == "strided":
         return [list(range(p, num_blocks, fragments)) for p in range(fragments)]
     if pattern == "sequential":
@@ -99,17 +83,12 @@ def block_groups(num_blocks: int, fragments: int, pattern: str) -> list[list[int
             groups.append(list(range(start, start + n)))
             start += n
         return groups
-    raise ValueError(f"unknown fragment pattern {pattern!r}; choose one of {', '.join(PATTERNS)}")
+    raise ConfigError(f"--fragment-pattern must be one of {', '.join(PATTERNS)}; got {pattern!r}")
 
 
 def short_run_note(steps: int, inner_steps: int) -> str | None:
-    """What to tell a user whose run is shorter than one round: no outer step happens, so the outer
-    parameters (what is evaluated, and what a run ends with) stay the initial ones. None otherwise.
-
-    Args:
-        steps: inner steps the run takes.
-        inner_steps: H, inner steps per round (only for methods that sync once a round).
-    """
+    """What to tell a user whose run is shorter than one round (no outer step, so the outer parameters stay the
+    initial ones), or None."""
     if steps >= inner_steps:
         return None
     return (f"{steps} inner step(s) is less than one round (--inner-steps {inner_steps}): no outer step happens, "
@@ -133,12 +112,8 @@ def round_lengths(inner_steps: int, speeds: list[float]) -> list[int]:
 
 
 def steps_by_tick(inner_steps: int, fragments: int, own: int) -> list[int]:
-    """A worker's own inner steps completed by each tick t = 0..H of a round in which it runs ``own`` of them.
-
-    At fragment p's sync tick round(p*H/P) it has run round(p*own/P), its own fragment offset; between two
-    sync ticks its steps come as early as they can (the count rounds up), so a worker at H_m = H steps at every
-    tick.
-    """
+    """A worker's own inner steps completed by each tick t = 0..H of a round in which it runs ``own`` of them: its own
+    fragment offset at each sync tick, as early as they can come in between."""
     knots = list(zip(fragment_offsets(inner_steps, fragments) + [inner_steps],
                      fragment_offsets(own, fragments) + [own], strict=True))
     done = [0]
@@ -148,19 +123,10 @@ def steps_by_tick(inner_steps: int, fragments: int, own: int) -> list[int]:
 
 
 class Rounds:
-    """Every worker's inner steps, tick by tick, as all workers see them (each worker keeps one, the same).
+    """Every worker's inner steps, tick by tick, as all workers see them (each worker keeps the same one).
 
-    Args:
-        inner_steps: H, the ticks of a round (the fastest worker's inner steps).
-        fragments: P.
-        lengths: each worker's H_m for the first round (:func:`round_lengths`).
-
-    Attributes:
-        tick: ticks completed.
-        lengths: each worker's H_m in the current round (the round of tick ``tick + 1``).
-        done: each worker's inner steps completed by ``tick``.
-        synced: ``done`` as it was at each fragment's last launch.
-    """
+    ``lengths``: each worker's H_m this round; ``done``: its steps completed by ``tick``; ``synced``: ``done`` at each
+    fragment's last launch."""
 
     def __init__(self, inner_steps: int, fragments: int, lengths: list[int]) -> None:
         self.inner_steps, self.fragments = inner_steps, fragments

@@ -1,10 +1,7 @@
 """Signals that stop a run, and a launcher that dies.
 
-SIGTERM and SIGHUP stop a run as Ctrl-C (SIGINT) does, by raising :class:`RunStopped` in the main
-thread (:func:`stop_on_signals`), so that every ``finally`` runs (locks released, communicators
-cancelled) and the command line ends with one line naming the signal and the newest checkpoint. A
-process started by ``eagerloco launch`` also asks the kernel for SIGTERM when the launcher dies,
-however it dies (:func:`die_with_launcher`): no training process outlives it.
+SIGTERM and SIGHUP stop a run as Ctrl-C does, by raising :class:`RunStopped` in the main thread, so that every
+``finally`` runs; a process of ``eagerloco launch`` also gets SIGTERM when its launcher dies, however it dies.
 """
 
 from __future__ import annotations
@@ -30,15 +27,8 @@ STOPPING_KEY = "launch/stopping"
 
 
 def launcher_stopping(store: Any) -> int | None:
-    """The stop signal the launcher passes on to the ranks, as noted in the run's store. A rank whose collective
-    fails because another rank stopped first reads it.
-
-    Args:
-        store: the run's store (a ``torch.distributed.Store``, under the launcher's prefix).
-
-    Returns:
-        The signal's number, or None: none was noted, or the store cannot be read.
-    """
+    """The stop signal the launcher noted in the run's store for the ranks (read by a rank whose collective failed
+    because another stopped first); None when none was noted or the store cannot be read."""
     try:
         return int(store.get(STOPPING_KEY).decode()) if store.check([STOPPING_KEY]) else None
     except Exception:  # a store gone with the launcher: nothing known
@@ -46,15 +36,8 @@ def launcher_stopping(store: Any) -> int | None:
 
 
 def stopped_by(signum: int) -> RunStopped:
-    """The RunStopped of a stop signal this process learned of other than through its handler (the launcher's
-    note); the stop signals are ignored from now on, as after the handler's first (cleanup runs once).
-
-    Args:
-        signum: the signal's number.
-
-    Returns:
-        The RunStopped to raise.
-    """
+    """The RunStopped of a stop signal learned of other than through the handler (the launcher's note); the stop
+    signals are ignored from now on, as after the handler's first."""
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGINT, *STOP_SIGNALS):
             if signal.getsignal(s) not in (signal.SIG_IGN, None):
@@ -63,12 +46,7 @@ def stopped_by(signum: int) -> RunStopped:
 
 
 class RunStopped(BaseException):
-    """A signal asked this process to stop (a BaseException, as KeyboardInterrupt: no ``except Exception``
-    swallows it).
-
-    Args:
-        signum: the signal's number.
-    """
+    """A signal asked this process to stop; a BaseException, as KeyboardInterrupt, so ``except Exception`` misses it."""
 
     def __init__(self, signum: int) -> None:
         self.signum = signum
@@ -85,12 +63,9 @@ def signal_name(signum: int) -> str:
 
 @contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """Within this block SIGTERM and SIGHUP raise :class:`RunStopped` in the main thread, SIGINT
-    KeyboardInterrupt; after the first, the others are ignored until the block is left (cleanup runs once).
-
-    A signal ignored when the block starts (``nohup``'s SIGHUP) stays ignored. Outside the main
-    thread (where Python cannot install handlers) nothing changes.
-    """
+    """Within this block SIGTERM and SIGHUP raise :class:`RunStopped` in the main thread, SIGINT KeyboardInterrupt;
+    after the first the others are ignored (cleanup runs once). A signal ignored at the start stays ignored; outside
+    the main thread nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -112,11 +87,8 @@ def stop_on_signals() -> Iterator[None]:
 
 
 def die_with_launcher(env: Environment) -> None:
-    """Have the kernel send SIGTERM to this process when ``eagerloco launch`` dies (Linux).
-
-    Under a launcher (``env.launcher_pid`` set) a process whose launcher is already gone exits at once.
-    Elsewhere, or where prctl is unavailable, nothing happens.
-    """
+    """Have the kernel send SIGTERM to this process when its launcher (``env.launcher_pid``) dies (Linux); one whose
+    launcher is already gone stops at once."""
     launcher = env.launcher_pid
     if launcher is None or not sys.platform.startswith("linux"):
         return

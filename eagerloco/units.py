@@ -9,16 +9,8 @@ _BYTE_UNITS = ("B", "KB", "MB", "GB", "TB")
 
 
 def fmt_bytes(n: Any, spec: str = ".2f", sep: str = " ") -> str:
-    """Decimal byte count: ``fmt_bytes(1.5e6) == "1.50 MB"``.
-
-    Args:
-        n: a number of bytes; anything else, or a non-finite number, prints as ``n/a``.
-        spec: format spec of the scaled number (whole bytes drop the decimals of an ``f`` spec).
-        sep: between the number and the unit ("" for progress bars: ``1.5MB``).
-
-    Returns:
-        The text, in B, KB, MB, GB or TB (powers of 1000).
-    """
+    """Decimal byte count, ``fmt_bytes(1.5e6) == "1.50 MB"`` (``spec`` formats the number, ``sep`` goes before the
+    unit); ``n/a`` for anything but a finite number."""
     if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n):
         return "n/a"
     for unit in _BYTE_UNITS:

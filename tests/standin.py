@@ -11,16 +11,13 @@ their own. Matplotlib's font cache is built there too, before any test runs (it 
 from __future__ import annotations
 
 import atexit
-import hashlib
-import json
 import os
 import random
 import shutil
 import tempfile
 from pathlib import Path
 
-from eagerloco.data.cache import MANIFEST_VERSION
-from eagerloco.lab.corpora.brown import BROWN_PACKAGE, BROWN_TARBALL, BROWN_TARBALL_SHA256
+from eagerloco.data.store import Doc, stored
 
 #: Brown's genres: the letter in its document names, the genre and its number of documents (500 in all).
 GENRES = {"a": ("news", 44), "b": ("editorial", 27), "c": ("reviews", 17), "d": ("religion", 17),
@@ -50,21 +47,13 @@ def _document(rng: random.Random, topic: list[str]) -> str:
 
 
 def write_brown_standin(data_dir: Path) -> None:
-    """Write the stand-in into ``data_dir/brown`` as fetch_brown leaves the real corpus (manifest last)."""
-    directory = data_dir / "brown"
-    directory.mkdir(parents=True)
+    """Write the stand-in into ``data_dir/brown`` as the Brown loader stores the real corpus."""
     rng = random.Random(0)
-    files = {}
+    docs = []
     for letter, (genre, count) in GENRES.items():
         topic = rng.sample(TOPICS, 12)  # each genre talks about its own things
-        for i in range(1, count + 1):
-            data = _document(rng, topic).encode()
-            name = f"c{letter}{i:02d}.txt"
-            (directory / name).write_bytes(data)
-            files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "genre": genre}
-    manifest = {"version": MANIFEST_VERSION, "package": BROWN_PACKAGE, "tarball": BROWN_TARBALL,
-                "tarball_sha256": BROWN_TARBALL_SHA256, "files": files}
-    (directory / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        docs += [Doc(f"c{letter}{i:02d}", genre, _document(rng, topic)) for i in range(1, count + 1)]
+    stored("brown", data_dir, lambda _: (docs, {}))
 
 
 def session_folders() -> None:

@@ -235,11 +235,11 @@ def test_every_grid_entry_is_a_valid_config() -> None:
 
 
 def test_benchmark_columns_show_the_accuracies_a_run_recorded() -> None:
-    from eagerloco.lab.compare.report import grid_table
+    from eagerloco.lab.compare.report import results_table
 
     base = {"tolerated": "0", "final_eval_loss": 2.5, "bytes_sent_per_worker": 10, "peak_sync_bytes": 5,
             "compute_utilization": 0.5, "wall_s": 1.0}
-    rows = _table_rows(grid_table([
+    rows = _table_rows(results_table([
         {**base, "name": "no-overlap", "label": "no overlap", "hellaswag": 0.25, "piqa": 0.5, "arc_easy": 0.3},
         {**base, "name": "eager-1", "label": "1-outer-step eager", "final_eval_loss": 2.6},
     ]))
@@ -248,13 +248,13 @@ def test_benchmark_columns_show_the_accuracies_a_run_recorded() -> None:
 
 
 def test_workers_of_unequal_speed_get_their_own_columns() -> None:
-    from eagerloco.lab.compare.report import grid_table
+    from eagerloco.lab.compare.report import results_table
 
     base = {"tolerated": "0", "final_eval_loss": 2.5, "bytes_sent_per_worker": 10, "peak_sync_bytes": 5,
             "compute_utilization": 0.5, "wall_s": 1.0}
-    plain = _table_rows(grid_table([{**base, "name": "no-overlap", "label": "no overlap"}]))
+    plain = _table_rows(results_table([{**base, "name": "no-overlap", "label": "no overlap"}]))
     assert "H_m" not in plain["no overlap"]
-    rows = _table_rows(grid_table([
+    rows = _table_rows(results_table([
         {**base, "name": "no-overlap", "label": "fixed", "outer": {"worker_speeds": [1.0, 0.5], "outer_lr": 0.7},
          "worker_cu": [0.5, 1.0], "worker_idle_s": [3.25, 0.0]},
         {**base, "name": "eager-1", "label": "adaptive", "round_steps": [8, 4], "worker_cu": [0.97, 0.96],

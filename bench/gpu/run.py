@@ -227,8 +227,8 @@ def part_compare35m(args: argparse.Namespace, report: dict[str, Any], deadline: 
     """Each run of the grid is trained by `eagerloco train` with checkpoints, resumed when a part was cut
     short; once all are there, `eagerloco compare` with the same settings reuses them and writes the
     report (bench/results/gpu/compare_35m/report.md)."""
+    from eagerloco.cli import main as eagerloco_main
     from eagerloco.lab.compare.cli import add_arguments
-    from eagerloco.lab.compare.cli import main as compare_main
     from eagerloco.lab.compare.grid import resolve_grid
     from eagerloco.lab.compare.runner import build_base_config, cached_summary, plan_runs
 
@@ -262,7 +262,7 @@ def part_compare35m(args: argparse.Namespace, report: dict[str, Any], deadline: 
         save(report)
         print(f"compare35m: not done ({len(pending)} run(s) left); rerun `--part compare35m`", flush=True)
         return
-    rc = compare_main(compare_argv(args))
+    rc = eagerloco_main(["compare", *compare_argv(args)])
     summary = json.loads((RESULTS / "compare_35m" / "summary.json").read_text())
     report["entries"]["compare35m/status"] = {
         "part": "compare35m", "done": rc == 0, "command": "python -m eagerloco compare " + " ".join(compare_argv(args)),

@@ -1,13 +1,8 @@
-"""A slow link emulated on top of a fast one (loopback, LAN): when each transfer may finish.
+"""A slow link emulated on a fast one (loopback, LAN): when each transfer may finish.
 
-Real processes on one machine exchange bytes in milliseconds, so to see overlap and blocking as
-they would be across a slow link, every exchange is held back until the configured link could have
-carried it. The rule is the in-process runtime's: a transfer starts when the last worker has
-launched it and the previous transfer has left the link (one transfer at a time), and it takes
-``latency + wire_bytes * 8 / bandwidth`` plus uniform jitter in ``[0, jitter]``.
-
-Times are wall-clock seconds (``time.time()``) so that launch times taken in different processes,
-or on machines with synchronized clocks, can be compared.
+The in-process runtime's rule: a transfer starts when the last worker has launched it and the previous one has
+left the link, and takes ``latency + wire_bytes * 8 / bandwidth`` plus uniform jitter in ``[0, jitter]``. Times are
+wall-clock (``time.time()``), comparable across processes.
 """
 
 from __future__ import annotations
@@ -21,12 +16,8 @@ from eagerloco.config import LinkConfig
 
 
 class EmulatedLink:
-    """The schedule of one worker's view of the shared link.
-
-    Every worker keeps its own instance; given the same seed and the same launch times (the
-    transport exchanges them with the payloads) all workers compute the same finish times, as if
-    they shared one wire.
-    """
+    """One worker's schedule of the shared link: with the same seed and launch times every worker computes the same
+    finish times, as if they shared one wire."""
 
     def __init__(self, config: LinkConfig | None = None, seed: int = 0) -> None:
         self.config = (config or LinkConfig()).validate()

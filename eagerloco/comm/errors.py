@@ -21,11 +21,8 @@ MISMATCH_EXIT_CODE = 4
 
 
 class PeerError(RuntimeError):
-    """Another worker died, hung or left: the exchange cannot complete.
-
-    ``workers`` lists the outer-group indices of the workers held responsible (may be empty when
-    no heartbeat information is available).
-    """
+    """Another worker died, hung or left: the exchange cannot complete; ``workers`` lists the outer-group indices of
+    the workers held responsible (may be empty)."""
 
     def __init__(self, message: str, workers: list[int] | None = None) -> None:
         super().__init__(message)

@@ -1,15 +1,8 @@
 """One worker's outer operations in launch order, and the thread that runs them one at a time.
 
-Why a thread and not ``async_op=True``: the emulated link delay must also run in the background,
-and one FIFO thread gives the one-transfer-at-a-time link for free. gloo collectives and sleeps
-release the GIL, so compute on the caller's thread continues.
-
-The queue knows nothing of the transport: its owner (:class:`~eagerloco.comm.distributed.
-TorchDistCommunicator`) hands it a ``run`` function that runs one :class:`~eagerloco.comm.ops.Op`
-and lands it (:meth:`ExchangeQueue.land`), fails it, or says what failed when the thread must park
-with it. Between operations the thread can also park on request (:meth:`ExchangeQueue.pause`), for
-an elastic membership change (:mod:`eagerloco.comm.regroup`), and continue with the operations
-handed back (:meth:`ExchangeQueue.resume`).
+A thread rather than ``async_op=True``: the emulated link's delay must run in the background too, and one FIFO
+thread gives the one-transfer-at-a-time link for free (gloo and sleeps release the GIL). Between operations the
+thread can park for a membership change and go on with the operations handed back.
 """
 
 from __future__ import annotations
@@ -33,14 +26,11 @@ Result = tuple[int, torch.Tensor | None, int]
 
 
 class ExchangeQueue:
-    """The FIFO of one worker's outer operations, and the thread that runs them in launch order.
+    """The FIFO of one worker's outer operations and its thread (started by :meth:`start`).
 
-    run(op): runs one operation on the thread and lands or fails its handle; returns None, or what failed
-    (text) when the thread must park with the op kept for a rerun (elastic mode). keep_means: keep
-    the means of the recent results too (elastic mode: survivors that missed one receive it), not only
-    their sizes and steps. on_start: called first on the thread (a CUDA stream to enter). name: the
-    thread's name. The thread starts at :meth:`start`.
-    """
+    ``run(op)`` runs and lands or fails one operation, or returns what failed when the thread must park with it kept
+    for a rerun; ``keep_means`` keeps the recent results' means for survivors that missed them; ``on_start`` runs
+    first on the thread."""
 
     def __init__(self, run: Callable[[Op], str | None], *, keep_means: bool = False,
                  on_start: Callable[[], None] = lambda: None, name: str = "eagerloco-outer") -> None:

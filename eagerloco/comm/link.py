@@ -1,5 +1,5 @@
-"""Link arithmetic of the multi-process runtimes: what their communicator emulates, and whether one
-exchange fits within the time after which peers are declared dead. Pure functions of the settings.
+"""Link arithmetic of the multi-process runtimes: what their communicator emulates, and whether one exchange fits
+within the time after which peers are declared dead.
 """
 
 from __future__ import annotations
@@ -9,10 +9,8 @@ from eagerloco.config import ConfigError, LinkConfig, OuterConfig
 
 
 def emulated_link(link: LinkConfig, kernel_gbps: float | None) -> LinkConfig:
-    """What the communicator emulates of the run's link: all of it, or, when the kernel shapes the
-    bandwidth (``eagerloco launch --kernel-link-gbps``, kernel_gbps its rate), only its latency and
-    jitter. (The run's settings record the kernel's rate as the link's bandwidth:
-    :meth:`~eagerloco.config.TrainConfig.validate`, which also refuses a different one.)"""
+    """What the communicator emulates of the run's link: all of it, or only latency and jitter when the kernel shapes
+    the bandwidth (``eagerloco launch --kernel-link-gbps``, at ``kernel_gbps``)."""
     if kernel_gbps is None:
         return link
     return LinkConfig(latency_ms=link.latency_ms, jitter_ms=link.jitter_ms)
@@ -20,18 +18,8 @@ def emulated_link(link: LinkConfig, kernel_gbps: float | None) -> LinkConfig:
 
 def check_exchange_fits(link: LinkConfig, outer: OuterConfig, workers: int, num_params: int,
                         timeout_s: float) -> None:
-    """Refuse a link on which one exchange would outlast ``--dist-timeout`` (peers would be declared dead).
-
-    Args:
-        link: the link the run's communicator emulates.
-        outer: the run's outer settings (codec, its block, fragments).
-        workers: how many workers exchange.
-        num_params: parameters of the model.
-        timeout_s: seconds a process waits for a silent peer.
-
-    Raises:
-        ConfigError: naming the exchange's size and time, and the two ways out.
-    """
+    """ConfigError when one exchange of ``num_params`` among ``workers`` would outlast ``timeout_s``
+    (``--dist-timeout``) on ``link``: its size, its time and the two ways out."""
     numel = -(-num_params // outer.fragments)
     payload = packed_nbytes(outer.codec, numel, outer.codec_block)
     if outer.transport == "reduce-scatter" and outer.topk is None and outer.codec != "fp32":

@@ -1,12 +1,8 @@
 """The outer communication thread's operations, and the header workers compare before a payload moves.
 
-Every operation a :class:`~eagerloco.comm.distributed.TorchDistCommunicator` runs (an exchange, a
-barrier, a schedule agreement) is an :class:`Op` on its :class:`~eagerloco.comm.exchange_queue.ExchangeQueue`.
-Unless the workers agreed on their schedule once (``agreed=True``), each starts with a 40-byte header
-all-gather: launch wall time, sequence number, size, payload bytes and codec. It goes first, alone:
-gloo aborts the process (or silently corrupts) when ranks all-gather buffers of different sizes, so
-sizes are agreed before the payload moves. The header is bookkeeping of the emulation and is not
-counted as link bytes.
+Unless the workers agreed on their schedule (``checked=False``), an operation starts with a 40-byte header
+all-gather (launch time, sequence number, size, payload bytes, codec), alone: gloo aborts or corrupts when ranks
+all-gather buffers of different sizes. The header is not counted as link bytes.
 """
 
 from __future__ import annotations

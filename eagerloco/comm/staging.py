@@ -1,17 +1,9 @@
-"""Payloads between the device the parameters live on and the outer group's transport, without
-making the compute stream or the training thread wait.
+"""Payloads between the parameters' device and the outer group's transport, without making the compute stream or
+the training thread wait.
 
-An exchange is encoded where the parameters are (on a GPU: kernels on the compute stream). Then:
-
-- gloo outer group (the default): the payload is copied to pinned host memory on a copy stream
-  that waits for the encode (an event, not the host); the communication thread waits on the copy's
-  event before the collective, the training thread never does. The mean comes back in pinned
-  memory and moves to the device asynchronously when the algorithm applies it.
-- NCCL outer group: the payload stays on the device. The communication thread runs the collective
-  and the decoding on its own stream, which waits for the encode's event; the training thread's
-  stream waits for the mean's event when it applies it (again no host wait).
-
-On a CPU none of this applies: the payload is the encoded tensor itself, as it always was.
+gloo: the encoded payload goes to pinned host memory on a copy stream, the communication thread waits on its
+event, and the mean comes back pinned to move to the device asynchronously. NCCL: the payload stays on the device
+and the communication thread's stream waits for the encode's event. On a CPU the payload is the tensor itself.
 """
 
 from __future__ import annotations
@@ -22,11 +14,8 @@ import torch
 
 
 class Staging:
-    """One communicator's streams for moving payloads off and onto its device.
-
-    device: where the parameters (and so the payloads) are. on_device: the outer group's transport
-    works on device tensors (NCCL); otherwise on host tensors (gloo).
-    """
+    """One communicator's streams for moving payloads off and onto ``device``; ``on_device``: the transport works on
+    device tensors (NCCL), else on host tensors (gloo)."""
 
     def __init__(self, device: torch.device | str | None, on_device: bool) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -42,10 +31,7 @@ class Staging:
                 torch.cuda.set_stream(self.stream)
 
     def send(self, payload: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """(what the transport moves, the event it must wait for first, or None).
-
-        The encode was queued on the caller's current stream; nothing here waits for it on the host.
-        """
+        """(what the transport moves, the event it waits for first, or None); nothing here waits on the host."""
         if payload.device.type != "cuda":
             return payload.cpu(), None
         compute = torch.cuda.current_stream(payload.device)
@@ -71,11 +57,8 @@ class Staging:
             ready.synchronize()  # the copy to pinned memory: only this thread waits
 
     def received(self, mean: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """On the communication thread, once the mean is computed: (the mean, its event or None).
-
-        A host mean bound for a GPU goes to pinned memory here, so that its copy to the device can
-        be asynchronous; a device mean gets an event the training thread's stream waits for.
-        """
+        """On the communication thread: (the mean, its event or None); a host mean bound for a GPU is pinned here,
+        so that its copy to the device can be asynchronous."""
         if not self.cuda:
             return mean, None
         if mean.device.type == "cuda":

@@ -13,7 +13,7 @@ from filelock import FileLock
 
 from eagerloco.environment import Environment
 
-# Version of the manifests of the source caches (Brown and the document stores). Every file a source
+# Version of the manifests of the source caches (the document stores). Every file a source
 # writes is listed there with its size and sha256, so a second run reads the cache instead of
 # downloading, and a damaged file is rebuilt from the cached package instead of downloading it again.
 MANIFEST_VERSION = 1

@@ -1,7 +1,5 @@
-"""A slow link shaped by the kernel: one network namespace per worker, each worker's uplink limited.
-
-See :class:`KernelLink` for how it works. Only the launcher uses this module (it needs root); the
-processes it starts learn the rate from :data:`~eagerloco.environment.KERNEL_LINK_ENV`.
+"""A slow link shaped by the kernel: one network namespace per worker, each worker's uplink limited (root only;
+the processes learn the rate from :data:`~eagerloco.environment.KERNEL_LINK_ENV`).
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from typing import Self
 
 from filelock import FileLock
 
@@ -37,12 +36,8 @@ def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
 
 
 def tbf_args(bandwidth_gbps: float) -> list[str]:
-    """The tbf qdisc parameters for a rate of bandwidth_gbps.
-
-    burst: at least 64 KiB, since a segmentation-offloaded packet can be that large and tbf drops
-    a packet bigger than its bucket, and at least one 250 Hz timer tick of data. limit: a queue of
-    four bursts or 4 MiB, so that TCP sees a slow link rather than losses.
-    """
+    """The tbf qdisc parameters for a rate: a burst of at least 64 KiB (an offloaded segment; tbf drops a packet
+    larger than its bucket) and one 250 Hz tick of data, a queue of four bursts or 4 MiB (TCP sees a slow link)."""
     rate_bytes = bandwidth_gbps * 1e9 / 8
     burst = max(64 * 1024, int(rate_bytes / 250))
     limit = max(4 * burst, 4 * 1024 * 1024)
@@ -108,31 +103,55 @@ def _remove(made: list[tuple[str, str]]) -> None:
         _run(["ip", "netns" if kind == "ns" else "link", "del", name], check=False)
 
 
-class KernelLink:
-    """Namespaces, bridge and shaped uplinks for one launch; a context manager that removes them.
+class _ShapedLink:
+    """What both shaped links share: the bridge's address, the processes' environment, building under the lock."""
 
-    The default link of the multi-process runtime is emulated in user space (:mod:`eagerloco.comm.
-    emulated_link`): the payload crosses loopback at full speed and the communicator then waits for
-    the time the link would have taken. This module is the second mode, ``eagerloco launch
-    --kernel-link-gbps B``: the bytes really cross a link that carries B Gbit/s, so everything on it
-    (the gloo collective's own chunks and round trips, the header exchange, TCP's behaviour under a
-    rate limit) takes the time it would.
+    bandwidth_gbps: float
+    subnet: str  # "10.213.X", picked (or read from a job bridge) on entry
+    _made: list[tuple[str, str]]  # ("ns" | "link", name), in creation order
 
-    Topology (Linux, root): a bridge in the launcher's namespace holds the rendezvous store's address;
-    each worker's processes run in their own namespace, joined to the bridge by a veth pair whose
-    worker-side end sends through a token-bucket filter (``tc qdisc ... tbf rate B``). The ranks of one
-    worker share its namespace and reach each other over its loopback, unshaped: only traffic between
-    workers crosses a shaped uplink, as between datacenters. Latency and jitter stay emulated by the
-    communicator: the kernels this runs on often lack ``sch_netem`` (this one does), and a delay on
-    every packet would also slow the rendezvous and heartbeats, which the emulated latency does not.
+    @property
+    def master_addr(self) -> str:
+        """The bridge's address: the launcher's store, seen from the namespaces."""
+        return f"{self.subnet}.1"
 
-    Why ``ip``/``tc`` through subprocess and not a netlink library: these two commands are on every
-    Linux machine that can do this at all (iproute2), and the setup is a dozen fixed commands.
+    def env(self) -> dict[str, str]:
+        """What every process in a namespace needs; gloo binds to the interface the other workers reach."""
+        return {KERNEL_LINK_ENV: repr(self.bandwidth_gbps), "GLOO_SOCKET_IFNAME": _IFACE,
+                "MASTER_ADDR": self.master_addr}
 
-    workers: M; bandwidth_gbps: each worker's uplink rate. Use ``command(cmd, worker)`` to run a
-    process in worker's namespace, ``master_addr`` as the rendezvous address and ``env()`` for the
-    variables each of its processes needs.
-    """
+    def __enter__(self) -> Self:
+        KernelLink.check()
+        with _setup_lock():
+            remove_stale()
+            try:
+                self._setup()
+            except BaseException:
+                _remove(self._made)
+                raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _setup(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class KernelLink(_ShapedLink):
+    """Namespaces, bridge and shaped uplinks of ``eagerloco launch --kernel-link-gbps B``; a context manager that
+    removes them.
+
+    The bytes really cross a link of B Gbit/s (gloo's chunks and round trips, TCP under a rate limit), where the
+    default link is emulated in user space. A bridge in the launcher's namespace holds the store's address; each
+    worker's processes run in their own namespace, joined by a veth pair whose worker end sends through a tbf, so
+    only traffic between workers is shaped. Latency and jitter stay emulated (kernels often lack ``sch_netem``).
+    ``ip``/``tc`` through subprocess: a dozen fixed commands of iproute2, on every machine that can do this.
+
+    Use ``command(cmd, worker)`` to run a process in a worker's namespace, ``master_addr`` and ``env()``."""
 
     def __init__(self, workers: int, bandwidth_gbps: float, tag: int | None = None) -> None:
         _check_sizes(workers, bandwidth_gbps)
@@ -140,24 +159,13 @@ class KernelLink:
         self.tag = os.getpid() if tag is None else tag
         self.subnet = ""  # "10.213.X", a free one, picked on entry
         self.bridge = f"elbr{self.tag}"
-        self._made: list[tuple[str, str]] = []  # ("ns" | "link", name), in creation order
-
-    @property
-    def master_addr(self) -> str:
-        """The bridge's address: where every namespace reaches the rendezvous store."""
-        return f"{self.subnet}.1"
+        self._made = []
 
     def namespace(self, worker: int) -> str:
         return f"{_PREFIX}{self.tag}w{worker}"
 
     def command(self, cmd: Sequence[str], worker: int) -> list[str]:
         return ["ip", "netns", "exec", self.namespace(worker), *cmd]
-
-    def env(self) -> dict[str, str]:
-        """What every process in a namespace needs. gloo binds to the interface the other workers
-        can reach (not the namespace's loopback)."""
-        return {KERNEL_LINK_ENV: repr(self.bandwidth_gbps), "GLOO_SOCKET_IFNAME": _IFACE,
-                "MASTER_ADDR": self.master_addr}
 
     @staticmethod
     def check() -> None:
@@ -174,20 +182,6 @@ class KernelLink:
                 "install iproute2 (apt-get install iproute2) or use the emulated link (--bandwidth-gbps)"
             )
 
-    def __enter__(self) -> KernelLink:
-        self.check()
-        with _setup_lock():
-            remove_stale()
-            try:
-                self._setup()
-            except BaseException:
-                self.close()
-                raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _setup(self) -> None:
         self.subnet = _free_subnet(self.tag)
         _add_bridge(self.bridge, self.master_addr, self._made)
@@ -203,22 +197,14 @@ class KernelLink:
         _remove(self._made)
 
 
-class JobLink:
-    """One job's worker behind a shaped uplink on a bridge that the jobs of one run share: the
-    kernel-shaped link of ``eagerloco launch --outer-addr 127.0.0.1:PORT --worker-id I --workers M
-    --kernel-link-gbps B``, for jobs on one machine (on separate machines the real link is the link).
+class JobLink(_ShapedLink):
+    """One job's worker behind a shaped uplink on a bridge the jobs of one run share on one machine (``eagerloco
+    launch --outer-addr 127.0.0.1:PORT --worker-id I --kernel-link-gbps B``).
 
-    The jobs agree on everything without talking: the bridge is named after the outer port
-    (``elbj<port>``), and its subnet is whatever the first job to make it picked (read back from the
-    bridge by the others). Worker I's namespace holds 10.213.X.(10 + I) on its ``eth0``, which sends
-    through the tbf; worker 0's outer store listens in its namespace, so every job's rendezvous
-    address is :attr:`outer_host` (the launch rewrites ``--outer-addr``). Building, joining and
-    removing happen under one machine-wide lock, and the last job to leave removes the bridge, so it
-    never vanishes under a running job. The namespace is named after the launching process
-    (``eloc<pid>w<I>``): a killed job's namespace, and a bridge left without members, are removed by
-    the next job or launch that starts. A second job claiming worker I of the same port finds its
-    uplink (``elj<port>w<I>``) taken and is refused.
-    """
+    The bridge is named after the outer port (``elbj<port>``), its subnet picked by the first job; worker I is
+    10.213.X.(10 + I) in namespace ``eloc<pid>w<I>``, and worker 0's store listens at :attr:`outer_host`. Changes
+    happen under one machine-wide lock; the last job removes the bridge, the next one a killed job's leftovers, and a
+    second claim of the same worker (``elj<port>w<I>`` taken) is refused."""
 
     def __init__(self, port: int, worker: int, workers: int, bandwidth_gbps: float, tag: int | None = None) -> None:
         _check_sizes(workers, bandwidth_gbps)
@@ -227,13 +213,8 @@ class JobLink:
         self.bridge = f"{_JOB_BRIDGE}{port}"
         self.uplink = f"{_JOB_VETH}{port}w{worker}"
         self.ns = f"{_PREFIX}{self.tag}w{worker}"
-        self.subnet = ""  # "10.213.X": the bridge's, read or picked on entry
-        self._made: list[tuple[str, str]] = []
-
-    @property
-    def master_addr(self) -> str:
-        """The bridge's address: this job's launcher store, seen from its namespace."""
-        return f"{self.subnet}.1"
+        self.subnet = ""
+        self._made = []
 
     @property
     def outer_host(self) -> str:
@@ -243,24 +224,6 @@ class JobLink:
     def command(self, cmd: Sequence[str], worker: int = 0) -> list[str]:
         """cmd run in this job's namespace (worker: as for KernelLink; this job has one)."""
         return ["ip", "netns", "exec", self.ns, *cmd]
-
-    def env(self) -> dict[str, str]:
-        return {KERNEL_LINK_ENV: repr(self.bandwidth_gbps), "GLOO_SOCKET_IFNAME": _IFACE,
-                "MASTER_ADDR": self.master_addr}
-
-    def __enter__(self) -> JobLink:
-        KernelLink.check()
-        with _setup_lock():
-            remove_stale()
-            try:
-                self._setup()
-            except BaseException:
-                _remove(self._made)
-                raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _setup(self) -> None:
         subnet = _bridge_subnet(self.bridge)

@@ -1,21 +1,7 @@
 """``eagerloco simulate``: compute utilization of each method on a given link, before paying for a run.
 
-Entry points for the main console script::
-
-    add_parser(subparsers)  # registers "simulate" and set_defaults(func=run)
-    run(args) -> int        # exit code: 0, or 2 with a message naming the bad flag
-
-Modes: the default tables (least bandwidth per target, utilization per bandwidth, bytes);
-``--paper`` (the papers' accounting, printed with the table); ``--paper --compare-reference``
-(ours beside the papers' published tables, cell by cell); ``--plan`` (the cheapest settings that
-reach ``--target-cu`` at ``--bandwidth-gbps``, per model, as the commands to copy with their assumptions;
-the full tables with ``--verbose``; with several models, their report is
-``{"bandwidth_gbps", "target", "plans": [one per model]}`` and a summary follows the tables);
-``--goodput`` (goodput under failures and stalls per method, all-or-nothing rounds against quorum
-exchanges: :mod:`eagerloco.sim.goodput`).
-Everything printed is also in the report dictionary that ``--json`` writes. The flags are made
-from :class:`~eagerloco.sim.config.SimConfig`, with train's names where they mean the same.
-Nothing here imports torch.
+Modes: the default tables, ``--paper``, ``--paper --compare-reference``, ``--plan`` and ``--goodput``
+(docs/guides/simulator.md); everything printed is also in the report that ``--json`` writes. Imports no torch.
 """
 
 from __future__ import annotations
@@ -29,15 +15,16 @@ from typing import Any
 
 from eagerloco.extras import MissingExtraError, check
 from eagerloco.flags import add_dataclass_flags
+from eagerloco.jsonfiles import finite_json
 from eagerloco.sim import paper
 from eagerloco.sim.config import GROUPS, Settings, SimConfig
 from eagerloco.sim.goodput import GoodputConfig, format_goodput, goodput_report
 from eagerloco.sim.model import SimError
 from eagerloco.sim.plot import PLOT_NEEDS, plot_cu
-from eagerloco.sim.report import format_text, jsonable
+from eagerloco.sim.report import format_text
 from eagerloco.sim.tables import compute
 
-__all__ = ["add_arguments", "add_parser", "compute", "format_text", "jsonable", "main", "run"]
+__all__ = ["add_arguments", "add_parser", "compute", "format_text", "main", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -57,7 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The simulate flags (separate from add_parser so a standalone parser can reuse them)."""
+    """The simulate flags, made from :class:`SimConfig` and :class:`GoodputConfig`."""
     groups = {name: p.add_argument_group(title) for name, title in GROUPS.items()}
     add_dataclass_flags(groups, SimConfig)
     add_dataclass_flags(groups, GoodputConfig)
@@ -79,36 +66,30 @@ def run(args: argparse.Namespace) -> int:
     except (SimError, MissingExtraError) as e:
         print(f"eagerloco simulate: error: {e}", file=sys.stderr)
         return 2
-    text_out = sys.stderr if cfg.json == "-" else sys.stdout
+    text = None  # the default tables are written once the report has its time
     if gp.goodput:
-        report["seconds"] = time.perf_counter() - started
-        print(format_goodput(report), file=text_out)
-        write_json(cfg.json, report)
-        return 0
-    if cfg.compare_reference or cfg.plan:
+        text = format_goodput(report)
+    elif cfg.compare_reference or cfg.plan:
         report, text = special(cfg, settings)
-        report["seconds"] = time.perf_counter() - started
-        print(text, file=text_out)
-        write_json(cfg.json, report)
-        return 0
-    report, curves, grid = compute(settings)
-    if cfg.plot is not None:
-        written = []
-        for m in report["models"]:
-            name = m["model"]["name"]
-            title = (
-                f"{name}: {m['model']['params']:.3g} params, step {m['model']['step_time']:.3g} s, "
-                f"M={settings.workers}, H={settings.inner_steps}, P={m['fragments']}"
-            )
-            safe = name.replace("*", "-custom")
-            written.append(
-                str(plot_cu(Path(cfg.plot) / f"cu_{safe}.png", title, grid, curves[name], settings.targets))
-            )
-        report["plots"] = written
+    else:
+        report, curves, grid = compute(settings)
+        if cfg.plot is not None:
+            written = []
+            for m in report["models"]:
+                name = m["model"]["name"]
+                title = (
+                    f"{name}: {m['model']['params']:.3g} params, step {m['model']['step_time']:.3g} s, "
+                    f"M={settings.workers}, H={cfg.inner_steps}, P={m['fragments']}"
+                )
+                safe = name.replace("*", "-custom")
+                written.append(
+                    str(plot_cu(Path(cfg.plot) / f"cu_{safe}.png", title, grid, curves[name], settings.targets))
+                )
+            report["plots"] = written
     report["seconds"] = time.perf_counter() - started
-    print(format_text(report), file=text_out)
-    for path in report.get("plots", []):
-        print(f"wrote {path}", file=text_out)
+    if text is None:
+        text = "\n".join([format_text(report), *(f"wrote {path}" for path in report.get("plots", []))])
+    print(text, file=sys.stderr if cfg.json == "-" else sys.stdout)
     write_json(cfg.json, report)
     return 0
 
@@ -117,7 +98,7 @@ def special(cfg: SimConfig, s: Settings) -> tuple[dict[str, Any], str]:
     """--compare-reference and --plan: their report and text."""
     if cfg.compare_reference:
         mfu = paper.PRESET_MFU if cfg.mfu is None else cfg.mfu
-        report = paper.compare(mfu, s.cold_rounds, s.pattern)
+        report = paper.compare(mfu, cfg.rounds, cfg.fragment_pattern)
         return report, paper.format_compare(report)
     from dataclasses import replace
 
@@ -125,8 +106,9 @@ def special(cfg: SimConfig, s: Settings) -> tuple[dict[str, Any], str]:
     from eagerloco.sim.plan import SPARSE, Question, cheapest, format_summary, plan
 
     sparse = SPARSE if s.sparse is None or s.sparse in SPARSE else (*SPARSE, s.sparse)
-    q = Question(s.bandwidths[0], s.targets[0], s.workers, s.fragment_layers, s.scale_bytes, s.transport,
-                 s.latency_ms, s.pattern, s.dp_bits, s.block, sparse, None if s.speeds is None else tuple(s.speeds))
+    q = Question(s.bandwidths[0], s.targets[0], s.workers, cfg.fragment_layers, s.scale_bytes, cfg.transport,
+                 cfg.latency_ms, cfg.fragment_pattern, s.dp_bits, cfg.codec_block, sparse,
+                 None if s.speeds is None else tuple(s.speeds))
     reports, texts = [], []
     for m in s.models:
         report = plan(m, q)
@@ -136,7 +118,7 @@ def special(cfg: SimConfig, s: Settings) -> tuple[dict[str, Any], str]:
         report["step_time_source"] = source
         report["at_other_step_times"] = None if shifted is None else {str(f): r for f, r in shifted.items()}
         reports.append(report)
-        texts.append(format_decision(report, source, shifted, s.verbose))
+        texts.append(format_decision(report, source, shifted, cfg.verbose))
     notes = "".join(f"\nnote: {n}" for n in s.notes)
     if len(reports) == 1:
         return reports[0], texts[0] + notes
@@ -148,7 +130,7 @@ def write_json(path: str | None, report: dict[str, Any]) -> None:
     """Write the report as strict JSON to path ('-': stdout); nothing when path is None."""
     if path is None:
         return
-    data = json.dumps(jsonable(report), indent=2, allow_nan=False)
+    data = json.dumps(finite_json(report), indent=2, allow_nan=False)
     if path == "-":
         print(data)
     else:
@@ -156,7 +138,7 @@ def write_json(path: str | None, report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m eagerloco.sim``) until the main CLI wires the subcommand in."""
+    """``python -m eagerloco.sim``: the simulate subcommand on its own."""
     parser = argparse.ArgumentParser(prog="eagerloco")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)

@@ -1,12 +1,7 @@
 """The settings of ``eagerloco simulate``: one field per flag, checked and resolved into what is simulated.
 
-:class:`SimConfig` holds the flags as given (a comma list is a sweep, one table row per value);
-its field docstrings are the ``--help`` (:func:`eagerloco.flags.add_dataclass_flags` makes the
-flags from them). A setting that is the same thing as one of ``eagerloco train`` has train's name:
-``--inner-steps``, ``--overlap-steps``, ``--codec``, ``--codec-block``, ``--topk``, ``--topk-chunk``,
-``--fragment-pattern``, ``--workers``, ``--bandwidth-gbps``, ``--latency-ms``, ``--peak-tflops``.
-:meth:`SimConfig.validate` checks every flag (an error names it) and returns :class:`Settings`: the
-models, the rows and the numbers of each list.
+The field docstrings are the ``--help`` (:func:`eagerloco.flags.add_dataclass_flags`); a setting that
+``eagerloco train`` also has takes train's name. A comma list is a sweep, one table row per value.
 """
 
 from __future__ import annotations
@@ -172,16 +167,9 @@ class SimConfig:
         return cls(**{f.name: given[f.name] for f in fields(cls) if given.get(f.name) is not None})
 
     def validate(self) -> Settings:
-        """Check every flag and resolve them: the models, the rows, the numbers of each comma list.
+        """Check every flag (SimError naming the first bad one) and resolve the :class:`Settings` to simulate.
 
-        ``--paper`` only changes defaults (a flag given still wins).
-
-        Returns:
-            The :class:`Settings` to simulate.
-
-        Raises:
-            SimError: naming the first bad flag and what it accepts.
-        """
+        ``--paper`` only changes defaults (a flag given still wins)."""
         models, sources = self._models()
         if self.compare_reference and not self.paper:
             raise SimError("--compare-reference compares with the papers' accounting: add --paper")
@@ -235,15 +223,10 @@ class SimConfig:
         if self.plan and (len(bandwidths) != 1 or len(targets) != 1):
             raise SimError("--plan needs one --bandwidth-gbps and one --target-cu (one plan per --model)")
         s = Settings(
-            models=models, variants=variants, dp_bits=bits["dp_codec"], workers=workers,
-            inner_steps=self.inner_steps, fragment_layers=self.fragment_layers, fragments=self.fragments,
-            block=self.codec_block, scale_bytes=scale_bytes, transport=self.transport, latency_ms=self.latency_ms,
-            bandwidths=bandwidths, targets=targets, bw_min=self.bw_min, bw_max=self.bw_max,
-            per_decade=self.grid_per_decade, warmup_rounds=self.warmup_rounds, rounds=self.measure_rounds,
-            tokens_per_step=self.tokens_per_step, tokens=self.tokens, pattern=self.fragment_pattern,
-            cold_rounds=self.rounds, paper=self.paper, grid=paper.paper_grid() if self.paper else None,
+            self, models=models, variants=variants, dp_bits=bits["dp_codec"], workers=workers, scale_bytes=scale_bytes,
+            bandwidths=bandwidths, targets=targets, grid=paper.paper_grid() if self.paper else None,
             sparse=None if self.topk is None else (bits["codec"], self.topk, self.topk_chunk),
-            speeds=self._speeds(workers), step_sources=sources, verbose=self.verbose,
+            speeds=self._speeds(workers), step_sources=sources,
         )
         s.add_notes()
         if self.topk is not None:
@@ -372,56 +355,37 @@ class SimConfig:
 
 @dataclass
 class Settings:
-    """What one simulate invocation simulates: :meth:`SimConfig.validate` resolved the flags into it."""
+    """What one simulate invocation simulates: the checked flags, and what :meth:`SimConfig.validate` resolved."""
 
+    cfg: SimConfig
     models: list[ModelSpec]
     variants: list[Variant]
     dp_bits: int
     workers: int
-    inner_steps: int
-    fragment_layers: int
-    fragments: int | None
-    block: int
     scale_bytes: int
-    transport: str
-    latency_ms: float
     bandwidths: list[float]
     targets: list[float]
-    bw_min: float
-    bw_max: float
-    per_decade: int
-    warmup_rounds: int
-    rounds: int
-    tokens_per_step: float
-    tokens: float
-    pattern: str = "strided"
-    cold_rounds: int | None = None
-    paper: bool = False
-    grid: np.ndarray | None = None  # explicit grid (--paper), else bw_min..bw_max per_decade
+    grid: np.ndarray | None = None  # explicit grid (--paper), else --bw-min..--bw-max
     sparse: tuple[int, int, int] | None = None  # --topk: (bits of --codec, K, --topk-chunk)
     speeds: list[float] | None = None  # --worker-speeds
     #: Where each model's step time came from, in words, and whether it is assumed (not --step-time).
     step_sources: dict[str, tuple[str, bool]] = field(default_factory=dict)
-    verbose: bool = False  # --plan: the full tables too
     notes: list[str] = field(default_factory=list)
 
     def fragments_for(self, model: ModelSpec) -> int:
-        return (
-            self.fragments
-            if self.fragments is not None
-            else fragment_count(model.layers, self.fragment_layers)
-        )
+        c = self.cfg
+        return c.fragments if c.fragments is not None else fragment_count(model.layers, c.fragment_layers)
 
     def add_notes(self) -> None:
         """The notes printed under the tables: the paper's assumptions, rows that training would refuse."""
-        if self.paper:
+        if self.cfg.paper:
             self.notes.extend(f"paper accounting: {a}" for a in paper.PAPER_ASSUMPTIONS)
         for model in self.models:
             P = self.fragments_for(model)
             for v in self.variants:
-                if v.fragmented and v.overlap_steps and v.overlap_steps * P >= self.inner_steps:
+                if v.fragmented and v.overlap_steps and v.overlap_steps * P >= self.cfg.inner_steps:
                     self.notes.append(
-                        f"{model.name}: {v.label} has tau*P = {v.overlap_steps * P} >= H = {self.inner_steps}; "
+                        f"{model.name}: {v.label} has tau*P = {v.overlap_steps * P} >= H = {self.cfg.inner_steps}; "
                         "simulated as is, but training refuses it (exchanges of several fragments overlap)"
                     )
 
@@ -458,13 +422,9 @@ def _ints(flag: str, text: str | None, low: int) -> list[int]:
     return out
 
 
-def _positive(flag: str, v: float | None, allow_inf: bool = False) -> None:
-    if v is None:
-        return
-    if math.isnan(v) or v <= 0 or (math.isinf(v) and not allow_inf):
-        raise SimError(
-            f"{flag} must be a positive {'number (inf allowed)' if allow_inf else 'finite number'}, got {v}"
-        )
+def _positive(flag: str, v: float | None) -> None:
+    if v is not None and (math.isnan(v) or v <= 0 or math.isinf(v)):
+        raise SimError(f"{flag} must be a positive finite number, got {v}")
 
 
 def _at_least(flag: str, v: int | None, low: int) -> None:

@@ -1,7 +1,4 @@
-"""Event simulation of one worker's compute and its link, block by block, vectorized over bandwidths.
-
-See :func:`run_schedule` for how it works.
-"""
+"""Event simulation of one worker's compute and its link, block by block, vectorized over bandwidths."""
 
 from __future__ import annotations
 
@@ -88,32 +85,12 @@ def run_schedule(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Simulate total_steps inner steps; returns the wall clock at the end of mark_step and of the last step.
 
-    The graph is the one the Streaming DiLoCo paper simulates (arXiv 2501.18512, section 3.1):
-
-    - one compute stream; each inner step runs, per block, a forward node (first block to last), then
-      the backward from the last block to the first, each block in two parts: activation gradients,
-      then weight gradients (the first block has no activation-gradient node). Every node costs the
-      same (the 6 * params * tokens rule: 2 for the forward, 2 + 2 for the backward), so a node takes
-      ``step_time / (3L - 1)`` and a step's compute is exactly ``step_time``;
-    - one link that serves transfers first come, first served; a transfer takes its bytes over the
-      bandwidth, plus ``latency_ms`` once per exchange (charged on its first block's share);
-    - every exchange is split by block: a block's share goes on the link when that block's
-      weight-gradient node of the launch step finishes, and it blocks only that block's forward node
-      in the step after the exchange's apply step (:func:`eagerloco.schedule.sync_events`: launch + 0
-      for blocking DiLoCo/Streaming, + tau for overlap, + k * H for naive delayed and eager).
-
-    Data-parallel is the special case where every block's gradient is its own exchange, launched and
-    applied at every step. Each finish time is a max/plus of durations, hence non-decreasing in each
-    of them, so the whole simulation runs on numpy arrays with one lane per bandwidth.
-
-    Two ways to measure: the steady state (the default: compute utilization over ``rounds`` rounds
-    after ``warmup_rounds`` + k rounds of start-up, never above what the link's busy time per round
-    allows), or a short run from a cold start (``cold_rounds``: from step 0, exchanges still in flight
-    at the end not waited for), which is what a finite run measures.
-
-    Steps without a launch or a gate take exactly step_time and are skipped in bulk, so the cost
-    is proportional to the number of block shares exchanged, not to the number of steps.
-    """
+    The graph of the Streaming DiLoCo paper (arXiv 2501.18512, section 3.1; docs/guides/simulator.md): per block a
+    forward node, then the backward from the last block in two parts (activation, weight gradients; block 0 has no
+    activation-gradient node), every node ``step_time / (3L - 1)``; one first-come-first-served link, latency charged
+    on an exchange's first block share. A block's share goes on the link when its weight gradient of the launch step
+    exists and gates only its forward in the step after the apply step. Every finish time is a max/plus of durations,
+    so one numpy lane per bandwidth runs them all; steps with no launch or gate are skipped in bulk."""
     L, u = graph.layers, graph.unit
     t = graph.step_time
     share = [seconds(b / len(ls), bandwidths) for b, ls in zip(traffic.transfers, traffic.layers, strict=True)]
@@ -180,23 +157,11 @@ def simulate(
     rounds: int = 32,
     cold_rounds: int | None = None,
 ) -> SimResult:
-    """Compute utilization of one variant at each bandwidth.
+    """Compute utilization of one variant at each bandwidth (Gbit/s, inf allowed; ``traffic``: :func:`model.traffic`).
 
-    Args:
-        model: layers, parameters and step time of one worker.
-        variant: the method and its settings.
-        traffic: the transfers of one period and the blocks each carries (:func:`model.traffic`).
-        bandwidths: Gbit/s, one lane each (inf allowed).
-        latency_ms: added once to every exchange.
-        inner_steps: H.
-        warmup_rounds: steady state: rounds simulated before measuring (plus the k rounds of delay).
-        rounds: steady state: rounds measured.
-        cold_rounds: if given, measure instead a run of this many rounds from a cold start (from
-            step 0; exchanges applied after the last step are not waited for).
-
-    Returns:
-        The compute utilization per lane and the wall clock per inner step.
-    """
+    The steady state (``rounds`` measured after ``warmup_rounds`` plus the k rounds of delay, never above what the
+    link's busy time allows), or with ``cold_rounds`` a run of that many rounds from step 0, exchanges still in flight
+    at its end not waited for."""
     bw = np.atleast_1d(np.asarray(bandwidths, dtype=float))
     graph = StepGraph(model.layers, model.step_time)
     latency_s = latency_ms / 1e3

@@ -1,14 +1,8 @@
 """Goodput under failures and stalls, per method, with all-or-nothing rounds and with quorum exchanges.
 
-Goodput = compute time spent on steps whose outer gradients were merged / the workers' available time
-(M times the wall clock). The model (assumptions in docs/algorithms.md section 12.9): every method is a
-sequence of barriers ("rounds": a step for dp, H steps for DiLoCo and eager, H/P for Streaming) of a
-fault-free wall time ``period`` holding ``compute`` seconds of compute (their ratio is the compute
-utilization the link allows); each worker draws stalls and failures as Poisson events in the rounds it
-computes (fixed seed: common to every method of one round length); a method tolerates ``slack`` seconds
-of a worker's lateness without anyone waiting (Streaming's tau steps, eager's k rounds), refilled by
-adaptive steps. Rounds with no event and no late worker are counted in bulk, so 10,000 workers and a
-day of rounds take seconds. Nothing here imports torch.
+Goodput = compute merged / the workers' available time (M x the wall clock); the model and its assumptions are
+docs/algorithms.md section 12.9. Rounds with no event and no late worker are counted in bulk, so 10,000 workers
+and a day of rounds take seconds. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -182,34 +176,28 @@ class Outcome:
 
 def play_rounds(events: Events, workers: int, rounds: int, t: Timing, restart_s: float, quorum: int,
                 grace: float | None, max_late: int) -> Outcome:
-    """Play the rounds: close each exchange by the rules of docs/algorithms.md section 12, count the merged compute.
+    """Play the rounds, closing each exchange by the rules of docs/algorithms.md section 12; count the merged compute.
 
-    ``quorum == workers`` is all-or-nothing: everyone waits for the slowest, a failed worker restarts and
-    redoes its round. Below it a round closes at min(last arrival, Q-th arrival + grace); a late contribution
-    is merged when it arrives (at most ``max_late`` rounds late, else dropped) and its worker runs a shorter
-    round (adaptive steps); a failed worker loses its round's work and rejoins with a shorter round.
-    """
+    ``quorum == workers`` is all-or-nothing: everyone waits, a failed worker redoes its round. Below it a round closes
+    at min(last arrival, Q-th arrival + grace); a late contribution is merged when it arrives (at most ``max_late``
+    rounds late, else dropped) and its worker runs a shorter round; a failed worker loses its round's work."""
     share = t.compute / t.period  # compute per second of a round's wall time
     late: dict[int, tuple[float, float, int]] = {}  # worker -> (free at, into the next round; pending; age)
     spreads: deque[float] = deque(maxlen=GRACE_WINDOW)  # auto grace: the first exchanges are all-or-nothing
     out = Outcome(0.0, 0.0, 0.0)
     done = 0
-    for r in sorted(events):
+    for r in [*sorted(events), rounds]:  # each round with an event, then the end of the run
         quiet = r - done  # rounds before this one with no event and, once the late ones are played, no one late
         while late and quiet > 0:
             _round(out, {}, late, workers, t, share, restart_s, quorum, grace, max_late, spreads)
             quiet -= 1
         out.wall += quiet * t.period
         out.good += quiet * workers * t.compute
+        if r == rounds:
+            break
         spreads.extend([0.0] * min(quiet, GRACE_WINDOW))
         _round(out, events[r], late, workers, t, share, restart_s, quorum, grace, max_late, spreads)
         done = r + 1
-    quiet = rounds - done
-    while late and quiet > 0:
-        _round(out, {}, late, workers, t, share, restart_s, quorum, grace, max_late, spreads)
-        quiet -= 1
-    out.wall += quiet * t.period
-    out.good += quiet * workers * t.compute
     out.goodput = out.good / (workers * out.wall) if out.wall > 0 else 0.0
     return out
 
@@ -336,8 +324,9 @@ def format_goodput(rep: dict[str, Any]) -> str:
 
 
 def goodput_report(cfg: GoodputConfig, s: Settings) -> dict[str, Any]:
-    """The goodput report for the resolved simulate settings: its models, --method rows, H, first tau and k,
-    and the compute utilization of each row at the first --bandwidth-gbps (1 when none is given)."""
+    """The goodput report of the resolved simulate settings: their models, rows, H, first tau and k, each row's CU at
+    the first --bandwidth-gbps (1 without one)."""
+    c = s.cfg
     rows: dict[str, Variant] = {}
     for v in s.variants:  # the first row of each method, a Streaming row with overlap before one without
         first = rows.get(v.method)
@@ -353,8 +342,8 @@ def goodput_report(cfg: GoodputConfig, s: Settings) -> dict[str, Any]:
         if not s.bandwidths or math.isinf(s.bandwidths[0]):
             return 1.0
         v = rows[method]
-        tr = traffic(model, v, workers, s.inner_steps, s.fragments_for(model), s.block, s.scale_bytes, s.transport,
-                     s.pattern)
-        return float(simulate(model, v, tr, s.bandwidths[0], s.latency_ms, s.inner_steps).cu[0])
+        tr = traffic(model, v, workers, c.inner_steps, s.fragments_for(model), c.codec_block, s.scale_bytes,
+                     c.transport, c.fragment_pattern)
+        return float(simulate(model, v, tr, s.bandwidths[0], c.latency_ms, c.inner_steps).cu[0])
 
-    return goodput_table(cfg, s.models, list(rows), s.inner_steps, fragments, tau, k, cu)
+    return goodput_table(cfg, s.models, list(rows), c.inner_steps, fragments, tau, k, cu)

@@ -1,14 +1,9 @@
 """Workers of unequal speed in the simulator (``--worker-speeds``): each worker's compute utilization with a
-fixed H and with adaptive steps (section 11 of docs/algorithms.md).
+fixed H and with adaptive steps (docs/algorithms.md section 11).
 
-Every exchange waits for its slowest contributor, so a round lasts as long as the longest compute of it, plus
-what the link adds. The one-worker engine (:func:`eagerloco.sim.engine.simulate`), run at the step time that
-paces the round, max_m(H_m t_m) / H, gives the wall time per tick W (a tick: an inner step of the fastest
-worker); worker m's utilization is its own compute per tick, H_m t_m / H, over W. With a fixed H every H_m is
-H: the slowest worker paces the round and the others idle for the rest. With adaptive steps H_m =
-max(1, round(H r_m / r_max)) and every worker's round lasts about H t_fastest, up to the rounding of H_m.
-The engine overlaps an exchange with the paced worker's backward: for the workers that compute less than the
-pace this is an approximation (they launch a little earlier than simulated).
+A round lasts as long as its slowest compute plus what the link adds: the one-worker engine, run at the pacing
+step time max_m(H_m t_m) / H, gives the wall time per tick W, and worker m's utilization is H_m t_m / H over W.
+The paced worker's overlap of exchange and backward stands for every worker's (an approximation for the others).
 """
 
 from __future__ import annotations
@@ -28,17 +23,10 @@ MODES = ("fixed", "adaptive")
 def per_worker_cu(model: ModelSpec, variant: Variant, traffic: Traffic, lanes: np.ndarray, speeds: list[float],
                   latency_ms: float, inner_steps: int, warmup_rounds: int, rounds: int,
                   cold_rounds: int | None) -> dict[str, np.ndarray]:
-    """Each worker's compute utilization at each bandwidth lane, by mode (fixed H, adaptive steps; dp, with no
-    rounds, has the fixed one only).
+    """Each worker's compute utilization per bandwidth lane, {mode: array (lanes, workers)} (dp: fixed only).
 
-    Args:
-        model: its step time is the fastest worker's.
-        speeds: each worker's relative speed.
-        The rest: as :func:`eagerloco.sim.engine.simulate`.
-
-    Returns:
-        {mode: array of shape (lanes, workers)}.
-    """
+    ``model``'s step time is the fastest worker's, ``speeds`` each worker's relative speed; the rest as
+    :func:`eagerloco.sim.engine.simulate`."""
     h = inner_steps
     fastest = max(speeds)
     times = [model.step_time * fastest / r for r in speeds]  # each worker's seconds per inner step

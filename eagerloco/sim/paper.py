@@ -1,23 +1,8 @@
 """The papers' accounting as a preset, their published tables as data, and ours beside them.
 
-Reference tables live in ``eagerloco/sim/reference/*.json``, each naming the paper and table it
-comes from. :func:`compare` simulates every reference row with the papers' assumptions
-(:data:`PAPER_ASSUMPTIONS`) on the papers' bandwidth grid, numpy.logspace(-1, 3, 50), and returns
-ours beside theirs per cell. Nothing here is fitted to the tables: the free settings are the MFU
-reading (``mfu``) and how a cell is read off the grid (``reading``), each applied to every row alike.
-
-How the tables are read. Table 4 of the Streaming DiLoCo paper is titled "Gbit/s to reach a compute
-utilization CU =?", but its own Table 1 (the same 1B model, step time and accounting) shows that
-each printed value is the last grid point still *below* the target, one point under the least one
-that reaches it: Table 1 gives Streaming DiLoCo with overlapped FP4 communication 0.88 h with
-1 Gbit/s against 0.67 h of pure compute (utilization 0.76; 3.5 / 2.7 and 8.75 / 6.75 h for the
-larger budgets, 0.77), while Table 4 prints 0.9 Gbit/s for 80% on the same row. Utilization grows
-with bandwidth, so 0.954 Gbit/s (the grid point printed 0.9) cannot reach 80% if 1 Gbit/s gives
-0.77. Table 1 also fixes the accounting: Data-Parallel takes 109 h with 1 Gbit/s, 163x the
-compute, as 16 bits x 1e9 parameters per 0.1 s step predicts (160x), not 1.2x fewer bytes per
-compute second (134x), which is what reading the cells as "least grid point reaching the target"
-would need. So :data:`PAPER_READING` is ``"last-below"``, the stated step times (MFU 0.6) stay,
-and every comparison also reports the other reading (``"reached"``).
+The reference tables live in ``eagerloco/sim/reference/*.json``. Nothing is fitted to them; why a published
+cell is read as the last grid point still below its target (:data:`PAPER_READING`) is told in
+docs/guides/simulator.md, from the Streaming DiLoCo paper's own Table 1.
 """
 
 from __future__ import annotations
@@ -40,8 +25,6 @@ REFERENCE_FILES = ("streaming_diloco_table4.json", "eager_table5.json")
 #: MFU at which the presets' step times (0.1 / 0.8 / 4.9 s) are stated (the tables' captions).
 PRESET_MFU = 0.6
 PAPER_WORKERS = 2
-PAPER_BITS = 16  # outer gradients (and data-parallel gradients) not quantized: bf16
-PAPER_LOW_BITS = 4  # FP4 exchange: 4 bits a value, no scale bytes (Table 1's 400x = H * 16 / 4)
 PAPER_FRAGMENT_LAYERS = 3
 PAPER_TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
 #: How a published cell is read off the grid: "last-below" (the last grid point still under the
@@ -70,11 +53,7 @@ def paper_grid() -> np.ndarray:
 
 
 def paper_model(name: str, mfu: float = PRESET_MFU) -> ModelSpec:
-    """A preset with its step time read at the given MFU (the presets are stated at 60%).
-
-    Raises:
-        SimError: unknown preset or MFU outside (0, 1].
-    """
+    """A preset with its step time read at ``mfu`` (the presets are stated at 60%); SimError for a bad name or MFU."""
     if name not in PRESETS:
         raise SimError(f"--model: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     if not 0 < mfu <= 1:
@@ -142,11 +121,7 @@ def simulate_row(
     grid: np.ndarray | None = None,
     reading: str = "reached",
 ) -> list[float | None]:
-    """Grid bandwidth per paper target for one reference row: by default the least reaching it.
-
-    Raises:
-        SimError: unknown reading.
-    """
+    """Grid bandwidth per paper target for one reference row, read as ``reading`` says; SimError for another reading."""
     if reading not in READINGS:
         raise SimError(f"reading must be one of {', '.join(READINGS)}, got {reading!r}")
     grid = paper_grid() if grid is None else grid
@@ -170,19 +145,10 @@ def compare(
     pattern: str = "strided",
     reading: str = PAPER_READING,
 ) -> dict[str, Any]:
-    """Ours beside the papers' for every reference row and target, with per-cell ratios.
+    """Ours beside the papers' for every reference row and target, read as ``reading`` says and the other way.
 
-    Each cell holds the paper's value, ours read off the grid as ``reading`` says (None: not reached
-    on the grid), ours / paper, and the distance in grid points between ours and the grid point
-    nearest the paper's printed value (0: the same point, within the grid's 1.21x; 1 or 2: within
-    1.46x); under "other", the same for the other reading.
-
-    Returns:
-        {"settings", "rows": [...], "summary": {source: {model: counts}}, "summary_other": ...}.
-
-    Raises:
-        SimError: unknown reading.
-    """
+    A cell: the paper's value, ours (None: not reached), ours / paper, and how many grid points ours lies from the
+    one nearest the paper's (0: the same point); under "other", the same for the other reading."""
     if reading not in READINGS:
         raise SimError(f"reading must be one of {', '.join(READINGS)}, got {reading!r}")
     other = next(r for r in READINGS if r != reading)
@@ -208,7 +174,7 @@ def compare(
     return {"settings": settings, "rows": rows, "summary": summary, "summary_other": summary_other}
 
 
-def format_compare(report: dict[str, Any], markdown: bool = False) -> str:
+def format_compare(report: dict[str, Any]) -> str:
     """The side-by-side table: per row and target, paper / ours and the ratio."""
     st = report["settings"]
     head = ["source", "model", "row", "H"] + [f"{100 * t:g}%" for t in PAPER_TARGETS]
@@ -224,17 +190,11 @@ def format_compare(report: dict[str, Any], markdown: bool = False) -> str:
     mode = f"cold start, {st['cold_rounds']} rounds" if st["cold_rounds"] else "steady state"
     lines.append(f"paper / ours Gbit/s (ours / paper), MFU {st['mfu']:g}, {mode}, {st['pattern']} fragments, "
                  f"cells read as {st['reading']}")
-    if markdown:
-        lines.append("")
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "---|" * len(head))
-        lines += ["| " + " | ".join(b) + " |" for b in body]
-    else:
-        widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-        for n, x in enumerate([head, *body]):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip())
-            if n == 0:
-                lines.append("  ".join("-" * w for w in widths))
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    for n, x in enumerate([head, *body]):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
     lines.append("")
     for key, name in (("summary", st["reading"]), ("summary_other", st["other_reading"])):
         for source, models in report[key].items():

@@ -1,7 +1,4 @@
-"""PNG figures of compute utilization against bandwidth, one per model size.
-
-Uses matplotlib's Agg canvas directly (no pyplot), so no display and no global backend state.
-"""
+"""PNG figures of compute utilization against bandwidth, on matplotlib's Agg canvas (no pyplot, no display)."""
 
 from __future__ import annotations
 

@@ -6,17 +6,7 @@ import math
 from typing import Any
 
 from eagerloco.sim.search import meets
-
-
-def jsonable(x: Any) -> Any:
-    """The report with infinite floats as the string "inf", so the JSON is strict."""
-    if isinstance(x, float) and math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if isinstance(x, dict):
-        return {k: jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [jsonable(v) for v in x]
-    return x
+from eagerloco.units import fmt_bytes
 
 
 def cell_key(x: float) -> str:
@@ -35,13 +25,6 @@ def _fmt_count(x: float) -> str:
         if x >= scale:
             return f"{x / scale:.4g}{unit}"
     return f"{x:.4g}"
-
-
-def _fmt_bytes(x: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.3g} {unit}"
-    return f"{x:.3g} B"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -119,8 +102,8 @@ def format_text(report: dict[str, Any]) -> str:
                 r["label"],
                 f"{r['bytes_per_token']:.4g}",
                 "-" if r["dp_ratio"] is None else f"{r['dp_ratio']:.1f}x",
-                _fmt_bytes(r["peak_transfer_bytes"]),
-                _fmt_bytes(r["total_bytes"]),
+                fmt_bytes(r["peak_transfer_bytes"], ".3g"),
+                fmt_bytes(r["total_bytes"], ".3g"),
             ]
             for r in m["rows"]
         ]

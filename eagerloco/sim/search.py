@@ -1,9 +1,5 @@
-"""The least bandwidth that reaches a compute-utilization target, on a log-spaced grid.
-
-The whole grid is simulated at once (the engine is vectorized over bandwidth), so a scan costs
-no more than a bisection would and needs no assumption beyond what it checks: the answer is the
-first grid value whose utilization meets the target. :func:`last_below` reads the same scan the
-way the papers' tables print it (one grid point lower; see :mod:`eagerloco.sim.paper`).
+"""The least bandwidth that reaches a compute-utilization target, on a log-spaced grid scanned whole (the engine
+is vectorized over bandwidth, so a scan costs what a bisection would and assumes nothing).
 """
 
 from __future__ import annotations
@@ -29,12 +25,7 @@ def meets(cu: np.ndarray | float, target: float) -> np.ndarray:
 
 
 def least_bandwidth(grid: np.ndarray, cu: np.ndarray, target: float) -> float | None:
-    """The least grid value whose utilization meets the target, or None if none does.
-
-    cu must be the utilization at each grid value (non-decreasing in bandwidth); the first grid
-    index that meets the target is returned even if a later one were to dip, so the result is
-    always "the least grid value that meets the target".
-    """
+    """The first grid value whose utilization (``cu``, one per grid value) meets the target, or None."""
     ok = meets(cu, target)
     if not ok.any():
         return None
@@ -42,11 +33,8 @@ def least_bandwidth(grid: np.ndarray, cu: np.ndarray, target: float) -> float | 
 
 
 def last_below(grid: np.ndarray, cu: np.ndarray, target: float) -> float | None:
-    """The grid value just below the least one that meets the target, or None if none meets it.
-
-    The last bandwidth of the scan whose utilization is still under the target; the first grid
-    value itself when it already meets the target (nothing lies below it on the grid).
-    """
+    """The grid value just below the least one meeting the target (the first, if it does), or None: the papers'
+    reading (:mod:`eagerloco.sim.paper`)."""
     ok = meets(cu, target)
     if not ok.any():
         return None

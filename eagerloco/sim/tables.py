@@ -1,8 +1,4 @@
-"""The default mode of ``eagerloco simulate``: every (model, row) on the grid and at each bandwidth asked.
-
-:func:`compute` returns the report dictionary that the tables (:func:`eagerloco.sim.report.format_text`)
-and ``--json`` are made from, and the utilization curves that ``--plot`` draws.
-"""
+"""The default mode of ``eagerloco simulate``: every (model, row) on the grid and at each bandwidth asked."""
 
 from __future__ import annotations
 
@@ -21,7 +17,8 @@ from eagerloco.sim.search import bandwidth_grid, least_bandwidth
 
 def compute(s: Settings) -> tuple[dict[str, Any], dict[str, list[tuple[str, np.ndarray]]], np.ndarray]:
     """Simulate every (model, row); returns the report, the CU curves per model and the grid."""
-    grid = s.grid if s.grid is not None else bandwidth_grid(s.bw_min, s.bw_max, s.per_decade)
+    c = s.cfg
+    grid = s.grid if s.grid is not None else bandwidth_grid(c.bw_min, c.bw_max, c.grid_per_decade)
     lanes = np.concatenate([grid, np.asarray(s.bandwidths, dtype=float), [math.inf]])
     curves: dict[str, list[tuple[str, np.ndarray]]] = {}
     out_models = []
@@ -31,9 +28,10 @@ def compute(s: Settings) -> tuple[dict[str, Any], dict[str, list[tuple[str, np.n
         rows = []
         curves[model.name] = []
         for v in s.variants:
-            tr = traffic(model, v, s.workers, s.inner_steps, P, s.block, s.scale_bytes, s.transport, s.pattern)
+            tr = traffic(model, v, s.workers, c.inner_steps, P, c.codec_block, s.scale_bytes, c.transport,
+                         c.fragment_pattern)
             res = simulate(
-                model, v, tr, lanes, s.latency_ms, s.inner_steps, s.warmup_rounds, s.rounds, s.cold_rounds
+                model, v, tr, lanes, c.latency_ms, c.inner_steps, c.warmup_rounds, c.measure_rounds, c.rounds
             )
             cu_grid = res.cu[: len(grid)]
             cu_bw = res.cu[len(grid) : len(grid) + len(s.bandwidths)]
@@ -43,8 +41,8 @@ def compute(s: Settings) -> tuple[dict[str, Any], dict[str, list[tuple[str, np.n
                 dp_bytes_per_step = tr.bytes_per_step
             row_extra = {}
             if s.speeds is not None:  # each worker's CU at --bandwidth-gbps and without a limit
-                cus = per_worker_cu(model, v, tr, lanes[len(grid):], s.speeds, s.latency_ms, s.inner_steps,
-                                    s.warmup_rounds, s.rounds, s.cold_rounds)
+                cus = per_worker_cu(model, v, tr, lanes[len(grid):], s.speeds, c.latency_ms, c.inner_steps,
+                                    c.warmup_rounds, c.measure_rounds, c.rounds)
                 row_extra["cu_per_worker"] = {
                     mode: {cell_key(b): [float(c) for c in cu[i]]
                            for i, b in enumerate([*s.bandwidths, math.inf])} for mode, cu in cus.items()}
@@ -57,14 +55,14 @@ def compute(s: Settings) -> tuple[dict[str, Any], dict[str, list[tuple[str, np.n
                     "cu_at_bandwidth": {cell_key(b): float(c) for b, c in zip(s.bandwidths, cu_bw, strict=True)},
                     "cu_at_infinite_bandwidth": cu_inf,
                     "bytes_per_step": tr.bytes_per_step,
-                    "bytes_per_token": tr.bytes_per_step / s.tokens_per_step,
+                    "bytes_per_token": tr.bytes_per_step / c.tokens_per_step,
                     "peak_transfer_bytes": tr.peak_bytes,
-                    "total_bytes": tr.bytes_per_step / s.tokens_per_step * s.tokens,
+                    "total_bytes": tr.bytes_per_step / c.tokens_per_step * c.tokens,
                 }
             )
         if dp_bytes_per_step is None:  # the ratio is against data-parallel even when its row is not shown
             dp = Variant("dp", "data-parallel", "dp", s.dp_bits)
-            dp_bytes_per_step = traffic(model, dp, s.workers, s.inner_steps, P).bytes_per_step
+            dp_bytes_per_step = traffic(model, dp, s.workers, c.inner_steps, P).bytes_per_step
         for r in rows:
             r["dp_ratio"] = dp_bytes_per_step / r["bytes_per_step"] if r["bytes_per_step"] > 0 else None
         out_models.append(
@@ -72,29 +70,29 @@ def compute(s: Settings) -> tuple[dict[str, Any], dict[str, list[tuple[str, np.n
                 "model": model.as_dict(),
                 "fragments": P,
                 "fragment_layer_counts": fragment_layer_counts(model.layers, P),
-                "dp_bytes_per_token": dp_bytes_per_step / s.tokens_per_step,
+                "dp_bytes_per_token": dp_bytes_per_step / c.tokens_per_step,
                 "rows": rows,
             }
         )
     report = {
         "settings": {
             "workers": s.workers,
-            "inner_steps": s.inner_steps,
-            "fragment_layers": s.fragment_layers,
-            "fragments": s.fragments,
-            "block": s.block,
+            "inner_steps": c.inner_steps,
+            "fragment_layers": c.fragment_layers,
+            "fragments": c.fragments,
+            "block": c.codec_block,
             "scale_bytes": s.scale_bytes,
-            "transport": s.transport,
-            "latency_ms": s.latency_ms,
+            "transport": c.transport,
+            "latency_ms": c.latency_ms,
             "bandwidths_gbps": s.bandwidths,
             "targets": s.targets,
-            "warmup_rounds": s.warmup_rounds,
-            "rounds": s.rounds,
-            "cold_rounds": s.cold_rounds,
-            "pattern": s.pattern,
-            "paper": s.paper,
-            "tokens_per_step": s.tokens_per_step,
-            "tokens": s.tokens,
+            "warmup_rounds": c.warmup_rounds,
+            "rounds": c.measure_rounds,
+            "cold_rounds": c.rounds,
+            "pattern": c.fragment_pattern,
+            "paper": c.paper,
+            "tokens_per_step": c.tokens_per_step,
+            "tokens": c.tokens,
             "worker_speeds": s.speeds,
         },
         "grid": {"min_gbps": float(grid[0]), "max_gbps": float(grid[-1]),

@@ -1,8 +1,5 @@
-"""`eagerloco compare`: a grid of methods on the same data, model, seed and budget, with its report.
-
-:mod:`.grid` holds the grids as data, :mod:`.runner` plans and trains the runs, :mod:`.report`
-writes the table and plots, :mod:`.cli` is the command. :mod:`.demo` is `eagerloco demo`, at the
-settings :mod:`.reference` ships from the committed seeded comparison.
+"""`eagerloco compare`: a grid of methods on the same data, model, seed and budget, with its report; and
+`eagerloco demo` (:mod:`.demo`).
 """
 
 from eagerloco.lab.compare.cli import add_parser, run

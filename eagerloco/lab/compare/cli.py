@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from eagerloco.config import ConfigError, TrainConfig
-from eagerloco.extras import MissingExtraError, check
+from eagerloco.extras import check
 from eagerloco.flags import add_train_flags
 from eagerloco.lab.compare.grid import DEFAULT_SWEEP_H, ENTRIES, SWEEP_GRID, grid_help, resolve_grid
 from eagerloco.lab.compare.runner import build_base_config, plan_runs, run_plans
@@ -83,11 +83,7 @@ def _parse_h_list(text: str) -> list[int]:
 
 
 def prepare(args: argparse.Namespace) -> tuple[TrainConfig, Path, float]:
-    """The shared base configuration, the output directory and the lowered-lr entries' outer lr, checked.
-
-    Raises:
-        ConfigError: a bad setting, --threads below 1, or a lowered outer lr that is not positive.
-    """
+    """The checked base configuration, output directory and lowered-lr outer lr; ConfigError for a bad setting."""
     base, out = build_base_config(args)
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 1:
@@ -155,23 +151,3 @@ def run(args: argparse.Namespace) -> int:
           f"plots and summary.json beside the report")
     print(f"report: {paths['report']}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m eagerloco.lab.compare``) with the same error handling as the CLI."""
-    import sys
-
-    from eagerloco.data import DataError
-
-    parser = argparse.ArgumentParser(prog="eagerloco")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["compare", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args) or 0)
-    except (ConfigError, FileNotFoundError, DataError, MissingExtraError) as e:
-        print(f"eagerloco: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

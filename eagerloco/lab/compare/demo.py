@@ -1,10 +1,7 @@
 """`eagerloco demo` (`make demo`): one seed of the committed seeded comparison, at its tuned settings.
 
-The demo trains a few methods on the protocol of ``bench/results/compare_seeds_400`` (the one where
-tuned DiLoCo first beat a single worker), each at the outer lr that comparison's sweep chose for it
-(shipped as data: :mod:`.reference`), and prints a table that fits a 100-column terminal with the
-comparison's paired result (3 seeds, 90% interval) beside this run's own difference. The full table,
-plots and the seeded comparison's every row go to ``<out>/report.md``.
+It prints a table that fits a 100-column terminal, the comparison's paired result (3 seeds, 90% interval) beside
+this run's own difference; the full table and plots go to ``<out>/report.md``.
 """
 
 from __future__ import annotations
@@ -21,8 +18,8 @@ from eagerloco.lab.compare.cli import add_arguments, prepare, use_threads
 from eagerloco.lab.compare.grid import ENTRIES, resolve_grid
 from eagerloco.lab.compare.reference import PROTOCOL_FLAGS, load_reference, protocol_of, tuned_settings
 from eagerloco.lab.compare.report import as_number, fmt_cu, fmt_loss, fmt_outer_lr, markdown_table
-from eagerloco.lab.compare.runner import PlannedRun, plan_runs, run_plans
-from eagerloco.lab.compare.tune import apply_setting
+from eagerloco.lab.compare.runner import PlannedRun, checked, plan_runs, run_plans
+from eagerloco.lab.compare.tune import apply_setting, value_text
 
 #: The rows: one worker alone (does communicating pay at all?), the reference, the naive delay and the
 #: eager update that fixes it. The comparison's other rows are quoted from it in the report, not run:
@@ -42,7 +39,7 @@ def add_parser(subparsers: Any) -> None:
     """Register the ``demo`` subcommand (compare's flags, the demo's defaults); its handler is :func:`run`."""
     try:
         ref = load_reference()
-        protocol = " " + " ".join(f"{flag} {_flag_value(ref['protocol'][k])}" for k, flag in PROTOCOL_FLAGS)
+        protocol = " " + " ".join(f"{flag} {value_text(ref['protocol'][k])}" for k, flag in PROTOCOL_FLAGS)
         source = ref["source"]
     except ConfigError:  # reported when the demo runs, not by every command
         protocol, source = "", "the committed seeded comparison"
@@ -58,10 +55,6 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _flag_value(v: Any) -> str:
-    return f"{v:g}" if isinstance(v, float) else str(v)
-
-
 def demo_defaults(reference: dict[str, Any]) -> dict[str, Any]:
     """The flags the demo sets unless the command line does: the comparison's protocol, its grid, its
     output directory and one thread (two threads on two shared cores slow down many times)."""
@@ -70,11 +63,8 @@ def demo_defaults(reference: dict[str, Any]) -> dict[str, Any]:
 
 
 def with_defaults(args: argparse.Namespace, reference: dict[str, Any]) -> argparse.Namespace:
-    """``args`` with the demo's defaults where no flag was given (not --steps when --tokens was).
-
-    Raises:
-        ConfigError: a flag that makes it a seeded, tuned or swept comparison (that is `eagerloco compare`).
-    """
+    """``args`` with the demo's defaults where no flag was given (not --steps when --tokens was); ConfigError for a
+    flag that makes it a seeded, tuned or swept comparison."""
     given = [f for f in NOT_IN_DEMO if getattr(args, f, None) is not None]
     if given:
         flags = ", ".join("--" + f.replace("_", "-") for f in given)
@@ -88,34 +78,17 @@ def with_defaults(args: argparse.Namespace, reference: dict[str, Any]) -> argpar
 
 
 def plan_demo(args: argparse.Namespace, reference: dict[str, Any]) -> tuple[list[PlannedRun], Any, Path, float]:
-    """Every run of the demo, each at its tuned setting (none when --outer-lr is given), validated.
-
-    Args:
-        args: the parsed flags, the demo's defaults filled in (:func:`with_defaults`).
-        reference: from :func:`~eagerloco.lab.compare.reference.load_reference`.
-
-    Returns:
-        The planned runs, the base configuration, the output directory and the lowered-lr entries' outer lr.
-
-    Raises:
-        ConfigError: a bad setting, or a grid entry invalid at its tuned setting (named).
-    """
-    from eagerloco.model import model_config
-
+    """Every run of the demo at its tuned setting (none with --outer-lr), validated: the runs, the base configuration,
+    the output directory and the lowered-lr outer lr; ConfigError naming a bad setting or entry."""
     entries = resolve_grid(args.grid)
     base, out, lowered = prepare(args)
     settings = {} if args.outer_lr is not None else tuned_settings(reference, [e.name for e in entries])
     plans = plan_runs(base, entries, out, lowered)
-    num_blocks = model_config(base.model).n_layers
     for p in plans:
         setting = settings.get(p.entry.name)
         if setting:
-            p.cfg, p.setting = apply_setting(p.cfg, setting), setting
-            try:
-                p.cfg.validate()
-                p.cfg.outer.validate(num_blocks=num_blocks)
-            except ConfigError as err:
-                raise ConfigError(f"grid entry {p.entry.name!r} at its tuned {setting}: {err}") from err
+            where = f"grid entry {p.entry.name!r} at its tuned {setting}"
+            p.cfg, p.setting = checked(apply_setting(p.cfg, setting), where), setting
     return plans, base, out, lowered
 
 
@@ -139,11 +112,8 @@ def _mark(r: dict[str, Any]) -> str:
 
 
 def demo_table(results: list[dict[str, Any]], reference: dict[str, Any], seed: int, width: int = TABLE_WIDTH) -> str:
-    """This run's rows beside the seeded comparison's: method, outer lr, compute utilization, eval loss,
-    this run's difference to no overlap and the comparison's (mean [90% interval] over its seeds).
-
-    Labels give way to the entries' short names when the table would be wider than ``width``.
-    """
+    """This run's rows beside the seeded comparison's (its paired difference, mean [90% interval]); labels give way to
+    short names where the table would be wider than ``width``."""
     ref = next((r for r in results if r["name"] == "no-overlap"), None)
     b = fmt_loss(ref.get("final_eval_loss")) if ref else "n/a"
     seeds = reference["seeds"]
@@ -206,7 +176,7 @@ def _numbers(r: dict[str, Any]) -> bool:
 def protocol_changes(base: Any, reference: dict[str, Any]) -> list[str]:
     """The comparison's protocol settings this run changed, as ``steps 100 (seeded: 400)``."""
     mine = protocol_of(asdict(base))
-    return [f"{k} {_flag_value(v)} (seeded: {_flag_value(reference['protocol'][k])})"
+    return [f"{k} {value_text(v)} (seeded: {value_text(reference['protocol'][k])})"
             for k, v in mine.items() if v != reference["protocol"][k]]
 
 

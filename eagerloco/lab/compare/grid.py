@@ -1,7 +1,4 @@
-"""The comparison grids as data: entries, named grids, the papers' numbers, the demo's and compare's defaults.
-
-Pure data and the arithmetic of what each entry tolerates; imports no torch.
-"""
+"""The comparison grids as data: entries, named grids, the papers' numbers, the demo's and compare's defaults."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """The committed seeded, tuned comparison as data shipped in the package: what `eagerloco demo` runs at.
 
-``tuned_400.json`` (beside this module) is made from ``bench/results/compare_seeds_400/summary.json`` by
-:func:`reference_from_summary`, so the demo needs no tuning runs and no checkout of ``bench/``:
-
-    python -m eagerloco.lab.compare.reference bench/results/compare_seeds_400
-
-It holds the protocol the comparison ran (the flags that differ from compare's defaults), the outer
-lr its sweep chose per method, and each row's mean loss and paired difference to no overlap, in nats
-and relative, each with its 90% t interval. Pure data and arithmetic; imports no torch.
+``tuned_400.json`` holds the protocol, the outer lr chosen per method and each row's loss and paired difference
+to no overlap with their 90% t intervals; it is made by
+``python -m eagerloco.lab.compare.reference bench/results/compare_seeds_400``. Imports no torch.
 """
 
 from __future__ import annotations
@@ -22,6 +17,7 @@ from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.lab.compare.grid import BASELINES
 from eagerloco.lab.compare.seeded import TUNE_SEED_OFFSET
 from eagerloco.lab.compare.stats import LEVEL, mean_interval
+from eagerloco.lab.compare.tune import value_text
 
 REFERENCE_FILE = Path(__file__).resolve().with_name("tuned_400.json")
 SOURCE = "bench/results/compare_seeds_400"
@@ -41,15 +37,8 @@ def _interval(values: list[float]) -> dict[str, float] | None:
 
 
 def protocol_of(base: dict[str, Any]) -> dict[str, Any]:
-    """The settings of :data:`PROTOCOL_KEYS` from a TrainConfig as a dict (outer and link fields flattened).
-
-    Args:
-        base: ``asdict(TrainConfig)`` (a summary's ``base_config``; a setting it lacks, added since the
-            summary was written, had its default).
-
-    Returns:
-        {key: value} in :data:`PROTOCOL_KEYS` order.
-    """
+    """The settings of :data:`PROTOCOL_KEYS` from ``asdict(TrainConfig)``, flattened (a setting added since the
+    summary was written had its default)."""
     flat = {**_defaults(), **base, **base["outer"], **base["link"]}
     return {k: flat[k] for k in PROTOCOL_KEYS}
 
@@ -61,19 +50,10 @@ def _defaults() -> dict[str, Any]:
 
 
 def seeded_command(summary: dict[str, Any], out: str = "runs/compare_seeds_400") -> str:
-    """The `eagerloco compare` command that reruns the seeded comparison, tuning sweep included.
-
-    Args:
-        summary: the comparison's summary.json.
-        out: where the rerun writes.
-
-    Returns:
-        One command line.
-    """
+    """The `eagerloco compare` command line that reruns the seeded comparison into ``out``, tuning included."""
     b = summary["base_config"]
     flat = {**b, **b["outer"]}
-    parts = ["eagerloco compare", *(f"{flag} {flat[k]:g}" if isinstance(flat[k], float) else f"{flag} {flat[k]}"
-                                     for k, flag in PROTOCOL_FLAGS)]
+    parts = ["eagerloco compare", *(f"{flag} {value_text(flat[k])}" for k, flag in PROTOCOL_FLAGS)]
     parts.append("--threads 1")
     parts.append(f"--seeds {len(summary['seeds'])}")
     if summary["seeds"][0] != 0:
@@ -88,21 +68,9 @@ def seeded_command(summary: dict[str, Any], out: str = "runs/compare_seeds_400")
 
 
 def reference_from_summary(summary: dict[str, Any], source: str = SOURCE) -> dict[str, Any]:
-    """The shipped data from a seeded, tuned comparison's summary.json.
-
-    Args:
-        summary: the comparison's summary.json (``kind`` seeded-grid, with ``chosen`` and ``rows``).
-        source: the comparison's directory, named in the data.
-
-    Returns:
-        {source, command, seeds, tune, tune_seed, level, protocol, chosen, rows}; each row has the entry
-        name, label, outer lr, per-seed losses, the mean loss and the paired difference to no overlap
-        (``delta``, nats; ``delta_pct``, relative in percent), each {mean, lo, hi}, and the diverged and
-        spiked seeds.
-
-    Raises:
-        ConfigError: not a seeded comparison without an H sweep, or no no-overlap row.
-    """
+    """The shipped data from a seeded, tuned comparison's summary.json: the command, seeds, tuning, protocol,
+    choices, and per row the losses, mean and paired difference to no overlap (nats and percent), each with its
+    interval; ConfigError for another kind of comparison or one without a no-overlap row."""
     if summary.get("kind") != "seeded-grid" or not isinstance(summary.get("rows"), list):
         raise ConfigError(f"{source}: not the summary.json of a seeded comparison without an H sweep")
     rows = {r["unit"]: r for r in summary["rows"]}
@@ -139,11 +107,7 @@ def reference_from_summary(summary: dict[str, Any], source: str = SOURCE) -> dic
 
 
 def load_reference(path: Path = REFERENCE_FILE) -> dict[str, Any]:
-    """The shipped reference (:data:`REFERENCE_FILE` unless ``path`` says otherwise).
-
-    Raises:
-        ConfigError: the file is missing or is no reference (a broken install: reinstall the package).
-    """
+    """The shipped reference; ConfigError when it is missing or is none (a broken install: reinstall the package)."""
     try:
         data = json.loads(path.read_text())
         if not isinstance(data, dict) or not isinstance(data.get("rows"), dict):
@@ -159,15 +123,7 @@ def load_reference(path: Path = REFERENCE_FILE) -> dict[str, Any]:
 
 
 def tuned_settings(reference: dict[str, Any], names: list[str]) -> dict[str, dict[str, Any]]:
-    """The settings the comparison's sweep chose for these grid entries (absent: not tuned there).
-
-    Args:
-        reference: from :func:`load_reference`.
-        names: grid entry names.
-
-    Returns:
-        {entry name: {key: value}}.
-    """
+    """{entry name: setting} the comparison's sweep chose for these grid entries (absent: not tuned there)."""
     return {n: dict(reference["chosen"][n]) for n in names if n in reference["chosen"]}
 
 

@@ -1,7 +1,5 @@
-"""The comparison report: a Markdown table, the combined summary.json and PNG plots.
-
-Kept apart from the runner so a report can be redrawn from finished runs without
-training, and so matplotlib is imported only when a report is written.
+"""The comparison report: a Markdown table, the combined summary.json and PNG plots (apart from the runner, so that
+a report can be redrawn from finished runs).
 """
 
 from __future__ import annotations
@@ -93,10 +91,6 @@ def fmt_cu(x: Any) -> str:
     return f"{v:.3f}" if v is not None else "n/a"
 
 
-def _cu(r: dict[str, Any]) -> str:
-    return fmt_cu(r.get("compute_utilization"))
-
-
 def _wall(r: dict[str, Any]) -> str:
     v = as_number(r.get("wall_s"))
     return f"{v:.1f} s" if v is not None else "n/a"
@@ -176,27 +170,20 @@ def _cells(r: dict[str, Any], ref: dict[str, Any] | None, with_ref: bool, lr_col
     if with_ref:
         row.append(_delta(r, ref))
     row += [fmt_score(benchmark_score(r, keys)) for _, keys in bench]
-    row += [fmt_bytes(r.get("bytes_sent_per_worker")), fmt_bytes(r.get("peak_sync_bytes")), _cu(r), _wall(r),
-            fmt_rate(r), fmt_mfu(r)]
+    row += [fmt_bytes(r.get("bytes_sent_per_worker")), fmt_bytes(r.get("peak_sync_bytes")),
+            fmt_cu(r.get("compute_utilization")), _wall(r), fmt_rate(r), fmt_mfu(r)]
     return row + (fmt_per_worker(r) if unequal else [])
 
 
-def grid_table(results: list[dict[str, Any]]) -> str:
-    ref = next((r for r in results if r["name"] == REFERENCE), None)
-    headers, bench = _columns(results, ref is not None)
-    lr_col = headers[0] == "outer lr"
-    rows = [[r["label"], *_cells(r, ref, ref is not None, lr_col, bench, _unequal(results))] for r in results]
-    return markdown_table(["method", *headers], rows)
-
-
-def sweep_table(results: list[dict[str, Any]]) -> str:
-    refs = {r["inner_steps"]: r for r in results if r["name"] == REFERENCE}
+def results_table(results: list[dict[str, Any]], sweep: bool = False) -> str:
+    """One row per run; in a sweep the runs sorted by H, each compared with the no-overlap run at its own H."""
+    refs = {r["inner_steps"] if sweep else None: r for r in reversed(results) if r["name"] == REFERENCE}
     headers, bench = _columns(results, bool(refs))
     lr_col = headers[0] == "outer lr"
-    rows = [[str(r["inner_steps"]), r["label"],
-             *_cells(r, refs.get(r["inner_steps"]), bool(refs), lr_col, bench, _unequal(results))]
-            for r in sorted(results, key=lambda r: r["inner_steps"])]
-    return markdown_table(["H", "method", *headers], rows)
+    rows = [[*([str(r["inner_steps"])] if sweep else []), r["label"],
+             *_cells(r, refs.get(r["inner_steps"] if sweep else None), bool(refs), lr_col, bench, _unequal(results))]
+            for r in (sorted(results, key=lambda r: r["inner_steps"]) if sweep else results)]
+    return markdown_table([*(["H"] if sweep else []), "method", *headers], rows)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,6 +231,14 @@ def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend (no display), or the one line that names the [plot] extra."""
     require("matplotlib", PLOT_NEEDS).use("Agg")
     return require("matplotlib.pyplot", PLOT_NEEDS)
+
+
+def save(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay the figure out, write it to ``path`` as a PNG at 110 dpi and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def line_styles(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -330,11 +325,7 @@ def plot_curves(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) 
             notes.append("points before a run's first exchange\n(0 bytes) are not shown")
         ax.text(1.01, 0.0, "\n".join(notes), transform=ax.transAxes, va="bottom", ha="left", fontsize=7,
                 color="dimgray")
-        fig.tight_layout()
-        path = out / PLOTS[kind]
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths[kind] = path
+        paths[kind] = save(plt, fig, out / PLOTS[kind])
     return paths
 
 
@@ -384,11 +375,7 @@ def plot_sweep(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -
     ax2.set_xlabel("inner steps per round H (log scale)")
     ax.set_title(f"Final eval loss against H\n{setup_line(meta, results)}", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / SWEEP_PLOT
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(plt, fig, out / SWEEP_PLOT)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -455,7 +442,7 @@ def _notes(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
         notes.append("- **Spiked**: " + "; ".join(r["label"] for r in jumpy) + ": their eval loss climbed back "
                      "above the unigram entropy of the data after having been below it, then recovered.")
     names = {r["name"] for r in results}
-    paper = [(n, v) for n, v in _paper_rows() if n in names]
+    paper = [(n, v) for n, v in PAPER_EVAL_LOSS.items() if n in names]
     if paper and meta["kind"] == "grid":
         ref = "; ".join(f"{ENTRIES[n].label} {v:.2f}" for n, v in paper)
         notes.append(f"- For scale, the eager paper reports eval loss for a 500M model at H = 30: {ref}.")
@@ -469,19 +456,13 @@ def _device_line(results: list[dict[str, Any]]) -> str:
     return "; ".join(seen) if seen else "n/a"
 
 
-def _paper_rows() -> list[tuple[str, float]]:
-    return list(PAPER_EVAL_LOSS.items())
-
-
 def write_report(out: Path, results: list[dict[str, Any]], meta: dict[str, Any],
                  preface: list[str] | None = None) -> dict[str, Any]:
-    """Write <out>/report.md, <out>/summary.json and the plots; returns their paths and the table.
-
-    ``preface``: Markdown lines put before the table (which then gets the heading "Every column").
-    """
+    """Write <out>/report.md, <out>/summary.json and the plots; returns their paths and the table. ``preface``:
+    Markdown lines before the table."""
     out.mkdir(parents=True, exist_ok=True)
     sweep = meta["kind"] != "grid"
-    table = sweep_table(results) if sweep else grid_table(results)
+    table = results_table(results, sweep)
     lines = [
         "# Inner-steps sweep" if sweep else "# Method comparison",
         "",

@@ -17,11 +17,12 @@ from eagerloco.lab.compare.report import (
     load_curves,
     markdown_table,
     pyplot,
+    save,
     setup_line,
     zoom_y,
 )
 from eagerloco.lab.compare.stats import LEVEL, Interval, mean_interval, paired_difference
-from eagerloco.lab.compare.tune import setting_text
+from eagerloco.lab.compare.tune import setting_text, value_text
 from eagerloco.units import fmt_bytes
 
 SEED_PLOTS = {"steps": "loss_vs_steps.png", "delta": "delta_vs_no_overlap.png", "tune": "tuning.png",
@@ -43,16 +44,8 @@ def _mean(rs: list[dict[str, Any]], key: str) -> float | None:
 
 
 def aggregate(units: list[Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per unit: per-seed losses, the mean with its interval, the difference to the no-overlap
-    row at the same H (paired by seed), diverged seeds, and the link columns (means over seeds).
-
-    Args:
-        units: the comparison's rows (``name``, ``entry``, ``h``).
-        results: every seeded run's result, each with ``unit``, ``seed`` and ``diverged``.
-
-    Returns:
-        The rows, in the units' order.
-    """
+    """One row per unit, in the units' order: per-seed losses, the mean with its interval, the difference to the
+    no-overlap row at the same H (paired by seed), diverged seeds, and the link columns (means over seeds)."""
     by_unit: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         by_unit.setdefault(r["unit"], []).append(r)
@@ -219,11 +212,7 @@ def plot_steps(rows: list[dict[str, Any]], results: list[dict[str, Any]], out: P
     if clipped:
         ax.text(1.01, 0.0, f"y axis clipped: {clipped} point(s) above it", transform=ax.transAxes, fontsize=7,
                 color="dimgray")
-    fig.tight_layout()
-    path = out / SEED_PLOTS["steps"]
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(plt, fig, out / SEED_PLOTS["steps"])
 
 
 def plot_delta(rows: list[dict[str, Any]], out: Path, subtitle: str) -> Path:
@@ -245,11 +234,7 @@ def plot_delta(rows: list[dict[str, Any]], out: Path, subtitle: str) -> Path:
     ax.grid(True, axis="x", alpha=0.3)
     ax.set_xlabel(f"final eval loss minus no overlap's, same seed (mean, {100 * LEVEL:.0f}% t interval)")
     ax.set_title(f"Difference to no overlap, paired by seed\n{subtitle}", fontsize=9)
-    fig.tight_layout()
-    path = out / SEED_PLOTS["delta"]
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(plt, fig, out / SEED_PLOTS["delta"])
 
 
 def plot_tune(tune_results: list[dict[str, Any]], out: Path, key: str, subtitle: str) -> Path:
@@ -276,11 +261,7 @@ def plot_tune(tune_results: list[dict[str, Any]], out: Path, key: str, subtitle:
     ax.grid(True, alpha=0.3)
     ax.set_title(f"Tuning sweep: circle = chosen, red x = diverged\n{subtitle}", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    fig.tight_layout()
-    path = out / SEED_PLOTS["tune"]
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(plt, fig, out / SEED_PLOTS["tune"])
 
 
 def plot_sweep_bands(rows: list[dict[str, Any]], out: Path, subtitle: str) -> Path:
@@ -310,19 +291,11 @@ def plot_sweep_bands(rows: list[dict[str, Any]], out: Path, subtitle: str) -> Pa
     ax.set_ylabel("final eval loss (nats/token)")
     ax.set_title(f"Final eval loss against H: mean over seeds, {100 * LEVEL:.0f}% t band\n{subtitle}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / SEED_PLOTS["sweep"]
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(plt, fig, out / SEED_PLOTS["sweep"])
 
 
 # --------------------------------------------------------------------------------------------------
 # The report
-
-
-def _value_text(v: Any) -> str:
-    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def _notes(rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
@@ -355,7 +328,7 @@ def _notes(rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: dict
         f"(warmup {b['warmup_steps']}, cosine to 10%), data {b['data']}.",
     ]
     if meta["tune"]:
-        axes = "; ".join(f"{a['key']} in {{{', '.join(map(_value_text, a['values']))}}}" for a in meta["tune"])
+        axes = "; ".join(f"{a['key']} in {{{', '.join(map(value_text, a['values']))}}}" for a in meta["tune"])
         notes.append(
             f"- **Tuning**: every method with a free swept setting ({axes}) ran each value once on the tuning "
             f"seed {meta['tune_seed']} (not a reported seed) and keeps the one with the lowest final held-out "
@@ -371,18 +344,8 @@ def _notes(rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: dict
 
 def write_seeded_report(out: Path, units: list[Any], results: list[dict[str, Any]],
                         tune_results: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    """Write <out>/report.md, <out>/summary.json and the plots of a seeded comparison.
-
-    Args:
-        out: the comparison's directory.
-        units: its rows.
-        results: the seeded runs' results (with ``unit``, ``seed``, ``diverged``).
-        tune_results: the tuning runs' results (with ``unit``, ``setting``, ``chosen``), or [].
-        meta: what the command knows (kind, seeds, tune, tune_seed, chosen, base_config, ...).
-
-    Returns:
-        The paths of the report, summary and plots, and the main table's text.
-    """
+    """Write <out>/report.md, <out>/summary.json and the plots of a seeded comparison; returns their paths and the
+    main table's text."""
     out.mkdir(parents=True, exist_ok=True)
     sweep = meta["kind"] == "seeded-sweep-inner-steps"
     rows = aggregate(units, results)

@@ -1,9 +1,7 @@
 """Running a comparison: plan every run of a grid from one base config, then train or reuse each.
 
-Every run of a grid shares one base :class:`~eagerloco.config.TrainConfig`; a grid entry only
-changes the outer algorithm, so differences in the report come from the method alone. Runs go
-one after another in this process, each into ``<out>/runs/<name>``; a run whose ``summary.json``
-was written with the same settings is reused, so a killed compare is cheap to rerun.
+An entry changes only the outer algorithm, so the report's differences come from the method alone. Runs go one
+after another into ``<out>/runs/<name>``; one whose ``summary.json`` has the same settings is reused.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from eagerloco.lab.compare.grid import (
     tolerated_steps,
     tolerated_text,
 )
+from eagerloco.lab.compare.tune import value_text
 
 
 @dataclass
@@ -59,24 +58,29 @@ def entry_config(base: Any, entry: GridEntry, run_dir: Path, lowered_lr: float, 
     return replace(base, **entry.train, outer=replace(base.outer, **outer), out=str(run_dir), overwrite=True)
 
 
+def checked(cfg: TrainConfig, where: str) -> TrainConfig:
+    """``cfg`` validated as its run will validate it (with its model's blocks); a ConfigError names ``where`` first."""
+    from eagerloco.model import model_config
+
+    num_blocks = model_config(cfg.model).n_layers
+    try:
+        cfg.validate()
+        cfg.outer.validate(num_blocks=num_blocks)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from err
+    return cfg
+
+
 def plan_runs(
     base: Any, entries: list[GridEntry], out: Path, lowered_lr: float, sweep_h: list[int] | None = None
 ) -> list[PlannedRun]:
     """Every run of the comparison, validated (with the model's block count) before any trains."""
-    from eagerloco.model import model_config
-
-    num_blocks = model_config(base.model).n_layers
     plans = []
     for h in sweep_h or [None]:
         for e in entries:
             name = e.name if h is None else f"H{h}-{e.name}"
-            cfg = entry_config(base, e, out / "runs" / name, lowered_lr, h)
-            try:
-                cfg.validate()
-                cfg.outer.validate(num_blocks=num_blocks)
-            except ConfigError as err:
-                where = f"grid entry {e.name!r}" + (f" at H = {h}" if h is not None else "")
-                raise ConfigError(f"{where}: {err}") from err
+            where = f"grid entry {e.name!r}" + (f" at H = {h}" if h is not None else "")
+            cfg = checked(entry_config(base, e, out / "runs" / name, lowered_lr, h), where)
             plans.append(PlannedRun(e, cfg, out / "runs" / name, cfg.outer.inner_steps, h is not None))
     return plans
 
@@ -166,7 +170,7 @@ def _check_run_dirs(plans: list[PlannedRun]) -> None:
 
 
 def _setting_brief(setting: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in setting.items())
+    return ", ".join(f"{k} {value_text(v)}" for k, v in setting.items())
 
 
 def _result(plan: PlannedRun, summary: dict[str, Any], cached: bool) -> dict[str, Any]:

@@ -1,11 +1,8 @@
 """Seeded and tuned comparisons (``--seeds N``, ``--tune KEY=V1,V2,...``).
 
-A tuned comparison first sweeps each method over the settings on a tuning seed of its own (so the
-choice is not scored on the seeds that report it) and picks the lowest held-out loss; then every
-grid entry runs, at its chosen setting, once per seed. Seeds change the data split and order, the
-initialization and the worker shards together (``TrainConfig.seed``). Runs go to
-``<out>/tune/<entry>/<setting>`` and ``<out>/runs/<entry>/seed<s>`` and are reused like any compare run.
-Every run is checked against the unigram entropy of its data: above it, the run diverged.
+A tuned comparison sweeps each method on a tuning seed of its own and keeps the lowest held-out loss, then runs
+every entry at its choice once per seed (a seed sets the data split and order, the initialization and the
+shards). A run whose loss ends above the unigram entropy of its data diverged.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from typing import Any
 
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.lab.compare.grid import BASELINES, ENTRIES, GridEntry
-from eagerloco.lab.compare.runner import PlannedRun, entry_config, run_plans
+from eagerloco.lab.compare.runner import PlannedRun, checked, entry_config, run_plans
 from eagerloco.lab.compare.stats import diverged, spiked, unigram_entropy
 from eagerloco.lab.compare.tune import TuneAxis, apply_setting, choose, setting_text, settings_for
 
@@ -40,34 +37,15 @@ class Unit:
 
 
 def seed_list(first: int, n: int) -> list[int]:
-    """The seeds of a comparison: ``first``, ``first + 1``, ... (n of them).
-
-    Args:
-        first: the base configuration's seed.
-        n: how many seeds (``--seeds``).
-
-    Returns:
-        The list of seeds.
-
-    Raises:
-        ConfigError: n is not an integer >= 1.
-    """
+    """The seeds ``first``, ``first + 1``, ... (n of them); ConfigError unless n is an integer >= 1."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"--seeds must be an integer >= 1, got {n!r}")
     return [first + i for i in range(n)]
 
 
 def units_for(entries: list[GridEntry], sweep_h: list[int] | None) -> list[Unit]:
-    """The rows: every entry (at every swept H). A grid without a sweep gets the baselines too,
-    first, so every seeded report shows whether the outer optimizer helps at all.
-
-    Args:
-        entries: the grid.
-        sweep_h: the H of ``--sweep inner-steps``, or None.
-
-    Returns:
-        The units in report order.
-    """
+    """The rows in report order: every entry (at every swept H); without a sweep the baselines come first, so every
+    seeded report shows whether the outer optimizer helps at all."""
     if sweep_h:
         return [Unit(e, h) for h in sweep_h for e in entries]
     base = [ENTRIES[n] for n in BASELINES if ENTRIES[n] not in entries]
@@ -75,40 +53,18 @@ def units_for(entries: list[GridEntry], sweep_h: list[int] | None) -> list[Unit]
 
 
 def _plan(base: TrainConfig, unit: Unit, run_dir: Path, lowered: float, seed: int, setting: dict[str, Any],
-          axes: list[TuneAxis], num_blocks: int, tag: str) -> PlannedRun:
+          tag: str) -> PlannedRun:
+    where = f"grid entry {unit.entry.name!r}" + (f" at H = {unit.h}" if unit.h is not None else "")
+    where += f" with {setting_text(setting)}" if setting else ""
     cfg = entry_config(base, unit.entry, run_dir, lowered, unit.h)
-    cfg = replace(apply_setting(cfg, setting), seed=seed)
-    try:
-        cfg.validate()
-        cfg.outer.validate(num_blocks=num_blocks)
-    except ConfigError as err:
-        where = f"grid entry {unit.entry.name!r}" + (f" at H = {unit.h}" if unit.h is not None else "")
-        where += f" with {setting_text(setting)}" if setting else ""
-        raise ConfigError(f"{where}: {err}") from err
+    cfg = checked(replace(apply_setting(cfg, setting), seed=seed), where)
     return PlannedRun(unit.entry, cfg, run_dir, cfg.outer.inner_steps, unit.h is not None, seed, setting, tag)
 
 
 def plan_tuning(base: TrainConfig, units: list[Unit], axes: list[TuneAxis], out: Path, lowered: float,
                 tune_seed: int) -> dict[str, list[PlannedRun]]:
-    """The sweep: for each unit with a free swept key, one run per setting on the tuning seed.
-
-    Args:
-        base: the shared configuration.
-        units: the comparison's rows.
-        axes: the swept settings.
-        out: the comparison's directory (runs go to ``<out>/tune/<unit>/<setting>``).
-        lowered: the lowered-lr entries' outer lr.
-        tune_seed: the seed of every tuning run.
-
-    Returns:
-        {unit name: its runs, one per setting}; units that fix every swept key are absent.
-
-    Raises:
-        ConfigError: a setting is invalid for an entry (named), before anything trains.
-    """
-    from eagerloco.model import model_config
-
-    num_blocks = model_config(base.model).n_layers
+    """The sweep on ``tune_seed``: {unit: one run per setting} for each unit with a free swept key, under
+    ``<out>/tune/<unit>/<setting>``; ConfigError naming an invalid setting before anything trains."""
     plans: dict[str, list[PlannedRun]] = {}
     names = {u.name for u in units}
     for u in units:
@@ -116,7 +72,7 @@ def plan_tuning(base: TrainConfig, units: list[Unit], axes: list[TuneAxis], out:
         if settings == [{}] or parent_unit(u, names) is not None:
             continue
         plans[u.name] = [
-            _plan(base, u, out / "tune" / u.name / setting_text(s), lowered, tune_seed, s, axes, num_blocks,
+            _plan(base, u, out / "tune" / u.name / setting_text(s), lowered, tune_seed, s,
                   f"tune/{u.name}/{setting_text(s)}")
             for s in settings
         ]
@@ -133,19 +89,8 @@ def parent_unit(unit: Unit, names: set[str]) -> str | None:
 
 
 def chosen_from(path: Path, units: list[Unit]) -> dict[str, dict[str, Any]]:
-    """The settings a finished tuned comparison chose, for these units (matched by entry name, so a
-    sweep of H can run each method at the setting tuned at the base H).
-
-    Args:
-        path: a tuned comparison's directory (or its summary.json).
-        units: the rows that take the settings.
-
-    Returns:
-        {unit name: setting}; units whose entry was not tuned there are absent.
-
-    Raises:
-        ConfigError: no readable summary with chosen settings at ``path``.
-    """
+    """{unit: setting} a finished tuned comparison at ``path`` chose, matched by entry name (so a sweep of H runs each
+    method at the setting tuned at the base H); ConfigError without a readable summary."""
     import json
 
     file = path / "summary.json" if path.is_dir() else path
@@ -162,30 +107,11 @@ def chosen_from(path: Path, units: list[Unit]) -> dict[str, dict[str, Any]]:
 
 
 def plan_seeded(base: TrainConfig, units: list[Unit], chosen: dict[str, dict[str, Any]], seeds: list[int],
-                out: Path, lowered: float, axes: list[TuneAxis]) -> list[PlannedRun]:
-    """Every unit once per seed, at its chosen setting (the base one when it has none).
-
-    Args:
-        base: the shared configuration.
-        units: the comparison's rows.
-        chosen: {unit name: setting} picked by the sweep.
-        seeds: the comparison's seeds.
-        out: the comparison's directory (runs go to ``<out>/runs/<unit>/seed<s>``).
-        lowered: the lowered-lr entries' outer lr.
-        axes: the swept settings (they say where each chosen key goes).
-
-    Returns:
-        The planned runs, unit by unit, seed by seed.
-
-    Raises:
-        ConfigError: an entry is invalid with these settings (named), before anything trains.
-    """
-    from eagerloco.model import model_config
-
-    num_blocks = model_config(base.model).n_layers
+                out: Path, lowered: float) -> list[PlannedRun]:
+    """Every unit once per seed at its chosen setting (else the base one), under ``<out>/runs/<unit>/seed<s>``;
+    ConfigError naming an invalid entry before anything trains."""
     return [
-        _plan(base, u, out / "runs" / u.name / f"seed{s}", lowered, s, chosen.get(u.name, {}), axes, num_blocks,
-              f"{u.name}/seed{s}")
+        _plan(base, u, out / "runs" / u.name / f"seed{s}", lowered, s, chosen.get(u.name, {}), f"{u.name}/seed{s}")
         for u in units
         for s in seeds
     ]
@@ -195,14 +121,8 @@ _ENTROPY: dict[tuple[Any, ...], float] = {}
 
 
 def data_entropy(cfg: TrainConfig) -> float:
-    """Unigram entropy (nats per token) of the run's training split under its tokenizer.
-
-    Args:
-        cfg: a run's configuration (data, tokenizer and seed decide the split and the tokens).
-
-    Returns:
-        The entropy of the token frequencies: a model that learned only them has this loss.
-    """
+    """Unigram entropy (nats per token) of the run's training split under its tokenizer: the loss of a model that
+    learned only the token frequencies."""
     import numpy as np
 
     from eagerloco.data import encode_corpus, get_tokenizer, load_corpus
@@ -218,13 +138,8 @@ def data_entropy(cfg: TrainConfig) -> float:
 
 
 def mark_divergence(results: list[dict[str, Any]], plans: list[PlannedRun]) -> None:
-    """Add ``unigram_entropy``, ``diverged`` (the final eval loss is above it) and ``spiked`` (the eval
-    loss climbed back above it after having been below) to each result, warning on stderr for each.
-
-    Args:
-        results: from :func:`~eagerloco.lab.compare.runner.run_plans`, in the plans' order.
-        plans: the runs they came from.
-    """
+    """Add ``unigram_entropy``, ``diverged`` and ``spiked`` to each result (in the plans' order), warning on stderr
+    for each run that did."""
     from eagerloco.lab.compare.report import as_number, load_curves
 
     for r, p in zip(results, plans, strict=True):
@@ -248,23 +163,8 @@ def mark_divergence(results: list[dict[str, Any]], plans: list[PlannedRun]) -> N
 
 def run_seeded(args: argparse.Namespace, entries: list[GridEntry], base: TrainConfig, out: Path, lowered: float,
                sweep_h: list[int] | None, axes: list[TuneAxis]) -> int:
-    """`eagerloco compare --seeds N [--tune ...]`: plan everything, sweep, pick, run the seeds, report.
-
-    Args:
-        args: the parsed flags (``seeds``, ``tune_seed``, ``force``).
-        entries: the grid.
-        base: the shared configuration.
-        out: the comparison's directory.
-        lowered: the lowered-lr entries' outer lr.
-        sweep_h: the H of ``--sweep inner-steps``, or None.
-        axes: the swept settings (empty: no tuning).
-
-    Returns:
-        0 (the exit status).
-
-    Raises:
-        ConfigError: an invalid setting, before anything trains.
-    """
+    """`eagerloco compare --seeds N [--tune ...]`: plan everything, sweep, pick, run the seeds, report; 0, or
+    ConfigError for an invalid setting before anything trains."""
     from eagerloco.lab.compare.report_seeds import write_seeded_report
 
     seeds = seed_list(base.seed, args.seeds if args.seeds is not None else 1)
@@ -276,7 +176,7 @@ def run_seeded(args: argparse.Namespace, entries: list[GridEntry], base: TrainCo
     tuning = plan_tuning(base, units, axes, out, lowered, tune_seed) if axes else {}
     if axes and getattr(args, "tuned_from", None) is not None:
         raise ConfigError("pass either --tune (sweep here) or --tuned-from (settings chosen before), not both")
-    plan_seeded(base, units, {}, seeds, out, lowered, axes)  # every entry valid before anything trains
+    plan_seeded(base, units, {}, seeds, out, lowered)  # every entry valid before anything trains
     link = f"{base.link.bandwidth_gbps:g} Gbit/s + {base.link.latency_ms:g} ms"
     n_tune = sum(len(v) for v in tuning.values())
     print(f"compare: {len(units)} methods x {len(seeds)} seed(s) ({', '.join(map(str, seeds))})"
@@ -303,7 +203,7 @@ def run_seeded(args: argparse.Namespace, entries: list[GridEntry], base: TrainCo
         parent = parent_unit(u, names)
         if parent is not None and parent in chosen:
             chosen[u.name] = dict(chosen[parent])
-    plans = plan_seeded(base, units, chosen, seeds, out, lowered, axes)
+    plans = plan_seeded(base, units, chosen, seeds, out, lowered)
     results = run_plans(plans, force=args.force)
     mark_divergence(results, plans)
     for r, u in zip(results, [u for u in units for _ in seeds], strict=True):

@@ -1,10 +1,8 @@
 """The arithmetic of a seeded comparison: Student-t intervals, paired differences, divergence.
 
-Pure Python: the t distribution's CDF has a closed form for integer degrees of freedom (Abramowitz and
-Stegun 26.7.3-4), and the quantile is found by bisection on it, so the intervals are exact for the n - 1
-degrees of freedom of n seeds. Why not scipy.stats.t.ppf, which gives the same numbers: it would make
-scipy (a 35 MB wheel, about a second to import) an extra of ``eagerloco demo``, ``eagerloco compare`` and
-the benches, for one function that these 60 lines compute exactly.
+The t CDF has a closed form for integer degrees of freedom (Abramowitz and Stegun 26.7.3-4) and the quantile is
+bisected on it. Not scipy.stats.t.ppf, which gives the same numbers: scipy (a 35 MB wheel, a second to import)
+would become an extra of the demo, compare and the benches for one function.
 """
 
 from __future__ import annotations
@@ -18,18 +16,7 @@ LEVEL = 0.90
 
 
 def t_cdf(t: float, df: int) -> float:
-    """P(T <= t) for Student's t with an integer number of degrees of freedom.
-
-    Args:
-        t: the point.
-        df: degrees of freedom, an integer >= 1.
-
-    Returns:
-        The cumulative probability in [0, 1].
-
-    Raises:
-        ValueError: df is not an integer >= 1.
-    """
+    """P(T <= t) for Student's t with ``df`` degrees of freedom; ValueError unless df is an integer >= 1."""
     if isinstance(df, bool) or not isinstance(df, int) or df < 1:
         raise ValueError(f"degrees of freedom must be an integer >= 1, got {df!r}")
     if math.isinf(t):
@@ -53,18 +40,8 @@ def t_cdf(t: float, df: int) -> float:
 
 
 def t_quantile(p: float, df: int) -> float:
-    """The p-quantile of Student's t with integer df (bisection on :func:`t_cdf` to 1e-12).
-
-    Args:
-        p: probability in (0, 1).
-        df: degrees of freedom, an integer >= 1.
-
-    Returns:
-        t such that P(T <= t) = p.
-
-    Raises:
-        ValueError: p outside (0, 1) or df not an integer >= 1.
-    """
+    """The p-quantile of Student's t with integer ``df`` (bisection on :func:`t_cdf` to 1e-12); ValueError for p outside
+    (0, 1) or a bad df."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"p must be in (0, 1), got {p}")
     if p == 0.5:
@@ -101,19 +78,10 @@ class Interval:
 
 
 def mean_interval(values: Sequence[float], level: float = LEVEL) -> Interval | None:
-    """The mean of ``values`` and its two-sided t interval: mean +- t_{(1+level)/2, n-1} * sd / sqrt(n).
+    """The mean of ``values`` and its two-sided t interval, mean +- t_{(1+level)/2, n-1} * sd / sqrt(n).
 
-    Args:
-        values: the per-seed numbers; a non-finite one makes the result None (it cannot be averaged).
-        level: two-sided coverage, in (0, 1).
-
-    Returns:
-        The Interval, or None when there are no values or one is not finite. With one value the
-        interval has zero width (n = 1 says so).
-
-    Raises:
-        ValueError: level outside (0, 1).
-    """
+    None without values or with a non-finite one; one value gives a zero-width interval (n = 1). ValueError for a
+    level outside (0, 1)."""
     if not 0.0 < level < 1.0:
         raise ValueError(f"level must be in (0, 1), got {level}")
     vals = [float(v) for v in values]
@@ -129,32 +97,15 @@ def mean_interval(values: Sequence[float], level: float = LEVEL) -> Interval | N
 
 
 def paired_difference(a: dict[int, float], b: dict[int, float], level: float = LEVEL) -> Interval | None:
-    """Mean of a[s] - b[s] over the seeds s both have, with its t interval (a paired comparison).
-
-    Args:
-        a: value per seed of the row.
-        b: value per seed of the reference.
-        level: two-sided coverage.
-
-    Returns:
-        The Interval of the differences, or None when no seed is shared or a difference is not finite.
-    """
+    """Mean of a[s] - b[s] over the seeds both have, with its t interval (a paired comparison); None when no seed is
+    shared or a difference is not finite."""
     shared = sorted(set(a) & set(b))
     return mean_interval([a[s] - b[s] for s in shared], level)
 
 
 def unigram_entropy(counts: Sequence[int]) -> float:
-    """Entropy in nats of the token frequencies: the loss of a model that learned only them.
-
-    Args:
-        counts: occurrences of each token id (zeros allowed).
-
-    Returns:
-        -sum p log p over the tokens that occur.
-
-    Raises:
-        ValueError: no token counted.
-    """
+    """Entropy in nats of the token frequencies (``counts`` per token id): the loss of a model that learned only them;
+    ValueError when no token is counted."""
     total = sum(int(c) for c in counts)
     if total <= 0:
         raise ValueError("unigram_entropy needs at least one token")
@@ -162,30 +113,13 @@ def unigram_entropy(counts: Sequence[int]) -> float:
 
 
 def diverged(final: float, threshold: float) -> bool:
-    """Whether a run diverged: its final eval loss is not finite or above ``threshold``, the unigram
-    entropy of the data (a model beats it once it has learned the token frequencies).
-
-    Args:
-        final: the final eval loss.
-        threshold: the unigram entropy, in the loss's units.
-
-    Returns:
-        True for a diverged run.
-    """
+    """Whether a run diverged: its final eval loss is not finite or above ``threshold`` (the data's unigram entropy)."""
     return not math.isfinite(final) or final > threshold
 
 
 def spiked(eval_losses: Sequence[float], threshold: float) -> bool:
-    """Whether a run's eval loss climbed back above ``threshold`` (the unigram entropy) after having
-    been below it: an instability, even when the run recovered by its end.
-
-    Args:
-        eval_losses: the run's eval losses in step order.
-        threshold: the unigram entropy, in the loss's units.
-
-    Returns:
-        True when some eval loss above the threshold (or not finite) follows one at or below it.
-    """
+    """Whether the eval losses (in step order) climbed back above ``threshold`` (the unigram entropy), or to a
+    non-finite value, after one at or below it: an instability, even when the run recovered."""
     below = False
     for v in eval_losses:
         if v <= threshold:

@@ -1,9 +1,4 @@
-"""`--tune KEY=V1,V2,...`: the settings a per-method sweep tries, and how it picks one.
-
-Pure data and arithmetic (no torch): parse the specs into axes, list the settings an entry is
-swept over (the product of the axes it does not fix itself), apply one to a config, and pick the
-best on held-out loss.
-"""
+"""`--tune KEY=V1,V2,...`: the settings a per-method sweep tries, and how it picks one (no torch)."""
 
 from __future__ import annotations
 
@@ -55,19 +50,8 @@ def _parse_value(text: str, kind: str, key: str) -> Any:
 
 
 def parse_tune(specs: list[str]) -> list[TuneAxis]:
-    """``["outer_lr=0.2,0.35", "lr=1e-3,3e-3"]`` (dashes or underscores) into axes, in order.
-
-    Args:
-        specs: the ``--tune`` values, each KEY=V1,V2,...; KEY a field of the training, outer or link
-            settings (``outer_lr``, ``outer-momentum``, ``lr``, ``inner_steps``, ...).
-
-    Returns:
-        One axis per spec, values in the order given, duplicates dropped.
-
-    Raises:
-        ConfigError: a spec without '=' or values, an unknown or untunable key, a key given twice,
-            or a value of the wrong type.
-    """
+    """``["outer_lr=0.2,0.35", "lr=1e-3,3e-3"]`` (dashes or underscores) into axes in order, duplicate values dropped;
+    ConfigError for a spec without values, an unknown or untunable key, a key given twice or a mistyped value."""
     axes: list[TuneAxis] = []
     for spec in specs:
         key, sep, raw = spec.partition("=")
@@ -88,16 +72,8 @@ def parse_tune(specs: list[str]) -> list[TuneAxis]:
 
 
 def settings_for(entry: GridEntry, axes: list[TuneAxis]) -> list[dict[str, Any]]:
-    """The settings the sweep tries for ``entry``: the product of the axes it does not fix.
-
-    Args:
-        entry: the grid entry.
-        axes: from :func:`parse_tune`.
-
-    Returns:
-        A list of {key: value} in the axes' order; ``[{}]`` (one run at the base settings) when the
-        entry fixes every swept key (data-parallel and the outer lr, plain averaging, ...).
-    """
+    """The settings the sweep tries for ``entry``, the product of the axes it does not fix; ``[{}]`` (one run at the
+    base settings) when it fixes every swept key."""
     free = [a for a in axes if not entry.fixes(a.key)]
     return [dict(zip((a.key for a in free), combo, strict=True))
             for combo in itertools.product(*(a.values for a in free))]
@@ -109,18 +85,8 @@ def section_of(key: str) -> str | None:
 
 
 def apply_setting(cfg: TrainConfig, setting: dict[str, Any]) -> TrainConfig:
-    """A copy of ``cfg`` with the swept values set in the right section.
-
-    Args:
-        cfg: a run's configuration.
-        setting: {key: value} from :func:`settings_for` (or a summary's chosen settings).
-
-    Returns:
-        The new TrainConfig (not validated).
-
-    Raises:
-        ConfigError: a key that is no setting.
-    """
+    """A copy of ``cfg`` (not validated) with the swept values set in their sections; ConfigError for a key that is
+    no setting."""
     by: dict[str, dict[str, Any]] = {"train": {}, "outer": {}, "link": {}}
     for k, v in setting.items():
         section = section_of(k)
@@ -130,25 +96,19 @@ def apply_setting(cfg: TrainConfig, setting: dict[str, Any]) -> TrainConfig:
     return replace(cfg, **by["train"], outer=replace(cfg.outer, **by["outer"]), link=replace(cfg.link, **by["link"]))
 
 
+def value_text(v: Any) -> str:
+    """A setting's value as the reports and commands write it: a float in its shortest form (``0.35``, ``1e-05``)."""
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
 def setting_text(setting: dict[str, Any]) -> str:
     """``outer_lr=0.35,lr=0.003``, or ``base`` for the empty setting; also a run directory's name."""
-    return ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in setting.items()) or "base"
+    return ",".join(f"{k}={value_text(v)}" for k, v in setting.items()) or "base"
 
 
 def choose(losses: list[float], diverged: list[bool]) -> int:
-    """Index of the best candidate: the lowest finite held-out loss among the runs that did not
-    diverge (among all finite ones when every run diverged); the first of equal ones.
-
-    Args:
-        losses: held-out loss of each candidate.
-        diverged: whether each candidate diverged.
-
-    Returns:
-        The index of the chosen candidate.
-
-    Raises:
-        ValueError: no candidate, lists of different lengths, or no finite loss at all.
-    """
+    """Index of the lowest finite held-out loss among the runs that did not diverge (among all finite ones when every
+    run diverged), the first of equal ones; ValueError for no candidate or no finite loss."""
     if not losses or len(losses) != len(diverged):
         raise ValueError("choose needs one divergence flag per loss, and at least one candidate")
     finite = [i for i, v in enumerate(losses) if math.isfinite(v)]
@@ -159,4 +119,4 @@ def choose(losses: list[float], diverged: list[bool]) -> int:
 
 
 __all__ = ["NOT_TUNABLE", "TuneAxis", "apply_setting", "choose", "parse_tune", "section_of", "setting_text",
-           "settings_for"]
+           "settings_for", "value_text"]

