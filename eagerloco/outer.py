@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,36 +13,15 @@ from torch import nn
 
 from eagerloco.adaptive import AdaptiveSteps, load_rounds
 from eagerloco.codecs import get_codec
-from eagerloco.comm.base import Communicator, Handle, ReadyHandle
+from eagerloco.comm.base import Communicator, Handle
 from eagerloco.config import OuterConfig
 from eagerloco.error_feedback import ErrorFeedback
 from eagerloco.errors import DivergedError
 from eagerloco.fragments import assign_fragments, find_blocks, trainable_fragments
 from eagerloco.fsdp import like_param, local_shard
 from eagerloco.outer_optimizer import OuterOptimizerFactory, make_outer_optimizer
+from eagerloco.outer_state import InFlight, check_state, load_in_flight, save_in_flight
 from eagerloco.schedule import apply_delay, fragment_offsets, fragments_due
-
-#: What a state_dict holds, and each exchange in flight in it (load_state_dict names what a state lacks).
-_STATE_KEYS = ("method", "step", "outer", "outer_opts", "in_flight", "generator", "error_feedback", "adaptive")
-_IN_FLIGHT_KEYS = ("fragment", "launch_step", "apply_step", "mean", "own", "payload_bytes", "ready_at", "workers",
-                   "others", "window", "contributors")
-
-
-@dataclass
-class _InFlight:
-    fragment: int
-    handle: Handle
-    launch_step: int
-    apply_step: int
-    fresh: list[torch.Tensor] | None  # eager: this worker's own full-precision outer gradient
-    #: M of the round this exchange belongs to (workers present at launch). Eager applied its own
-    #: share with weight 1/workers and corrects with the same weight, so every outer gradient
-    #: counts exactly once even when membership changes while the exchange is in flight.
-    workers: float = 1
-    #: The others' weight in the exchange's mean, 1 - w_m: (M-1)/M, or by tokens under adaptive steps.
-    others: float | None = None
-    #: Adaptive steps: every worker's steps in its window, to renormalise the mean over who sent (AdaptiveSteps.settle).
-    window: list[int] | None = None
 
 
 class OuterSync:
@@ -117,7 +95,7 @@ class OuterSync:
         self.is_dp = cfg.method == "dp"
         self.eager_like = cfg.method in ("delayed", "eager")
         self.own_state = cfg.method == "eager"  # each worker's outer copies and state differ (its own share)
-        self.in_flight: list[_InFlight] = []
+        self.in_flight: list[InFlight] = []
         #: Whether the workers agreed on this schedule (:meth:`_agreed`; None: not asked yet).
         self._agreement: bool | None = None
         self._grad_handle: Handle | None = None
@@ -266,7 +244,7 @@ class OuterSync:
             # Eager applies its own share now: what it sent (C_m, as the others decode it), so that every value
             # sent is applied once; the unsent rest stays in the error-feedback buffer, or is dropped without one.
             fresh = handle.own if self.own_state else None
-            item = _InFlight(p, handle, self.step, self.step + self.delay, fresh, self.comm.num_workers)
+            item = InFlight(p, handle, self.step, self.step + self.delay, fresh, self.comm.num_workers)
             if weight is not None:
                 item.workers, item.others, item.window = weight.workers, weight.others, weight.window
             self.in_flight.append(item)
@@ -365,7 +343,7 @@ class OuterSync:
         self._merge(p)
         return waited
 
-    def _others_share(self, mean: list[torch.Tensor], item: _InFlight) -> list[torch.Tensor]:
+    def _others_share(self, mean: list[torch.Tensor], item: InFlight) -> list[torch.Tensor]:
         """Eager's correction: what the others added to an exchange's mean, with the M of its round (the
         weight its own share was applied with when it was launched). nonlocal: the mean less its own
         share, as sent (every outer gradient applied exactly once); stale_average: (M-1)/M of the mean."""
@@ -513,17 +491,7 @@ class OuterSync:
         Raises:
             PeerError: an exchange in flight failed while being resolved.
         """
-        in_flight = []
-        for item in self.in_flight:
-            mean, ready_at = item.handle.checkpoint_result()
-            own, nbytes = item.handle.own, item.handle.payload_bytes
-            who = item.handle.contributors
-            item.handle = ReadyHandle(self.comm, mean, own, nbytes, ready_at, who)
-            in_flight.append({
-                "fragment": item.fragment, "launch_step": item.launch_step, "apply_step": item.apply_step,
-                "mean": mean, "own": own, "payload_bytes": nbytes, "ready_at": ready_at,
-                "workers": item.workers, "others": item.others, "window": item.window, "contributors": who,
-            })
+        in_flight = save_in_flight(self.in_flight, self.comm)
         return {"method": self.config.method, "step": self.step, "outer": [[t.clone() for t in f] for f in self.outer],
                 "outer_opts": [opt.state_dict() for opt in self.outer_opts], "in_flight": in_flight,
                 "generator": self.generator.get_state(),
@@ -541,18 +509,7 @@ class OuterSync:
                 for another method, its fragments do not match this model and fragment setting, or it was
                 saved with error feedback or adaptive steps on where this run has it off (or the reverse).
         """
-        missing = {k for k in _STATE_KEYS if k not in state} | {k for x in state.get("in_flight", ()) for k in
-                                                                 _IN_FLIGHT_KEYS if k not in x}
-        if missing:
-            raise ValueError(f"the outer state lacks {', '.join(sorted(missing))}: saved by an earlier development "
-                             "version of eagerloco, which this one does not read; start the run afresh")
-        if state["method"] != self.config.method:
-            raise ValueError(f"state is for method {state.get('method')!r}, this run uses {self.config.method!r}")
-        if len(state["outer"]) != len(self.outer) or any(
-            len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True))
-            for a, b in zip(state["outer"], self.outer, strict=True)
-        ):
-            raise ValueError("state's fragments do not match this model and --fragments setting")
+        check_state(state, self.config.method, self.outer)
         self.step = int(state["step"])
         with torch.no_grad():
             for frag, saved in zip(self.outer, state["outer"], strict=True):
@@ -570,12 +527,7 @@ class OuterSync:
         if saved_feedback is not None and self.feedback is not None:
             self.feedback.load(saved_feedback)
         load_rounds(self.adaptive, state["adaptive"])
-        self.in_flight = [
-            _InFlight(x["fragment"], ReadyHandle(self.comm, x["mean"], x["own"], x["payload_bytes"], x["ready_at"],
-                                                 x["contributors"]),
-                      x["launch_step"], x["apply_step"], None, x["workers"], x["others"], x["window"])
-            for x in state["in_flight"]
-        ]
+        self.in_flight = load_in_flight(state["in_flight"], self.comm)
 
 
 def before_inner_step_all(syncs: Sequence[OuterSync]) -> None:
