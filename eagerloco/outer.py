@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagerloco.adaptive import AdaptiveSteps, load_rounds
+from eagerloco.adaptive import AdaptiveSteps, Weight, load_rounds
 from eagerloco.codecs import get_codec
-from eagerloco.comm.base import Communicator, Handle
+from eagerloco.comm.base import Communicator, Handle, Window
 from eagerloco.config import OuterConfig
 from eagerloco.error_feedback import ErrorFeedback
 from eagerloco.errors import DivergedError
@@ -21,6 +21,7 @@ from eagerloco.fragments import assign_fragments, find_blocks, trainable_fragmen
 from eagerloco.fsdp import like_param, local_shard
 from eagerloco.outer_optimizer import OuterOptimizerFactory, make_outer_optimizer
 from eagerloco.outer_state import InFlight, check_state, load_in_flight, save_in_flight
+from eagerloco.quorum import OwnWindows, quorum_rule
 from eagerloco.schedule import apply_delay, fragment_offsets, fragments_due
 
 
@@ -102,6 +103,10 @@ class OuterSync:
         self._grad_params: list[nn.Parameter] = []
         #: Workers of unequal speed (--adaptive-steps): each worker's inner steps and weights; None: off.
         self.adaptive: AdaptiveSteps | None = None
+        #: Quorum exchanges (--quorum below M): the rule every outer exchange is launched with, and where this
+        #: worker's windows landed; None: every exchange waits for every worker.
+        self.quorum = quorum_rule(cfg, comm)
+        self.own_windows: OwnWindows | None = None
         #: What this worker's compressed exchanges have not sent yet (None: --error-feedback off, and dp).
         self.feedback: ErrorFeedback | None = None
         #: The model's parameters by fragment, and the tensors the algorithm reads and writes for
@@ -129,6 +134,8 @@ class OuterSync:
         self.delay = apply_delay(cfg.method, cfg.inner_steps, cfg.overlap_steps, cfg.eager_rounds)
         if cfg.adaptive_steps:
             self.adaptive = AdaptiveSteps(cfg, comm)
+        if self.quorum is not None:
+            self.own_windows = OwnWindows(comm.rank, len(self.outer), self.feedback)
 
     @torch.no_grad()
     def restart_from_model(self) -> None:
@@ -154,7 +161,8 @@ class OuterSync:
     def inner_steps_due(self) -> int:
         """Inner steps this worker takes before its next :meth:`after_inner_step`: 1, or under adaptive steps
         its share of the next tick of the round (0, 1 or more; see :class:`eagerloco.schedule.Rounds`)."""
-        return 1 if self.adaptive is None else self.adaptive.due()
+        due = 1 if self.adaptive is None else self.adaptive.due()
+        return due if self.own_windows is None else self.own_windows.due(due)
 
     # ------------------------------------------------------------------ data-parallel gradients
     def launch_grads(self) -> None:
@@ -223,7 +231,13 @@ class OuterSync:
             return
         t0 = time.perf_counter()
         cfg, feedback, adaptive = self.config, self.feedback, self.adaptive
-        if adaptive is not None:
+        if self.own_windows is not None:  # a quorum: the steps this tick ran (none while catching up)
+            scheduled = 1 if adaptive is None else adaptive.due()
+            ran = self.own_windows.due(scheduled)
+            self.own_windows.tick(ran, scheduled, self.comm.stats.compute_s)
+            if adaptive is not None:
+                adaptive.tick(ran)
+        elif adaptive is not None:
             adaptive.tick()
         for p in fragments_due(self.step, cfg.inner_steps, self.offsets):
             with torch.no_grad():
@@ -233,14 +247,19 @@ class OuterSync:
                                           f"of fragment {p}")
             # Adaptive steps: M * w_m times the contribution, so the mean is the token-weighted sum_m w_m Delta_m.
             weight = None if adaptive is None else adaptive.weigh(p)
-            scale = 1.0 if weight is None else weight.scale
+            window, scale = self._window(p, weight)
             if scale != 1.0:
                 sent = [t * scale for t in sent]
             # Only eager and error feedback read their own share back (handle.own); elsewhere the runtime may reuse it.
+            launch = self._agreed() if window is None else {**self._agreed(), "window": window}
             handle = self.comm.allreduce_mean(sent, self.codec, self.generator,
-                                              keep_own=self.own_state or feedback is not None, **self._agreed())
+                                              keep_own=self.own_state or feedback is not None, **launch)
+            payload = None
             if feedback is not None and scale:  # the buffer loses what it sent (unweighted)
-                feedback.sent(p, handle.own if scale == 1.0 else [o / scale for o in handle.own])
+                payload = handle.own if scale == 1.0 else [o / scale for o in handle.own]
+                feedback.sent(p, payload)
+            if self.own_windows is not None:
+                self.own_windows.launched(p, self.step, self.comm.clock(), payload)
             # Eager applies its own share now: what it sent (C_m, as the others decode it), so that every value
             # sent is applied once; the unsent rest stays in the error-feedback buffer, or is dropped without one.
             fresh = handle.own if self.own_state else None
@@ -268,7 +287,7 @@ class OuterSync:
         else:
             for item in [x for x in self.in_flight if x.apply_step == self.step]:
                 self.in_flight.remove(item)
-                mean, w = self._wait(item.handle, window=item.window)
+                mean, w = self._land(item)
                 waited += w
                 self._outer_step(item.fragment, mean)
                 self._merge(item.fragment)
@@ -327,7 +346,7 @@ class OuterSync:
         mean: list[torch.Tensor] | None = None
         if arrived is not None:
             self.in_flight.remove(arrived)
-            mean, waited = self._wait(arrived.handle, window=arrived.window)
+            mean, waited = self._land(arrived)
         if cfg.method == "delayed":
             grad = mean
         else:
@@ -353,6 +372,26 @@ class OuterSync:
         others = (m - 1) / m if item.others is None else item.others
         return [d * others for d in mean]
 
+    def _window(self, p: int, weight: Weight | None) -> tuple[Window | None, float]:
+        """Fragment p's window launched now, as a quorum exchange takes it (None without a quorum), and the factor
+        its outer gradient is sent with: M n / N (section 11; 1.0 for equal windows), n its steps."""
+        scale = 1.0 if weight is None else weight.scale
+        if self.own_windows is None or self.quorum is None:
+            return None, scale
+        steps, scheduled = self.own_windows.window(p)
+        workers, total = (self.num_workers, scheduled * self.num_workers) if weight is None else (
+            len(weight.window), sum(weight.window))
+        if steps != scheduled:  # fewer after a catch-up (12.5): weighted by the steps it ran
+            scale = workers * steps / total
+        return Window(p, self.step, steps, total, self.quorum), scale
+
+    def _land(self, item: InFlight) -> tuple[list[torch.Tensor], float]:
+        """An outer exchange's mean (:meth:`_wait`), and where this worker's windows landed in a quorum's."""
+        mean, waited = self._wait(item.handle, window=item.window)
+        if self.own_windows is not None:
+            self.own_windows.landed(item.fragment, item.launch_step, item.handle.quorum, self.comm.stats)
+        return mean, waited
+
     def _wait(self, handle: Handle, out: list[torch.Tensor] | None = None, window: list[int] | None = None
               ) -> tuple[list[torch.Tensor], float]:
         """The mean, and the real seconds spent blocked (which the caller leaves out of overhead_s); with the
@@ -364,7 +403,7 @@ class OuterSync:
         """
         t0 = time.perf_counter()
         mean = handle.wait() if out is None else handle.wait(out)
-        if window is not None:
+        if window is not None and handle.quorum is None:  # a quorum's mean is token-weighted already
             mean = AdaptiveSteps.settle(mean, window, handle.contributors)
         return mean, 0.0 if self.comm.simulated_clock else time.perf_counter() - t0
 
@@ -401,7 +440,7 @@ class OuterSync:
         t0 = time.perf_counter()
         waited = 0.0
         for item in list(self.in_flight):
-            mean, w = self._wait(item.handle, window=item.window)
+            mean, w = self._land(item)
             waited += w
             if not apply:
                 continue
@@ -496,7 +535,8 @@ class OuterSync:
                 "outer_opts": [opt.state_dict() for opt in self.outer_opts], "in_flight": in_flight,
                 "generator": self.generator.get_state(),
                 "error_feedback": None if self.feedback is None else self.feedback.state(),
-                "adaptive": None if self.adaptive is None else self.adaptive.state_dict()}
+                "adaptive": None if self.adaptive is None else self.adaptive.state_dict(),
+                **({} if self.own_windows is None else {"own_windows": self.own_windows.state_dict()})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict` (the model and inner optimizer are restored separately).
@@ -527,6 +567,8 @@ class OuterSync:
         if saved_feedback is not None and self.feedback is not None:
             self.feedback.load(saved_feedback)
         load_rounds(self.adaptive, state["adaptive"])
+        if self.own_windows is not None:
+            self.own_windows.load_state_dict(state.get("own_windows", []))
         self.in_flight = load_in_flight(state["in_flight"], self.comm)
 
 

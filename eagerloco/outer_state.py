@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from eagerloco.comm.base import Communicator, Handle, ReadyHandle
+from eagerloco.comm.base import Communicator, Handle, QuorumResult, ReadyHandle
 
 #: What a state_dict holds, and each exchange in flight in it (check_state names what a state lacks).
 STATE_KEYS = ("method", "step", "outer", "outer_opts", "in_flight", "generator", "error_feedback", "adaptive")
@@ -43,11 +43,13 @@ def save_in_flight(items: list[InFlight], comm: Communicator) -> list[dict[str, 
         mean, ready_at = item.handle.checkpoint_result()
         own, nbytes = item.handle.own, item.handle.payload_bytes
         who = item.handle.contributors
-        item.handle = ReadyHandle(comm, mean, own, nbytes, ready_at, who)
+        quorum = item.handle.quorum
+        item.handle = ReadyHandle(comm, mean, own, nbytes, ready_at, who, quorum)
         saved.append({
             "fragment": item.fragment, "launch_step": item.launch_step, "apply_step": item.apply_step,
             "mean": mean, "own": own, "payload_bytes": nbytes, "ready_at": ready_at,
             "workers": item.workers, "others": item.others, "window": item.window, "contributors": who,
+            **({} if quorum is None else {"quorum": quorum.state()}),
         })
     return saved
 
@@ -56,7 +58,7 @@ def load_in_flight(saved: list[dict[str, Any]], comm: Communicator) -> list[InFl
     """The exchanges in flight of :func:`save_in_flight`, with ready handles."""
     return [
         InFlight(x["fragment"], ReadyHandle(comm, x["mean"], x["own"], x["payload_bytes"], x["ready_at"],
-                                            x["contributors"]),
+                                            x["contributors"], QuorumResult.from_state(x.get("quorum"))),
                  x["launch_step"], x["apply_step"], None, x["workers"], x["others"], x["window"])
         for x in saved
     ]

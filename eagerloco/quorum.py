@@ -1,0 +1,132 @@
+"""A worker's side of quorum exchanges (docs/algorithms.md, 12): the rule its settings give, the window it launches
+each outer exchange with, and what it learns when a mean lands: its windows that missed their exchange, were
+merged into a later one or dropped (counted in its stats), and, under error feedback, a dropped window's payload
+put back into the buffer, so that what no mean merged stays there."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import torch
+
+from eagerloco.comm.base import Communicator, QuorumResult, QuorumRule, WorkerStats
+from eagerloco.config import ConfigError, OuterConfig, flag_name
+from eagerloco.error_feedback import ErrorFeedback
+
+#: Ticks whose median compute time converts a late worker's lag into ticks to skip (a stall among them moves it little).
+TICKS_MEASURED = 9
+
+
+def quorum_rule(config: OuterConfig, comm: Communicator) -> QuorumRule | None:
+    """The rule of this run's exchanges; None where every exchange waits for every worker (no ``--quorum``, or
+    Q = M: every method then is bit for bit what it is without one).
+
+    Raises:
+        ConfigError: Q is more than the workers, or the communicator cannot close an exchange on a quorum.
+    """
+    workers = comm.num_workers
+    if config.quorum is None or config.quorum == workers:
+        return None
+    if config.quorum > workers:
+        raise ConfigError(f"{flag_name('quorum')} {config.quorum} is more than the {workers} workers: give at most "
+                          f"{workers} ({workers}: every exchange waits for every worker)")
+    if not comm.closes_on_quorum:
+        raise ConfigError(f"{flag_name('quorum')} runs in-process only for now (eagerloco train without a launcher "
+                          "or --outer-addr): this runtime's exchanges need every worker; drop --quorum")
+    return QuorumRule(config.quorum, config.grace_seconds(), config.max_late_rounds)
+
+
+class OwnWindows:
+    """This worker's windows under a quorum: the inner steps each spans, where each landed (counted in ``stats``),
+    and the catch-up after one missed its exchange (12.5): a worker that arrived j tick-times after the close skips
+    its next j ticks (no inner step, no compute), so that it arrives with the others again, its window shorter
+    and weighted by the steps it ran. Under error feedback each window's payload (unweighted, as the others decode
+    it) is kept until a mean merges it, and put back into the buffer if dropped.
+
+    Args:
+        rank: this worker's id.
+        fragments: P.
+        feedback: its error-feedback buffers (None: off).
+    """
+
+    def __init__(self, rank: int, fragments: int, feedback: ErrorFeedback | None) -> None:
+        self.rank, self.feedback = rank, feedback
+        self.ran = [0] * fragments  # inner steps since each fragment's last launch
+        self.scheduled = [0] * fragments  # those the schedule gave it (more where it skipped ticks)
+        self.catch_up = 0  # ticks still to skip
+        self.skipped = 0  # ticks skipped so far
+        self.recent: list[float] = []  # the compute seconds of its last ticks with steps (their median: a tick's)
+        self.compute_mark: float | None = None
+        #: (fragment, launch step) -> (clock at launch, ticks skipped by then, payload kept under error feedback).
+        self.launches: dict[tuple[int, int], tuple[float, int, list[torch.Tensor] | None]] = {}
+
+    def due(self, scheduled: int) -> int:
+        """This worker's inner steps at the next tick: the schedule's, or none while it catches up."""
+        return 0 if self.catch_up else scheduled
+
+    def tick(self, ran: int, scheduled: int, compute_s: float) -> None:
+        """The tick is done, with ``ran`` of its ``scheduled`` inner steps (0 while catching up), and this worker's
+        compute seconds so far."""
+        if self.catch_up:
+            self.catch_up -= 1
+            self.skipped += 1
+        elif ran and self.compute_mark is not None:
+            self.recent = [*self.recent, (compute_s - self.compute_mark) / ran][-TICKS_MEASURED:]
+        self.compute_mark = compute_s
+        self.ran = [n + ran for n in self.ran]
+        self.scheduled = [n + scheduled for n in self.scheduled]
+
+    def window(self, fragment: int) -> tuple[int, int]:
+        """The inner steps of the fragment's window launched now: those it ran, and those the schedule gave it."""
+        steps = self.ran[fragment], self.scheduled[fragment]
+        self.ran[fragment] = self.scheduled[fragment] = 0
+        return steps
+
+    def launched(self, fragment: int, step: int, clock: float, payload: list[torch.Tensor] | None) -> None:
+        """This worker's window of ``fragment`` left at ``step``, at ``clock``, with this payload."""
+        kept = None if self.feedback is None or payload is None else [t.clone() for t in payload]
+        self.launches[(fragment, step)] = (clock, self.skipped, kept)
+
+    @torch.no_grad()
+    def landed(self, fragment: int, step: int, result: QuorumResult | None, stats: WorkerStats) -> None:
+        """The mean of fragment's exchange launched at ``step`` landed holding ``result`` (None: every worker's
+        window on time, nothing late or dropped)."""
+        clock, skipped, _ = self.launches.get((fragment, step), (0.0, 0, None))
+        mine = [] if result is None else [c for c in result.merged if c.worker == self.rank]
+        if result is None or any(c.step == step for c in mine):
+            self.launches.pop((fragment, step), None)
+        else:
+            stats.quorum_missed += 1
+            tick_s = statistics.median(self.recent) if self.recent else 0.0
+            if result.closes_at is not None and tick_s > 0:  # catch up what is left of the lag after skips since
+                behind = (clock - result.closes_at) / tick_s - (self.skipped + self.catch_up - skipped)
+                self.catch_up += max(0, math.ceil(behind - 1e-9))
+        for c in mine:
+            if c.step != step:
+                stats.late_merged += 1
+                self.launches.pop((fragment, c.step), None)
+        for c in [] if result is None else result.dropped:
+            if c.worker != self.rank:
+                continue
+            stats.late_dropped += 1
+            payload = self.launches.pop((fragment, c.step), (0.0, 0, None))[2]
+            if payload is not None and self.feedback is not None:  # what no mean merged stays in the buffer
+                for e, t in zip(self.feedback.buffers[fragment], payload, strict=True):
+                    e.add_(t)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ran": list(self.ran), "scheduled": list(self.scheduled), "catch_up": self.catch_up,
+                "skipped": self.skipped, "recent": list(self.recent), "compute_mark": self.compute_mark,
+                "launches": [[f, s, c, k, p] for (f, s), (c, k, p) in self.launches.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ran, self.scheduled = [int(n) for n in state["ran"]], [int(n) for n in state["scheduled"]]
+        self.catch_up, self.skipped = int(state["catch_up"]), int(state["skipped"])
+        self.recent = [float(t) for t in state["recent"]]
+        self.compute_mark = state["compute_mark"]
+        self.launches = {(int(f), int(s)): (float(c), int(k), p) for f, s, c, k, p in state["launches"]}
+
+
+__all__ = ["OwnWindows", "quorum_rule"]
