@@ -449,6 +449,8 @@ class OuterSync:
             self._outer_step(item.fragment, mean)
             self._merge(item.fragment)
         self.in_flight.clear()
+        if self.own_windows is not None:
+            self.own_windows.drain(self.comm.stats)
         if self.adaptive is not None:
             waited += self.adaptive.drain()
         self.comm.add_overhead(time.perf_counter() - t0 - waited)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from typing import Any
 
 import torch
@@ -115,6 +116,20 @@ class OwnWindows:
             if payload is not None and self.feedback is not None:  # what no mean merged stays in the buffer
                 for e, t in zip(self.feedback.buffers[fragment], payload, strict=True):
                     e.add_(t)
+
+    @torch.no_grad()
+    def drain(self, stats: WorkerStats) -> None:
+        """The run's end, every mean landed: a window that missed and that no later exchange merged is dropped,
+        with a log line (and, under error feedback, back into the buffer)."""
+        for (fragment, step), (_, _, payload) in sorted(self.launches.items()):
+            stats.late_dropped += 1
+            print(f"eagerloco: quorum: worker {self.rank}'s window of fragment {fragment} launched at step {step} "
+                  "missed its exchange, and the run ended before a later one merged it: dropped",
+                  file=sys.stderr, flush=True)
+            if payload is not None and self.feedback is not None:
+                for e, t in zip(self.feedback.buffers[fragment], payload, strict=True):
+                    e.add_(t)
+        self.launches.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"ran": list(self.ran), "scheduled": list(self.scheduled), "catch_up": self.catch_up,

@@ -17,7 +17,9 @@ import torch
 from conftest import Toy, plain_sgd_outer, seeded_grads
 from torch import nn
 
+from eagerloco.comm.base import Contribution, QuorumRule, Window
 from eagerloco.comm.inprocess import InProcessGroup
+from eagerloco.comm.quorum import LateWindows
 from eagerloco.comm.scripted import ScriptedCommunicator
 from eagerloco.config import ConfigError, OuterConfig
 from eagerloco.outer import OuterSync, after_inner_step_all, before_inner_step_all
@@ -150,6 +152,14 @@ def test_a_window_staler_than_the_bound_is_dropped_logged_and_counted(name: str,
     assert f"worker 2's window of fragment {first.fragment} launched at step {first.step} " in lines[0]
 
 
+def test_a_window_that_missed_the_last_exchange_is_dropped_at_the_end_with_a_log_line(capsys: pytest.CaptureFixture
+                                                                                      ) -> None:
+    run = _Scripted(METHODS["eager"], late={2: {RANK: 1}}, quorum=2).run(rounds=3)
+    assert (run.comm.stats.quorum_missed, run.comm.stats.late_dropped) == (1, 1)
+    assert "launched at step 6 missed its exchange, and the run ended before a later one merged it" in \
+        capsys.readouterr().err
+
+
 def test_max_late_rounds_zero_drops_what_misses_at_once() -> None:
     run = _Scripted(METHODS["diloco"], late={0: {RANK: 1}}, quorum=2, max_late_rounds=0).run(rounds=2)
     torch.testing.assert_close(run.outer(0), _expected(run, {0: (_peer(0, 0) + _peer(0, 1)) / 2})[0],
@@ -168,6 +178,22 @@ def test_error_feedback_keeps_what_no_mean_merged(late: dict, buffer: float) -> 
     torch.testing.assert_close(feedback.buffers[0][0].view(-1), buffer * run.own(0), rtol=0, atol=0)
     run.run(rounds=1)
     torch.testing.assert_close(run.own(2), d + buffer * run.own(0), rtol=0, atol=0)
+
+
+def test_the_party_weighs_each_payload_by_the_schedule_it_was_sent_for() -> None:
+    """LateWindows, 12.3: M = 2. Exchange 1 (N = 8): worker 0 on time with 4 steps (payload 2*4/8 X = X), worker 1
+    late with the 2 steps it ran after a catch-up (payload 2*2/8 X = X/2). Exchange 2 (N = 6, the speeds moved):
+    both on time with 3 steps (payload X). The second mean is (3 X0' + 3 X1' + 2 X1) / 8: each payload weighed by
+    the N / M of its own exchange, which one factor over the sum could not do."""
+    party, rule = LateWindows(), QuorumRule(quorum=1, grace=0.0, max_late=1)
+    x0, x1, y0, y1 = (torch.tensor([float(v)]) for v in (8, 16, 4, 40))
+    mean, result = party.close(Window(0, 4, 4, 8, rule), 1.0, [x0, x1 / 2], [1.0, 2.0], [4, 2])
+    assert mean is not None and result is not None and torch.equal(mean, x0)
+    assert result.merged == [Contribution(0, 4, 4)] and result.dropped == [] and result.closes_at == 1.0
+    mean, result = party.close(Window(0, 8, 3, 6, rule), 3.0, [y0, y1], [3.0, 3.0], [3, 3])
+    assert mean is not None and torch.equal(mean, (3 * y0 + 3 * y1 + 2 * x1) / 8)
+    assert result is not None and result.merged == [Contribution(1, 4, 2), Contribution(0, 8, 3), Contribution(1, 8, 3)]
+    assert party.close(Window(0, 12, 3, 6, rule), 5.0, [y0, y1], [5.0, 5.0], [3, 3]) == (None, None)
 
 
 def test_settings_are_refused_with_one_line() -> None:
