@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagerloco.adaptive import AdaptiveSteps, Weight, load_rounds
+from eagerloco.adaptive import AdaptiveSteps, load_rounds
 from eagerloco.codecs import get_codec
-from eagerloco.comm.base import Communicator, Handle, Window
+from eagerloco.comm.base import Communicator, Handle
 from eagerloco.config import OuterConfig
 from eagerloco.error_feedback import ErrorFeedback
 from eagerloco.errors import DivergedError
@@ -43,6 +43,8 @@ class OuterSync:
       and the local fragment restarts from the new outer copy (merged with alpha).
 
     Each worker keeps its own outer copies and outer-optimizer state (eager makes them differ).
+    Under ``--quorum`` an outer exchange may close without the slowest workers, whose windows a later mean merges
+    (docs/algorithms.md, 12; this worker's side: :class:`eagerloco.quorum.OwnWindows`).
     The object never knows what its peers are: it talks to a :class:`~eagerloco.comm.base.Communicator`.
 
     Per inner step a worker calls :meth:`OuterSync.before_inner_step` (after backward, before the
@@ -135,7 +137,7 @@ class OuterSync:
         if cfg.adaptive_steps:
             self.adaptive = AdaptiveSteps(cfg, comm)
         if self.quorum is not None:
-            self.own_windows = OwnWindows(comm.rank, len(self.outer), self.feedback)
+            self.own_windows = OwnWindows(comm.rank, self.quorum, len(self.outer), self.feedback)
 
     @torch.no_grad()
     def restart_from_model(self) -> None:
@@ -231,14 +233,11 @@ class OuterSync:
             return
         t0 = time.perf_counter()
         cfg, feedback, adaptive = self.config, self.feedback, self.adaptive
-        if self.own_windows is not None:  # a quorum: the steps this tick ran (none while catching up)
-            scheduled = 1 if adaptive is None else adaptive.due()
-            ran = self.own_windows.due(scheduled)
-            self.own_windows.tick(ran, scheduled, self.comm.stats.compute_s)
-            if adaptive is not None:
-                adaptive.tick(ran)
-        elif adaptive is not None:
-            adaptive.tick()
+        # A quorum: the steps this tick ran (none while catching up); None: the schedule's.
+        ran = None if self.own_windows is None else self.own_windows.tick(
+            1 if adaptive is None else adaptive.due(), self.comm.stats.compute_s)
+        if adaptive is not None:
+            adaptive.tick(ran)
         for p in fragments_due(self.step, cfg.inner_steps, self.offsets):
             with torch.no_grad():
                 delta = [o - l.detach().to(torch.float32) for o, l in zip(self.outer[p], self.local[p], strict=True)]
@@ -247,7 +246,8 @@ class OuterSync:
                                           f"of fragment {p}")
             # Adaptive steps: M * w_m times the contribution, so the mean is the token-weighted sum_m w_m Delta_m.
             weight = None if adaptive is None else adaptive.weigh(p)
-            window, scale = self._window(p, weight)
+            window, scale = (None, 1.0 if weight is None else weight.scale) if self.own_windows is None else \
+                self.own_windows.window(p, self.step, self.num_workers, weight)
             if scale != 1.0:
                 sent = [t * scale for t in sent]
             # Only eager and error feedback read their own share back (handle.own); elsewhere the runtime may reuse it.
@@ -371,19 +371,6 @@ class OuterSync:
             return [d - o / m for d, o in zip(mean, item.handle.own, strict=True)]
         others = (m - 1) / m if item.others is None else item.others
         return [d * others for d in mean]
-
-    def _window(self, p: int, weight: Weight | None) -> tuple[Window | None, float]:
-        """Fragment p's window launched now, as a quorum exchange takes it (None without a quorum), and the factor
-        its outer gradient is sent with: M n / N (section 11; 1.0 for equal windows), n its steps."""
-        scale = 1.0 if weight is None else weight.scale
-        if self.own_windows is None or self.quorum is None:
-            return None, scale
-        steps, scheduled = self.own_windows.window(p)
-        workers, total = (self.num_workers, scheduled * self.num_workers) if weight is None else (
-            len(weight.window), sum(weight.window))
-        if steps != scheduled:  # fewer after a catch-up (12.5): weighted by the steps it ran
-            scale = workers * steps / total
-        return Window(p, self.step, steps, total, self.quorum), scale
 
     def _land(self, item: InFlight) -> tuple[list[torch.Tensor], float]:
         """An outer exchange's mean (:meth:`_wait`), and where this worker's windows landed in a quorum's."""

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from eagerloco.comm.base import Communicator, QuorumResult, QuorumRule, WorkerStats
+from eagerloco.adaptive import Weight
+from eagerloco.comm.base import Communicator, QuorumResult, QuorumRule, Window, WorkerStats
 from eagerloco.config import ConfigError, OuterConfig, flag_name
 from eagerloco.error_feedback import ErrorFeedback
 
@@ -48,12 +49,13 @@ class OwnWindows:
 
     Args:
         rank: this worker's id.
+        rule: the run's :class:`QuorumRule`.
         fragments: P.
         feedback: its error-feedback buffers (None: off).
     """
 
-    def __init__(self, rank: int, fragments: int, feedback: ErrorFeedback | None) -> None:
-        self.rank, self.feedback = rank, feedback
+    def __init__(self, rank: int, rule: QuorumRule, fragments: int, feedback: ErrorFeedback | None) -> None:
+        self.rank, self.rule, self.feedback = rank, rule, feedback
         self.ran = [0] * fragments  # inner steps since each fragment's last launch
         self.scheduled = [0] * fragments  # those the schedule gave it (more where it skipped ticks)
         self.catch_up = 0  # ticks still to skip
@@ -67,9 +69,10 @@ class OwnWindows:
         """This worker's inner steps at the next tick: the schedule's, or none while it catches up."""
         return 0 if self.catch_up else scheduled
 
-    def tick(self, ran: int, scheduled: int, compute_s: float) -> None:
-        """The tick is done, with ``ran`` of its ``scheduled`` inner steps (0 while catching up), and this worker's
-        compute seconds so far."""
+    def tick(self, scheduled: int, compute_s: float) -> int:
+        """The tick is done, of ``scheduled`` inner steps, with this worker's compute seconds so far; returns the
+        steps it ran (none while it catches up)."""
+        ran = self.due(scheduled)
         if self.catch_up:
             self.catch_up -= 1
             self.skipped += 1
@@ -78,12 +81,21 @@ class OwnWindows:
         self.compute_mark = compute_s
         self.ran = [n + ran for n in self.ran]
         self.scheduled = [n + scheduled for n in self.scheduled]
+        return ran
 
-    def window(self, fragment: int) -> tuple[int, int]:
-        """The inner steps of the fragment's window launched now: those it ran, and those the schedule gave it."""
-        steps = self.ran[fragment], self.scheduled[fragment]
+    def window(self, fragment: int, step: int, workers: int, weight: Weight | None) -> tuple[Window, float]:
+        """The fragment's window launched now at ``step`` as a quorum exchange takes it, and the factor its outer
+        gradient is sent with: M n / N (section 11: 1.0 for equal windows, the weight's under adaptive steps), n
+        the steps it ran."""
+        steps, scheduled = self.ran[fragment], self.scheduled[fragment]
         self.ran[fragment] = self.scheduled[fragment] = 0
-        return steps
+        scale = 1.0 if weight is None else weight.scale
+        if weight is not None:
+            workers = len(weight.window)
+        total = scheduled * workers if weight is None else sum(weight.window)
+        if steps != scheduled:  # fewer after a catch-up (12.5): weighted by the steps it ran
+            scale = workers * steps / total
+        return Window(fragment, step, steps, total, self.rule), scale
 
     def launched(self, fragment: int, step: int, clock: float, payload: list[torch.Tensor] | None) -> None:
         """This worker's window of ``fragment`` left at ``step``, at ``clock``, with this payload."""

@@ -21,7 +21,7 @@ from eagerloco.comm.base import Contribution, QuorumRule, Window
 from eagerloco.comm.inprocess import InProcessGroup
 from eagerloco.comm.quorum import LateWindows
 from eagerloco.comm.scripted import ScriptedCommunicator
-from eagerloco.config import ConfigError, OuterConfig
+from eagerloco.config import ConfigError, Environment, OuterConfig, RuntimeConfig, TrainConfig
 from eagerloco.outer import OuterSync, after_inner_step_all, before_inner_step_all
 
 H, ETA = 2, 0.5
@@ -205,6 +205,18 @@ def test_settings_are_refused_with_one_line() -> None:
         assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="more than the 3 workers"):
         _Scripted(METHODS["diloco"], quorum=4)
+
+
+def test_train_refuses_a_quorum_on_a_multi_process_runtime_and_above_the_workers() -> None:
+    job = RuntimeConfig(outer_addr="127.0.0.1:29500", worker_id=0)
+    for quorum, runtime, says in [(2, job, "runs in-process only for now"), (4, RuntimeConfig(), "more than the 3")]:
+        cfg = TrainConfig(model="micro", batch_size=2, seq_len=16, workers=3, outer=OuterConfig(quorum=quorum),
+                          runtime=runtime)
+        with pytest.raises(ConfigError, match=says) as info:
+            cfg.validate(Environment.read())
+        assert "\n" not in str(info.value)
+    TrainConfig(model="micro", batch_size=2, seq_len=16, workers=3, outer=OuterConfig(quorum=3),
+                runtime=job).validate(Environment.read())  # Q = M: today's exchanges, on any runtime
 
 
 def test_a_runtime_that_needs_every_worker_refuses_a_quorum() -> None:

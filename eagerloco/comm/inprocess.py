@@ -256,8 +256,12 @@ class InProcessGroup:
         launched), and its mean when that is not the plain mean of every payload. Returns the close."""
         window = ex.window
         assert window is not None
-        spans = [c - last for c, last in zip(ex.computed, self._computed, strict=True) if c > last]
-        self._round_compute = min(spans, default=self._round_compute)  # the fastest worker's, between windows
+        # The fastest worker's compute between two windows, for the longest window (one that skipped ticks to
+        # catch up ran fewer steps in it: its compute counts per step).
+        most = max(ex.steps)
+        spans = [(c - last) * most / n for c, last, n in zip(ex.computed, self._computed, ex.steps, strict=True)
+                 if c > last and n > 0]
+        self._round_compute = min(spans, default=self._round_compute)
         self._computed = list(ex.computed)
         close = self._grace.closes_at(ex.launch_times, window.rule, self._round_compute)
         decode = decoder(ex.codec)
