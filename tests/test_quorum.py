@@ -194,6 +194,9 @@ def test_the_party_weighs_each_payload_by_the_schedule_it_was_sent_for() -> None
     assert mean is not None and torch.equal(mean, (3 * y0 + 3 * y1 + 2 * x1) / 8)
     assert result is not None and result.merged == [Contribution(1, 4, 2), Contribution(0, 8, 3), Contribution(1, 8, 3)]
     assert party.close(Window(0, 12, 3, 6, rule), 5.0, [y0, y1], [5.0, 5.0], [3, 3]) == (None, None)
+    mean, result = party.close(Window(0, 16, 4, 8, rule), 7.0, [x0, x1 / 2], [7.0, 7.0], [4, 2])  # on time, short
+    assert mean is not None and torch.equal(mean, (4 * x0 + 2 * x1) / 6)
+    assert result is not None and result.merged == [Contribution(0, 16, 4), Contribution(1, 16, 2)]
 
 
 def test_settings_are_refused_with_one_line() -> None:

@@ -76,8 +76,8 @@ class Contribution:
 
 @dataclass(frozen=True)
 class QuorumResult:
-    """What a quorum exchange that did not merge exactly every worker's window on time holds (sent with the
-    mean, so that every worker knows where its own window landed).
+    """What a quorum exchange that did not merge exactly every worker's window on time with its scheduled steps
+    holds (sent with the mean, so that every worker knows where its own window landed).
 
     Attributes:
         step: the step its own windows were launched at.
@@ -197,7 +197,8 @@ class Handle(ABC):
     #: elastic group may run an exchange again among the survivors of a change); None: every worker.
     contributors: list[int] | None = None
     #: A quorum exchange (launched with a :class:`Window`) that did not merge exactly every worker's window on
-    #: time, once it has landed: which windows its mean holds and which it dropped. None: every worker's.
+    #: time with its scheduled steps, once it has landed: which windows its mean holds and which it dropped.
+    #: None: every worker's, as without a quorum.
     quorum: QuorumResult | None = None
 
     @abstractmethod

@@ -79,9 +79,9 @@ class LateWindows:
 
         Returns:
             The token-weighted mean of every window it merges, on time or late, and what it merged and dropped;
-            (None, None) when it merged exactly every worker's window on time and dropped nothing (its mean is
-            then the plain mean of the payloads, bit for bit what an exchange without a quorum gives), and a
-            None mean with a result when only a drop is new.
+            (None, None) when it merged exactly every worker's window on time, each with the steps the schedule
+            gave it, and dropped nothing (its mean is then the plain mean of the payloads, bit for bit what an
+            exchange without a quorum gives), and a None mean with a result when only a drop is new.
         """
         workers, rule = len(values), window.rule
         weight = window.total / workers
@@ -105,12 +105,14 @@ class LateWindows:
             print(f"eagerloco: quorum: dropped worker {c.worker}'s window of fragment {window.fragment} launched at "
                   f"step {c.step} ({c.steps} steps, outer gradient norm {norm:.4g}): it missed {late.age} exchange(s) "
                   f"of its fragment, more than --max-late-rounds {rule.max_late}", file=sys.stderr, flush=True)
-        if on_time == workers and len(merged) == workers and not dropped:
+        # Every worker's window on time with the steps the schedule gave it, and nothing late: the plain mean.
+        plain = on_time == workers and len(merged) == workers and sum(steps) == window.total
+        if plain and not dropped:
             return None, None
         merged.sort(key=lambda w: (w.contribution.step, w.contribution.worker))
         result = QuorumResult(window.step, [w.contribution for w in merged], [w.contribution for w in dropped],
                               closes_at)
-        if on_time == workers and len(merged) == workers:
+        if plain:
             return None, result
         total = torch.zeros_like(merged[0].values)
         for w in merged:  # sum_c n_c X_c, then over sum_c n_c: the token-weighted mean (12.3)
