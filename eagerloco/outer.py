@@ -332,6 +332,8 @@ class OuterSync:
                         f"transport {cfg.transport}, error feedback {cfg.error_feedback}, adaptive steps "
                         f"{(cfg.worker_speeds or 'measured') if cfg.adaptive_steps else 'off'}, "
                         f"at step {self.step} of {self.num_workers} workers")
+            if self.quorum is not None:  # only with one, so that a run without keeps its schedule's digest
+                describe += f", {self.quorum}"
             self._agreement = self.comm.agree(describe.encode(), describe)
         launch = {} if self.config.transport == "allgather" else {"transport": self.config.transport}
         return {"agreed": True, **launch} if self._agreement else launch

@@ -133,6 +133,7 @@ def test_eager_applies_its_own_share_at_once_and_takes_it_back_when_it_missed() 
     run.sync.drain(apply=True)
     d2 = (_peer(1, 0) + _peer(1, 1) + d + d) / 4
     torch.testing.assert_close(run.outer(0), START - d1 - d2, rtol=0, atol=1e-6)
+    assert run.comm.agreements[0][1].endswith("QuorumRule(quorum=2, grace=None, max_late=1)")  # agreed by all
 
 
 @pytest.mark.parametrize("name", list(METHODS))
