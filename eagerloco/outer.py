@@ -378,7 +378,8 @@ class OuterSync:
         """An outer exchange's mean (:meth:`_wait`), and where this worker's windows landed in a quorum's."""
         mean, waited = self._wait(item.handle, window=item.window)
         if self.own_windows is not None:
-            self.own_windows.landed(item.fragment, item.launch_step, item.handle.quorum, self.comm.stats)
+            self.own_windows.landed(item.fragment, item.launch_step, item.handle.quorum, self.comm.stats,
+                                    self.comm.clock())
         return mean, waited
 
     def _wait(self, handle: Handle, out: list[torch.Tensor] | None = None, window: list[int] | None = None

@@ -42,9 +42,9 @@ def quorum_rule(config: OuterConfig, comm: Communicator) -> QuorumRule | None:
 
 class OwnWindows:
     """This worker's windows under a quorum: the inner steps each spans, where each landed (counted in ``stats``),
-    and the catch-up after one missed its exchange (12.5): a worker that arrived j tick-times after the close skips
-    its next j ticks (no inner step, no compute), so that it arrives with the others again, its window shorter
-    and weighted by the steps it ran. Under error feedback each window's payload (unweighted, as the others decode
+    and the catch-up after one missed its exchange (12.5): a worker j of its tick-times behind the others skips
+    its next j ticks (no inner step, no compute), so that it arrives with them again, its window shorter and
+    weighted by the steps it ran. Under error feedback each window's payload (unweighted, as the others decode
     it) is kept until a mean merges it, and put back into the buffer if dropped.
 
     Args:
@@ -62,7 +62,8 @@ class OwnWindows:
         self.skipped = 0  # ticks skipped so far
         self.recent: list[float] = []  # the compute seconds of its last ticks with steps (their median: a tick's)
         self.compute_mark: float | None = None
-        #: (fragment, launch step) -> (clock at launch, ticks skipped by then, payload kept under error feedback).
+        self.ticks = 0  # ticks done
+        #: (fragment, launch step) -> (clock at launch, ticks done by then, payload kept under error feedback).
         self.launches: dict[tuple[int, int], tuple[float, int, list[torch.Tensor] | None]] = {}
 
     def due(self, scheduled: int) -> int:
@@ -81,6 +82,7 @@ class OwnWindows:
         self.compute_mark = compute_s
         self.ran = [n + ran for n in self.ran]
         self.scheduled = [n + scheduled for n in self.scheduled]
+        self.ticks += 1
         return ran
 
     def window(self, fragment: int, step: int, workers: int, weight: Weight | None) -> tuple[Window, float]:
@@ -100,22 +102,24 @@ class OwnWindows:
     def launched(self, fragment: int, step: int, clock: float, payload: list[torch.Tensor] | None) -> None:
         """This worker's window of ``fragment`` left at ``step``, at ``clock``, with this payload."""
         kept = None if self.feedback is None or payload is None else [t.clone() for t in payload]
-        self.launches[(fragment, step)] = (clock, self.skipped, kept)
+        self.launches[(fragment, step)] = (clock, self.ticks, kept)
 
     @torch.no_grad()
-    def landed(self, fragment: int, step: int, result: QuorumResult | None, stats: WorkerStats) -> None:
-        """The mean of fragment's exchange launched at ``step`` landed holding ``result`` (None: every worker's
-        window on time, nothing late or dropped)."""
-        clock, skipped, _ = self.launches.get((fragment, step), (0.0, 0, None))
+    def landed(self, fragment: int, step: int, result: QuorumResult | None, stats: WorkerStats, clock_now: float
+               ) -> None:
+        """The mean of fragment's exchange launched at ``step`` landed, at ``clock_now``, holding ``result`` (None:
+        every worker's window on time, nothing late or dropped)."""
+        _, ticks, _ = self.launches.get((fragment, step), (0.0, 0, None))
         mine = [] if result is None else [c for c in result.merged if c.worker == self.rank]
         if result is None or any(c.step == step for c in mine):
             self.launches.pop((fragment, step), None)
         else:
             stats.quorum_missed += 1
             tick_s = statistics.median(self.recent) if self.recent else 0.0
-            if result.closes_at is not None and tick_s > 0:  # catch up what is left of the lag after skips since
-                behind = (clock - result.closes_at) / tick_s - (self.skipped + self.catch_up - skipped)
-                self.catch_up += max(0, math.ceil(behind - 1e-9))
+            if result.closes_at is not None and result.tick_s and tick_s > 0:
+                # How far behind the others it is now: they went on from the close, a tick at the fastest's pace.
+                behind = clock_now - result.closes_at - (self.ticks - ticks) * result.tick_s
+                self.catch_up = max(0, math.ceil(behind / tick_s - 1e-9))
         for c in mine:
             if c.step != step:
                 stats.late_merged += 1
@@ -145,12 +149,13 @@ class OwnWindows:
 
     def state_dict(self) -> dict[str, Any]:
         return {"ran": list(self.ran), "scheduled": list(self.scheduled), "catch_up": self.catch_up,
-                "skipped": self.skipped, "recent": list(self.recent), "compute_mark": self.compute_mark,
+                "skipped": self.skipped, "ticks": self.ticks, "recent": list(self.recent),
+                "compute_mark": self.compute_mark,
                 "launches": [[f, s, c, k, p] for (f, s), (c, k, p) in self.launches.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ran, self.scheduled = [int(n) for n in state["ran"]], [int(n) for n in state["scheduled"]]
-        self.catch_up, self.skipped = int(state["catch_up"]), int(state["skipped"])
+        self.catch_up, self.skipped, self.ticks = int(state["catch_up"]), int(state["skipped"]), int(state["ticks"])
         self.recent = [float(t) for t in state["recent"]]
         self.compute_mark = state["compute_mark"]
         self.launches = {(int(f), int(s)): (float(c), int(k), p) for f, s, c, k, p in state["launches"]}

@@ -89,13 +89,16 @@ class QuorumResult:
     step: int
     merged: list[Contribution]
     dropped: list[Contribution]
-    #: When it closed, on the clock its workers share (None: not on theirs), so a late worker knows how far behind.
+    #: When it closed, on the clock its workers share, and the fastest worker's compute seconds per tick, so that
+    #: a late worker knows how far behind the others it is now (None: not known on its clock).
     closes_at: float | None = None
+    tick_s: float | None = None
 
     def state(self) -> dict[str, Any]:
         """As plain lists, for a checkpoint."""
         return {"step": self.step, "merged": [[c.worker, c.step, c.steps] for c in self.merged],
-                "dropped": [[c.worker, c.step, c.steps] for c in self.dropped], "closes_at": self.closes_at}
+                "dropped": [[c.worker, c.step, c.steps] for c in self.dropped], "closes_at": self.closes_at,
+                "tick_s": self.tick_s}
 
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> QuorumResult | None:
@@ -103,7 +106,7 @@ class QuorumResult:
         if state is None:
             return None
         return cls(int(state["step"]), [Contribution(*map(int, c)) for c in state["merged"]],
-                   [Contribution(*map(int, c)) for c in state["dropped"]], state["closes_at"])
+                   [Contribution(*map(int, c)) for c in state["dropped"]], state["closes_at"], state["tick_s"])
 
 
 def wire_bytes(payload_bytes: int, num_workers: int, summable: bool) -> int:

@@ -149,6 +149,7 @@ class InProcessGroup:
         self._late = LateWindows()
         self._computed = [0.0] * num_workers
         self._round_compute = 0.0
+        self._step, self._tick_s = 0, 0.0  # the last quorum exchange's launch step; the fastest's seconds per tick
         self.communicators = [InProcessCommunicator(self, m) for m in range(num_workers)]
 
     def state_dict(self) -> dict[str, object]:
@@ -156,7 +157,8 @@ class InProcessGroup:
         if self._by_seq:
             raise RuntimeError("cannot checkpoint while an exchange is only partly launched")
         return {"link_free": self._link_free, "rng": self._rng.getstate(), "grace": self._grace.state_dict(),
-                "late": self._late.state_dict(), "computed": list(self._computed), "round_compute": self._round_compute}
+                "late": self._late.state_dict(), "computed": list(self._computed), "round_compute": self._round_compute,
+                "step": self._step, "tick_s": self._tick_s}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore :meth:`state_dict`.
@@ -174,6 +176,7 @@ class InProcessGroup:
             self._late.load_state_dict(state["late"])  # type: ignore[arg-type]
             self._computed = [float(c) for c in state["computed"]]  # type: ignore[attr-defined]
             self._round_compute = float(state["round_compute"])  # type: ignore[arg-type]
+            self._step, self._tick_s = int(state["step"]), float(state["tick_s"])  # type: ignore[call-overload, arg-type]
 
     @staticmethod
     def state_problem(state: object) -> str:
@@ -192,6 +195,7 @@ class InProcessGroup:
                 GraceWindow().load_state_dict(state["grace"])
                 LateWindows().load_state_dict(state["late"])
                 [float(c) for c in state["computed"]], float(state["round_compute"])  # noqa: B018
+                int(state["step"]), float(state["tick_s"])  # noqa: B018
             except (TypeError, ValueError, KeyError, AttributeError):
                 return f"group.late {_short(state.get('late'))} is not the quorum exchanges' state"
         return ""
@@ -262,11 +266,15 @@ class InProcessGroup:
         spans = [(c - last) * most / n for c, last, n in zip(ex.computed, self._computed, ex.steps, strict=True)
                  if c > last and n > 0]
         self._round_compute = min(spans, default=self._round_compute)
-        self._computed = list(ex.computed)
+        ticks = window.step - self._step  # ... and per tick, from the workers that ran every tick since the last
+        full = [c - last for c, last, n in zip(ex.computed, self._computed, ex.steps, strict=True) if n == most]
+        if ticks > 0 and full:
+            self._tick_s = min(full) / ticks
+        self._computed, self._step = list(ex.computed), window.step
         close = self._grace.closes_at(ex.launch_times, window.rule, self._round_compute)
         decode = decoder(ex.codec)
         values = [decode(p, ex.numel) for p in ex.payloads]  # type: ignore[arg-type]
-        mean, ex.quorum = self._late.close(window, close, values, ex.launch_times, ex.steps)
+        mean, ex.quorum = self._late.close(window, close, values, ex.launch_times, ex.steps, self._tick_s or None)
         if mean is not None:
             ex.mean_flat, ex.mean = mean, unflatten(mean, ex.like)
         return close

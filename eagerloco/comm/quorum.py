@@ -69,13 +69,14 @@ class LateWindows:
         self.held: dict[int, list[LateWindow]] = {}
 
     def close(self, window: Window, closes_at: float, values: Sequence[torch.Tensor], arrivals: Sequence[float],
-              steps: Sequence[int]) -> tuple[torch.Tensor | None, QuorumResult | None]:
+              steps: Sequence[int], tick_s: float | None = None) -> tuple[torch.Tensor | None, QuorumResult | None]:
         """Close the exchange of ``window`` (any worker's: they share fragment, step, total and rule).
 
         Args:
             closes_at: its close (:meth:`GraceWindow.closes_at`); a window arrived by then is on time.
             values: every live worker's payload, decoded (flat FP32), by worker.
             arrivals: when each reached the party; steps: the inner steps each spans.
+            tick_s: the fastest worker's compute seconds per tick (sent with the result, for the catch-up).
 
         Returns:
             The token-weighted mean of every window it merges, on time or late, and what it merged and dropped;
@@ -111,7 +112,7 @@ class LateWindows:
             return None, None
         merged.sort(key=lambda w: (w.contribution.step, w.contribution.worker))
         result = QuorumResult(window.step, [w.contribution for w in merged], [w.contribution for w in dropped],
-                              closes_at)
+                              closes_at, tick_s)
         if plain:
             return None, result
         total = torch.zeros_like(merged[0].values)

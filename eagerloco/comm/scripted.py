@@ -200,7 +200,7 @@ class ScriptedCommunicator(Communicator):
         mean, result = self.late_windows.close(window, float(n), values, arrivals, [window.steps] * len(values))
         if mean is not None:
             call.mean = [t.clone() for t in unflatten(mean, like)]
-        return None if result is None else replace(result, closes_at=None)  # closed on the script's clock
+        return None if result is None else replace(result, closes_at=None, tick_s=None)  # on the script's clock
 
     @property
     def members(self) -> list[int]:
