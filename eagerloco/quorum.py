@@ -128,10 +128,7 @@ class OwnWindows:
             if c.worker != self.rank:
                 continue
             stats.late_dropped += 1
-            payload = self.launches.pop((fragment, c.step), (0.0, 0, None))[2]
-            if payload is not None and self.feedback is not None:  # what no mean merged stays in the buffer
-                for e, t in zip(self.feedback.buffers[fragment], payload, strict=True):
-                    e.add_(t)
+            self._restore(fragment, self.launches.pop((fragment, c.step), (0.0, 0, None))[2])
 
     @torch.no_grad()
     def drain(self, stats: WorkerStats) -> None:
@@ -142,10 +139,15 @@ class OwnWindows:
             print(f"eagerloco: quorum: worker {self.rank}'s window of fragment {fragment} launched at step {step} "
                   "missed its exchange, and the run ended before a later one merged it: dropped",
                   file=sys.stderr, flush=True)
-            if payload is not None and self.feedback is not None:
-                for e, t in zip(self.feedback.buffers[fragment], payload, strict=True):
-                    e.add_(t)
+            self._restore(fragment, payload)
         self.launches.clear()
+
+    @torch.no_grad()
+    def _restore(self, fragment: int, payload: list[torch.Tensor] | None) -> None:
+        """A dropped window's payload back into the error-feedback buffer: what no mean merged stays there."""
+        if payload is not None and self.feedback is not None:
+            for e, t in zip(self.feedback.buffers[fragment], payload, strict=True):
+                e.add_(t)
 
     def state_dict(self) -> dict[str, Any]:
         return {"ran": list(self.ran), "scheduled": list(self.scheduled), "catch_up": self.catch_up,

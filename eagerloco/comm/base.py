@@ -44,7 +44,7 @@ class WorkerStats:
 @dataclass(frozen=True)
 class QuorumRule:
     """When an exchange may close without every worker (docs/algorithms.md, 12.1-12.4): once ``quorum``
-    contributions have arrived and ``grace`` seconds have passed since the last of them (None: auto), and how
+    contributions have arrived and ``grace`` seconds have passed since the quorum-th did (None: auto), and how
     many of its fragment's exchanges later a window that missed may still be merged (``max_late``)."""
 
     quorum: int
