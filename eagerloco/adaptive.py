@@ -129,15 +129,17 @@ class AdaptiveSteps:
         """This worker's inner steps at the next tick."""
         return self.rounds.due(self.comm.rank)
 
-    def tick(self) -> None:
-        """The tick's inner steps are done: count them (and, measuring, their time)."""
-        steps = self.rounds.due(self.comm.rank)
+    def tick(self, ran: int | None = None) -> None:
+        """The tick's inner steps are done: count them (and, measuring, their time); ``ran``: this worker's, where a
+        quorum's catch-up skipped them (None: the schedule's)."""
+        rank = self.comm.rank
+        steps = self.rounds.due(rank) if ran is None else ran
         compute = self.comm.stats.compute_s
         if self.measured and steps and self.compute_mark is not None:
             self.meter.add((compute - self.compute_mark) / steps)
         self.compute_mark = compute
         for m in self.comm.members if self.comm.elastic else range(len(self.trained)):
-            self.trained[m] += self.rounds.due(m)
+            self.trained[m] += steps if m == rank else self.rounds.due(m)
         self.rounds.advance()
 
     def weigh(self, fragment: int) -> Weight:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,36 +13,16 @@ from torch import nn
 
 from eagerloco.adaptive import AdaptiveSteps, load_rounds
 from eagerloco.codecs import get_codec
-from eagerloco.comm.base import Communicator, Handle, ReadyHandle
+from eagerloco.comm.base import Communicator, Handle
 from eagerloco.config import OuterConfig
 from eagerloco.error_feedback import ErrorFeedback
 from eagerloco.errors import DivergedError
 from eagerloco.fragments import assign_fragments, find_blocks, trainable_fragments
 from eagerloco.fsdp import like_param, local_shard
 from eagerloco.outer_optimizer import OuterOptimizerFactory, make_outer_optimizer
+from eagerloco.outer_state import InFlight, check_state, load_in_flight, save_in_flight
+from eagerloco.quorum import OwnWindows, quorum_rule
 from eagerloco.schedule import apply_delay, fragment_offsets, fragments_due
-
-#: What a state_dict holds, and each exchange in flight in it (load_state_dict names what a state lacks).
-_STATE_KEYS = ("method", "step", "outer", "outer_opts", "in_flight", "generator", "error_feedback", "adaptive")
-_IN_FLIGHT_KEYS = ("fragment", "launch_step", "apply_step", "mean", "own", "payload_bytes", "ready_at", "workers",
-                   "others", "window", "contributors")
-
-
-@dataclass
-class _InFlight:
-    fragment: int
-    handle: Handle
-    launch_step: int
-    apply_step: int
-    fresh: list[torch.Tensor] | None  # eager: this worker's own full-precision outer gradient
-    #: M of the round this exchange belongs to (workers present at launch). Eager applied its own
-    #: share with weight 1/workers and corrects with the same weight, so every outer gradient
-    #: counts exactly once even when membership changes while the exchange is in flight.
-    workers: float = 1
-    #: The others' weight in the exchange's mean, 1 - w_m: (M-1)/M, or by tokens under adaptive steps.
-    others: float | None = None
-    #: Adaptive steps: every worker's steps in its window, to renormalise the mean over who sent (AdaptiveSteps.settle).
-    window: list[int] | None = None
 
 
 class OuterSync:
@@ -64,6 +43,8 @@ class OuterSync:
       and the local fragment restarts from the new outer copy (merged with alpha).
 
     Each worker keeps its own outer copies and outer-optimizer state (eager makes them differ).
+    Under ``--quorum`` an outer exchange may close without the slowest workers, whose windows a later mean merges
+    (docs/algorithms.md, 12; this worker's side: :class:`eagerloco.quorum.OwnWindows`).
     The object never knows what its peers are: it talks to a :class:`~eagerloco.comm.base.Communicator`.
 
     Per inner step a worker calls :meth:`OuterSync.before_inner_step` (after backward, before the
@@ -117,13 +98,17 @@ class OuterSync:
         self.is_dp = cfg.method == "dp"
         self.eager_like = cfg.method in ("delayed", "eager")
         self.own_state = cfg.method == "eager"  # each worker's outer copies and state differ (its own share)
-        self.in_flight: list[_InFlight] = []
+        self.in_flight: list[InFlight] = []
         #: Whether the workers agreed on this schedule (:meth:`_agreed`; None: not asked yet).
         self._agreement: bool | None = None
         self._grad_handle: Handle | None = None
         self._grad_params: list[nn.Parameter] = []
         #: Workers of unequal speed (--adaptive-steps): each worker's inner steps and weights; None: off.
         self.adaptive: AdaptiveSteps | None = None
+        #: Quorum exchanges (--quorum below M): the rule every outer exchange is launched with, and where this
+        #: worker's windows landed; None: every exchange waits for every worker.
+        self.quorum = quorum_rule(cfg, comm)
+        self.own_windows: OwnWindows | None = None
         #: What this worker's compressed exchanges have not sent yet (None: --error-feedback off, and dp).
         self.feedback: ErrorFeedback | None = None
         #: The model's parameters by fragment, and the tensors the algorithm reads and writes for
@@ -151,6 +136,8 @@ class OuterSync:
         self.delay = apply_delay(cfg.method, cfg.inner_steps, cfg.overlap_steps, cfg.eager_rounds)
         if cfg.adaptive_steps:
             self.adaptive = AdaptiveSteps(cfg, comm)
+        if self.quorum is not None:
+            self.own_windows = OwnWindows(comm.rank, self.quorum, len(self.outer), self.feedback)
 
     @torch.no_grad()
     def restart_from_model(self) -> None:
@@ -176,7 +163,8 @@ class OuterSync:
     def inner_steps_due(self) -> int:
         """Inner steps this worker takes before its next :meth:`after_inner_step`: 1, or under adaptive steps
         its share of the next tick of the round (0, 1 or more; see :class:`eagerloco.schedule.Rounds`)."""
-        return 1 if self.adaptive is None else self.adaptive.due()
+        due = 1 if self.adaptive is None else self.adaptive.due()
+        return due if self.own_windows is None else self.own_windows.due(due)
 
     # ------------------------------------------------------------------ data-parallel gradients
     def launch_grads(self) -> None:
@@ -245,8 +233,11 @@ class OuterSync:
             return
         t0 = time.perf_counter()
         cfg, feedback, adaptive = self.config, self.feedback, self.adaptive
+        # A quorum: the steps this tick ran (none while catching up); None: the schedule's.
+        ran = None if self.own_windows is None else self.own_windows.tick(
+            1 if adaptive is None else adaptive.due(), self.comm.stats.compute_s)
         if adaptive is not None:
-            adaptive.tick()
+            adaptive.tick(ran)
         for p in fragments_due(self.step, cfg.inner_steps, self.offsets):
             with torch.no_grad():
                 delta = [o - l.detach().to(torch.float32) for o, l in zip(self.outer[p], self.local[p], strict=True)]
@@ -255,18 +246,24 @@ class OuterSync:
                                           f"of fragment {p}")
             # Adaptive steps: M * w_m times the contribution, so the mean is the token-weighted sum_m w_m Delta_m.
             weight = None if adaptive is None else adaptive.weigh(p)
-            scale = 1.0 if weight is None else weight.scale
+            window, scale = (None, 1.0 if weight is None else weight.scale) if self.own_windows is None else \
+                self.own_windows.window(p, self.step, self.num_workers, weight)
             if scale != 1.0:
                 sent = [t * scale for t in sent]
             # Only eager and error feedback read their own share back (handle.own); elsewhere the runtime may reuse it.
+            launch = self._agreed() if window is None else {**self._agreed(), "window": window}
             handle = self.comm.allreduce_mean(sent, self.codec, self.generator,
-                                              keep_own=self.own_state or feedback is not None, **self._agreed())
+                                              keep_own=self.own_state or feedback is not None, **launch)
+            payload = None
             if feedback is not None and scale:  # the buffer loses what it sent (unweighted)
-                feedback.sent(p, handle.own if scale == 1.0 else [o / scale for o in handle.own])
+                payload = handle.own if scale == 1.0 else [o / scale for o in handle.own]
+                feedback.sent(p, payload)
+            if self.own_windows is not None:
+                self.own_windows.launched(p, self.step, self.comm.clock(), payload)
             # Eager applies its own share now: what it sent (C_m, as the others decode it), so that every value
             # sent is applied once; the unsent rest stays in the error-feedback buffer, or is dropped without one.
             fresh = handle.own if self.own_state else None
-            item = _InFlight(p, handle, self.step, self.step + self.delay, fresh, self.comm.num_workers)
+            item = InFlight(p, handle, self.step, self.step + self.delay, fresh, self.comm.num_workers)
             if weight is not None:
                 item.workers, item.others, item.window = weight.workers, weight.others, weight.window
             self.in_flight.append(item)
@@ -290,7 +287,7 @@ class OuterSync:
         else:
             for item in [x for x in self.in_flight if x.apply_step == self.step]:
                 self.in_flight.remove(item)
-                mean, w = self._wait(item.handle, window=item.window)
+                mean, w = self._land(item)
                 waited += w
                 self._outer_step(item.fragment, mean)
                 self._merge(item.fragment)
@@ -335,6 +332,8 @@ class OuterSync:
                         f"transport {cfg.transport}, error feedback {cfg.error_feedback}, adaptive steps "
                         f"{(cfg.worker_speeds or 'measured') if cfg.adaptive_steps else 'off'}, "
                         f"at step {self.step} of {self.num_workers} workers")
+            if self.quorum is not None:  # only with one, so that a run without keeps its schedule's digest
+                describe += f", {self.quorum}"
             self._agreement = self.comm.agree(describe.encode(), describe)
         launch = {} if self.config.transport == "allgather" else {"transport": self.config.transport}
         return {"agreed": True, **launch} if self._agreement else launch
@@ -349,7 +348,7 @@ class OuterSync:
         mean: list[torch.Tensor] | None = None
         if arrived is not None:
             self.in_flight.remove(arrived)
-            mean, waited = self._wait(arrived.handle, window=arrived.window)
+            mean, waited = self._land(arrived)
         if cfg.method == "delayed":
             grad = mean
         else:
@@ -365,7 +364,7 @@ class OuterSync:
         self._merge(p)
         return waited
 
-    def _others_share(self, mean: list[torch.Tensor], item: _InFlight) -> list[torch.Tensor]:
+    def _others_share(self, mean: list[torch.Tensor], item: InFlight) -> list[torch.Tensor]:
         """Eager's correction: what the others added to an exchange's mean, with the M of its round (the
         weight its own share was applied with when it was launched). nonlocal: the mean less its own
         share, as sent (every outer gradient applied exactly once); stale_average: (M-1)/M of the mean."""
@@ -374,6 +373,14 @@ class OuterSync:
             return [d - o / m for d, o in zip(mean, item.handle.own, strict=True)]
         others = (m - 1) / m if item.others is None else item.others
         return [d * others for d in mean]
+
+    def _land(self, item: InFlight) -> tuple[list[torch.Tensor], float]:
+        """An outer exchange's mean (:meth:`_wait`), and where this worker's windows landed in a quorum's."""
+        mean, waited = self._wait(item.handle, window=item.window)
+        if self.own_windows is not None:
+            self.own_windows.landed(item.fragment, item.launch_step, item.handle.quorum, self.comm.stats,
+                                    self.comm.clock())
+        return mean, waited
 
     def _wait(self, handle: Handle, out: list[torch.Tensor] | None = None, window: list[int] | None = None
               ) -> tuple[list[torch.Tensor], float]:
@@ -386,7 +393,7 @@ class OuterSync:
         """
         t0 = time.perf_counter()
         mean = handle.wait() if out is None else handle.wait(out)
-        if window is not None:
+        if window is not None and handle.quorum is None:  # a quorum's mean is token-weighted already
             mean = AdaptiveSteps.settle(mean, window, handle.contributors)
         return mean, 0.0 if self.comm.simulated_clock else time.perf_counter() - t0
 
@@ -423,7 +430,7 @@ class OuterSync:
         t0 = time.perf_counter()
         waited = 0.0
         for item in list(self.in_flight):
-            mean, w = self._wait(item.handle, window=item.window)
+            mean, w = self._land(item)
             waited += w
             if not apply:
                 continue
@@ -432,6 +439,8 @@ class OuterSync:
             self._outer_step(item.fragment, mean)
             self._merge(item.fragment)
         self.in_flight.clear()
+        if self.own_windows is not None:
+            self.own_windows.drain(self.comm.stats)
         if self.adaptive is not None:
             waited += self.adaptive.drain()
         self.comm.add_overhead(time.perf_counter() - t0 - waited)
@@ -513,22 +522,13 @@ class OuterSync:
         Raises:
             PeerError: an exchange in flight failed while being resolved.
         """
-        in_flight = []
-        for item in self.in_flight:
-            mean, ready_at = item.handle.checkpoint_result()
-            own, nbytes = item.handle.own, item.handle.payload_bytes
-            who = item.handle.contributors
-            item.handle = ReadyHandle(self.comm, mean, own, nbytes, ready_at, who)
-            in_flight.append({
-                "fragment": item.fragment, "launch_step": item.launch_step, "apply_step": item.apply_step,
-                "mean": mean, "own": own, "payload_bytes": nbytes, "ready_at": ready_at,
-                "workers": item.workers, "others": item.others, "window": item.window, "contributors": who,
-            })
+        in_flight = save_in_flight(self.in_flight, self.comm)
         return {"method": self.config.method, "step": self.step, "outer": [[t.clone() for t in f] for f in self.outer],
                 "outer_opts": [opt.state_dict() for opt in self.outer_opts], "in_flight": in_flight,
                 "generator": self.generator.get_state(),
                 "error_feedback": None if self.feedback is None else self.feedback.state(),
-                "adaptive": None if self.adaptive is None else self.adaptive.state_dict()}
+                "adaptive": None if self.adaptive is None else self.adaptive.state_dict(),
+                **({} if self.own_windows is None else {"own_windows": self.own_windows.state_dict()})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict` (the model and inner optimizer are restored separately).
@@ -541,18 +541,7 @@ class OuterSync:
                 for another method, its fragments do not match this model and fragment setting, or it was
                 saved with error feedback or adaptive steps on where this run has it off (or the reverse).
         """
-        missing = {k for k in _STATE_KEYS if k not in state} | {k for x in state.get("in_flight", ()) for k in
-                                                                 _IN_FLIGHT_KEYS if k not in x}
-        if missing:
-            raise ValueError(f"the outer state lacks {', '.join(sorted(missing))}: saved by an earlier development "
-                             "version of eagerloco, which this one does not read; start the run afresh")
-        if state["method"] != self.config.method:
-            raise ValueError(f"state is for method {state.get('method')!r}, this run uses {self.config.method!r}")
-        if len(state["outer"]) != len(self.outer) or any(
-            len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True))
-            for a, b in zip(state["outer"], self.outer, strict=True)
-        ):
-            raise ValueError("state's fragments do not match this model and --fragments setting")
+        check_state(state, self.config.method, self.outer)
         self.step = int(state["step"])
         with torch.no_grad():
             for frag, saved in zip(self.outer, state["outer"], strict=True):
@@ -570,12 +559,9 @@ class OuterSync:
         if saved_feedback is not None and self.feedback is not None:
             self.feedback.load(saved_feedback)
         load_rounds(self.adaptive, state["adaptive"])
-        self.in_flight = [
-            _InFlight(x["fragment"], ReadyHandle(self.comm, x["mean"], x["own"], x["payload_bytes"], x["ready_at"],
-                                                 x["contributors"]),
-                      x["launch_step"], x["apply_step"], None, x["workers"], x["others"], x["window"])
-            for x in state["in_flight"]
-        ]
+        if self.own_windows is not None:
+            self.own_windows.load_state_dict(state.get("own_windows", []))
+        self.in_flight = load_in_flight(state["in_flight"], self.comm)
 
 
 def before_inner_step_all(syncs: Sequence[OuterSync]) -> None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -32,9 +33,80 @@ class WorkerStats:
     blocked_s: float = 0.0  # waiting for an exchange to land
     drain_s: float = 0.0  # waiting, after the last step, for exchanges still in flight (not training time)
     slow_steps: int = 0  # real clock with a fixed step time: steps whose real compute took longer than it
+    quorum_missed: int = 0  # --quorum: its outer windows that missed the exchange they were launched for
+    late_merged: int = 0  # --quorum: its windows merged into a later exchange of their fragment
+    late_dropped: int = 0  # --quorum: its windows dropped as staler than --max-late-rounds (each logged)
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class QuorumRule:
+    """When an exchange may close without every worker (docs/algorithms.md, 12.1-12.4): once ``quorum``
+    contributions have arrived and ``grace`` seconds have passed since the quorum-th did (None: auto), and how
+    many of its fragment's exchanges later a window that missed may still be merged (``max_late``)."""
+
+    quorum: int
+    grace: float | None
+    max_late: int
+
+
+@dataclass(frozen=True)
+class Window:
+    """One worker's contribution to a quorum exchange: the fragment's exchange (named by the inner step it is
+    launched at), the inner steps it spans and those the schedule expects of every worker in the window (its
+    payload is (M * steps / total) times its outer gradient, section 11's token weight), and the rule."""
+
+    fragment: int
+    step: int
+    steps: int
+    total: int
+    rule: QuorumRule
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """A window a quorum exchange's mean merged or dropped: whose, launched at which step, of how many steps."""
+
+    worker: int
+    step: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class QuorumResult:
+    """What a quorum exchange that did not merge exactly every worker's window on time with its scheduled steps
+    holds (sent with the mean, so that every worker knows where its own window landed).
+
+    Attributes:
+        step: the step its own windows were launched at.
+        merged: every window its mean holds, on time (``step`` equal) or late, in (step, worker) order; the mean
+            is their token-weighted mean, sum_c n_c X_c / sum_c n_c.
+        dropped: the late windows it dropped as staler than the rule's bound.
+    """
+
+    step: int
+    merged: list[Contribution]
+    dropped: list[Contribution]
+    #: When it closed, on the clock its workers share, and the fastest worker's compute seconds per tick, so that
+    #: a late worker knows how far behind the others it is now (None: not known on its clock).
+    closes_at: float | None = None
+    tick_s: float | None = None
+
+    def state(self) -> dict[str, Any]:
+        """As plain lists, for a checkpoint."""
+        return {"step": self.step, "merged": [[c.worker, c.step, c.steps] for c in self.merged],
+                "dropped": [[c.worker, c.step, c.steps] for c in self.dropped], "closes_at": self.closes_at,
+                "tick_s": self.tick_s}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any] | None) -> QuorumResult | None:
+        """What :meth:`state` saved (None: no result)."""
+        if state is None:
+            return None
+        return cls(int(state["step"]), [Contribution(*map(int, c)) for c in state["merged"]],
+                   [Contribution(*map(int, c)) for c in state["dropped"]], state["closes_at"], state["tick_s"])
 
 
 def wire_bytes(payload_bytes: int, num_workers: int, summable: bool) -> int:
@@ -76,6 +148,11 @@ def hand_over(mean: list[torch.Tensor], out: list[torch.Tensor] | None) -> list[
     return out
 
 
+def decoder(codec: Codec) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """How a payload of this codec becomes its FP32 values: FP32 payloads are read in place (a view, no copy)."""
+    return codec.values if isinstance(codec, Fp32Codec) else codec.unpack
+
+
 def mean_of_payloads(codec: Codec, payloads: list[torch.Tensor], numel: int,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize every worker's payload and sum in FP32 in worker order, then divide by M.
@@ -85,7 +162,7 @@ def mean_of_payloads(codec: Codec, payloads: list[torch.Tensor], numel: int,
     # The FP32 payloads are the values: they are read in place instead of decoded into copies. The
     # sum starts from the first two payloads (into fresh memory, or out) instead of from zeros: the
     # same bits (0 + x == x) with one pass less; the division happens in place.
-    decode = codec.values if isinstance(codec, Fp32Codec) else codec.unpack
+    decode = decoder(codec)
     vals = (decode(buf, numel) for buf in payloads)  # decoded one by one, not all at once
     total = next(vals)
     if len(payloads) > 1:
@@ -122,6 +199,10 @@ class Handle(ABC):
     #: The worker ids whose payloads the mean holds, once it has landed, where the runtime knows them (an
     #: elastic group may run an exchange again among the survivors of a change); None: every worker.
     contributors: list[int] | None = None
+    #: A quorum exchange (launched with a :class:`Window`) that did not merge exactly every worker's window on
+    #: time with its scheduled steps, once it has landed: which windows its mean holds and which it dropped.
+    #: None: every worker's, as without a quorum.
+    quorum: QuorumResult | None = None
 
     @abstractmethod
     def wait(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -182,9 +263,10 @@ class ReadyHandle(Handle):
 
     def __init__(
         self, comm: Communicator, mean: list[torch.Tensor], own: list[torch.Tensor], payload_bytes: int,
-        ready_at: float | None, contributors: list[int] | None = None,
+        ready_at: float | None, contributors: list[int] | None = None, quorum: QuorumResult | None = None,
     ) -> None:
         self._comm, self._mean, self._ready_at = comm, mean, ready_at
+        self.quorum = quorum
         self.own = own
         self.payload_bytes = payload_bytes
         self.contributors = None if contributors is None else [int(w) for w in contributors]
@@ -212,6 +294,8 @@ class Communicator(ABC):
     #: True when workers may leave and rejoin during the run (``--elastic``): ``members`` then names the
     #: workers present, and a handle's ``contributors`` the workers whose payloads its mean holds.
     elastic: bool = False
+    #: True when exchanges launched with a ``window`` may close on a quorum (:class:`QuorumRule`).
+    closes_on_quorum: bool = False
 
     @property
     def members(self) -> list[int]:
@@ -221,7 +305,7 @@ class Communicator(ABC):
     @abstractmethod
     def allreduce_mean(
         self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
-        *, keep_own: bool = True, agreed: bool = False, transport: str = "allgather",
+        *, keep_own: bool = True, agreed: bool = False, transport: str = "allgather", window: Window | None = None,
     ) -> Handle:
         """Start averaging tensors over the workers (background); returns at once.
 
@@ -242,6 +326,9 @@ class Communicator(ABC):
                 (exact FP32 sums of the payloads) or ``reduce-scatter`` (about two payloads per worker
                 whatever M, one more rounding: :mod:`eagerloco.comm.reduce_scatter`). FP32 and sparse
                 payloads ignore it; a runtime that cannot shard (elastic) refuses it.
+            window: an outer window of a quorum exchange (only where ``closes_on_quorum``): the exchange may
+                close without every worker's window by its rule, and a window that missed it is merged into
+                the fragment's next one or dropped; ``Handle.quorum`` then says which.
 
         Returns:
             A :class:`Handle` to wait on exactly once; ``handle.own`` is this worker's contribution

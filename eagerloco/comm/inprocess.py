@@ -20,7 +20,10 @@ from eagerloco.codecs import Codec, Fp32Codec
 from eagerloco.comm.base import (
     Communicator,
     Handle,
+    QuorumResult,
+    Window,
     WorkerStats,
+    decoder,
     encode,
     flatten,
     hand_over,
@@ -28,6 +31,7 @@ from eagerloco.comm.base import (
     unflatten,
     wire_bytes,
 )
+from eagerloco.comm.quorum import GraceWindow, LateWindows
 from eagerloco.comm.reduce_scatter import Shards, uses_reduce_scatter
 from eagerloco.config import LinkConfig
 
@@ -46,6 +50,13 @@ class _Exchange:
         self.mean_flat: torch.Tensor | None = None
         self.waits = 0
         self.reusable: list[torch.Tensor] = []  # payloads launched with keep_own=False (fp32)
+        #: A quorum exchange: its window (any worker's), each worker's steps and compute seconds at launch, its
+        #: handles (they learn what it merged once it closes) and what it merged.
+        self.window: Window | None = None
+        self.steps: list[int] = [0] * num_workers
+        self.computed: list[float] = [0.0] * num_workers
+        self.handles: list[InProcessHandle] = []
+        self.quorum: QuorumResult | None = None
         #: The reduce-scatter's layout, when the exchange goes through one.
         self.shards = Shards(codec, self.numel, num_workers) if uses_reduce_scatter(codec, transport, num_workers) \
             else None
@@ -132,13 +143,22 @@ class InProcessGroup:
         self._spare: dict[int, torch.Tensor] = {}  # a finished exchange's mean buffer, by size
         self._spare_payloads: dict[int, list[torch.Tensor]] = {}  # finished keep_own=False payloads
         self._rng = random.Random(seed)
+        #: Quorum exchanges (12 of docs/algorithms.md): when they close, the late windows held, and each worker's
+        #: compute seconds at its last window (the fastest one's compute between windows sizes the auto grace).
+        self._grace = GraceWindow()
+        self._late = LateWindows()
+        self._computed = [0.0] * num_workers
+        self._round_compute = 0.0
+        self._step, self._tick_s = 0, 0.0  # the last quorum exchange's launch step; the fastest's seconds per tick
         self.communicators = [InProcessCommunicator(self, m) for m in range(num_workers)]
 
     def state_dict(self) -> dict[str, object]:
         """The link's state between steps (every exchange launched by then is complete)."""
         if self._by_seq:
             raise RuntimeError("cannot checkpoint while an exchange is only partly launched")
-        return {"link_free": self._link_free, "rng": self._rng.getstate()}
+        return {"link_free": self._link_free, "rng": self._rng.getstate(), "grace": self._grace.state_dict(),
+                "late": self._late.state_dict(), "computed": list(self._computed), "round_compute": self._round_compute,
+                "step": self._step, "tick_s": self._tick_s}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore :meth:`state_dict`.
@@ -151,6 +171,12 @@ class InProcessGroup:
             raise ValueError(problem)
         self._link_free = float(state["link_free"])  # type: ignore[arg-type]
         self._rng.setstate(_rng_state(state["rng"]))
+        if "grace" in state:  # written by a group that has run quorum exchanges' bookkeeping
+            self._grace.load_state_dict(state["grace"])  # type: ignore[arg-type]
+            self._late.load_state_dict(state["late"])  # type: ignore[arg-type]
+            self._computed = [float(c) for c in state["computed"]]  # type: ignore[attr-defined]
+            self._round_compute = float(state["round_compute"])  # type: ignore[arg-type]
+            self._step, self._tick_s = int(state["step"]), float(state["tick_s"])  # type: ignore[call-overload, arg-type]
 
     @staticmethod
     def state_problem(state: object) -> str:
@@ -164,14 +190,22 @@ class InProcessGroup:
             random.Random().setstate(_rng_state(state.get("rng")))
         except (TypeError, ValueError, IndexError, KeyError, OverflowError):
             return f"group.rng {_short(state.get('rng'))} is not a random generator's state"
+        if "grace" in state:
+            try:
+                GraceWindow().load_state_dict(state["grace"])
+                LateWindows().load_state_dict(state["late"])
+                [float(c) for c in state["computed"]], float(state["round_compute"])  # noqa: B018
+                int(state["step"]), float(state["tick_s"])  # noqa: B018
+            except (TypeError, ValueError, KeyError, AttributeError):
+                return f"group.late {_short(state.get('late'))} is not the quorum exchanges' state"
         return ""
 
     def communicator(self, worker: int) -> InProcessCommunicator:
         return self.communicators[worker]
 
     def _launch(self, comm: InProcessCommunicator, tensors: list[torch.Tensor], codec: Codec,
-                generator: torch.Generator | None, keep_own: bool = True, transport: str = "allgather"
-                ) -> InProcessHandle:
+                generator: torch.Generator | None, keep_own: bool = True, transport: str = "allgather",
+                window: Window | None = None) -> InProcessHandle:
         idx = comm._next
         comm._next += 1
         ex = self._by_seq.get(idx)
@@ -197,6 +231,9 @@ class InProcessGroup:
             wire = wire_bytes(nbytes, self.num_workers, codec.summable)
         ex.payloads[comm.rank] = buf
         ex.launch_times[comm.rank] = comm._clock
+        if window is not None:
+            ex.window = window
+            ex.steps[comm.rank], ex.computed[comm.rank] = window.steps, comm.stats.compute_s
         st = comm.stats
         st.bytes_sent += wire
         st.bytes_received += wire
@@ -206,12 +243,41 @@ class InProcessGroup:
             del self._by_seq[idx]
             # The collective starts when the last worker joins and the link is free; a ring moves
             # every worker's share at once, so one shared link time serves the group.
-            start = max(max(ex.launch_times), self._link_free)
+            start = max(max(ex.launch_times) if ex.window is None else self._close(ex), self._link_free)
             jitter = self._rng.uniform(0.0, self.link.jitter_ms / 1e3) if self.link.jitter_ms and wire else 0.0
             ex.finish_time = start + self.link.transfer_seconds(wire) + jitter
             self._link_free = ex.finish_time
         own = unflatten(own_flat, tensors) if keep_own else []
-        return InProcessHandle(self, comm, ex, own, nbytes)
+        handle = InProcessHandle(self, comm, ex, own, nbytes)
+        if ex.window is not None:
+            ex.handles.append(handle)
+            for h in ex.handles if ex.complete() else ():
+                h.quorum = ex.quorum
+        return handle
+
+    def _close(self, ex: _Exchange) -> float:
+        """A quorum exchange every worker has launched: when it closes (its contributions arrive as they are
+        launched), and its mean when that is not the plain mean of every payload. Returns the close."""
+        window = ex.window
+        assert window is not None
+        # The fastest worker's compute between two windows, for the longest window (one that skipped ticks to
+        # catch up ran fewer steps in it: its compute counts per step).
+        most = max(ex.steps)
+        spans = [(c - last) * most / n for c, last, n in zip(ex.computed, self._computed, ex.steps, strict=True)
+                 if c > last and n > 0]
+        self._round_compute = min(spans, default=self._round_compute)
+        ticks = window.step - self._step  # ... and per tick, from the workers that ran every tick since the last
+        full = [c - last for c, last, n in zip(ex.computed, self._computed, ex.steps, strict=True) if n == most]
+        if ticks > 0 and full:
+            self._tick_s = min(full) / ticks
+        self._computed, self._step = list(ex.computed), window.step
+        close = self._grace.closes_at(ex.launch_times, window.rule, self._round_compute)
+        decode = decoder(ex.codec)
+        values = [decode(p, ex.numel) for p in ex.payloads]  # type: ignore[arg-type]
+        mean, ex.quorum = self._late.close(window, close, values, ex.launch_times, ex.steps, self._tick_s or None)
+        if mean is not None:
+            ex.mean_flat, ex.mean = mean, unflatten(mean, ex.like)
+        return close
 
 
 def _rng_state(rng: Any) -> tuple[Any, ...]:
@@ -228,6 +294,7 @@ class InProcessCommunicator(Communicator):
     """Worker `rank`'s view of an :class:`InProcessGroup`, with a simulated clock."""
 
     simulated_clock = True
+    closes_on_quorum = True
 
     def __init__(self, group: InProcessGroup, rank: int) -> None:
         self.group = group
@@ -239,9 +306,9 @@ class InProcessCommunicator(Communicator):
 
     def allreduce_mean(
         self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
-        *, keep_own: bool = True, agreed: bool = False, transport: str = "allgather",
+        *, keep_own: bool = True, agreed: bool = False, transport: str = "allgather", window: Window | None = None,
     ) -> InProcessHandle:
-        return self.group._launch(self, tensors, codec, generator, keep_own, transport)
+        return self.group._launch(self, tensors, codec, generator, keep_own, transport, window)
 
     def clock(self) -> float:
         return self._clock

@@ -7,13 +7,25 @@ It stands in for the other workers at the one seam the outer algorithm talks thr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from eagerloco.codecs import Codec
-from eagerloco.comm.base import Communicator, Handle, WorkerStats, encode, flatten, hand_over, unflatten, wire_bytes
+from eagerloco.comm.base import (
+    Communicator,
+    Handle,
+    QuorumResult,
+    Window,
+    WorkerStats,
+    encode,
+    flatten,
+    hand_over,
+    unflatten,
+    wire_bytes,
+)
 from eagerloco.comm.errors import PeerError
+from eagerloco.comm.quorum import LateWindows
 
 #: Gives, for exchange i, the other workers' contributions (each a list shaped like the caller's tensors).
 PeersFn = Callable[[int], Sequence[Sequence[torch.Tensor]]]
@@ -37,6 +49,8 @@ class ScriptedCall:
     waited: bool = False
     #: The transport asked for (recorded only: the scripted mean is the all-gathered one).
     transport: str = "allgather"
+    #: A quorum exchange's window (fragment, launch step, steps, rule); None: an exchange of every worker.
+    window: Window | None = None
 
 
 class ScriptedHandle(Handle):
@@ -87,9 +101,14 @@ class ScriptedCommunicator(Communicator):
         elastic: an elastic group: the workers present change with :meth:`regroup`.
         contributors: by exchange index, the worker ids whose payloads its mean holds (``Handle.contributors``:
             an exchange run again among the survivors of a membership change).
+        late: quorum exchanges (launched with a ``window``): by exchange index, the workers whose windows miss
+            it and by how many of their fragment's exchanges (1: in time for the next); the others are on time.
+            ``peers(i)`` then gives the other workers' contributions in worker order, each spanning as many
+            steps as this worker's.
     """
 
     simulated_clock = True
+    closes_on_quorum = True
 
     def __init__(
         self,
@@ -103,10 +122,16 @@ class ScriptedCommunicator(Communicator):
         agree_result: bool = False,
         elastic: bool = False,
         contributors: Mapping[int, Sequence[int]] | None = None,
+        late: Mapping[int, Mapping[int, int]] | None = None,
     ) -> None:
         self.num_workers, self.rank, self.elastic = num_workers, rank, elastic
         self.present: list[int] | None = None  # the worker ids present, once regroup() has set them
         self.contributors = dict(contributors or {})
+        self.late = dict(late or {})
+        #: The party forming the quorum means, and each fragment's exchanges closed (its clock: exchange n closes
+        #: at n, a window late by L arrives at n + L - 1/2).
+        self.late_windows = LateWindows()
+        self.closed: dict[int, int] = {}
         self.stats = WorkerStats()
         self.means = dict(means or {})
         self.peers = peers
@@ -131,7 +156,7 @@ class ScriptedCommunicator(Communicator):
 
     def allreduce_mean(
         self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
-        *, keep_own: bool = True, agreed: bool = False, transport: str = "allgather",
+        *, keep_own: bool = True, agreed: bool = False, transport: str = "allgather", window: Window | None = None,
     ) -> ScriptedHandle:
         i = len(self.calls)
         flat = flatten(tensors)
@@ -143,11 +168,14 @@ class ScriptedCommunicator(Communicator):
             index=i, tensors=[t.detach().to(torch.float32).clone() for t in tensors], codec=codec,
             numel=flat.numel(), payload_bytes=payload.numel(), keep_own=keep_own, agreed=agreed,
             num_workers=self.num_workers, launched_at=self.now, ready_at=self.now + float(duration),
-            transport=transport,
+            transport=transport, window=window,
         )
         error = self.fail.get(i)
+        quorum = None
         if error is None:
             call.mean = self._mean(i, own_flat, like)
+            if window is not None:
+                quorum = self._close(i, window, own_flat, like, call)
         self.calls.append(call)
         wire = wire_bytes(call.payload_bytes, self.num_workers, codec.summable)
         self.stats.bytes_sent += wire
@@ -157,7 +185,22 @@ class ScriptedCommunicator(Communicator):
         handle = ScriptedHandle(self, call, own if keep_own else [], error)
         if i in self.contributors:
             handle.contributors = list(self.contributors[i])
+        handle.quorum = quorum
         return handle
+
+    def _close(self, i: int, window: Window, own_flat: torch.Tensor, like: list[torch.Tensor], call: ScriptedCall
+               ) -> QuorumResult | None:
+        """Close quorum exchange i as scripted by ``late``; its mean replaces the plain one where it differs."""
+        others = [flatten(list(c)) for c in (self.peers(i) if self.peers is not None else [])]
+        values = [*others[:self.rank], own_flat, *others[self.rank:]]
+        n = self.closed.get(window.fragment, 0)
+        self.closed[window.fragment] = n + 1
+        lateness = self.late.get(i, {})
+        arrivals = [n + lateness[m] - 0.5 if lateness.get(m) else float(n) for m in range(len(values))]
+        mean, result = self.late_windows.close(window, float(n), values, arrivals, [window.steps] * len(values))
+        if mean is not None:
+            call.mean = [t.clone() for t in unflatten(mean, like)]
+        return None if result is None else replace(result, closes_at=None, tick_s=None)  # on the script's clock
 
     @property
     def members(self) -> list[int]:

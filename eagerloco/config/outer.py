@@ -107,6 +107,17 @@ class OuterConfig:
     (a worker's step takes the fastest's time over its speed) and, with --adaptive-steps, fixes the speeds
     its rounds are sized by instead of measuring them (reproducible runs)."""
 
+    quorum: int | None = setting(None, metavar="Q", group="faults", shown_default="every worker")
+    """Quorum exchanges: an exchange closes once Q workers have contributed and the --grace window has passed
+    (or when every worker has); a window that missed its exchange is merged, token-weighted, into its fragment's
+    next one (docs/algorithms.md, 12). In-process runs only for now."""
+    grace: str = setting("auto", metavar="SECONDS|auto", group="faults")
+    """With --quorum: seconds an exchange waits after its Q-th contribution for the others, or auto (twice the
+    recent lag of the Q-th behind the median arrival, within 1% to 25% of a round's compute)."""
+    max_late_rounds: int = setting(1, metavar="S", group="faults")
+    """With --quorum: a window that missed its exchange may join one of the next S exchanges of its fragment;
+    a staler one is dropped, with a log line (0: dropped at once)."""
+
     def validate(self, num_blocks: int | None = None) -> OuterConfig:
         """Raise ConfigError on the first invalid setting; returns self for chaining.
 
@@ -135,6 +146,7 @@ class OuterConfig:
             check_switch(name, getattr(self, name))
         self._validate_compression()
         self._validate_speeds()
+        self._validate_quorum()
         if not is_finite(self.alpha) or not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"{flag_name('alpha')} must be in [0, 1] (weight of the local parameters), "
                               f"got {self.alpha}")
@@ -184,6 +196,40 @@ class OuterConfig:
         if self.adaptive_steps and self.method == "dp":
             raise ConfigError(f"{flag_name('adaptive_steps')} sizes outer rounds and {flag_name('method')} dp has "
                               "none (it averages gradients every step): choose diloco, streaming, delayed or eager")
+
+    def _validate_quorum(self) -> None:
+        check_int_at_least("max_late_rounds", self.max_late_rounds, 0)
+        if self.max_late_rounds > MAX_ROUNDS_IN_FLIGHT:
+            raise ConfigError(f"{flag_name('max_late_rounds')} must be at most {MAX_ROUNDS_IN_FLIGHT} (each round "
+                              f"late holds a window's outer gradient), got {self.max_late_rounds}")
+        self.grace_seconds()
+        if self.quorum is None:
+            return
+        check_int_at_least("quorum", self.quorum, 1)
+        if self.method == "dp":
+            raise ConfigError(f"{flag_name('quorum')} closes outer exchanges without every worker, and "
+                              f"{flag_name('method')} dp has none (it averages gradients every step): choose diloco, "
+                              "streaming, delayed or eager")
+        if self.transport != "allgather":
+            raise ConfigError(f"{flag_name('quorum')} merges whole payloads, late ones too, which "
+                              f"{flag_name('transport')} {self.transport} sums shard by shard on the way: use "
+                              f"{flag_name('transport')} allgather with {flag_name('quorum')}")
+
+    def grace_seconds(self) -> float | None:
+        """--grace in seconds (None: auto).
+
+        Raises:
+            ConfigError: it is neither auto nor a number of seconds >= 0.
+        """
+        if self.grace == "auto":
+            return None
+        try:
+            seconds = float(self.grace)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds < 0 or isinstance(self.grace, bool):
+            raise ConfigError(f"{flag_name('grace')} takes a number of seconds >= 0 or auto, got {self.grace!r}")
+        return seconds
 
     def speed_factors(self, workers: int) -> list[float]:
         """Each worker's step time over the fastest's (1.0: as fast as the fastest), from --worker-speeds.

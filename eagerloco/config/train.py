@@ -170,6 +170,13 @@ class TrainConfig:
             raise ConfigError(f"--transport {self.outer.transport} shards each exchange by the number of workers, "
                               "which --elastic changes mid-exchange: use --transport allgather with --elastic")
         self.runtime.validate(self.workers, env, self.device if isinstance(self.device, str) else "auto")
+        quorum = self.outer.quorum
+        if quorum is not None and quorum > self.workers:
+            raise ConfigError(f"--quorum {quorum} is more than the {self.workers} workers (--workers): give at most "
+                              f"{self.workers} ({self.workers}: every exchange waits for every worker)")
+        if quorum is not None and quorum < self.workers and self.runtime.kind(env) != "inprocess":
+            raise ConfigError("--quorum runs in-process only for now (eagerloco train without a launcher or "
+                              "--outer-addr): a multi-process runtime's exchanges need every worker; drop --quorum")
         kernel = self.runtime.kernel_link_gbps
         if kernel is not None:  # the kernel shapes the bandwidth: the run records its rate
             given = self.link.bandwidth_gbps

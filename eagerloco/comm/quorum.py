@@ -1,0 +1,136 @@
+"""The party that forms a quorum exchange's mean (docs/algorithms.md, 12.1-12.4): when the exchange closes (a
+fixed or auto grace window after its Q-th arrival), the late windows it holds until their fragment's next
+exchange merges or drops them, and the token-weighted mean of what it merged.
+
+The in-process group and the scripted communicator form their means with these; a process transport's
+aggregator (or a coordinator) would keep the same state.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from eagerloco.comm.base import Contribution, QuorumResult, QuorumRule, Window
+
+#: Exchanges the auto grace window looks back over, and its bounds as shares of a round's compute time (12.2).
+GRACE_WINDOW, GRACE_MIN, GRACE_MAX = 8, 0.01, 0.25
+
+
+class GraceWindow:
+    """When exchanges close: min(last arrival, Q-th arrival + g), g fixed or auto (twice the median, over the last
+    8 exchanges, of how far the Q-th arrival trailed the quorum's median one, within 1% and 25% of a round's
+    compute time; the first 8 exchanges close all-or-nothing and measure it)."""
+
+    def __init__(self) -> None:
+        self.spreads: deque[float] = deque(maxlen=GRACE_WINDOW)
+
+    def closes_at(self, arrivals: Sequence[float], rule: QuorumRule, round_compute: float) -> float:
+        """The close of an exchange whose contributions arrive at these times (one per live worker)."""
+        order = sorted(arrivals)
+        q = min(rule.quorum, len(order))
+        measured = len(self.spreads) == GRACE_WINDOW
+        self.spreads.append(order[q - 1] - order[math.ceil(q / 2) - 1])
+        if rule.grace is None and not measured:
+            return order[-1]
+        grace = rule.grace if rule.grace is not None else min(
+            max(2.0 * statistics.median(self.spreads), GRACE_MIN * round_compute), GRACE_MAX * round_compute)
+        return min(order[-1], order[q - 1] + grace)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"spreads": list(self.spreads)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.spreads = deque((float(s) for s in state["spreads"]), maxlen=GRACE_WINDOW)
+
+
+@dataclass
+class LateWindow:
+    """A window that missed its exchange, held for its fragment's next ones."""
+
+    contribution: Contribution
+    arrival: float  # when its payload reached the party
+    weight: float  # N / M of its exchange: its payload (M n / N) X times this is n X
+    values: torch.Tensor  # its payload as decoded, flat FP32
+    age: int = 0  # exchanges of its fragment closed since its own
+
+
+class LateWindows:
+    """The late windows a party holds, by fragment, and the merge of each quorum exchange."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, list[LateWindow]] = {}
+
+    def close(self, window: Window, closes_at: float, values: Sequence[torch.Tensor], arrivals: Sequence[float],
+              steps: Sequence[int], tick_s: float | None = None) -> tuple[torch.Tensor | None, QuorumResult | None]:
+        """Close the exchange of ``window`` (any worker's: they share fragment, step, total and rule).
+
+        Args:
+            closes_at: its close (:meth:`GraceWindow.closes_at`); a window arrived by then is on time.
+            values: every live worker's payload, decoded (flat FP32), by worker.
+            arrivals: when each reached the party; steps: the inner steps each spans.
+            tick_s: the fastest worker's compute seconds per tick (sent with the result, for the catch-up).
+
+        Returns:
+            The token-weighted mean of every window it merges, on time or late, and what it merged and dropped;
+            (None, None) when it merged exactly every worker's window on time, each with the steps the schedule
+            gave it, and dropped nothing (its mean is then the plain mean of the payloads, bit for bit what an
+            exchange without a quorum gives), and a None mean with a result when only a drop is new.
+        """
+        workers, rule = len(values), window.rule
+        weight = window.total / workers
+        merged = [LateWindow(Contribution(m, window.step, steps[m]), arrivals[m], weight, values[m])
+                  for m in range(workers) if arrivals[m] <= closes_at]
+        on_time = len(merged)
+        dropped: list[LateWindow] = []
+        keep: list[LateWindow] = []
+        for late in self.held.pop(window.fragment, []):
+            late.age += 1
+            (merged if late.arrival <= closes_at else dropped if late.age >= rule.max_late else keep).append(late)
+        for m in range(workers):
+            if arrivals[m] > closes_at:  # missed: held (its payload's memory may serve another exchange: a copy)
+                late = LateWindow(Contribution(m, window.step, steps[m]), arrivals[m], weight, values[m].clone())
+                (keep if rule.max_late > 0 else dropped).append(late)
+        if keep:
+            self.held[window.fragment] = keep
+        for late in dropped:
+            c = late.contribution
+            norm = float(late.values.norm()) * late.weight / max(c.steps, 1)
+            print(f"eagerloco: quorum: dropped worker {c.worker}'s window of fragment {window.fragment} launched at "
+                  f"step {c.step} ({c.steps} steps, outer gradient norm {norm:.4g}): it missed {late.age} exchange(s) "
+                  f"of its fragment, more than --max-late-rounds {rule.max_late}", file=sys.stderr, flush=True)
+        # Every worker's window on time with the steps the schedule gave it, and nothing late: the plain mean.
+        plain = on_time == workers and len(merged) == workers and sum(steps) == window.total
+        if plain and not dropped:
+            return None, None
+        merged.sort(key=lambda w: (w.contribution.step, w.contribution.worker))
+        result = QuorumResult(window.step, [w.contribution for w in merged], [w.contribution for w in dropped],
+                              closes_at, tick_s)
+        if plain:
+            return None, result
+        total = torch.zeros_like(merged[0].values)
+        for w in merged:  # sum_c n_c X_c, then over sum_c n_c: the token-weighted mean (12.3)
+            total.add_(w.values, alpha=w.weight)
+        return total.div_(max(1, sum(w.contribution.steps for w in merged))), result  # no steps: zeros
+
+    def state_dict(self) -> dict[str, Any]:
+        """The late windows held, for a checkpoint."""
+        return {str(f): [{"worker": w.contribution.worker, "step": w.contribution.step, "steps": w.contribution.steps,
+                          "arrival": w.arrival, "weight": w.weight, "age": w.age, "values": w.values.tolist()}
+                         for w in held] for f, held in self.held.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.held = {int(f): [LateWindow(Contribution(int(w["worker"]), int(w["step"]), int(w["steps"])),
+                                         float(w["arrival"]), float(w["weight"]),
+                                         torch.tensor(w["values"], dtype=torch.float32), int(w["age"]))
+                              for w in held] for f, held in state.items()}
+
+
+__all__ = ["GRACE_MAX", "GRACE_MIN", "GRACE_WINDOW", "GraceWindow", "LateWindow", "LateWindows"]

@@ -1,0 +1,88 @@
+"""What :class:`~eagerloco.outer.OuterSync` keeps between launching an exchange and applying it, and how its
+state is checked, saved and restored (a checkpoint continues with the very same numbers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from eagerloco.comm.base import Communicator, Handle, QuorumResult, ReadyHandle
+
+#: What a state_dict holds, and each exchange in flight in it (check_state names what a state lacks).
+STATE_KEYS = ("method", "step", "outer", "outer_opts", "in_flight", "generator", "error_feedback", "adaptive")
+IN_FLIGHT_KEYS = ("fragment", "launch_step", "apply_step", "mean", "own", "payload_bytes", "ready_at", "workers",
+                  "others", "window", "contributors")
+
+
+@dataclass
+class InFlight:
+    """One exchange launched and not yet applied."""
+
+    fragment: int
+    handle: Handle
+    launch_step: int
+    apply_step: int
+    fresh: list[torch.Tensor] | None  # eager: this worker's own full-precision outer gradient
+    #: M of the round this exchange belongs to (workers present at launch). Eager applied its own
+    #: share with weight 1/workers and corrects with the same weight, so every outer gradient
+    #: counts exactly once even when membership changes while the exchange is in flight.
+    workers: float = 1
+    #: The others' weight in the exchange's mean, 1 - w_m: (M-1)/M, or by tokens under adaptive steps.
+    others: float | None = None
+    #: Adaptive steps: every worker's steps in its window, to renormalise the mean over who sent (AdaptiveSteps.settle).
+    window: list[int] | None = None
+
+
+def save_in_flight(items: list[InFlight], comm: Communicator) -> list[dict[str, Any]]:
+    """The exchanges in flight with their results, for a checkpoint; each handle is replaced by a ready one, so
+    the run that continues and the run that resumes apply the very same numbers."""
+    saved = []
+    for item in items:
+        mean, ready_at = item.handle.checkpoint_result()
+        own, nbytes = item.handle.own, item.handle.payload_bytes
+        who = item.handle.contributors
+        quorum = item.handle.quorum
+        item.handle = ReadyHandle(comm, mean, own, nbytes, ready_at, who, quorum)
+        saved.append({
+            "fragment": item.fragment, "launch_step": item.launch_step, "apply_step": item.apply_step,
+            "mean": mean, "own": own, "payload_bytes": nbytes, "ready_at": ready_at,
+            "workers": item.workers, "others": item.others, "window": item.window, "contributors": who,
+            **({} if quorum is None else {"quorum": quorum.state()}),
+        })
+    return saved
+
+
+def load_in_flight(saved: list[dict[str, Any]], comm: Communicator) -> list[InFlight]:
+    """The exchanges in flight of :func:`save_in_flight`, with ready handles."""
+    return [
+        InFlight(x["fragment"], ReadyHandle(comm, x["mean"], x["own"], x["payload_bytes"], x["ready_at"],
+                                            x["contributors"], QuorumResult.from_state(x.get("quorum"))),
+                 x["launch_step"], x["apply_step"], None, x["workers"], x["others"], x["window"])
+        for x in saved
+    ]
+
+
+def check_state(state: dict[str, Any], method: str, outer: list[list[torch.Tensor]]) -> None:
+    """Refuse a saved outer state that this run cannot continue from.
+
+    Raises:
+        ValueError: the state lacks a part (saved by a development version before that part existed), is for
+            another method, or its fragments do not match this model and fragment setting.
+    """
+    missing = {k for k in STATE_KEYS if k not in state} | {k for x in state.get("in_flight", ()) for k in
+                                                           IN_FLIGHT_KEYS if k not in x}
+    if missing:
+        raise ValueError(f"the outer state lacks {', '.join(sorted(missing))}: saved by an earlier development "
+                         "version of eagerloco, which this one does not read; start the run afresh")
+    if state["method"] != method:
+        raise ValueError(f"state is for method {state.get('method')!r}, this run uses {method!r}")
+    if len(state["outer"]) != len(outer) or any(
+        len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True))
+        for a, b in zip(state["outer"], outer, strict=True)
+    ):
+        raise ValueError("state's fragments do not match this model and --fragments setting")
+
+
+__all__ = ["IN_FLIGHT_KEYS", "InFlight", "STATE_KEYS", "check_state", "load_in_flight", "save_in_flight"]
