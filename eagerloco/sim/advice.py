@@ -88,6 +88,8 @@ def settings(row: dict[str, Any]) -> dict[str, Any]:
         if row["eager_rounds"] > 1:
             out["eager_rounds"] = row["eager_rounds"]
     out["codec"] = row["codec"]
+    if row.get("transport", "allgather") != "allgather":
+        out["transport"] = row["transport"]
     if row["topk"] is not None:
         found = measured_for(row)
         lr = found[1].outer_lr if found is not None else None
