@@ -1,4 +1,4 @@
-"""Dense quantized exchanges through a reduce-scatter: about two payloads per worker whatever M.
+"""Exchanges summed on the way by a reduce-scatter: about two payloads per worker whatever M.
 
 An all-gathered exchange makes every worker receive the M-1 others' payloads (M-1 payloads per worker).
 Here each worker quantizes its flat vector once, as M equal shards (:func:`~eagerloco.codec_sizes.shard_numel`:
