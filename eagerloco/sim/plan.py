@@ -7,7 +7,7 @@ DiLoCo, Streaming, Streaming with tau overlap, eager), then more bits on the lin
 which sends only the top k of every chunk, gives up more the fewer it keeps), then a smaller
 tau. The exchange formats tried are the dense codecs (bf16, fp8, e2m1) and SparseLoCo's 2-bit
 top-k at 25%, 6.25% and 1.56% of the values (1024, 256 and 64 of every 4096; plus --topk's own
-setting when given), and beyond 2 workers each sparse one also with a shared support (--transport
+setting when given), and beyond 2 workers the shared support of :data:`SHARED` (--transport
 shared-support: no positions, values reduce-scattered, flat in M where top-k is all-gathered). Each
 row's bytes are those of the transport train runs it with (:func:`row_transport`) at the question's M.
 Every candidate is simulated at the one bandwidth asked for; the table lists each with the utilization
@@ -36,6 +36,9 @@ DENSE_BITS: tuple[int, ...] = (16, 8, 4)
 #: The sparse formats tried: (bits per kept value, k, chunk): SparseLoCo's 2-bit top 64 of 4096 and
 #: denser ones (25%, 6.25% and 1.56% of the values).
 SPARSE: tuple[tuple[int, int, int], ...] = ((2, 1024, 4096), (2, 256, 4096), (2, 64, 4096))
+#: The shared-support formats tried beyond 2 workers: 1024 of 4096 held DiLoCo's loss at M = 8, 256 and 64 did
+#: not (a drawn support needs about 1/density rounds to send a value; bench/results/many_workers.md).
+SHARED: tuple[tuple[int, int, int], ...] = ((2, 1024, 4096),)
 
 
 @dataclass(frozen=True)
@@ -79,19 +82,19 @@ def candidates(
     sparse: tuple[tuple[int, int, int], ...] = SPARSE,
     block: int = 32,
     scale_bytes: int = SCALE_BYTES,
-    shared: bool = False,
+    shared: tuple[tuple[int, int, int], ...] = (),
 ) -> list[Candidate]:
     """Every setting considered, in rank order (cheapest first).
 
-    bits: the dense formats; sparse: (bits, k, chunk) of each sparse one (data-parallel stays dense), each also
-    with a shared support where ``shared``.
+    bits: the dense formats; sparse: (bits, k, chunk) of each sparse one (data-parallel stays dense); shared:
+    those of the shared-support ones.
     Streaming with tau overlap is kept only where tau * P < H, as training requires.
     """
     P = fragment_count(model.layers, fragment_layers)
     dp = Variant("dp", f"data-parallel {dp_bits}-bit", "dp", dp_bits)
     out = [Candidate("dp", 1, 1, 0, dp_bits, dp, bits_per_value(dp, block, scale_bytes))]
     formats = [(b, None, 4096, False) for b in bits]
-    formats += [(b, k, c, sh) for sh in (False, True)[: 1 + shared] for b, k, c in sparse]
+    formats += [(b, k, c, False) for b, k, c in sparse] + [(b, k, c, True) for b, k, c in shared]
     for H in inner_steps:
         p = min(P, H)
         for b, k, c, shared in formats:
@@ -187,7 +190,7 @@ def cheapest(model: ModelSpec, q: Question) -> dict[str, Any] | None:
 
 def _candidates(model: ModelSpec, q: Question) -> list[Candidate]:
     return candidates(model, q.fragment_layers, dp_bits=q.dp_bits, sparse=q.sparse, block=q.block,
-                      scale_bytes=q.scale_bytes, shared=q.workers > 2)
+                      scale_bytes=q.scale_bytes, shared=SHARED if q.workers > 2 else ())
 
 
 def runner_up(rows: list[dict[str, Any]], best: dict[str, Any] | None) -> dict[str, Any] | None:
