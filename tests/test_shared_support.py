@@ -176,7 +176,7 @@ def _gloo_exchange(workers: int) -> list[dict]:
     return run_ranks(worker, workers)
 
 
-@pytest.mark.parametrize("workers", [2, 4])
+@pytest.mark.parametrize("workers", [2, 4, 8])
 def test_gloo_gives_the_in_process_mean_and_bytes(workers: int) -> None:
     results = _gloo_exchange(workers)
     wire = 0
