@@ -73,7 +73,7 @@ class OuterConfig:
     stochastic_rounding: bool = False
     """Round the quantized payload stochastically instead of to nearest."""
     transport: str = setting("allgather", choices=TRANSPORTS, group="compression")
-    """How a quantized dense exchange moves: allgather (every worker receives the M-1 payloads and sums them in
+    """How an exchange moves: allgather (every worker receives the M-1 payloads and sums them in
     FP32: M-1 payloads per worker) or reduce-scatter (each worker sums one shard in FP32 from the others'
     quantized shards, requantizes it to nearest and all-gathers it: about 2 payloads per worker whatever M).
     fp32 always uses a ring all-reduce. shared-support (with --topk): the K positions of every chunk are drawn
