@@ -1,7 +1,8 @@
 """A short loss check at M = 8 on the tiny model: the shared-support exchange against all-gathered SparseLoCo and
 FP32 DiLoCo (issue 36, item 2; not the tuned Pareto of item 4).
 
-Run from the repository root: ``.venv/bin/python bench/many_workers/loss.py [--seeds 0,1] [--steps 200]``.
+Run from the repository root: ``.venv/bin/python bench/many_workers/loss.py [--seeds 0,1,2] [--steps 200]``
+(committed: seeds 0-2 for DiLoCo, top 64 and the shared support at 1024; 0-1 at 256; 0 at 64).
 Each row is an ``eagerloco train`` run (8 in-process workers, Brown, bpe:1024, batch 8 x 64, H = 20); the final
 eval loss and the bytes each worker sent are written to bench/results/many_workers_loss.json, which
 ``run.py --markdown-only`` folds into bench/results/many_workers.md.
