@@ -2,7 +2,7 @@
 FP32 DiLoCo (issue 36, item 2; not the tuned Pareto of item 4).
 
 Run from the repository root: ``.venv/bin/python bench/many_workers/loss.py [--seeds 0,1,2] [--steps 200]``
-(committed: seeds 0-2 for DiLoCo, top 64 and the shared support at 1024; 0-1 at 256; 0 at 64).
+(committed: seeds 0-2 for DiLoCo, top 64 and the shared support at 1024; 0-1 at 256; 0 at 64 and the eager rows).
 Each row is an ``eagerloco train`` run (8 in-process workers, Brown, bpe:1024, batch 8 x 64, H = 20); the final
 eval loss and the bytes each worker sent are written to bench/results/many_workers_loss.json, which
 ``run.py --markdown-only`` folds into bench/results/many_workers.md.
@@ -31,6 +31,10 @@ ROWS = {
                    [*SPARSE, "--topk", "256", "--transport", "shared-support"]),
     "shared-1024": ("shared support: 1024 of 4096 drawn per round, 2-bit, reduce-scattered",
                     [*SPARSE, "--topk", "1024", "--transport", "shared-support"]),
+    "eager-sparseloco-64": ("1-outer-step eager, SparseLoCo top 64 of 4096", [*SPARSE, "--topk", "64",
+                                                                              "--method", "eager"]),
+    "eager-shared-1024": ("1-outer-step eager, shared support 1024 of 4096",
+                          [*SPARSE, "--topk", "1024", "--transport", "shared-support", "--method", "eager"]),
 }
 
 

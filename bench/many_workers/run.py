@@ -285,7 +285,9 @@ def loss_table(results: dict[str, Any]) -> list[str]:
              f"Tiny model, Brown, bpe:1024, batch 8 x 64, {first['steps']} steps, H = 20, {first['workers']} "
              "in-process workers; sparse rows with error feedback 0.95 and plain averaging at outer lr 1.5, DiLoCo "
              "with Nesterov at 0.2 (the outer lrs tuned at M = 2 in bench/results/compression, not retuned). "
-             "A short check, not the tuned Pareto of issue 36's item 4.", "",
+             "A short check, not the tuned Pareto of issue 36's item 4. The eager rows (1-outer-step eager, the same "
+             "outer lr, untuned for eager at this M) say whether the shared support composes with eager as top-k "
+             "does, not what eager costs.", "",
              "| row | seeds | final eval loss | minus DiLoCo fp32 (paired; each seed) | bytes per worker per run "
              "| fewer than DiLoCo fp32 |", "|---|---|---|---|---|---|"]
     base_bytes = rows["diloco-fp32"][0]["bytes_sent_per_worker"] if "diloco-fp32" in rows else None
