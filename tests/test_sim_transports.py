@@ -3,10 +3,14 @@ reduce-scattered and shared-support exchanges as M grows, and a plan that change
 
 from __future__ import annotations
 
+import json
+import statistics
+from pathlib import Path
+
 import pytest
 
 from eagerloco.codec_sizes import packed_nbytes, reduce_scatter_wire_bytes, sparse_counts, sparse_nbytes
-from eagerloco.sim.advice import settings, train_command
+from eagerloco.sim.advice import SHARED_MEASURED, measured_note, settings, train_command
 from eagerloco.sim.model import ModelSpec, Variant, exchange_wire_bytes, traffic
 from eagerloco.sim.plan import Question, plan
 
@@ -63,3 +67,17 @@ def test_plan_takes_the_workers_into_account() -> None:
     # A quantized dense row runs with the reduce-scatter, whose bytes the plan's ring stands for.
     e2m1 = next(r for r in large["candidates"] if r["codec"] == "e2m1" and r["topk"] is None)
     assert e2m1["transport"] == "reduce-scatter" and "--transport reduce-scatter" in train_command(e2m1, large)
+
+
+def test_the_shared_supports_measured_cost_is_the_committed_check() -> None:
+    """The plan's note and outer lr for the shared support are many_workers_loss.json's, paired by seed."""
+    runs = json.loads((Path(__file__).resolve().parents[1] / "bench/results/many_workers_loss.json").read_text())
+    for (family, fmt), (mean, lo, hi, lr) in SHARED_MEASURED.items():
+        k = fmt.split("shared")[1].split("/")[0]
+        deltas = [runs[f"shared-{k}/seed{s}"]["final_eval_loss"] - runs[f"diloco-fp32/seed{s}"]["final_eval_loss"]
+                  for s in range(3)]
+        assert (mean, lo, hi) == (round(statistics.mean(deltas), 3), round(min(deltas), 3), round(max(deltas), 3))
+        flags = runs[f"shared-{k}/seed0"]["flags"]
+        assert flags[flags.index("--outer-lr") + 1] == str(lr)
+        row = {"family": family, "format": fmt, "topk": int(k)}
+        assert measured_note(row).startswith(f"measured loss cost: {mean:+.3f} nats")
