@@ -89,7 +89,7 @@ class OuterSync:
         cfg.validate(num_blocks=len(block_list))
         self.model, self.inner_optimizer, self.comm = model, inner_optimizer, comm
         self.codec = get_codec(cfg.codec, block_size=cfg.codec_block, stochastic=cfg.stochastic_rounding,
-                               topk=cfg.topk, chunk=cfg.topk_chunk)
+                               topk=cfg.topk, chunk=cfg.topk_chunk, shared=cfg.transport == "shared-support")
         # On the parameters' device: the codecs draw their rounding noise where they encode.
         first = next(iter(model.parameters()), None)
         where = local_shard(first).device if first is not None else torch.device("cpu")
@@ -252,7 +252,7 @@ class OuterSync:
                 sent = [t * scale for t in sent]
             # Only eager and error feedback read their own share back (handle.own); elsewhere the runtime may reuse it.
             launch = self._agreed() if window is None else {**self._agreed(), "window": window}
-            handle = self.comm.allreduce_mean(sent, self.codec, self.generator,
+            handle = self.comm.allreduce_mean(sent, self.codec.for_step(self.step), self.generator,
                                               keep_own=self.own_state or feedback is not None, **launch)
             payload = None
             if feedback is not None and scale:  # the buffer loses what it sent (unweighted)

@@ -130,6 +130,10 @@ class Codec(ABC):
     def packed_nbytes(self, numel: int) -> int:
         """Exact payload size in bytes for numel values (codes and scales)."""
 
+    def for_step(self, step: int) -> Codec:
+        """The codec of the exchange launched at this inner step: itself, unless its positions change per step."""
+        return self
+
     def _check_buf(self, buf: torch.Tensor, numel: int) -> None:
         if numel < 0:
             raise ValueError(f"numel must be non-negative, got {numel}")

@@ -1,14 +1,13 @@
-"""The sparse exchange: the k values of largest magnitude of every chunk, their positions packed beside
-them, the values in any dense codec (2 bits by default).
-
-See :class:`TopKCodec` for the layout.
+"""The sparse exchanges: the k values of largest magnitude of every chunk, their positions packed beside
+them (:class:`TopKCodec`), or k values at positions every worker draws alike, sent without positions
+(:class:`SharedSupportCodec`); the values in any dense codec (2 bits by default).
 """
 
 from __future__ import annotations
 
 import torch
 
-from eagerloco.codec_sizes import chunk_position_bits, sparse_nbytes
+from eagerloco.codec_sizes import chunk_position_bits, sparse_counts, sparse_nbytes
 from eagerloco.codecs.dense import Codec, as_vector
 
 _BYTE_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -161,4 +160,62 @@ class TopKCodec(Codec):
         return out
 
 
-__all__ = ["TopKCodec", "pack_bits", "unpack_bits"]
+class SharedSupportCodec(Codec):
+    """k values of every chunk of ``chunk`` at positions drawn from a seed every worker shares (the exchange's
+    step, :meth:`for_step`), sent without their positions: every worker keeps the same positions, so the
+    values can be summed on the way (:mod:`eagerloco.comm.reduce_scatter`), whatever M.
+
+    Each chunk's k positions are a uniform draw without replacement (the last chunk keeps min(k, its
+    length)), from a CPU generator seeded by the seed alone: the same on every worker and device. The
+    payload is the kept values, in position order, as one payload of ``values``; the rest decodes to zero.
+    """
+
+    summable = False
+
+    def __init__(self, values: Codec, chunk: int, k: int, seed: int = 0) -> None:
+        if chunk < 1 or not 1 <= k <= chunk:
+            raise ValueError(f"a sparse exchange keeps 1 <= k <= chunk values of each chunk, got k={k}, chunk={chunk}")
+        super().__init__(values.block_size, values.stochastic)
+        self.values, self.chunk, self.k, self.seed = values, chunk, k, seed
+        self.name = f"shared{k}of{chunk}+{values.name}"
+        self.bits = values.bits
+        self._support: tuple[int, torch.Tensor] | None = None
+
+    def __repr__(self) -> str:
+        return f"SharedSupportCodec({self.values!r}, chunk={self.chunk}, k={self.k}, seed={self.seed})"
+
+    def for_step(self, step: int) -> SharedSupportCodec:
+        return SharedSupportCodec(self.values, self.chunk, self.k, step)
+
+    def support(self, numel: int) -> torch.Tensor:
+        """The kept positions of a vector of numel values, increasing (int64, on the CPU)."""
+        if self._support is None or self._support[0] != numel:
+            g = torch.Generator().manual_seed(self.seed)
+            full, last = divmod(numel, self.chunk)
+            parts = [torch.rand(full, self.chunk, generator=g).topk(self.k, dim=1).indices.sort(dim=1).values
+                     + torch.arange(0, full * self.chunk, self.chunk)[:, None]] if full else []
+            if last:
+                parts.append(torch.rand(last, generator=g).topk(min(self.k, last)).indices.sort().values
+                             + full * self.chunk)
+            self._support = numel, torch.cat([q.view(-1) for q in parts]) if parts else torch.zeros(0, dtype=torch.long)
+        return self._support[1]
+
+    def packed_nbytes(self, numel: int) -> int:
+        return self.values.packed_nbytes(sparse_counts(numel, self.chunk, self.k)[0])
+
+    def pack(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        v = as_vector(x)
+        return self.values.pack(v[self.support(v.numel()).to(v.device)], generator)
+
+    def unpack(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
+        self._check_buf(buf, numel)
+        return self.spread(self.values.unpack(buf, sparse_counts(numel, self.chunk, self.k)[0]), numel)
+
+    def spread(self, kept: torch.Tensor, numel: int) -> torch.Tensor:
+        """The vector of numel values holding ``kept`` at the support and zeros elsewhere."""
+        out = torch.zeros(numel, dtype=torch.float32, device=kept.device)
+        out[self.support(numel).to(kept.device)] = kept
+        return out
+
+
+__all__ = ["SharedSupportCodec", "TopKCodec", "pack_bits", "unpack_bits"]

@@ -4,7 +4,7 @@ within the time after which peers are declared dead.
 
 from __future__ import annotations
 
-from eagerloco.codec_sizes import packed_nbytes, reduce_scatter_wire_bytes
+from eagerloco.codec_sizes import packed_nbytes, reduce_scatter_wire_bytes, sparse_counts
 from eagerloco.config import ConfigError, LinkConfig, OuterConfig
 
 
@@ -24,6 +24,9 @@ def check_exchange_fits(link: LinkConfig, outer: OuterConfig, workers: int, num_
     payload = packed_nbytes(outer.codec, numel, outer.codec_block)
     if outer.transport == "reduce-scatter" and outer.topk is None and outer.codec != "fp32":
         wire = reduce_scatter_wire_bytes(outer.codec, numel, workers, outer.codec_block)
+    elif outer.transport == "shared-support" and outer.topk is not None:
+        kept = sparse_counts(numel, outer.topk_chunk, outer.topk)[0]
+        wire = reduce_scatter_wire_bytes(outer.codec, kept, workers, outer.codec_block)
     else:
         wire = payload * max(1, workers - 1)
     seconds = link.transfer_seconds(wire)

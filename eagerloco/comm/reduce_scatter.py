@@ -1,4 +1,4 @@
-"""Dense quantized exchanges through a reduce-scatter: about two payloads per worker whatever M.
+"""Exchanges summed on the way by a reduce-scatter: about two payloads per worker whatever M.
 
 An all-gathered exchange makes every worker receive the M-1 others' payloads (M-1 payloads per worker).
 Here each worker quantizes its flat vector once, as M equal shards (:func:`~eagerloco.codec_sizes.shard_numel`:
@@ -12,6 +12,11 @@ requantized block's grid; none for M = 1, which exchanges nothing, nor where the
 grid). ``handle.own`` stays the first quantization: error feedback keeps what the first rounding lost and
 does not absorb the second (the shard's owner alone knows it, after the exchange).
 
+A :class:`~eagerloco.codecs.SharedSupportCodec` payload (``transport shared-support``) goes the same way
+whatever its values' format: its positions are the same on every worker, so the kept values alone are
+sharded and summed (FP32 values exactly), and spread back to their positions at both ends. Its bytes
+per worker stay flat in M at sparse compression ratios.
+
 The same functions serve the in-process runtime (exact math, the simulated link's bytes) and the
 torch.distributed one (whose collectives move the rows these functions lay out). An emulated link
 charges the exchange its wire bytes and one latency, as it does every exchange.
@@ -24,26 +29,37 @@ from collections.abc import Callable
 import torch
 
 from eagerloco.codec_sizes import shard_align, shard_numel
-from eagerloco.codecs import Codec, TopKCodec, dense_codec
+from eagerloco.codecs import Codec, SharedSupportCodec, TopKCodec, dense_codec
 
 #: The ``transport`` that routes a quantized dense exchange through a reduce-scatter.
 REDUCE_SCATTER = "reduce-scatter"
+#: The ``transport`` whose sparse positions every worker draws alike, so that the values are reduce-scattered.
+SHARED_SUPPORT = "shared-support"
 
 
 def uses_reduce_scatter(codec: Codec, transport: str, workers: int) -> bool:
     """Whether an exchange in this codec goes through the reduce-scatter: a quantized dense codec among
     several workers (FP32 is summed by a plain all-reduce; a sparse payload keeps other positions on
-    every worker and is all-gathered)."""
+    every worker and is all-gathered); a shared-support payload among several workers always does."""
+    if isinstance(codec, SharedSupportCodec):
+        return workers > 1
     return transport == REDUCE_SCATTER and workers > 1 and not codec.summable and not isinstance(codec, TopKCodec)
 
 
 class Shards:
-    """The layout of one reduce-scatter exchange: numel values in M shards of ``length`` values, each
-    packed to ``nbytes`` bytes; a worker's payload is its M packed shards, one row each."""
+    """The layout of one reduce-scatter exchange: numel values (a shared support's kept values) in M shards
+    of ``length`` values, each packed to ``nbytes`` bytes; a worker's payload is its M packed shards, one row
+    each."""
 
     def __init__(self, codec: Codec, numel: int, workers: int) -> None:
-        self.codec, self.numel, self.workers = codec, numel, workers
-        self.length = shard_numel(numel, workers, shard_align(codec.name, codec.block_size))
+        #: The shared-support codec whose kept values are reduced, or None (every value is).
+        self.sparse = codec if isinstance(codec, SharedSupportCodec) else None
+        if self.sparse is not None:
+            codec = self.sparse.values
+        self.codec, self.workers = codec, workers
+        self.numel = numel if self.sparse is None else self.sparse.support(numel).numel()
+        self.full = numel
+        self.length = shard_numel(self.numel, workers, shard_align(codec.name, codec.block_size))
         self.nbytes = codec.packed_nbytes(self.length)
         #: The second rounding is to nearest: stochastic noise would differ between runtimes.
         self.requantizer = dense_codec(codec.name, codec.block_size) if codec.stochastic else codec
@@ -57,6 +73,8 @@ class Shards:
     def pack(self, flat: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, own): the M packed shards of a flat FP32 vector, one after the other (M * nbytes
         bytes, row j for worker j), and its values as the shards' owners decode them."""
+        if self.sparse is not None:
+            flat = flat[self.sparse.support(self.full).to(flat.device)]
         padded = flat.new_zeros(self.workers * self.length)
         padded[: self.numel] = flat
         rows = torch.stack([self.codec.pack(s, generator) for s in padded.view(self.workers, self.length)])
@@ -72,8 +90,9 @@ class Shards:
         return self.requantizer.pack(total.div_(len(received)))
 
     def unpack_rows(self, codec: Codec, rows: torch.Tensor) -> torch.Tensor:
-        """The flat vector of numel values that (M, nbytes) packed shards hold."""
-        return torch.cat([codec.unpack(r, self.length) for r in rows.unbind(0)])[: self.numel]
+        """The flat vector that (M, nbytes) packed shards hold (a shared support's spread to its positions)."""
+        values = torch.cat([codec.unpack(r, self.length) for r in rows.unbind(0)])[: self.numel]
+        return values if self.sparse is None else self.sparse.spread(values, self.full)
 
     def mean(self, rows: torch.Tensor) -> torch.Tensor:
         """The exchange's flat FP32 mean from the all-gathered requantized shards (M, nbytes)."""
@@ -94,4 +113,4 @@ class Shards:
         return self.mean(gather(self.reduce(list(received.unbind(0)))))
 
 
-__all__ = ["REDUCE_SCATTER", "Shards", "uses_reduce_scatter"]
+__all__ = ["REDUCE_SCATTER", "SHARED_SUPPORT", "Shards", "uses_reduce_scatter"]

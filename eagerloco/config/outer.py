@@ -21,8 +21,9 @@ METHODS = ("dp", "diloco", "streaming", "delayed", "eager")
 WEIGHTINGS = ("nonlocal", "stale_average")
 #: average: plain averaging with an outer lr (SGD without momentum), as SparseLoCo steps its outer model.
 OUTER_OPTIMIZERS = ("sgd", "average", "adam", "adamw")
-#: How a quantized dense exchange moves: all-gathered payloads, or a reduce-scatter with one requantization.
-TRANSPORTS = ("allgather", "reduce-scatter")
+#: How an exchange moves: all-gathered payloads, a reduce-scatter with one requantization, or sparse positions
+#: every worker draws alike so that the values are reduce-scattered.
+TRANSPORTS = ("allgather", "reduce-scatter", "shared-support")
 MAX_ROUNDS_IN_FLIGHT = 64
 #: Slower than this (1 kbit/s) no link carries a model's outer gradient in any useful time.
 MIN_BANDWIDTH_GBPS = 1e-6
@@ -72,10 +73,12 @@ class OuterConfig:
     stochastic_rounding: bool = False
     """Round the quantized payload stochastically instead of to nearest."""
     transport: str = setting("allgather", choices=TRANSPORTS, group="compression")
-    """How a quantized dense exchange moves: allgather (every worker receives the M-1 payloads and sums them in
+    """How an exchange moves: allgather (every worker receives the M-1 payloads and sums them in
     FP32: M-1 payloads per worker) or reduce-scatter (each worker sums one shard in FP32 from the others'
     quantized shards, requantizes it to nearest and all-gathers it: about 2 payloads per worker whatever M).
-    fp32 always uses a ring all-reduce; --topk payloads are always all-gathered."""
+    fp32 always uses a ring all-reduce. shared-support (with --topk): the K positions of every chunk are drawn
+    each round from a seed every worker shares instead of being the largest, and only the values travel,
+    through the reduce-scatter (about 2 payloads of K values per chunk whatever M; error feedback keeps the rest)."""
     topk: int | None = setting(None, metavar="K", group="compression", shown_default="off: every value is sent")
     """Sparse exchange: send only the K entries of largest magnitude of every chunk of --topk-chunk values
     (their positions packed beside them, the values in --codec, e.g. 2bit). SparseLoCo: 64 of 4096."""
@@ -174,7 +177,10 @@ class OuterConfig:
         if beta is not None and (not is_finite(beta) or not 0.0 <= beta <= 1.0):
             raise ConfigError(f"{flag_name('error_feedback')} must be a decay in [0, 1] (SparseLoCo: 0.95), "
                               f"got {beta!r}")
-        if self.topk is not None and self.transport != "allgather":
+        if self.transport == "shared-support" and self.topk is None:
+            raise ConfigError(f"{flag_name('transport')} shared-support sends K values of every chunk at positions the "
+                              f"workers draw alike: give {flag_name('topk')} K (and {flag_name('topk_chunk')})")
+        if self.topk is not None and self.transport == "reduce-scatter":
             raise ConfigError(f"{flag_name('transport')} {self.transport} sums dense shards on the way; a "
                               f"{flag_name('topk')} payload keeps other positions on every worker and is all-gathered: "
                               f"drop {flag_name('topk')} or use {flag_name('transport')} allgather")

@@ -65,8 +65,19 @@ def measured_for(row: dict[str, Any]) -> tuple[str, Measured] | None:
     return next(((f, MEASURED[(row["family"], f)]) for f in formats if (row["family"], f) in MEASURED), None)
 
 
+#: (family, format) -> the shared support's short check at M = 8 (bench/results/many_workers.md): the mean over
+#: seeds 0-2 of its final eval loss minus FP32 DiLoCo's, the smallest and largest of the three, the outer lr.
+SHARED_MEASURED: dict[tuple[str, str], tuple[float, float, float, float]] = {
+    ("diloco", "2bit shared1024/4096"): (0.017, 0.011, 0.027, 1.5),
+}
+
+
 def measured_note(row: dict[str, Any]) -> str:
     """One line: the measured loss cost of the row's setting, or that none was measured."""
+    shared = SHARED_MEASURED.get((row["family"], row["format"]))
+    if shared is not None:
+        return (f"measured loss cost: {shared[0]:+.3f} nats (seeds {shared[1]:+.3f} to {shared[2]:+.3f}) against "
+                "DiLoCo in fp32 (tiny GPT, 8 workers, 200 steps, 3 seeds: bench/results/many_workers.md)")
     found = measured_for(row)
     if found is None:
         return "measured loss cost: none in bench/results for this method and format"
@@ -88,9 +99,12 @@ def settings(row: dict[str, Any]) -> dict[str, Any]:
         if row["eager_rounds"] > 1:
             out["eager_rounds"] = row["eager_rounds"]
     out["codec"] = row["codec"]
+    if row.get("transport", "allgather") != "allgather":
+        out["transport"] = row["transport"]
     if row["topk"] is not None:
         found = measured_for(row)
-        lr = found[1].outer_lr if found is not None else None
+        shared = SHARED_MEASURED.get((row["family"], row["format"]))
+        lr = found[1].outer_lr if found is not None else shared[3] if shared is not None else None
         out.update(topk=row["topk"], topk_chunk=row["topk_chunk"], error_feedback=SPARSE_ERROR_FEEDBACK,
                    outer_optimizer="average", outer_lr=lr or 1.0)
     if row["adaptive_steps"]:
@@ -176,5 +190,5 @@ def format_decision(report: dict[str, Any], step_source: str, shifted: dict[floa
     return "\n".join(lines)
 
 
-__all__ = ["MEASURED", "Measured", "format_decision", "measured_for", "measured_note", "outer_loop_call",
-           "settings", "train_command"]
+__all__ = ["MEASURED", "SHARED_MEASURED", "Measured", "format_decision", "measured_for", "measured_note",
+           "outer_loop_call", "settings", "train_command"]

@@ -35,7 +35,7 @@ GROUPS = {"model": "model", "method": "method", "exchange": "exchange", "link": 
 DEFAULT_TARGETS = "0.5,0.8,0.9,0.95,0.99"
 MAX_INNER_STEPS = 100_000
 MAX_ROUNDS_IN_FLIGHT = 64
-TRANSPORTS = ("ring", "allgather", "reduce-scatter")
+TRANSPORTS = ("ring", "allgather", "reduce-scatter", "shared-support")
 
 
 @dataclass
@@ -106,7 +106,8 @@ class SimConfig:
     topk: int | None = setting(None, metavar="K", group="exchange", shown_default="off: every value is sent")
     """Sparse exchange (train's --topk): the outer rows send only the K values of largest magnitude of every
     chunk of --topk-chunk values, in --codec (e.g. 2bit), with their positions (SparseLoCo: 64 of 4096); a
-    sparse payload is all-gathered whatever --transport. Data-parallel and the --low-codec row stay dense."""
+    sparse payload is all-gathered unless --transport shared-support. Data-parallel and the --low-codec row stay
+    dense."""
     topk_chunk: int = setting(4096, metavar="C", group="exchange")
     """C: values per chunk of the sparse exchange (the fragment's values in model order; the last chunk may
     be shorter)."""
@@ -116,7 +117,8 @@ class SimConfig:
     transport: str = setting("ring", choices=TRANSPORTS, group="exchange")
     """ring: 2(M-1)/M of the payload per worker; allgather: (M-1) payloads for quantized outer gradients,
     as the runtime sends them to keep FP32 sums; reduce-scatter: train's --transport reduce-scatter, 2(M-1)
-    shards of whole scale blocks per worker, the bytes the runtime counts."""
+    shards of whole scale blocks per worker, the bytes the runtime counts; shared-support: train's, the --topk
+    rows' values alone through that reduce-scatter (dense rows as reduce-scatter). Data-parallel rows too."""
 
     # -- the link
     bandwidth_gbps: str | None = setting(None, group="link")
@@ -212,6 +214,7 @@ class SimConfig:
             eager_fragmented=self.eager_streaming,
             topk=self.topk,
             topk_chunk=self.topk_chunk,
+            shared=self.transport == "shared-support",
         )
         wanted = [x.lower() for x in _split("--method", self.method)] if self.method is not None else None
         variants = select_variants(rows, wanted)
@@ -256,9 +259,9 @@ class SimConfig:
         if any(v.method == "dp" for v in variants):
             notes.append(f"--topk applies to the outer exchanges; the data-parallel row sends its {self.dp_codec} "
                          "gradients dense, every step")
-        if self.transport != "allgather" and workers > 2 and any(v.sparse for v in variants):
+        if self.transport in ("ring", "reduce-scatter") and workers > 2 and any(v.sparse for v in variants):
             notes.append(f"sparse rows are all-gathered ({workers - 1} payloads per worker), not ring-reduced: "
-                         "the workers keep different positions")
+                         "the workers keep different positions (--transport shared-support draws them alike)")
         return notes
 
     def _models(self) -> tuple[list[ModelSpec], dict[str, tuple[str, bool]]]:

@@ -5,7 +5,8 @@ This module imports no torch (scale sizes come from :mod:`eagerloco.codec_sizes`
 ``eagerloco simulate`` starts instantly; payload sizes are computed from bits per value plus
 per-block scale bytes, the same layout the runtime codecs pack (values, then one scale per block
 for formats below 16 bits); a sparse (top-k) exchange adds the positions of the values it keeps, as
-:class:`eagerloco.codecs.TopKCodec` packs them (:func:`eagerloco.codec_sizes.sparse_counts`).
+:class:`eagerloco.codecs.TopKCodec` packs them (:func:`eagerloco.codec_sizes.sparse_counts`); a shared-support
+one (:class:`eagerloco.codecs.SharedSupportCodec`) sends its values alone, through the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class Variant:
     and eager only when asked, as the eager paper's main setting syncs the whole model).
     topk: the exchange sends only the topk values of largest magnitude of every chunk of topk_chunk
     values (train's --topk, --topk-chunk), at ``bits`` a value, with their positions; None: every value.
+    shared: those k values sit at positions every worker draws alike (train's --transport shared-support),
+    so only the values travel, reduce-scattered whatever the transport.
     """
 
     key: str
@@ -82,6 +85,7 @@ class Variant:
     eager_rounds: int = 1
     topk: int | None = None
     topk_chunk: int = 4096
+    shared: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -91,9 +95,9 @@ class Variant:
         return asdict(self)
 
 
-def payload_label(bits: int, topk: int | None = None, topk_chunk: int = 4096) -> str:
-    """How a row's label names its exchange format: "4-bit", or "2-bit top64/4096" for a sparse one."""
-    return f"{bits}-bit" + (f" top{topk}/{topk_chunk}" if topk is not None else "")
+def payload_label(bits: int, topk: int | None = None, topk_chunk: int = 4096, shared: bool = False) -> str:
+    """How a row's label names its exchange format: "4-bit", or "2-bit top64/4096" (shared64/4096) for a sparse one."""
+    return f"{bits}-bit" + (f" {'shared' if shared else 'top'}{topk}/{topk_chunk}" if topk is not None else "")
 
 
 def default_variants(
@@ -106,16 +110,17 @@ def default_variants(
     eager_fragmented: bool = False,
     topk: int | None = None,
     topk_chunk: int = 4096,
+    shared: bool = False,
 ) -> list[Variant]:
     """The rows of the papers' comparison, parameterized by the CLI flags.
 
     data-parallel, DiLoCo, Streaming (blocking), Streaming with each tau of overlap, Streaming with
     the first tau at low_bits (the papers' "4-bit overlapped" headline row), naive delayed and eager
     with k rounds of tolerance. topk makes the rows at ``bits`` sparse; data-parallel and the
-    low_bits row stay dense.
+    low_bits row stay dense; shared makes the sparse rows shared-support ones.
     """
-    sp = {"topk": topk, "topk_chunk": topk_chunk}
-    fmt = payload_label(bits, topk, topk_chunk)
+    sp = {"topk": topk, "topk_chunk": topk_chunk, "shared": shared and topk is not None}
+    fmt = payload_label(bits, topk, topk_chunk, shared and topk is not None)
     rows = [
         Variant("dp", f"data-parallel {dp_bits}-bit", "dp", dp_bits),
         Variant("diloco", f"DiLoCo {fmt}", "diloco", bits, **sp),
@@ -217,6 +222,9 @@ def exchange_payload_bytes(numel: float, variant: Variant, block: int = 32, scal
     """Encoded size of one outer exchange of numel values in the variant's format, dense or sparse."""
     if variant.topk is None:
         return payload_bytes(numel, variant.bits, block, scale_bytes)
+    if variant.shared:
+        return payload_bytes(sparse_counts(round(numel), variant.topk_chunk, variant.topk)[0], variant.bits, block,
+                             scale_bytes)
     return sparse_payload_bytes(numel, variant.bits, variant.topk_chunk, variant.topk, block, scale_bytes)
 
 
@@ -248,15 +256,20 @@ def exchange_wire_bytes(numel: float, variant: Variant, workers: int, block: int
                         scale_bytes: int = SCALE_BYTES, transport: str = "ring") -> float:
     """Bytes one worker sends for one outer exchange of numel values (:func:`wire_bytes` of its payload).
 
-    reduce-scatter: a quantized dense payload goes as the runtime's ``--transport reduce-scatter`` sends
-    it: M-1 shards of numel / M values (whole scale blocks below 16 bits) to their owners, then M-1
-    requantized shards (:func:`eagerloco.codec_sizes.reduce_scatter_wire_bytes` with the default scale
-    bytes); FP32 and sparse payloads go as under ring.
+    reduce-scatter (and shared-support for a dense row): a quantized dense payload goes as the runtime's
+    ``--transport reduce-scatter`` sends it: M-1 shards of numel / M values (whole scale blocks below 16
+    bits) to their owners, then M-1 requantized shards (:func:`eagerloco.codec_sizes.reduce_scatter_wire_bytes`
+    with the default scale bytes); FP32 and top-k payloads go as under ring. A shared-support row's kept
+    values go through that reduce-scatter whatever the transport (FP32 values in shards of single values).
     """
-    if transport == "reduce-scatter" and not variant.sparse and variant.bits < 32 and workers > 1:
-        shard = shard_numel(round(numel), workers, block if variant.bits < 16 else 1)
+    if workers <= 1:
+        return 0.0
+    flat = transport in ("reduce-scatter", "shared-support") and not variant.sparse and variant.bits < 32
+    if variant.shared or flat:
+        kept = sparse_counts(round(numel), variant.topk_chunk, variant.topk)[0] if variant.shared else round(numel)
+        shard = shard_numel(kept, workers, block if variant.bits < 16 else 1)
         return 2 * (workers - 1) * payload_bytes(shard, variant.bits, block, scale_bytes)
-    ring_or_gather = "ring" if transport == "reduce-scatter" else transport
+    ring_or_gather = "ring" if transport in ("reduce-scatter", "shared-support") else transport
     return wire_bytes(exchange_payload_bytes(numel, variant, block, scale_bytes), workers, variant.bits,
                       ring_or_gather, variant.sparse)
 
@@ -293,13 +306,14 @@ def traffic(
 ) -> Traffic:
     """Sizes of the transfers one period puts on the link, and the blocks each one carries.
 
-    dp: one gradient all-reduce per block per step (always a ring, never sparse). Outer methods: one
+    dp: one gradient exchange per block per step (never sparse; quantized gradients are all-gathered or
+    reduce-scattered as the transport says, as the runtime does). Outer methods: one
     exchange per fragment per round of H steps (one fragment of every block unless the variant is
     fragmented, then the fragments of the given pattern), dense or sparse (:func:`exchange_payload_bytes`).
     """
     per_layer = model.params_per_layer
     if variant.method == "dp":
-        one = wire_bytes(payload_bytes(per_layer, variant.bits, block, scale_bytes), workers, 32, "ring")
+        one = exchange_wire_bytes(per_layer, variant, workers, block, scale_bytes, transport)
         return Traffic([one] * model.layers, 1, tuple((i,) for i in range(model.layers)))
     groups = (
         fragment_layers(model.layers, fragments, pattern)

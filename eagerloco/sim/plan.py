@@ -7,8 +7,11 @@ DiLoCo, Streaming, Streaming with tau overlap, eager), then more bits on the lin
 which sends only the top k of every chunk, gives up more the fewer it keeps), then a smaller
 tau. The exchange formats tried are the dense codecs (bf16, fp8, e2m1) and SparseLoCo's 2-bit
 top-k at 25%, 6.25% and 1.56% of the values (1024, 256 and 64 of every 4096; plus --topk's own
-setting when given). Every candidate is simulated at the one bandwidth asked for; the table lists
-each with the utilization it reaches, and a second table the cheapest per exchange format.
+setting when given), and beyond 2 workers the shared support of :data:`SHARED` (--transport
+shared-support: no positions, values reduce-scattered, flat in M where top-k is all-gathered). Each
+row's bytes are those of the transport train runs it with (:func:`row_transport`) at the question's M.
+Every candidate is simulated at the one bandwidth asked for; the table lists each with the utilization
+it reaches, and a second table the cheapest per exchange format.
 Naive delayed updates are left out: the eager paper finds them clearly worse than eager at the
 same overlap.
 """
@@ -33,6 +36,9 @@ DENSE_BITS: tuple[int, ...] = (16, 8, 4)
 #: The sparse formats tried: (bits per kept value, k, chunk): SparseLoCo's 2-bit top 64 of 4096 and
 #: denser ones (25%, 6.25% and 1.56% of the values).
 SPARSE: tuple[tuple[int, int, int], ...] = ((2, 1024, 4096), (2, 256, 4096), (2, 64, 4096))
+#: The shared-support formats tried beyond 2 workers: 1024 of 4096 came within 0.03 of DiLoCo at M = 8, 256 and 64 did
+#: not (a drawn support needs about 1/density rounds to send a value; bench/results/many_workers.md).
+SHARED: tuple[tuple[int, int, int], ...] = ((2, 1024, 4096),)
 
 
 @dataclass(frozen=True)
@@ -51,10 +57,19 @@ class Candidate:
         return (self.inner_steps, METHOD_RANK[self.family], -self.bits_per_value, self.tau)
 
 
-def format_name(bits: int, topk: int | None = None, topk_chunk: int = 4096) -> str:
-    """The exchange format as train's flags name it: "e2m1", or "2bit top64/4096" for a sparse one."""
+def format_name(bits: int, topk: int | None = None, topk_chunk: int = 4096, shared: bool = False) -> str:
+    """The exchange format as train's flags name it: "e2m1", or "2bit top64/4096" (shared64/4096) for a sparse one."""
     codec = CODEC_FOR_BITS.get(bits, f"{bits}-bit")
-    return codec if topk is None else f"{codec} top{topk}/{topk_chunk}"
+    return codec if topk is None else f"{codec} {'shared' if shared else 'top'}{topk}/{topk_chunk}"
+
+
+def row_transport(v: Variant, transport: str) -> str:
+    """train's --transport for a row whose bytes the simulator charges under ``transport``: shared-support for a
+    shared row, allgather for top-k and FP32 (a ring all-reduce either way), and for quantized dense rows
+    reduce-scatter unless the question's transport is allgather (the ring's bytes, plus shard padding)."""
+    if v.shared:
+        return "shared-support"
+    return "reduce-scatter" if v.topk is None and v.bits < 32 and transport != "allgather" else "allgather"
 
 
 def candidates(
@@ -67,20 +82,23 @@ def candidates(
     sparse: tuple[tuple[int, int, int], ...] = SPARSE,
     block: int = 32,
     scale_bytes: int = SCALE_BYTES,
+    shared: tuple[tuple[int, int, int], ...] = (),
 ) -> list[Candidate]:
     """Every setting considered, in rank order (cheapest first).
 
-    bits: the dense formats; sparse: (bits, k, chunk) of each sparse one (data-parallel stays dense).
+    bits: the dense formats; sparse: (bits, k, chunk) of each sparse one (data-parallel stays dense); shared:
+    those of the shared-support ones.
     Streaming with tau overlap is kept only where tau * P < H, as training requires.
     """
     P = fragment_count(model.layers, fragment_layers)
     dp = Variant("dp", f"data-parallel {dp_bits}-bit", "dp", dp_bits)
     out = [Candidate("dp", 1, 1, 0, dp_bits, dp, bits_per_value(dp, block, scale_bytes))]
-    formats = [(b, None, 4096) for b in bits] + [(b, k, c) for b, k, c in sparse]
+    formats = [(b, None, 4096, False) for b in bits]
+    formats += [(b, k, c, False) for b, k, c in sparse] + [(b, k, c, True) for b, k, c in shared]
     for H in inner_steps:
         p = min(P, H)
-        for b, k, c in formats:
-            sp = {"topk": k, "topk_chunk": c}
+        for b, k, c, shared in formats:
+            sp = {"topk": k, "topk_chunk": c, "shared": shared}
             bpv = bits_per_value(Variant("x", "x", "diloco", b, **sp), block, scale_bytes)
             rows = [("diloco", 1, 0, Variant("diloco", "DiLoCo", "diloco", b, **sp)),
                     ("streaming", p, 0, Variant("streaming", "Streaming", "streaming", b, True, **sp))]
@@ -136,7 +154,8 @@ def evaluate(model: ModelSpec, q: Question, c: Candidate) -> dict[str, Any]:
         "eager_rounds": v.eager_rounds if c.family == "eager" else 0,
         "bits": c.bits, "codec": CODEC_FOR_BITS.get(c.bits, f"{c.bits}-bit"),
         "topk": v.topk, "topk_chunk": v.topk_chunk if v.sparse else None,
-        "format": format_name(c.bits, v.topk, v.topk_chunk), "bits_per_value": c.bits_per_value,
+        "format": format_name(c.bits, v.topk, v.topk_chunk, v.shared), "bits_per_value": c.bits_per_value,
+        "transport": row_transport(v, q.transport),
         "adaptive_steps": adaptive, "cu_per_worker": per_worker,
         "cu": cu, "meets": bool(meets(cu, q.target)),
     }
@@ -152,7 +171,7 @@ def plan(model: ModelSpec, q: Question) -> dict[str, Any]:
     Returns:
         {"model", "bandwidth_gbps", "target", "workers", "latency_ms", "transport", "worker_speeds", "best" (a row or
         None), "runner_up" (a row or None, :func:`runner_up`), "by_format": [rows], "candidates": [rows]}; a
-        row holds method, inner_steps, fragments, tau, bits, codec, topk, topk_chunk, format, bits_per_value,
+        row holds method, inner_steps, fragments, tau, bits, codec, topk, topk_chunk, format, bits_per_value, transport,
         adaptive_steps, cu_per_worker (None for equal speeds), cu and meets. by_format has, per exchange
         format (densest first), the cheapest row that meets the target, or else the one with the highest CU.
     """
@@ -171,7 +190,7 @@ def cheapest(model: ModelSpec, q: Question) -> dict[str, Any] | None:
 
 def _candidates(model: ModelSpec, q: Question) -> list[Candidate]:
     return candidates(model, q.fragment_layers, dp_bits=q.dp_bits, sparse=q.sparse, block=q.block,
-                      scale_bytes=q.scale_bytes)
+                      scale_bytes=q.scale_bytes, shared=SHARED if q.workers > 2 else ())
 
 
 def runner_up(rows: list[dict[str, Any]], best: dict[str, Any] | None) -> dict[str, Any] | None:
