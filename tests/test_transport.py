@@ -283,8 +283,9 @@ def test_exchange_runs_in_background(timing: list[dict]) -> None:
 def test_waiting_at_once_blocks_for_the_link_time(timing: list[dict]) -> None:
     for r in timing:
         assert r["elapsed_immediate_s"] >= L, r
-        # blocked_s starts at wait(), microseconds after the launch stamp the link counts from.
-        assert r["blocked_immediate_s"] >= L - 0.01, r
+        # blocked_s starts at wait(), after the launch stamp the link counts from: microseconds on an idle machine,
+        # tens of milliseconds on a loaded one; waiting at once still blocks for most of the link time.
+        assert r["blocked_immediate_s"] >= 0.8 * L, r
         assert r["blocked_immediate_s"] < L + 0.5, r
 
 
