@@ -21,7 +21,7 @@ from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.errors import PeerError, describe_exception
 from eagerloco.comm.groups import HEARTBEAT_PREFIX
 from eagerloco.comm.ops import BARRIER
-from eagerloco.comm.rendezvous import poll
+from eagerloco.comm.rendezvous import poll, prefixed
 
 T = TypeVar("T")
 _POLL_S = 0.05
@@ -119,8 +119,8 @@ class Membership:
         is_dp: bool = False,
     ) -> None:
         self.client = client
-        self.kv = dist.PrefixStore("eagerloco/elastic/", client)
-        self.hb = dist.PrefixStore(HEARTBEAT_PREFIX, client)
+        self.kv = prefixed("eagerloco/elastic/", client)
+        self.hb = prefixed(HEARTBEAT_PREFIX, client)
         self.worker, self.workers, self.timeout_s = worker, workers, float(timeout_s)
         self.members = list(members) if members is not None else list(range(workers))
         self.epoch = epoch
@@ -191,7 +191,7 @@ class Membership:
         if comm.broken or self.kv.check([f"ep{self.epoch + 1}/recovering"]):
             self.recover()
         if self.is_dp or step % self.inner_steps == 0:
-            self._boundary(step)
+            self.boundary(step)
 
     def guarded(self, fn: Callable[[], T]) -> T:
         """Run a collective of the caller's thread; if a member is gone, re-form the group and retry."""
@@ -357,7 +357,7 @@ class Membership:
         h = 1 if self.is_dp else self.inner_steps
         return self.delay + 2 * h
 
-    def _boundary(self, step: int) -> None:
+    def boundary(self, step: int) -> None:
         key = f"ep{self.epoch}/change"
         if self.is_leader() and not self.kv.check([key]):
             absent = [w for w in range(self.workers) if w not in self.members]
@@ -402,8 +402,7 @@ class Membership:
             outer = self.form(e0 + 1, members)
             self.handover(src, joiners)
             comm.resume(outer, members, [], self.epoch, self.names)
-            digests: list[Any] = [None] * len(members)
-            dist.all_gather_object(digests, outer_digest(trainer.sync.outer_parameters()))
+            digests = self.gather_digests(outer_digest(trainer.sync.outer_parameters()))
             if self.worker == src:
                 self.event({"event": "joined", "workers": joiners, "members": members, "source": src,
                             "outer_sha256": {str(w): d for w, d in zip(members, digests, strict=True)},
@@ -447,13 +446,13 @@ class Membership:
             data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
             for r in receivers:
                 dst = self.members.index(r)
-                dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=dst)
-                dist.send(data, dst=dst)
+                self.send(torch.tensor([data.numel()], dtype=torch.int64), dst)
+                self.send(data, dst)
         elif self.worker in receivers:
             n = torch.zeros(1, dtype=torch.int64)
-            dist.recv(n, src=self.members.index(src))
+            self.recv(n, self.members.index(src))
             data = torch.empty(int(n.item()), dtype=torch.uint8)
-            dist.recv(data, src=self.members.index(src))
+            self.recv(data, self.members.index(src))
             state = torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=False)
             trainer.model.load_state_dict(state["model"])
             trainer.opt.load_state_dict(state["opt"])
@@ -469,20 +468,41 @@ class Membership:
                 trainer.sync.adaptive.forget_speed()
             trainer.last_loss = state["last_loss"]
             comm.adopt_sequence(int(state["launched"]))
+        self.barrier()
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """Send t to the member at position dst of the current group."""
+        dist.send(t, dst=dst)
+
+    def recv(self, t: torch.Tensor, src: int) -> None:
+        """Receive t from the member at position src of the current group."""
+        dist.recv(t, src=src)
+
+    def barrier(self) -> None:
         dist.barrier()
+
+    def gather_digests(self, mine: str) -> list[str]:
+        """Every member's outer-parameter digest, in member order."""
+        every: list[Any] = [None] * len(self.members)
+        dist.all_gather_object(every, mine)
+        return every
 
     def joined(self, src: int) -> None:
         """The joiner's half of :meth:`_admit` (same collectives, same order): receive the state."""
         trainer = self.trainer
         assert trainer is not None
+        t0 = time.perf_counter()
         try:
             self.handover(src, [self.worker])
-            digests: list[Any] = [None] * len(self.members)
-            dist.all_gather_object(digests, outer_digest(trainer.sync.outer_parameters()))
+            digests = self.gather_digests(outer_digest(trainer.sync.outer_parameters()))
         except RuntimeError as e:
             raise self.change_failed(e, f"worker {self.worker}: a failure while joining at step {self.step} with state "
                                    f"from worker {src}") from None
-        print(f"eagerloco: worker {self.worker}: joined at step {self.step} with state from worker {src}; "
+        if digests[self.pos] != digests[self.members.index(src)]:
+            raise PeerError(f"worker {self.worker}: the outer state received from worker {src} does not match the "
+                            f"digest worker {src} holds; start this worker again to rejoin", [src])
+        print(f"eagerloco: worker {self.worker}: joined at step {self.step} with state from worker {src} "
+              f"({time.perf_counter() - t0:.2f} s, outer sha256 {digests[self.pos][:12]} checked); "
               f"members {self.members} (epoch {self.epoch})", flush=True)
 
     @classmethod
@@ -494,13 +514,19 @@ class Membership:
         the run ended before this worker could join.
         """
         m = cls(client, worker, workers, timeout_s, **kwargs)
-        m.kv.set(f"join/req/{worker}", str(time.time()))
+        if poll(lambda: [] if m._gone(worker) or not m.hb.check([f"hb/{worker}"]) else [worker], 3 * _STALE_S,
+                lambda _: f"worker {worker}: waiting for the heartbeat of an earlier worker {worker} to stop",
+                interval_s=_POLL_S):
+            raise PeerError(f"worker {worker} is in the run already (its heartbeat is fresh): give this job another "
+                            "worker id, or stop the other one first")
         key = f"join/admit/{worker}"
         last_alive = [time.monotonic()]
 
         def waiting() -> list[int]:
             if m.kv.check([key]) or m.kv.check(["done"]):
                 return []
+            if not m.kv.check([f"join/req/{worker}"]):  # asked anew after a coordinator restart
+                m.kv.set(f"join/req/{worker}", str(time.time()))
             now = time.monotonic()
             if any(not m._gone(w) and m.hb.check([f"hb/{w}"]) for w in range(workers) if w != worker):
                 last_alive[0] = now
@@ -510,7 +536,8 @@ class Membership:
                                 f"heartbeat for {now - last_alive[0]:.0f} s). {_REJOIN_FIX}")
             return [worker]
 
-        if poll(waiting, wait_s, interval_s=_POLL_S) or not m.kv.check([key]):
+        if poll(waiting, wait_s, lambda _: f"worker {worker}: waiting to be admitted at the members' next round "
+                "boundary", interval_s=_POLL_S) or not m.kv.check([key]):
             m.kv.delete_key(f"join/req/{worker}")
             if m.kv.check(["done"]):
                 return None
