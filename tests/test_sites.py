@@ -166,3 +166,57 @@ def test_a_partition_only_the_side_that_reaches_the_coordinator_goes_on(tmp_path
     assert last.startswith("eagerloco: error: worker 1 lost the coordinator at 127.0.0.1:"), cut.stdout[-3000:]
     assert on.returncode == 0, on.stdout[-3000:]
     assert "worker 0: lost 1; continuing with workers [0]" in on.stdout, on.stdout[-3000:]
+
+
+def _wait_for(path: Path, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {path} within {timeout:g} s")
+
+
+def test_a_third_worker_joins_a_running_two_worker_run(tmp_path: Path) -> None:
+    port = coordinators(1)[0]
+    jobs = [_job(port, w, tmp_path / f"w{w}", "--steps", "160") for w in range(2)]
+    _wait_for(tmp_path / "w0" / "metrics.jsonl", '"step": 8', 200)
+    third = popen([sys.executable, "-m", "eagerloco", "train", *ARGS, "--steps", "160", "--outer-addr",
+                   f"127.0.0.1:{port}", "--worker-id", "2", "--workers", "2", "--out", str(tmp_path / "w2")],
+                  env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    done = wait_all([*jobs, third], 300)
+    for w, d in enumerate(done):
+        assert d.returncode == 0, f"worker {w}:\n{d.stdout[-3000:]}"
+    assert "worker 0: workers [2] joined at step" in done[0].stdout, done[0].stdout[-3000:]
+    assert "members [0, 1, 2]" in done[2].stdout, done[2].stdout[-3000:]
+    outer = [_outer(tmp_path / f"w{w}", w, 160) for w in range(3)]
+    for other in outer[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(outer[0], other, strict=True))
+
+
+@pytest.mark.slow
+def test_a_worker_leaves_and_rejoins_three_times(tmp_path: Path) -> None:
+    port = coordinators(1)[0]
+    args = ("--steps", "480", "--latency-ms", "600")
+    w0 = _job(port, 0, tmp_path / "w0", *args)
+    first = _job(port, 1, tmp_path / "w1", *args, env={"EAGERLOCO_FAULT_KILL": "1:10"})
+    assert wait_all([first], 240)[0].returncode == -9
+    for time_ in range(3):
+        log = tmp_path / f"w1-{time_}.log"
+        with log.open("w") as f:
+            back = popen([sys.executable, "-m", "eagerloco", "train", *ARGS, *args, "--resume", "--outer-addr",
+                          f"127.0.0.1:{port}", "--worker-id", "1", "--workers", "2", "--out", str(tmp_path / "w1")],
+                         env=job_env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True)
+        if time_ == 2:
+            break
+        _wait_for(log, "worker 1: joined at step", 200)
+        time.sleep(1.0)
+        back.kill()
+        back.wait()
+    survivor = wait_all([w0], 400)[0]
+    assert back.wait(60) == 0, log.read_text()[-3000:]
+    assert survivor.returncode == 0, survivor.stdout[-3000:]
+    assert survivor.stdout.count("worker 0: lost 1; continuing with workers [0]") == 3, survivor.stdout[-4000:]
+    assert survivor.stdout.count("worker 0: workers [1] joined at step") == 3, survivor.stdout[-4000:]
+    a, b = (_outer(tmp_path / f"w{w}", w, 480) for w in range(2))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

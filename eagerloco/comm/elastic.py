@@ -168,6 +168,7 @@ class Membership:
                                 timeout=timeout)
         outer = dist.new_group(list(range(len(members))), timeout=timeout, backend="gloo")
         self.epoch, self.members = epoch, list(members)
+        self.kv.set("members", ",".join(map(str, members)))
         return outer
 
     def event(self, record: dict[str, Any]) -> None:
@@ -360,7 +361,8 @@ class Membership:
     def boundary(self, step: int) -> None:
         key = f"ep{self.epoch}/change"
         if self.is_leader() and not self.kv.check([key]):
-            absent = [w for w in range(self.workers) if w not in self.members]
+            asked = {int(self.kv.get(f"join/who/{i}")) for i in range(1, self.kv.add("join/n", 0) + 1)}
+            absent = sorted(w for w in asked | set(range(self.workers)) if w not in self.members)
             joiners = [w for w in absent if self.kv.check([f"join/req/{w}"])]
             if joiners:
                 h = 1 if self.is_dp else self.inner_steps
@@ -525,10 +527,12 @@ class Membership:
         def waiting() -> list[int]:
             if m.kv.check([key]) or m.kv.check(["done"]):
                 return []
-            if not m.kv.check([f"join/req/{worker}"]):  # asked anew after a coordinator restart
+            if not m.kv.check([f"join/req/{worker}"]):  # ask (again, after a coordinator restart)
+                m.kv.set(f"join/who/{m.kv.add('join/n', 1)}", str(worker))
                 m.kv.set(f"join/req/{worker}", str(time.time()))
             now = time.monotonic()
-            if any(not m._gone(w) and m.hb.check([f"hb/{w}"]) for w in range(workers) if w != worker):
+            members = _ids(m.kv.get("members").decode()) if m.kv.check(["members"]) else range(workers)
+            if any(not m._gone(w) and m.hb.check([f"hb/{w}"]) for w in members if w != worker):
                 last_alive[0] = now
             if now - last_alive[0] > 3 * _STALE_S:
                 m.kv.delete_key(f"join/req/{worker}")

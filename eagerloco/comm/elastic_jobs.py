@@ -53,6 +53,7 @@ class JobsMembership(Membership):
         store = dist.PrefixStore(f"{OUTER_PG_PREFIX}ep{epoch}/", self.client)
         self.group = gloo_group(store, members.index(self.worker), len(members), self.timeout_s)
         self.epoch, self.members = epoch, list(members)
+        self.kv.set("members", ",".join(map(str, members)))
         return self.group
 
     def gather_progress(self, done: int, step: int) -> list[tuple[int, int]]:

@@ -452,8 +452,9 @@ class OuterRendezvous:
             raise ConfigError(f"--outer-addr must be host:port with a port in 1..65535, got {addr!r}")
         if workers is None or isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ConfigError(f"--workers must be an integer >= 1 with --outer-addr, got {workers!r}")
-        if worker is None or isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < workers:
-            raise ConfigError(f"--worker-id must be an integer in 0..{workers - 1} (one per job), got {worker!r}")
+        if worker is None or isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
+            raise ConfigError(f"--worker-id must be an integer in 0..{workers - 1} (one per job; beyond, a worker "
+                              f"joining an elastic run under way), got {worker!r}")
         return cls(host.strip("[]"), int(port), worker, workers)
 
     @classmethod
@@ -550,6 +551,9 @@ def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S
     if store.check([STARTED_KEY]):
         ctx.joining = True
         return ctx
+    if rdzv.worker >= rdzv.workers:
+        raise ConfigError(f"--worker-id {rdzv.worker} is beyond --workers {rdzv.workers}: a new worker id joins only "
+                          f"an elastic run under way; the run at {where} has not started")
     if not first:
         raise ConfigError(f"two jobs joined {where} as worker {rdzv.worker}: give each job its own --worker-id "
                           f"in 0..{rdzv.workers - 1} (or use a fresh coordinator for a new run)")

@@ -54,7 +54,9 @@ class JobRuntime(Runtime):
         cfg, me, timeout_s = self.cfg, self.rdzv.worker, self.cfg.runtime.dist_timeout
         device = resolve_device(cfg.device)
         model = base.to(device)
-        stream = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed, iid=cfg.iid)[me]
+        # A worker beyond the run's first M (joining an elastic run) takes the last shard of M' = its id + 1.
+        shards = max(cfg.workers, me + 1)
+        stream = worker_streams(corpus, tok, shards, cfg.batch_size, cfg.seq_len, cfg.seed, iid=cfg.iid)[me]
         link = self.checked_link(num_params(model))
         settings = {k: v for k, v in agreed_settings(cfg).items() if k != "--resume"}  # a joiner may resume
         settings["model parameters"] = shapes_digest(model.named_parameters())
