@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from eagerloco.comm.base import Communicator
-from eagerloco.comm.elastic_jobs import JobsMembership
+from eagerloco.comm.elastic import Membership
 from eagerloco.comm.errors import PeerError, api_errors
 from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext
 from eagerloco.comm.rendezvous import (
@@ -48,7 +48,7 @@ class Connection:
 
     comm: Communicator
     ctx: DistContext | None = None
-    membership: JobsMembership | None = None
+    membership: Membership | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     seed: int = 0
     init_sync: bool = True
@@ -83,7 +83,7 @@ class Connection:
             if ctx.joining:
                 membership, src = join_run(ctx, rdzv, timeout_s, elastic, settings)
             elif elastic:
-                membership = JobsMembership(ctx.outer_store, rdzv.worker, rdzv.workers, timeout_s,
+                membership = Membership(ctx.outer_store, rdzv.worker, rdzv.workers, timeout_s,
                                             group=ctx.outer_group)
             if membership is not None:
                 ctx.outer_group = membership.group  # the membership owns it (and its successors) from here
@@ -145,9 +145,9 @@ SETTINGS_KEY = "eagerloco/settings"
 
 
 def join_run(ctx: DistContext, rdzv: OuterRendezvous, timeout_s: float, elastic: bool,
-             settings: Mapping[str, Any] | None) -> tuple[JobsMembership, int]:
+             settings: Mapping[str, Any] | None) -> tuple[Membership, int]:
     """A worker that arrives after the run started: check its settings against the run's, ask to join, and wait
-    until the members admit it at a round boundary (:meth:`JobsMembership.join`). Returns the membership and
+    until the members admit it at a round boundary (:meth:`Membership.join`). Returns the membership and
     the member whose state it receives.
 
     Raises:
@@ -161,16 +161,20 @@ def join_run(ctx: DistContext, rdzv: OuterRendezvous, timeout_s: float, elastic:
         raise ConfigError(f"{me}: the run at {rdzv.where} is under way, and only an elastic run (--elastic, "
                           "elastic=True) admits a worker that arrives late; restart every worker from the last "
                           "checkpoint, or start a fresh coordinator for a new run")
-    if settings is not None and store.check([SETTINGS_KEY]):
+    if settings is None:
+        raise ConfigError(f"{me}: the run at {rdzv.where} is under way; a worker joins a run under way through "
+                          "`eagerloco train --outer-addr --elastic`, while through connect() every worker restarts "
+                          "from the last checkpoint")
+    if store.check([SETTINGS_KEY]):
         theirs = json.loads(store.get(SETTINGS_KEY).decode())
         check_agreement({rdzv.worker: json.loads(json.dumps(settings, default=str)), -1: theirs},
                         lambda i: "the run" if i < 0 else me, f"Start {me} with the run's settings to join it")
     wait_s = max(4 * timeout_s, 600.0)
-    joined = JobsMembership.join(store, rdzv.worker, rdzv.workers, timeout_s, wait_s=wait_s, group=None)
+    joined = Membership.join(store, rdzv.worker, rdzv.workers, timeout_s, wait_s=wait_s, group=None)
     if joined is None:
         raise PeerError(f"{me}: the run at {rdzv.where} finished before this worker could join", [])
     membership, _, _, src = joined
-    return membership, src  # type: ignore[return-value]
+    return membership, src
 
 
 def outer_meeting(ctx: DistContext, where: str = "") -> Meeting | None:
@@ -196,7 +200,7 @@ def connect(outer_addr: str | None = None, worker_id: int | None = None, workers
         timeout_s: seconds before a silent worker is declared dead (and every wait here gives up).
         seed: seeds the emulated link and stochastic rounding (mixed with the worker id).
         elastic: with an outer rendezvous (one process per job), a worker that dies does not stop the
-            others: they re-form the outer group over worker 0's store (:mod:`eagerloco.comm.elastic_jobs`).
+            others: they re-form the outer group over worker 0's store (:mod:`eagerloco.comm.elastic`).
         init_sync: the workers start from worker 0's parameters (as torchft's Manager does).
         device: where the communicator hands means back (default: the parameters').
 

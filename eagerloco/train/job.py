@@ -13,7 +13,7 @@ hold this worker's state only; ``--resume`` continues each job from its own newe
 (resume every job, from checkpoints of the same step). With ``--elastic`` the survivors of a dead
 worker go on, and a worker started against the run under way (``--resume`` of its own checkpoints, or
 a fresh ``--out``) joins it at a round boundary with a live member's state
-(:mod:`eagerloco.comm.elastic_jobs`).
+(:mod:`eagerloco.comm.elastic`).
 """
 
 from __future__ import annotations
