@@ -1,7 +1,7 @@
 """The hook API with real processes: two workers, each its own job, joined by an outer rendezvous.
 
 Each worker is a separate ``python`` process with its own (one-process) WORLD; they meet through
-the TCPStore worker 0 hosts (``outer_addr``) and exchange on a gloo group of their own.
+a coordinator this test process serves (``outer_addr``) and exchange on a gloo group of their own.
 """
 
 from __future__ import annotations

@@ -194,13 +194,13 @@ def connect(outer_addr: str | None = None, worker_id: int | None = None, workers
     _WORKERS: each worker its own job), else the torchrun WORLD of M workers x R ranks, else this worker alone.
 
     Args:
-        outer_addr, worker_id, workers: the outer rendezvous (worker 0 hosts a TCPStore at host:port).
+        outer_addr, worker_id, workers: the outer rendezvous (the coordinator at host:port, ``eagerloco coordinator``).
         ranks_per_worker: R, under one torchrun WORLD of M * R ranks.
         link: an emulated slow link (bandwidth, latency) between the workers.
         timeout_s: seconds before a silent worker is declared dead (and every wait here gives up).
         seed: seeds the emulated link and stochastic rounding (mixed with the worker id).
         elastic: with an outer rendezvous (one process per job), a worker that dies does not stop the
-            others: they re-form the outer group over worker 0's store (:mod:`eagerloco.comm.elastic`).
+            others: they re-form the outer group over the coordinator's store (:mod:`eagerloco.comm.elastic`).
         init_sync: the workers start from worker 0's parameters (as torchft's Manager does).
         device: where the communicator hands means back (default: the parameters').
 

@@ -37,8 +37,8 @@ class RuntimeConfig:
     within this."""
     outer_addr: str | None = setting(None, metavar="HOST:PORT", group=_GROUP,
                                      shown_default="$EAGERLOCO_OUTER_ADDR")
-    """Each worker its own job (one process, started on its own): the outer rendezvous worker 0 hosts at
-    its address and this port; every job passes the same workers and its own worker_id (and its own out)."""
+    """Each worker its own job (one process, started on its own): the coordinator (`eagerloco coordinator`) at
+    this address and port; every job passes the same workers and its own worker_id (and its own out)."""
     worker_id: int | None = setting(None, metavar="I", group=_GROUP, shown_default="$EAGERLOCO_WORKER_ID")
     """This job's worker, 0..M-1, with outer_addr."""
     elastic: bool = setting(False, group="faults")
