@@ -82,17 +82,15 @@ class Connection:
         try:
             if ctx.joining:
                 membership, src = join_run(ctx, rdzv, timeout_s, elastic, settings)
+                ctx.outer_group = membership.group
             elif elastic:
-                membership = Membership(ctx.outer_store, rdzv.worker, rdzv.workers, timeout_s,
-                                            group=ctx.outer_group)
-            if membership is not None:
-                ctx.outer_group = membership.group  # the membership owns it (and its successors) from here
+                membership = Membership(ctx.outer_store, rdzv.worker, rdzv.workers, timeout_s, group=ctx.outer_group)
             comm = communicator_for(ctx, link, seed=seed, timeout_s=timeout_s, device=device, elastic=elastic,
                                     **({} if membership is None else {"members": membership.members}))
-            if ctx.outer_store is not None and settings is not None and not ctx.joining:
+            if settings is not None and not ctx.joining:
                 ctx.outer_store.keep(SETTINGS_KEY, json.dumps(settings, sort_keys=True, default=str))
             if membership is not None:
-                ctx.outer_group = None
+                ctx.outer_group = None  # the membership owns it (and its successors) from here
         except BaseException:
             if membership is not None:
                 membership.teardown()

@@ -234,7 +234,8 @@ class Membership:
                 return [w for w in self.members if not self.kv.check([f"{prefix}/{w}"]) and not self._gone(w)]
             return missing
 
-        left = poll(waiting, 2 * self.timeout_s, interval_s=_POLL_S)
+        left = poll(waiting, 2 * self.timeout_s, lambda w: f"worker {self.worker}: waiting for workers {list(w)} to "
+                    f"publish {prefix}", interval_s=_POLL_S)
         if left:
             raise PeerError(f"workers {list(left)} did not publish {prefix} within {2 * self.timeout_s:g} s; "
                             "check their logs, then resume from the last checkpoint")
@@ -298,7 +299,8 @@ class Membership:
                 return []
             return [w for w in old if not self.kv.check([f"ep{e}/alive/{w}"]) and not self._gone(w)]
 
-        poll(unaccounted, self.timeout_s, interval_s=_POLL_S)
+        poll(unaccounted, self.timeout_s, lambda w: f"worker {self.worker}: waiting for workers {list(w)} to answer "
+             "after a failure (alive, or gone)", interval_s=_POLL_S)
         if not self.kv.check([key]):  # the first to decide proposes whoever announced; everyone adopts one list
             alive = ",".join(str(w) for w in sorted(old) if self.kv.check([f"ep{e}/alive/{w}"]))
             return _ids(self.kv.compare_set(key, "", alive).decode())
