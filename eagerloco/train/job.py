@@ -43,7 +43,7 @@ class JobRuntime(Runtime):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         rc = self.cfg.runtime
-        self.rdzv = OuterRendezvous.parse(str(rc.outer_addr), rc.worker_id, self.cfg.workers)
+        self.rdzv = OuterRendezvous.parse(str(rc.outer_addr), rc.worker_id, self.cfg.workers, grow=rc.elastic)
         self.peers: Connection | None = None
         self.comm: Any = None
         self.membership: Any = None
