@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from eagerloco import checkpoint as ckpt  # noqa: E402
 
 PY = sys.executable
+STARTED: list[subprocess.Popen] = []  # every process the benchmark started
 STEPS, H = 192, 4
 COMMON = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "2", "--no-progress",
           "--log-every", "4", "--inner-steps", str(H), "--steps", str(STEPS), "--checkpoint-every", "16",
@@ -49,6 +50,7 @@ class Proc:
     def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.name, self.lines = name, []
         self.p = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        STARTED.append(self.p)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -150,7 +152,13 @@ def main() -> None:
         for faults in (False, True):
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.time()
-                r = run(method, faults, Path(tmp))
+                try:
+                    r = run(method, faults, Path(tmp))
+                finally:  # a schedule that failed leaves no process of its run behind
+                    for p in STARTED:
+                        if p.poll() is None:
+                            p.kill()
+                            p.wait()
                 r["wall_s"] = round(time.time() - t0, 1)
                 print(json.dumps(r), flush=True)
                 results.append(r)
