@@ -43,8 +43,8 @@ class RuntimeConfig:
     """This job's worker, 0..M-1, with outer_addr."""
     elastic: bool = setting(False, group="faults")
     """Multi-process: when a worker dies the others go on (mean over the workers present); without it they
-    stop with an error naming it. Under `eagerloco launch` a worker that comes back (--rejoin) is admitted
-    again; across separate jobs (--outer-addr) it is not, and worker 0 must stay."""
+    stop with an error naming it. A worker that comes back is admitted again at a round boundary: under
+    `eagerloco launch` with --rejoin, across separate jobs (--outer-addr) when started against the run."""
     rejoin: bool = setting(False, group="faults")
     """This process comes back into a running elastic run (environment: the run's MASTER_ADDR,
     MASTER_PORT and WORLD_SIZE, RANK = its worker id); a live worker hands it the current state at the
