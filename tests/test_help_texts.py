@@ -13,8 +13,8 @@ def test_the_outer_optimizer_help_names_every_choice() -> None:
     assert all(name in doc for name in OUTER_OPTIMIZERS), doc
 
 
-def test_the_elastic_help_says_a_dead_worker_does_not_come_back_across_jobs() -> None:
-    """The README: across jobs "a worker that died does not come back into the running run"."""
+def test_the_elastic_help_says_a_dead_worker_comes_back_across_jobs_too() -> None:
+    """Across jobs a worker started against the run under way is admitted again, as under the launcher."""
     doc = " ".join(field_docs(RuntimeConfig)["elastic"].split())
-    assert "across separate jobs (--outer-addr) it is not" in doc and "--rejoin" in doc
+    assert "across separate jobs (--outer-addr) when started against the run" in doc and "--rejoin" in doc
     assert "when it comes back;" not in doc
