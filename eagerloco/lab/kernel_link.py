@@ -202,9 +202,10 @@ class JobLink(_ShapedLink):
     launch --outer-addr 127.0.0.1:PORT --worker-id I --kernel-link-gbps B``).
 
     The bridge is named after the outer port (``elbj<port>``), its subnet picked by the first job; worker I is
-    10.213.X.(10 + I) in namespace ``eloc<pid>w<I>``, and worker 0's store listens at :attr:`outer_host`. Changes
-    happen under one machine-wide lock; the last job removes the bridge, the next one a killed job's leftovers, and a
-    second claim of the same worker (``elj<port>w<I>`` taken) is refused."""
+    10.213.X.(10 + I) in namespace ``eloc<pid>w<I>``; the run's coordinator on this machine is reached at the
+    bridge's own address (:attr:`master_addr`). Changes happen under one machine-wide lock; the last job removes the
+    bridge, the next one a killed job's leftovers, and a second claim of the same worker (``elj<port>w<I>`` taken)
+    is refused."""
 
     def __init__(self, port: int, worker: int, workers: int, bandwidth_gbps: float, tag: int | None = None) -> None:
         _check_sizes(workers, bandwidth_gbps)
@@ -215,11 +216,6 @@ class JobLink(_ShapedLink):
         self.ns = f"{_PREFIX}{self.tag}w{worker}"
         self.subnet = ""
         self._made = []
-
-    @property
-    def outer_host(self) -> str:
-        """Worker 0's address in its namespace: where every job reaches the outer rendezvous."""
-        return f"{self.subnet}.10"
 
     def command(self, cmd: Sequence[str], worker: int = 0) -> list[str]:
         """cmd run in this job's namespace (worker: as for KernelLink; this job has one)."""

@@ -41,7 +41,7 @@ class LinkShaping(Protocol):
 
     What ``run_link`` and ``job_link`` return are context managers whose value has ``env()`` (the
     variables of each process behind it) and ``command(cmd, worker)`` (a command run behind it); a
-    job's also ``outer_host``, ``ns`` and ``bridge``, and a run's ``master_addr``.
+    job's also ``ns`` and ``bridge``, and a run's ``master_addr``.
     """
 
     gbps: float
@@ -183,7 +183,7 @@ def _local_port(outer_addr: str) -> int:
     if host.strip("[]") not in _LOOPBACK:
         raise ValueError(
             f"--kernel-link-gbps with --outer-addr shapes the links between jobs on this machine: give every job "
-            f"--outer-addr 127.0.0.1:{port} (the launch moves the rendezvous onto the shaped bridge), not {host}; "
+            f"--outer-addr 127.0.0.1:{port} (the launch reaches the coordinator there through the shaped bridge), not {host}; "
             "jobs on separate machines are joined by the real link: drop --kernel-link-gbps there")
     return int(port)
 
@@ -192,10 +192,11 @@ def _launch_job_behind_link(argv: list[str], workers: int, worker_id: int, outer
                             master_port: int | None, timeout_s: float, command: Sequence[str] | None,
                             out: IO[str] | None, elastic: bool) -> int:
     """One job's worker in its own namespace behind a shaped uplink, on the bridge of the run's jobs
-    (:meth:`LinkShaping.job_link`); its --outer-addr becomes worker 0's address there."""
+    (:meth:`LinkShaping.job_link`); its --outer-addr becomes the bridge's address, where the namespace reaches
+    the coordinator this machine runs."""
     port = _local_port(outer_addr)
     with shaping.job_link(port, worker_id, workers) as link:
-        addr = f"{link.outer_host}:{port}"
+        addr = f"{link.master_addr}:{port}"  # the coordinator, seen from the namespace
         i = len(argv) - 1 - argv[::-1].index("--outer-addr")  # the one _one_job appended
         argv = [*argv[:i + 1], addr, *argv[i + 2:]]
         (out or sys.stdout).write(
