@@ -42,6 +42,7 @@ def make_parser() -> argparse.ArgumentParser:
     from eagerloco import launch
     from eagerloco.lab.compare import cli as compare_cli
     from eagerloco.lab.compare import demo
+    from eagerloco.launch import coordinator
     from eagerloco.sim import cli as sim_cli
 
     parser = argparse.ArgumentParser(
@@ -60,6 +61,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_data)
     sim_cli.add_parser(sub)
     launch.add_parser(sub).set_defaults(func=_cmd_launch)
+    coordinator.add_parser(sub).set_defaults(func=coordinator.run)
     compare_cli.add_parser(sub)
     return parser
 

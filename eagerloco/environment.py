@@ -66,7 +66,7 @@ class Environment:
     ranks_per_worker: int | None = None
     """EAGERLOCO_RANKS_PER_WORKER: R, as given to ``eagerloco launch``."""
     outer_addr: str | None = None
-    """EAGERLOCO_OUTER_ADDR: worker 0's outer rendezvous HOST:PORT when each worker is its own job."""
+    """EAGERLOCO_OUTER_ADDR: the coordinator's HOST:PORT when each worker is its own job."""
     worker_id: int | None = None
     """EAGERLOCO_WORKER_ID: this job's worker id, with the outer rendezvous."""
     rejoin: bool = False

@@ -1,7 +1,8 @@
 """A Hugging Face Trainer on a small Llama (built from a config, no downloaded weights), with eagerloco.
 
-One worker per job; start each worker with its own id (worker 0 hosts the rendezvous):
+One worker per job; start the coordinator, then each worker with its own id:
 
+    eagerloco coordinator --port 29600 &
     python examples/hf_trainer.py --outer-addr 127.0.0.1:29600 --worker-id 0 --workers 2 --out runs/hf0 &
     python examples/hf_trainer.py --outer-addr 127.0.0.1:29600 --worker-id 1 --workers 2 --out runs/hf1
 

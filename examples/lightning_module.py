@@ -1,7 +1,8 @@
 """A PyTorch Lightning module (a small GPT on the Brown Corpus) trained with eagerloco's callback.
 
-One worker per job; worker 0 hosts the rendezvous:
+One worker per job, meeting at a coordinator:
 
+    eagerloco coordinator --port 29601 &
     python examples/lightning_module.py --outer-addr 127.0.0.1:29601 --worker-id 0 --workers 2 --out runs/pl0 &
     python examples/lightning_module.py --outer-addr 127.0.0.1:29601 --worker-id 1 --workers 2 --out runs/pl1
 

@@ -2,8 +2,9 @@
 the inner optimizer's step hooks.
 
 Alone (one worker, handy for debugging):   python examples/plain_loop.py
-Two workers, each its own job (worker 0 hosts the rendezvous; on two machines use worker 0's address):
+Two workers, each its own job, meeting at a coordinator (on two machines, give them its address):
 
+    eagerloco coordinator --port 29600 &
     python examples/plain_loop.py --outer-addr 127.0.0.1:29600 --worker-id 0 --workers 2 &
     python examples/plain_loop.py --outer-addr 127.0.0.1:29600 --worker-id 1 --workers 2
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from jobs import popen
-from test_hooks_jobs import free_ports, job_env, wait_all
+from test_hooks_jobs import coordinators, job_env, wait_all
 
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.rendezvous import check_agreement, parameter_digest, publish_and_gather, shapes_digest
@@ -102,7 +102,7 @@ def _jobs(tmp_path: Path, args: list[list[str]], port: int) -> list[subprocess.C
 @pytest.mark.processes
 def test_jobs_started_with_different_settings_both_stop_with_one_line_naming_them(tmp_path: Path) -> None:
     done = _jobs(tmp_path, [["--steps", "4", "--seed", "0"], ["--steps", "6", "--seed", "1", "--outer-lr", "0.4"]],
-                 free_ports(1)[0])
+                 coordinators(1)[0])
     for w, d in enumerate(done):
         assert d.returncode == 2, f"worker {w}:\n{d.stdout[-3000:]}"
         last = d.stdout.strip().splitlines()[-1]
@@ -117,12 +117,12 @@ def test_jobs_started_with_different_settings_both_stop_with_one_line_naming_the
 @pytest.mark.processes
 def test_jobs_resumed_from_different_steps_resume_from_the_newest_they_all_have(tmp_path: Path) -> None:
     first = _jobs(tmp_path, [["--steps", "6", "--checkpoint-every", "2", "--keep-checkpoints", "3"]] * 2,
-                  free_ports(1)[0])
+                  coordinators(1)[0])
     assert [d.returncode for d in first] == [0, 0], first[0].stdout[-3000:] + first[1].stdout[-3000:]
     uninterrupted = torch.load(tmp_path / "w0" / "checkpoints" / "step_00000006" / "worker_0.pt", weights_only=False)
     shutil.rmtree(tmp_path / "w1" / "checkpoints" / "step_00000006")  # worker 1 lost its newest checkpoint
     again = _jobs(tmp_path, [["--steps", "6", "--checkpoint-every", "2", "--keep-checkpoints", "3", "--resume"]] * 2,
-                  free_ports(1)[0])
+                  coordinators(1)[0])
     assert [d.returncode for d in again] == [0, 0], again[0].stdout[-3000:] + again[1].stdout[-3000:]
     assert "worker 0: resuming from step 4, the newest checkpoint every worker has (this one also has 6)" \
         in again[0].stdout

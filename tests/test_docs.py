@@ -121,7 +121,7 @@ def test_cli_reference_covers_every_flag(monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "10000")  # argparse wraps its help at hyphens otherwise
     page = reference_hook().cli_reference()
     commands = re.findall(r"^## eagerloco (\S+)$", page, re.M)
-    assert commands == ["train", "demo", "data", "simulate", "launch", "compare"]
+    assert commands == ["train", "demo", "data", "simulate", "launch", "coordinator", "compare"]
     sections = dict(zip(commands, re.split(r"^## eagerloco \S+$", page, flags=re.M)[1:], strict=True))
     for name, text in sections.items():
         buf = io.StringIO()

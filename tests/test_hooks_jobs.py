@@ -1,7 +1,7 @@
 """The hook API with real processes: two workers, each its own job, joined by an outer rendezvous.
 
 Each worker is a separate ``python`` process with its own (one-process) WORLD; they meet through
-the TCPStore worker 0 hosts (``outer_addr``) and exchange on a gloo group of their own.
+a coordinator this test process serves (``outer_addr``) and exchange on a gloo group of their own.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,8 +27,21 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.processes
 
 
+_COORDINATORS: list[Any] = []
+
+
+def coordinators(n: int) -> list[int]:
+    """n ports with a coordinator listening at each: a store this test process serves for the rest of its life
+    (no worker hosts it), as ``eagerloco coordinator`` does."""
+    import torch.distributed as dist
+
+    ports = free_ports(n)
+    _COORDINATORS.extend(dist.TCPStore("127.0.0.1", p, is_master=True, wait_for_workers=False) for p in ports)
+    return ports
+
+
 def free_ports(n: int) -> list[int]:
-    """n ports nobody listens on, for a TCPStore a worker process will host.
+    """n ports nobody listens on, for a store a process will host.
 
     Picked below the kernel's ephemeral range (32768-60999 by default), where connections take their
     local ports: between this pick and the worker's bind, which takes seconds (the process starts), no
@@ -83,7 +97,7 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[subprocess.C
 @pytest.fixture(scope="module")
 def methods(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("hooks_jobs")
-    done = run_jobs("methods", out, free_ports(2 * len(METHODS) + 1))
+    done = run_jobs("methods", out, coordinators(2 * len(METHODS) + 1))
     for w, d in enumerate(done):
         assert d.returncode == 0, f"worker {w}:\n{d.stdout[-4000:]}"
     return [torch.load(out / f"methods_{w}.pt") for w in range(2)]
@@ -150,7 +164,7 @@ def test_the_emulated_link_holds_the_jobs_exchanges_back(methods: list[dict]) ->
 
 
 def test_a_killed_worker_stops_the_other_with_an_error_naming_it(tmp_path: Path) -> None:
-    done = run_jobs("kill", tmp_path, free_ports(1), timeout=120)
+    done = run_jobs("kill", tmp_path, coordinators(1), timeout=120)
     assert done[1].returncode == 3
     assert done[0].returncode == 1, done[0].stdout[-3000:]
     report = json.loads((tmp_path / "kill_0.json").read_text())
@@ -163,7 +177,7 @@ def test_a_loop_never_finished_is_released_at_exit_without_an_abort(tmp_path: Pa
     interpreter's teardown, aborted the process ("terminate called without an active exception", status 134)
     in about 2 of 3 pairs of jobs. Released at exit, with one warning line, every job ends with status 0."""
     for attempt in range(2):
-        jobs = run_jobs("unfinished", tmp_path, free_ports(1), timeout=120)
+        jobs = run_jobs("unfinished", tmp_path, coordinators(1), timeout=120)
         assert [done.returncode for done in jobs] == [0, 0], "\n".join(done.stdout[-2000:] for done in jobs)
         for w, done in enumerate(jobs):
             where = f"(attempt {attempt}, worker {w})\n{done.stdout[-3000:]}"
@@ -171,17 +185,16 @@ def test_a_loop_never_finished_is_released_at_exit_without_an_abort(tmp_path: Pa
             assert done.stdout.count("eagerloco: warning: the outer loop was never finished") == 1, where
 
 
-def test_elastic_across_jobs_cannot_survive_worker_0_the_store_host_and_says_so(tmp_path: Path) -> None:
-    done = run_jobs("elastic", tmp_path, free_ports(1), timeout=120, env={"EAGERLOCO_FAULT_KILL": "0:5"})
+def test_elastic_across_jobs_survives_worker_0_since_no_worker_hosts_the_coordinator(tmp_path: Path) -> None:
+    done = run_jobs("elastic", tmp_path, coordinators(1), timeout=120, env={"EAGERLOCO_FAULT_KILL": "0:5"})
     assert done[0].returncode == -9
-    assert done[1].returncode == 1, done[1].stdout[-3000:]
+    assert done[1].returncode == 0, done[1].stdout[-3000:]
     report = json.loads((tmp_path / "elastic_1.json").read_text())
-    assert report["type"] == "PeerError", report["trace"]
-    assert report["message"].startswith("worker 0 is gone (its process hosted the outer rendezvous store"), report
+    assert report["syncs"] >= 5 and "lost 0; continuing with workers [1]" in done[1].stdout, (report, done[1].stdout)
 
 
 def test_the_plain_loop_example_runs_as_two_jobs(tmp_path: Path) -> None:
-    port = free_ports(1)[0]
+    port = coordinators(1)[0]
     example = HERE.parent / "examples" / "plain_loop.py"
     procs = [popen([sys.executable, str(example), "--outer-addr", f"127.0.0.1:{port}", "--worker-id", str(w),
                     "--workers", "2", "--steps", "10", "--save", str(tmp_path / f"w{w}.pt")],

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from jobs import popen
-from test_hooks_jobs import free_ports, job_env, wait_all
+from test_hooks_jobs import coordinators, job_env, wait_all
 
 import eagerloco
 
@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def _pair(scenario: str, out: Path) -> list[subprocess.CompletedProcess]:
-    port = free_ports(1)[0]
+    port = coordinators(1)[0]
     procs = [popen([sys.executable, str(HERE / "hooks_meet_job.py"), scenario, str(out), str(w), str(port)],
                    env=job_env(), cwd=HERE.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for w in range(2)]

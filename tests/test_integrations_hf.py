@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from jobs import popen
-from test_hooks_jobs import free_ports, job_env, wait_all
+from test_hooks_jobs import coordinators, job_env, wait_all
 
 from eagerloco.comm.base import wire_bytes
 
@@ -38,7 +38,7 @@ def run_pair(out: Path, args: list[str], ranks: tuple[int, int] = (1, 1), resume
              timeout: float = 400) -> None:
     """Both workers of one run, each its own job (torchrun when it has several ranks); resume: the
     checkpoint folder name each worker resumes from, under its own --out."""
-    port = free_ports(1)[0]
+    port = coordinators(1)[0]
     procs = []
     for w, r in enumerate(ranks):
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={r}"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from jobs import popen
-from test_hooks_jobs import free_ports, job_env, wait_all
+from test_hooks_jobs import coordinators, job_env, wait_all
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.processes
 
 def run_killed_pair(example: str, out: Path, kill: str, args: list[str]) -> list[subprocess.CompletedProcess]:
     """Both workers of a run, worker ``kill``'s WORKER:STEP SIGKILLing itself (EAGERLOCO_FAULT_KILL)."""
-    port = free_ports(1)[0]
+    port = coordinators(1)[0]
     env = {**job_env(), "EAGERLOCO_FAULT_KILL": kill}
     procs = [popen([sys.executable, str(ROOT / "examples" / example), "--outer-addr", f"127.0.0.1:{port}",
                     "--worker-id", str(w), "--workers", "2", "--out", str(out / f"w{w}"), *args],

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from jobs import popen
-from test_hooks_jobs import free_ports, job_env, wait_all
+from test_hooks_jobs import coordinators, job_env, wait_all
 
 from eagerloco.comm.base import wire_bytes
 
@@ -28,7 +28,7 @@ def _needs_lightning() -> None:
 
 
 def run_pair(out: Path, args: list[str], resume: str | None = None, timeout: float = 400) -> None:
-    port = free_ports(1)[0]
+    port = coordinators(1)[0]
     procs = []
     for w in range(2):
         cmd = [sys.executable, str(EXAMPLE), "--outer-addr", f"127.0.0.1:{port}", "--worker-id", str(w),

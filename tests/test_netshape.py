@@ -203,11 +203,11 @@ def test_separate_jobs_share_one_shaped_bridge_and_train_as_unshaped(tmp_path: P
     """Two `eagerloco launch --outer-addr 127.0.0.1:P --worker-id I --kernel-link-gbps B` jobs, tiny model,
     two blocking DiLoCo rounds of 3.28 MB each (about 0.52 s on the wire at 0.05 Gbit/s): each round waits
     for the wire, the numbers are those of an unshaped run, and nothing is left behind."""
-    from test_hooks_jobs import free_ports, wait_all
+    from test_hooks_jobs import coordinators, wait_all
 
     gbps, payload = 0.05, 820_352 * 4
     wire_s = payload * 8 / (gbps * 1e9)
-    port = free_ports(1)[0]
+    port = coordinators(1)[0]
     args = ["--method", "diloco", "--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--inner-steps", "4",
             "--steps", "8", "--eval-batches", "1", "--no-progress", "--seed", "3", "--dist-timeout", "30",
             "--checkpoint-every", "8"]

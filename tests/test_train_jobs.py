@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from jobs import popen
-from test_hooks_jobs import free_ports, job_env, wait_all
+from test_hooks_jobs import coordinators, free_ports, job_env, wait_all
 
 from eagerloco.cli import main
 from eagerloco.comm.base import wire_bytes
@@ -22,7 +22,7 @@ FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batch
 
 @pytest.mark.processes
 def test_two_jobs_agree_after_every_blocking_diloco_sync_and_count_the_bytes(tmp_path: Path) -> None:
-    port = free_ports(1)[0]
+    port = coordinators(1)[0]
     args = [*FAST, "--method", "diloco", "--inner-steps", "4", "--steps", "8", "--checkpoint-every", "4"]
     procs = [popen([sys.executable, "-m", "eagerloco", "train", *args, "--outer-addr", f"127.0.0.1:{port}",
                     "--worker-id", str(w), "--workers", "2", "--out", str(tmp_path / f"w{w}")],
@@ -70,11 +70,11 @@ def test_launch_forwards_the_outer_rendezvous_and_starts_only_this_workers_proce
         launch([], 2, worker_id=0)
 
 
-def test_elastic_is_accepted_with_an_outer_address_and_an_absent_worker_0_is_named(
+def test_elastic_is_accepted_with_an_outer_address_and_an_absent_coordinator_is_named(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    port = free_ports(1)[0]  # nobody listens there: worker 0 never started
+    port = free_ports(1)[0]  # nobody listens there: no coordinator
     argv = ["train", *FAST, "--steps", "2", "--elastic", "--outer-addr", f"127.0.0.1:{port}", "--worker-id", "1",
             "--workers", "2", "--dist-timeout", "1", "--out", str(tmp_path / "w1")]
     assert main(argv) == 3
     err = capsys.readouterr().err
-    assert f"worker 1 cannot reach worker 0's outer store at 127.0.0.1:{port}" in err, err
+    assert f"worker 1 cannot reach the coordinator at 127.0.0.1:{port}" in err, err

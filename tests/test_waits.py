@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 from jobs import Job, popen
 from runs import launch_here
-from test_hooks_jobs import free_ports, job_env
+from test_hooks_jobs import coordinators, free_ports, job_env
 
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.rendezvous import bounded, wait_for_workers
@@ -78,13 +78,13 @@ def test_a_listener_that_never_answers_ends_the_job_within_the_timeout_with_one_
     assert p.returncode == 3, out + err
     assert took < 4 + 15, took  # the timeout, start-up and the slack; it was minutes (the lines: see above)
     last = err.strip().splitlines()[-1]
-    assert last.startswith("eagerloco: error: worker 1 cannot reach worker 0's outer store at 127.0.0.1:"), err
+    assert last.startswith("eagerloco: error: worker 1 cannot reach the coordinator at 127.0.0.1:"), err
     assert "Traceback" not in err and "frame #" not in err, err
 
 
 @pytest.mark.processes
 def test_ctrl_c_while_waiting_for_worker_0_ends_the_job_at_once(tmp_path: Path) -> None:
-    p = _job(free_ports(1)[0], 300, tmp_path)  # nobody ever hosts worker 0's store
+    p = _job(free_ports(1)[0], 300, tmp_path)  # no coordinator ever listens there
     time.sleep(5)  # started, waiting at the rendezvous (or still starting: either way one line, at once)
     t0 = time.monotonic()
     p.send_signal(signal.SIGINT)
@@ -100,7 +100,7 @@ def test_separate_jobs_wait_for_an_evaluation_that_outlasts_the_timeout(tmp_path
     waits on its heartbeat instead of declaring it dead, and both finish."""
     from test_hooks_jobs import wait_all
 
-    port = free_ports(1)[0]
+    port = coordinators(1)[0]
     procs = []
     for w in range(2):
         env = {**job_env(), **({"EAGERLOCO_FAULT_EVAL_DELAY": "6"} if w == 0 else {})}

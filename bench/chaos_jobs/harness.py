@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from bench.chaoslib import crash_marks, reap, tagged_env
 from eagerloco import checkpoint as ckpt
@@ -238,6 +239,9 @@ def run_plan(plan: Plan, logs: Path) -> None:
     """Start every job of the plan, inject its fault, wait for all (killing the ones that hang)."""
     tag = uuid.uuid4().hex
     grace = plan.timeout_s + 10.0
+    # The run's coordinator (as `eagerloco coordinator`), served here; a plan with a silent listener has none.
+    coordinator = None if plan.listener is not None else dist.TCPStore("127.0.0.1", plan.port, is_master=True,
+                                                                       wait_for_workers=False)
     backstop = 2.0 * plan.finish_s + 2.0 * plan.timeout_s + 60.0  # a fault that never came
     for job in plan.jobs:
         job.log = logs / f"{plan.scenario.replace(' ', '_')}-{plan.port}-w{job.worker}.log"
@@ -268,6 +272,7 @@ def run_plan(plan: Plan, logs: Path) -> None:
                 j.rc, j.t_exit = j.proc.wait(), time.monotonic()
         if plan.listener is not None:
             plan.listener.close()
+        del coordinator
         plan.notes["orphans"] = reap(tag, wait_s=5.0)
 
 

@@ -66,7 +66,7 @@ def schedule(args: argparse.Namespace) -> list[tuple[str, Callable[[sc.Bench], l
     for r in reps:
         add("missing worker other than 0", sc.missing, m(r), seed(r), m(r) - 1)
     for r in reps:
-        add("silent peer on worker 0's port", sc.silent, m(r), seed(r))
+        add("silent coordinator", sc.silent, m(r), seed(r))
     for r in reps:
         add("SIGKILL mid-run", sc.kill, m(r), seed(r), r % m(r), False)
     for r in reps:

@@ -131,7 +131,7 @@ def signal_at_rendezvous(target: int, sig: int) -> Any:
         t = plan.job(target)
         if plan.injected or t.t_lock is None:
             return
-        if target == 0:  # worker 0 hosts the store: once it listens, it waits for the others
+        if target == 0:  # the coordinator listens from the start: worker 0 waits for the others
             ready = listening(plan.port) and now - t.t_lock > 1.0
         else:
             ready = now - t.t_lock > AT_RENDEZVOUS_S
@@ -188,19 +188,19 @@ def missing(b: Bench, workers: int, seed: int, absent: int) -> Records:
 
 
 def silent(b: Bench, workers: int, seed: int) -> Records:
-    """A listener on worker 0's port that accepts and never answers: the others stop within the timeout."""
-    plan = b.plan("silent peer on worker 0's port", workers, seed)
+    """A listener on the coordinator's port that accepts and never answers: every worker stops within the timeout."""
+    plan = b.plan("silent coordinator", workers, seed)
     plan.listener = silent_listener(plan.port)
-    plan.fault, plan.injected = at_arrival, "a silent listener in worker 0's place"
+    plan.fault, plan.injected = at_arrival, "a silent listener in the coordinator's place"
     outs, planted = b.outs(plan)
     for w in range(1, workers):
-        b.add(plan, w, outs[w], FAIL, needle="worker 0", rcs=(PEER_EXIT_CODE,))
+        b.add(plan, w, outs[w], FAIL, needle="the coordinator", rcs=(PEER_EXIT_CODE,))
     return b.run(plan, planted)
 
 
 def kill(b: Bench, workers: int, seed: int, victim: int, elastic: bool) -> Records:
-    """Worker ``victim`` SIGKILLed mid-run: the others name it and stop; with --elastic they go on (unless
-    it is worker 0, whose process holds the store)."""
+    """Worker ``victim`` SIGKILLed mid-run: the others name it and stop; with --elastic they go on, worker 0's
+    death included (the coordinator holds the store)."""
     name = "SIGKILL mid-run" + (" (--elastic, worker 0)" if elastic and victim == 0 else
                                 " (--elastic)" if elastic else "")
     plan = b.plan(name, workers, seed)
@@ -210,13 +210,13 @@ def kill(b: Bench, workers: int, seed: int, victim: int, elastic: bool) -> Recor
     for w in range(workers):
         if w == victim:
             b.add(plan, w, outs[w], VICTIM, extra, env={FAULT_KILL_ENV: f"{victim}:{FAULT_STEP}:0.05"})
-        elif elastic and victim != 0:
+        elif elastic:
             b.add(plan, w, outs[w], FINISH, extra)
         else:
             b.add(plan, w, outs[w], FAIL, extra, needle=f"worker {victim}", rcs=(PEER_EXIT_CODE,))
     records = b.run(plan, planted)
     for r in records:
-        if elastic and victim != 0 and r["expect"] == FINISH and r["rc"] == 0:
+        if elastic and r["expect"] == FINISH and r["rc"] == 0:
             members = (r.get("numbers") or {}).get("members")
             r["survivors_went_on"] = members == [w for w in range(workers) if w != victim]
     return records

@@ -7,6 +7,7 @@ the workers agree before the first step, and what to give back at the end.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,15 +16,17 @@ import torch
 import torch.distributed as dist
 
 from eagerloco.comm.base import Communicator
-from eagerloco.comm.elastic_jobs import JobsMembership
-from eagerloco.comm.errors import api_errors
+from eagerloco.comm.elastic import Membership
+from eagerloco.comm.errors import PeerError, api_errors
 from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext
 from eagerloco.comm.rendezvous import (
     Meeting,
     OuterRendezvous,
+    check_agreement,
     init_process_groups,
     join_outer_group,
     leave_outer_group,
+    prefixed,
 )
 from eagerloco.config import ConfigError, LinkConfig, OuterConfig
 from eagerloco.environment import Environment
@@ -45,7 +48,7 @@ class Connection:
 
     comm: Communicator
     ctx: DistContext | None = None
-    membership: JobsMembership | None = None
+    membership: Membership | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     seed: int = 0
     init_sync: bool = True
@@ -53,6 +56,7 @@ class Connection:
     owns_world: bool = False  # this process initialized torch.distributed's WORLD
     joined: bool = False  # the outer group was formed across jobs (join_outer_group)
     meeting: Meeting | None = None
+    source: int = -1  # a worker that joined a run under way: the member whose state it receives (take_state)
 
     @classmethod
     def given(cls, comm: Communicator, seed: int = 0) -> Connection:
@@ -62,9 +66,11 @@ class Connection:
     @classmethod
     def outer(cls, rdzv: OuterRendezvous, link: LinkConfig | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
               seed: int = 0, elastic: bool = False, init_sync: bool = True,
-              device: torch.device | None = None) -> Connection:
+              device: torch.device | None = None, settings: Mapping[str, Any] | None = None) -> Connection:
         """Join the other workers as one job of several (:func:`join_outer_group`) and open the communicator
-        over the outer group; ``elastic``: with a membership that re-forms it when a worker dies.
+        over the outer group; ``elastic``: with a membership that re-forms it when a worker dies, and that
+        admits this worker into a run under way (:func:`join_run`; then :meth:`take_state`).
+        ``settings``: what a worker joining later must match (kept in the coordinator).
 
         Raises:
             ConfigError, PeerError: as :func:`join_outer_group` (naming the command line's flags).
@@ -72,18 +78,32 @@ class Connection:
         from eagerloco.comm.worker import communicator_for
 
         ctx = join_outer_group(rdzv, timeout_s)
-        membership = None
+        membership, src = None, -1
         try:
-            comm = communicator_for(ctx, link, seed=seed, timeout_s=timeout_s, device=device, elastic=elastic)
-            if elastic:
-                membership = JobsMembership(ctx.outer_store, rdzv.worker, rdzv.workers, timeout_s,
-                                            group=ctx.outer_group)
-                ctx.outer_group = None  # the membership owns the group (and its successors) from here
+            if ctx.joining:
+                membership, src = join_run(ctx, rdzv, timeout_s, elastic, settings)
+                ctx.outer_group = membership.group
+            elif elastic:
+                membership = Membership(ctx.outer_store, rdzv.worker, rdzv.workers, timeout_s, group=ctx.outer_group)
+            comm = communicator_for(ctx, link, seed=seed, timeout_s=timeout_s, device=device, elastic=elastic,
+                                    **({} if membership is None else {"members": membership.members}))
+            if settings is not None and not ctx.joining:
+                ctx.outer_store.keep(SETTINGS_KEY, json.dumps(settings, sort_keys=True, default=str))
+            if membership is not None:
+                ctx.outer_group = None  # the membership owns it (and its successors) from here
         except BaseException:
+            if membership is not None:
+                membership.teardown()
             leave_outer_group(ctx)
             raise
         return cls(comm, ctx, membership, timeout_s, seed, init_sync, joined=True,
-                   meeting=outer_meeting(ctx, rdzv.where))
+                   meeting=None if ctx.joining else outer_meeting(ctx, rdzv.where), source=src)
+
+    def take_state(self) -> None:
+        """A worker that joined a run under way: receive the outer state from a live member and check its digest."""
+        if self.membership is not None and self.source >= 0:
+            self.comm.reset_link(self.membership.epoch)  # type: ignore[attr-defined]  # restarted there at this epoch
+            self.membership.joined(self.source)
 
     @property
     def is_reporting_rank(self) -> bool:
@@ -118,10 +138,46 @@ class Connection:
                 dist.destroy_process_group()
 
 
+#: What a worker joining a run under way must match, in the coordinator's store.
+SETTINGS_KEY = "eagerloco/settings"
+
+
+def join_run(ctx: DistContext, rdzv: OuterRendezvous, timeout_s: float, elastic: bool,
+             settings: Mapping[str, Any] | None) -> tuple[Membership, int]:
+    """A worker that arrives after the run started: check its settings against the run's, ask to join, and wait
+    until the members admit it at a round boundary (:meth:`Membership.join`). Returns the membership and
+    the member whose state it receives.
+
+    Raises:
+        ConfigError: the run is not elastic, or a setting differs from the run's (each named, one line).
+        PeerError: no member is alive to admit it, or it was not admitted in time.
+    """
+    store = ctx.outer_store
+    assert store is not None
+    me = f"worker {rdzv.worker}"
+    if not elastic:
+        raise ConfigError(f"{me}: the run at {rdzv.where} is under way, and only an elastic run (--elastic, "
+                          "elastic=True) admits a worker that arrives late; restart every worker from the last "
+                          "checkpoint, or start a fresh coordinator for a new run")
+    if settings is None:
+        raise ConfigError(f"{me}: the run at {rdzv.where} is under way; a worker joins a run under way through "
+                          "`eagerloco train --outer-addr --elastic`, while through connect() every worker restarts "
+                          "from the last checkpoint")
+    if store.check([SETTINGS_KEY]):
+        theirs = json.loads(store.get(SETTINGS_KEY).decode())
+        check_agreement({rdzv.worker: json.loads(json.dumps(settings, default=str)), -1: theirs},
+                        lambda i: "the run" if i < 0 else me, f"Start {me} with the run's settings to join it")
+    wait_s = max(4 * timeout_s, 600.0)
+    joined = Membership.join(store, rdzv.worker, rdzv.workers, timeout_s, wait_s=wait_s, group=None)
+    if joined is None:
+        raise PeerError(f"{me}: the run at {rdzv.where} finished before this worker could join", [])
+    membership, _, _, src = joined
+    return membership, src
+
+
 def outer_meeting(ctx: DistContext, where: str = "") -> Meeting | None:
     """The workers' meeting in the outer store (separate jobs) or the run's (one WORLD): their first ranks."""
-    # torch.distributed imports PrefixStore from its C module without re-exporting it for type checkers.
-    store = dist.PrefixStore("eagerloco/", ctx.outer_store) if ctx.outer_store is not None else ctx.store  # type: ignore[attr-defined]
+    store = prefixed("eagerloco/", ctx.outer_store) if ctx.outer_store is not None else ctx.store
     if not ctx.is_outer_rank or store is None:
         return None
     return Meeting(store, ctx.worker, list(range(ctx.workers)), lambda w: f"worker {w}", where)
@@ -136,13 +192,13 @@ def connect(outer_addr: str | None = None, worker_id: int | None = None, workers
     _WORKERS: each worker its own job), else the torchrun WORLD of M workers x R ranks, else this worker alone.
 
     Args:
-        outer_addr, worker_id, workers: the outer rendezvous (worker 0 hosts a TCPStore at host:port).
+        outer_addr, worker_id, workers: the outer rendezvous (the coordinator at host:port, ``eagerloco coordinator``).
         ranks_per_worker: R, under one torchrun WORLD of M * R ranks.
         link: an emulated slow link (bandwidth, latency) between the workers.
         timeout_s: seconds before a silent worker is declared dead (and every wait here gives up).
         seed: seeds the emulated link and stochastic rounding (mixed with the worker id).
         elastic: with an outer rendezvous (one process per job), a worker that dies does not stop the
-            others: they re-form the outer group over worker 0's store (:mod:`eagerloco.comm.elastic_jobs`).
+            others: they re-form the outer group over the coordinator's store (:mod:`eagerloco.comm.elastic`).
         init_sync: the workers start from worker 0's parameters (as torchft's Manager does).
         device: where the communicator hands means back (default: the parameters').
 
@@ -180,4 +236,4 @@ def connect(outer_addr: str | None = None, worker_id: int | None = None, workers
                       init_sync=init_sync)
 
 
-__all__ = ["Connection", "connect", "outer_meeting"]
+__all__ = ["SETTINGS_KEY", "Connection", "connect", "join_run", "outer_meeting"]

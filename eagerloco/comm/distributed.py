@@ -122,8 +122,6 @@ class TorchDistCommunicator(Communicator):
     exchanges this is when each rank exchanges a shard (its rank in the worker); heartbeats are kept
     per channel, and errors name the same worker whichever channel fails. device: where the
     parameters are; on a GPU payloads leave and return through :mod:`~eagerloco.comm.staging`.
-    store_host: the worker whose process hosts the heartbeat store (separate jobs: worker 0), named
-    when the store becomes unreachable.
     """
 
     def __init__(
@@ -140,7 +138,6 @@ class TorchDistCommunicator(Communicator):
         members: list[int] | None = None,
         channel: int = 0,
         device: torch.device | str | None = None,
-        store_host: int | None = None,
     ) -> None:
         if group is None and not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call init_process_groups first")
@@ -178,7 +175,7 @@ class TorchDistCommunicator(Communicator):
         self._closed = False
         #: This worker's heartbeat in the store, read by the others to name a dead worker.
         self.heartbeat = Heartbeat(store, self.rank, channel, heartbeat_s,
-                                   progress=lambda: (self.exchanges.entered, self.step_hint), store_host=store_host)
+                                   progress=lambda: (self.exchanges.entered, self.step_hint))
         self.exchanges.start()
 
     @classmethod
@@ -193,8 +190,6 @@ class TorchDistCommunicator(Communicator):
         kwargs.setdefault("timeout_s", ctx.timeout_s)
         kwargs.setdefault("names", ctx.worker_names())
         kwargs.setdefault("store", ctx.store)
-        if ctx.separate_jobs:  # worker 0's process hosts the store: if it is unreachable, worker 0 is gone
-            kwargs.setdefault("store_host", 0)
         return cls(ctx.outer_group, link, **kwargs)
 
     def __enter__(self) -> TorchDistCommunicator:

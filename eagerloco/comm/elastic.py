@@ -11,7 +11,6 @@ import io
 import json
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -19,11 +18,12 @@ import torch.distributed as dist
 
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.errors import PeerError, describe_exception
-from eagerloco.comm.groups import HEARTBEAT_PREFIX
+from eagerloco.comm.groups import HEARTBEAT_PREFIX, OUTER_PG_PREFIX, gloo_group
 from eagerloco.comm.ops import BARRIER
-from eagerloco.comm.rendezvous import poll
+from eagerloco.comm.rendezvous import poll, prefixed
 
 T = TypeVar("T")
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _POLL_S = 0.05
 _STALE_S = 4.0  # a heartbeat older than this marks its worker gone (they are written every second)
 _REJOIN_FIX = ("Are the other workers running with --elastic? Otherwise restart the run from the last checkpoint "
@@ -50,8 +50,11 @@ class Membership:
     """This worker's view of who is in the run, and the protocol that changes it.
 
     torch.distributed cannot shrink or grow a process group, so membership moves in *epochs*: every
-    change destroys the process groups and builds new ones among the new members, on the same
-    launcher-hosted TCPStore under a fresh prefix (``eagerloco/elastic/ep<E>/pg/``). Worker ids stay
+    change shuts the group down and builds a new gloo group among the new members (not a subgroup of
+    WORLD: separate jobs have none in common), over the store no worker hosts (the coordinator of
+    ``eagerloco coordinator``, or ``eagerloco launch``'s) under a fresh prefix
+    (``eagerloco/outer-pg/ep<E>/``). The few control collectives of a change run on it too (the
+    communication thread is parked meanwhile). Worker ids stay
     stable (they name data shards, seeds and checkpoint files); a worker's rank in an epoch's group is
     its position among the sorted member ids. One worker per process (``--ranks-per-worker 1``).
 
@@ -61,7 +64,7 @@ class Membership:
     :meth:`Membership.recover`:
 
     1. it flags ``ep<E+1>/recovering`` (peers that have not hit a failed collective yet see it at
-       their next step) and announces ``ep<E+1>/alive/<id>``;
+       their next round boundary) and announces ``ep<E+1>/alive/<id>``;
     2. once every member of epoch E has announced or is known gone (the launcher wrote
        ``exited/<id>``, or its heartbeat is stale or says closed), or after the timeout, the first
        survivor to decide writes the member list with compare-and-set; everyone adopts that one value
@@ -78,19 +81,19 @@ class Membership:
     :mod:`eagerloco.outer`): the correction subtracts own/M_round and adds the mean over whoever
     contributed, so every outer gradient present is applied exactly once.
 
-    A worker (re)joins (epoch E -> E+1). A restarted process (``eagerloco launch --elastic
-    --max-restarts N`` restarts it, or the user starts it with ``--rejoin``) writes ``join/req/<id>``
-    and waits. The leader (lowest member id) sees the request at a round boundary (a step where
-    fragment 0 syncs: step % H == 0; every step for dp) and schedules the change at a later boundary
-    b, far enough ahead (the exchange delay plus two rounds) that no member has passed b, in
-    ``ep<E>/change``. Every member reads it at its boundaries; at step b they resolve the exchanges
-    still in flight in the old group (so nothing crosses the change half-done), the leader writes
-    ``join/admit/<id>``, all build the new groups, and the leader sends the joiner its complete
-    current state: outer parameters and outer-optimizer state of every fragment, the exchanges in
-    flight with their results, the local model, inner optimizer and schedule, step counter and
-    exchange numbering. The joiner continues from step b+1 as an exact copy of the leader except for
-    its own data position (its last checkpoint's, else fresh). The outer state is the leader's at the
-    very step the joiner starts from: never a stale copy.
+    A worker (re)joins (epoch E -> E+1). A restarted process (``eagerloco launch --elastic --max-restarts
+    N`` restarts it; a job started against a run under way), or a new worker id, writes ``join/req/<id>``
+    (and its id under ``join/who/``) and waits. The leader (lowest member id) sees the request at a round
+    boundary (a step where fragment 0 syncs: step % H == 0; every step for dp) and schedules the change at a
+    later boundary b, far enough ahead (the exchange delay plus two rounds) that no member has passed b, in
+    ``ep<E>/change``. Every member reads it at its boundaries; at step b they resolve the exchanges still in
+    flight in the old group (so nothing crosses the change half-done), the leader writes
+    ``join/admit/<id>``, all build the new groups, and the leader sends the joiner its complete current
+    state: outer parameters and outer-optimizer state of every fragment, the exchanges in flight with their
+    results, the local model, inner optimizer and schedule, step counter and exchange numbering. The joiner
+    continues from step b+1 as an exact copy of the leader except for its own data position (its last
+    checkpoint's, else fresh). The outer state is the leader's at the very step the joiner starts from:
+    never a stale copy.
 
     An elastic run ends with the members agreeing on one model: the leader's outer parameters are
     broadcast (for eager, whose workers' outer copies differ slightly, this picks the copy the final
@@ -99,8 +102,8 @@ class Membership:
     Limits: a second failure during the few collectives of a change (or a joiner dying between its
     admission and its first step) stops the run with PeerError; resume from the last checkpoint.
 
-    client: a TCPStore client of the launcher-hosted store. members/epoch: the current group
-    (epoch 0: the group torch.distributed was initialized with). inner_steps/delay/steps: where
+    client: a client of the coordinator's store. group, members, epoch: the current group (None: :meth:`form`
+    builds it, or :meth:`join`). inner_steps/delay/steps: where
     round boundaries are, how far ahead a change must be scheduled, and when the run ends.
     """
 
@@ -117,10 +120,11 @@ class Membership:
         delay: int = 0,
         steps: int = 0,
         is_dp: bool = False,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.client = client
-        self.kv = dist.PrefixStore("eagerloco/elastic/", client)
-        self.hb = dist.PrefixStore(HEARTBEAT_PREFIX, client)
+        self.client, self.group = client, group
+        self.kv = prefixed("eagerloco/elastic/", client)
+        self.hb = prefixed(HEARTBEAT_PREFIX, client)
         self.worker, self.workers, self.timeout_s = worker, workers, float(timeout_s)
         self.members = list(members) if members is not None else list(range(workers))
         self.epoch = epoch
@@ -150,25 +154,26 @@ class Membership:
         comm.recover_hook = self.recover
 
     # ------------------------------------------------------------------ groups
-    @staticmethod
-    def teardown() -> None:
-        """Destroy the current groups now (the communicator must have dropped its reference): their
-        sockets close, so members still blocked in one of their collectives fail at once."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def teardown(self) -> None:
+        """Shut the current group down now: its sockets close, so members still blocked in one of its
+        collectives fail at once instead of at the timeout."""
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                group.shutdown()
+            except Exception:  # already broken: nothing more to release
+                pass
         gc.collect()  # free the groups held only by reference cycles: that is what closes the sockets
 
     def form(self, epoch: int, members: list[int]) -> dist.ProcessGroup:
-        """Tear down the current groups and build epoch's: a default group (control traffic on the
-        caller's thread) and the outer group (the communication thread's), both gloo."""
+        """Tear down the current group and build epoch's: a gloo group of its own over the coordinator's store
+        (not WORLD's: jobs have none in common), for the exchanges and a change's few control collectives."""
         self.teardown()
-        timeout = timedelta(seconds=self.timeout_s)
-        store = dist.PrefixStore(f"eagerloco/elastic/ep{epoch}/pg/", self.client)
-        dist.init_process_group("gloo", store=store, rank=members.index(self.worker), world_size=len(members),
-                                timeout=timeout)
-        outer = dist.new_group(list(range(len(members))), timeout=timeout, backend="gloo")
+        store = dist.PrefixStore(f"{OUTER_PG_PREFIX}ep{epoch}/", self.client)  # type: ignore[attr-defined]
+        self.group = gloo_group(store, members.index(self.worker), len(members), self.timeout_s)
         self.epoch, self.members = epoch, list(members)
-        return outer
+        self.kv.set("members", ",".join(map(str, members)))
+        return self.group
 
     def event(self, record: dict[str, Any]) -> None:
         """Append an event to the run's log in the store (written by one member only)."""
@@ -182,16 +187,19 @@ class Membership:
 
     # ------------------------------------------------------------------ per step
     def on_step(self, step: int) -> None:
-        """After each inner step: re-form the group if a member is gone, admit joiners at boundaries."""
+        """After each inner step: re-form the group if an exchange failed; at a round boundary, if another
+        member started a change, and admit joiners (no store round trip on the other steps: on a slow link
+        each would cost a latency)."""
         self.step = step
         comm = self.comm
         assert comm is not None
         comm.step_hint = step + 1  # the step now under way: what it launches belongs to it
         comm.heartbeat.announce()  # heartbeat now: a lost worker's last step is known to the step
-        if comm.broken or self.kv.check([f"ep{self.epoch + 1}/recovering"]):
+        boundary = self.is_dp or step % self.inner_steps == 0
+        if comm.broken or (boundary and self.kv.check([f"ep{self.epoch + 1}/recovering"])):
             self.recover()
-        if self.is_dp or step % self.inner_steps == 0:
-            self._boundary(step)
+        if boundary:
+            self.boundary(step)
 
     def guarded(self, fn: Callable[[], T]) -> T:
         """Run a collective of the caller's thread; if a member is gone, re-form the group and retry."""
@@ -226,7 +234,8 @@ class Membership:
                 return [w for w in self.members if not self.kv.check([f"{prefix}/{w}"]) and not self._gone(w)]
             return missing
 
-        left = poll(waiting, 2 * self.timeout_s, interval_s=_POLL_S)
+        left = poll(waiting, 2 * self.timeout_s, lambda w: f"worker {self.worker}: waiting for workers {list(w)} to "
+                    f"publish {prefix}", interval_s=_POLL_S)
         if left:
             raise PeerError(f"workers {list(left)} did not publish {prefix} within {2 * self.timeout_s:g} s; "
                             "check their logs, then resume from the last checkpoint")
@@ -290,7 +299,8 @@ class Membership:
                 return []
             return [w for w in old if not self.kv.check([f"ep{e}/alive/{w}"]) and not self._gone(w)]
 
-        poll(unaccounted, self.timeout_s, interval_s=_POLL_S)
+        poll(unaccounted, self.timeout_s, lambda w: f"worker {self.worker}: waiting for workers {list(w)} to answer "
+             "after a failure (alive, or gone)", interval_s=_POLL_S)
         if not self.kv.check([key]):  # the first to decide proposes whoever announced; everyone adopts one list
             alive = ",".join(str(w) for w in sorted(old) if self.kv.check([f"ep{e}/alive/{w}"]))
             return _ids(self.kv.compare_set(key, "", alive).decode())
@@ -344,23 +354,27 @@ class Membership:
 
     def gather_progress(self, done: int, step: int) -> list[tuple[int, int]]:
         """Every member's (last exchange completed, its launch step), in member order (the new group)."""
-        every: list[Any] = [None] * len(self.members)
-        dist.all_gather_object(every, (done, step))
-        return [tuple(e) for e in every]
+        rows = torch.zeros(len(self.members) * 2, dtype=torch.int64)
+        _gather(rows, torch.tensor([done, step], dtype=torch.int64), group=self.group)
+        return [(int(a), int(b)) for a, b in rows.view(-1, 2).tolist()]
 
     def share(self, buf: torch.Tensor, src: int) -> None:
         """Broadcast buf from the member at position src of the new group, in place."""
-        dist.broadcast(buf, src=src)
+        dist.broadcast(buf, group=self.group, group_src=src)
 
     # ------------------------------------------------------------------ a worker comes back
     def _margin(self) -> int:
         h = 1 if self.is_dp else self.inner_steps
         return self.delay + 2 * h
 
-    def _boundary(self, step: int) -> None:
+    def boundary(self, step: int) -> None:
+        """At a round boundary: schedule the admission of joiners (the leader), admit them at the step scheduled."""
+        if self.trainer is None:  # the hook API's loops hand no trainer over: they admit nobody
+            return
         key = f"ep{self.epoch}/change"
         if self.is_leader() and not self.kv.check([key]):
-            absent = [w for w in range(self.workers) if w not in self.members]
+            asked = {int(self.kv.get(f"join/who/{i}")) for i in range(1, self.kv.add("join/n", 0) + 1)}
+            absent = sorted(w for w in asked | set(range(self.workers)) if w not in self.members)
             joiners = [w for w in absent if self.kv.check([f"join/req/{w}"])]
             if joiners:
                 h = 1 if self.is_dp else self.inner_steps
@@ -402,8 +416,7 @@ class Membership:
             outer = self.form(e0 + 1, members)
             self.handover(src, joiners)
             comm.resume(outer, members, [], self.epoch, self.names)
-            digests: list[Any] = [None] * len(members)
-            dist.all_gather_object(digests, outer_digest(trainer.sync.outer_parameters()))
+            digests = self.gather_digests(outer_digest(trainer.sync.outer_parameters()))
             if self.worker == src:
                 self.event({"event": "joined", "workers": joiners, "members": members, "source": src,
                             "outer_sha256": {str(w): d for w, d in zip(members, digests, strict=True)},
@@ -447,13 +460,13 @@ class Membership:
             data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
             for r in receivers:
                 dst = self.members.index(r)
-                dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=dst)
-                dist.send(data, dst=dst)
+                self.send(torch.tensor([data.numel()], dtype=torch.int64), dst)
+                self.send(data, dst)
         elif self.worker in receivers:
             n = torch.zeros(1, dtype=torch.int64)
-            dist.recv(n, src=self.members.index(src))
+            self.recv(n, self.members.index(src))
             data = torch.empty(int(n.item()), dtype=torch.uint8)
-            dist.recv(data, src=self.members.index(src))
+            self.recv(data, self.members.index(src))
             state = torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=False)
             trainer.model.load_state_dict(state["model"])
             trainer.opt.load_state_dict(state["opt"])
@@ -469,20 +482,45 @@ class Membership:
                 trainer.sync.adaptive.forget_speed()
             trainer.last_loss = state["last_loss"]
             comm.adopt_sequence(int(state["launched"]))
-        dist.barrier()
+        self.barrier()
+
+    # The group is not a subgroup of WORLD, so torch.distributed's point-to-point calls refuse it: its own methods.
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """Send t to the member at position dst of the current group."""
+        assert self.group is not None
+        self.group.send([t], dst, 0).wait()
+
+    def recv(self, t: torch.Tensor, src: int) -> None:
+        """Receive t from the member at position src of the current group."""
+        assert self.group is not None
+        self.group.recv([t], src, 0).wait()
+
+    def barrier(self) -> None:
+        assert self.group is not None
+        self.group.barrier().wait()
+
+    def gather_digests(self, mine: str) -> list[str]:
+        """Every member's outer-parameter digest (SHA-256, hex), in member order."""
+        rows = torch.zeros(len(self.members) * 32, dtype=torch.uint8)
+        _gather(rows, torch.frombuffer(bytearray.fromhex(mine), dtype=torch.uint8), group=self.group)
+        return [bytes(r).hex() for r in rows.view(-1, 32).tolist()]
 
     def joined(self, src: int) -> None:
         """The joiner's half of :meth:`_admit` (same collectives, same order): receive the state."""
         trainer = self.trainer
         assert trainer is not None
+        t0 = time.perf_counter()
         try:
             self.handover(src, [self.worker])
-            digests: list[Any] = [None] * len(self.members)
-            dist.all_gather_object(digests, outer_digest(trainer.sync.outer_parameters()))
+            digests = self.gather_digests(outer_digest(trainer.sync.outer_parameters()))
         except RuntimeError as e:
             raise self.change_failed(e, f"worker {self.worker}: a failure while joining at step {self.step} with state "
                                    f"from worker {src}") from None
-        print(f"eagerloco: worker {self.worker}: joined at step {self.step} with state from worker {src}; "
+        if digests[self.pos] != digests[self.members.index(src)]:
+            raise PeerError(f"worker {self.worker}: the outer state received from worker {src} does not match the "
+                            f"digest worker {src} holds; start this worker again to rejoin", [src])
+        print(f"eagerloco: worker {self.worker}: joined at step {self.step} with state from worker {src} "
+              f"({time.perf_counter() - t0:.2f} s, outer sha256 {digests[self.pos][:12]} checked); "
               f"members {self.members} (epoch {self.epoch})", flush=True)
 
     @classmethod
@@ -494,15 +532,23 @@ class Membership:
         the run ended before this worker could join.
         """
         m = cls(client, worker, workers, timeout_s, **kwargs)
-        m.kv.set(f"join/req/{worker}", str(time.time()))
+        if poll(lambda: [] if m._gone(worker) or not m.hb.check([f"hb/{worker}"]) else [worker], 3 * _STALE_S,
+                lambda _: f"worker {worker}: waiting for the heartbeat of an earlier worker {worker} to stop",
+                interval_s=_POLL_S):
+            raise PeerError(f"worker {worker} is in the run already (its heartbeat is fresh): give this job another "
+                            "worker id, or stop the other one first")
         key = f"join/admit/{worker}"
         last_alive = [time.monotonic()]
 
         def waiting() -> list[int]:
             if m.kv.check([key]) or m.kv.check(["done"]):
                 return []
+            if not m.kv.check([f"join/req/{worker}"]):  # ask (again, after a coordinator restart)
+                m.kv.set(f"join/who/{m.kv.add('join/n', 1)}", str(worker))
+                m.kv.set(f"join/req/{worker}", str(time.time()))
             now = time.monotonic()
-            if any(not m._gone(w) and m.hb.check([f"hb/{w}"]) for w in range(workers) if w != worker):
+            members = _ids(m.kv.get("members").decode()) if m.kv.check(["members"]) else range(workers)
+            if any(not m._gone(w) and m.hb.check([f"hb/{w}"]) for w in members if w != worker):
                 last_alive[0] = now
             if now - last_alive[0] > 3 * _STALE_S:
                 m.kv.delete_key(f"join/req/{worker}")
@@ -510,7 +556,8 @@ class Membership:
                                 f"heartbeat for {now - last_alive[0]:.0f} s). {_REJOIN_FIX}")
             return [worker]
 
-        if poll(waiting, wait_s, interval_s=_POLL_S) or not m.kv.check([key]):
+        if poll(waiting, wait_s, lambda _: f"worker {worker}: waiting to be admitted at the members' next round "
+                "boundary", interval_s=_POLL_S) or not m.kv.check([key]):
             m.kv.delete_key(f"join/req/{worker}")
             if m.kv.check(["done"]):
                 return None
@@ -532,7 +579,7 @@ class Membership:
         def agree() -> None:
             params = trainer.sync.outer_parameters()
             flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
-            dist.broadcast(flat, src=self.members.index(self.leader))
+            self.share(flat, self.members.index(self.leader))
             i = 0
             with torch.no_grad():
                 for p in params:

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,10 @@ class DistContext:
     #: Each worker is its own job with its own WORLD (:func:`eagerloco.comm.rendezvous.join_outer_group`): global
     #: ranks are ranks of this worker's job, and the outer group spans the jobs.
     separate_jobs: bool = False
-    #: The outer TCPStore itself, without a key prefix (separate jobs; worker 0's process hosts it).
-    outer_store: dist.Store | None = field(default=None, repr=False)
+    #: The coordinator's store, without a key prefix (separate jobs: a CoordinatorClient).
+    outer_store: Any = field(default=None, repr=False)
+    #: This worker arrived after the run's first outer group was formed: the elastic membership admits it.
+    joining: bool = False
 
     @property
     def is_outer_rank(self) -> bool:
@@ -190,7 +193,7 @@ def refuse_shared_gpu(flag: str, local_ranks: Iterable[int]) -> None:
             "of the group per GPU")
 
 
-#: Where the outer group's gloo rendezvous keeps its keys in the store worker 0 hosts.
+#: Where the outer group's gloo rendezvous keeps its keys in the coordinator's store.
 OUTER_PG_PREFIX = "eagerloco/outer-pg/"
 
 

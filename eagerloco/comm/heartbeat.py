@@ -29,8 +29,7 @@ Suspects = list[tuple[int, str]]
 class Heartbeat:
     """One outer rank's heartbeat: a thread that publishes it, and a reader of the others'.
 
-    store: the heartbeat store (None: no heartbeats; diagnosis then names nobody). store_host: the
-    worker whose process hosts that store, if one does (separate jobs: worker 0). worker: this
+    store: the heartbeat store (None: no heartbeats; diagnosis then names nobody). worker: this
     worker's id; channel: which of its worker's outer exchanges this is (its rank in the worker
     when each rank exchanges a shard). progress: returns (last exchange entered, training step),
     read on every publish. The communication thread never talks to the store itself: a slow or
@@ -38,14 +37,8 @@ class Heartbeat:
     """
 
     def __init__(self, store: dist.Store | None, worker: int, channel: int = 0, interval_s: float = HEARTBEAT_S,
-                 progress: Callable[[], tuple[int, int]] = lambda: (0, 0), store_host: int | None = None) -> None:
+                 progress: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
         self.store, self.worker, self.channel = store, worker, channel
-        #: The worker whose process hosts the store (worker 0 when each worker is its own job; None
-        #: when a launcher hosts it): a store gone unreachable means that worker is gone.
-        self.store_host = store_host
-        #: A store operation failed: the store is gone, stop writing to it (each failed operation
-        #: costs a connection attempt and a warning from the store's client).
-        self.store_lost = False
         self.interval_s = interval_s
         #: A heartbeat older than this marks its worker gone or frozen.
         self.stale_s = max(3 * interval_s, 2.0)
@@ -80,14 +73,12 @@ class Heartbeat:
         with self._lock:
             if state is not None:
                 self.state = state
-            if self.store_lost:
-                return
             entered, step = self._progress()
             try:
                 self.store.set(self.key(self.worker),
                                f"{time.time():.3f} {entered} {self.state} {step} {self.steps_done}")
-            except Exception:  # the store host is gone; a diagnosis will say so
-                self.store_lost = True
+            except Exception:  # the store is away (a coordinator restarting): the next beat tries again
+                pass
 
     def stop(self, state: str) -> None:
         """Stop the thread and publish a last heartbeat with this state ("failed" or "closed")."""
@@ -124,7 +115,7 @@ class Heartbeat:
             PeerError: a peer alive whose inner steps did not advance for ``patience_s``: slow or stuck, named
                 with the bound and how to raise it.
         """
-        if self.store is None or self.store_lost:
+        if self.store is None:
             return
         mine, pause, seen = self.steps_done, 0.002, {}  # seen: peer -> (its progress, when that last changed)
         while not cancel.is_set():
@@ -175,14 +166,8 @@ class Heartbeat:
             return [], ["no heartbeat store, so the failed worker is unknown"]
         deadline = time.monotonic() + self.stale_s + self.interval_s
         while True:
-            found = ("the rendezvous store is unreachable" if self.store_lost
-                     else self._read_peers(seq, members, names))
+            found = self._read_peers(seq, members, names)
             if isinstance(found, str):
-                self.store_lost = True
-                host = self.store_host
-                if host is not None and host != self.worker and host in members:
-                    name = names.get(host, f"worker {host}")
-                    return [host], [f"{name} is gone: it hosts the outer rendezvous store, and {found}"]
                 return [], [found]
             strong, weak = found
             final = time.monotonic() >= deadline or cancel.is_set()

@@ -1,7 +1,8 @@
 """How the workers of a run meet: the rendezvous, the agreement there, and the waits both take.
 
-The rendezvous: each worker its own job, meeting at an outer TCPStore worker 0 hosts
-(:func:`join_outer_group`), or one torchrun WORLD of M workers x R ranks (:func:`init_process_groups`).
+The rendezvous: each worker its own job, meeting at the coordinator, a TCPStore no worker hosts
+(:func:`join_outer_group`, :class:`CoordinatorClient`), or one torchrun WORLD of M workers x R ranks
+(:func:`init_process_groups`).
 Before the first step the workers compare what must match through the run's store (:class:`Meeting`):
 a difference stops every worker with one line naming each value. Every entry point reaches these
 through :mod:`eagerloco.comm.connect`.
@@ -118,7 +119,7 @@ def bounded(fn: Callable[[], T], timeout_s: float, waiting: str, report_every_s:
 
 def wait_for_listener(host: str, port: int, timeout_s: float, waiting: str,
                       report_every_s: float = REPORT_EVERY_S) -> None:
-    """Wait until something accepts connections at ``host:port`` (worker 0's store listening), probing with
+    """Wait until something accepts connections at ``host:port`` (a store listening), probing with
     plain connections closed at once.
 
     Raises:
@@ -136,6 +137,150 @@ def wait_for_listener(host: str, port: int, timeout_s: float, waiting: str,
 
     if poll(closed, timeout_s, lambda _: waiting, interval_s=0.2, report_every_s=report_every_s):
         raise TimeoutError(f"{waiting}: no answer within {timeout_s:g} s")
+
+
+# ---------------------------------------------------------------------------------------------- the coordinator
+def store_unreachable(e: BaseException) -> bool:
+    """Whether e is a store client failing to reach its store (not a key that did not come in time)."""
+    text = str(e)
+    return type(e).__name__ == "DistNetworkError" or any(
+        w in text for w in ("Broken pipe", "Connection reset", "Connection refused", "Failed to recv"))
+
+
+class CoordinatorClient(dist.Store):
+    """A client of the coordinator's store (``eagerloco coordinator``) that outlives the coordinator's restarts.
+
+    torch's TCPStore client does not reconnect: once its server restarted, every call fails with a
+    broken pipe. This one opens a new client when a call fails and sets again the keys this worker
+    keeps there (:meth:`keep`: its registration, the run's settings), since a restarted coordinator
+    starts empty: what it held is rebuilt from the workers, not kept on disk. Only the thread that made
+    the client waits for the coordinator to come back (saying so every 10 s); other threads (the
+    heartbeat) fail at once and try again later. A coordinator away longer than ``timeout_s`` means this
+    worker is cut off from the run: the call raises :class:`PeerError`, and the workers that still reach
+    the coordinator go on without it. Formed gloo groups do not use the store, so exchanges go on meanwhile.
+    """
+
+    def __init__(self, host: str, port: int, timeout_s: float, me: str) -> None:
+        super().__init__()
+        self.host, self.port, self.timeout_s, self.me = host, port, timeout_s, me
+        self.kept: dict[str, str] = {}
+        self.lost_since: float | None = None
+        self.owner = threading.get_ident()  # the thread that waits for a coordinator that restarts
+        self._lock = threading.Lock()
+        self._client = self._connect()
+
+    def _connect(self) -> dist.TCPStore:
+        return dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=self.timeout_s))
+
+    @property
+    def where(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def keep(self, key: str, value: str) -> None:
+        """Set ``key`` and set it again in a coordinator that restarted."""
+        self.kept[key] = value
+        self.set(key, value)
+
+    def _call(self, fn: Callable[[dist.TCPStore], T]) -> T:
+        client = self._client
+        try:
+            return fn(client)
+        except Exception as e:
+            if not store_unreachable(e):
+                raise
+        self._reconnect(client)
+        return fn(self._client)
+
+    def _reconnect(self, failed: dist.TCPStore) -> None:
+        with self._lock:
+            if self._client is not failed:  # another thread reconnected meanwhile
+                return
+            now = time.monotonic()
+            self.lost_since = self.lost_since or now
+            left = self.timeout_s - (now - self.lost_since)
+            waiting = f"{self.me}: waiting for the coordinator at {self.where} (it restarted, or the network is cut)"
+            try:
+                if left <= 0 or threading.get_ident() != self.owner:
+                    wait_for_listener(self.host, self.port, 0.0, waiting)
+                else:
+                    wait_for_listener(self.host, self.port, left, waiting)
+                self._client = self._connect()
+                for key, value in self.kept.items():
+                    self._client.set(key, value)
+            except Exception as e:
+                away = time.monotonic() - self.lost_since
+                if away < self.timeout_s:
+                    raise
+                raise PeerError(f"{self.me} lost the coordinator at {self.where} for {away:.0f} s (--dist-timeout "
+                                f"{self.timeout_s:g}): stopping, since the workers that still reach it go on without "
+                                "this one; restart it with the same command (and --resume) to rejoin "
+                                f"({describe_exception(e)})", []) from None
+            self.lost_since = None
+
+    def set(self, key: str, value: Any) -> None:
+        self._call(lambda c: c.set(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._call(lambda c: c.get(key))
+
+    def add(self, key: str, value: int) -> int:
+        return self._call(lambda c: c.add(key, value))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._call(lambda c: c.compare_set(key, expected, desired))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call(lambda c: c.check(keys))
+
+    def delete_key(self, key: str) -> bool:
+        self.kept.pop(key, None)
+        return self._call(lambda c: c.delete_key(key))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._call(lambda c: c.wait(keys) if timeout is None else c.wait(keys, timeout))
+
+    def num_keys(self) -> int:
+        return self._call(lambda c: c.num_keys())
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._client.set_timeout(timeout)
+
+
+class StoreView(dist.Store):
+    """The keys under ``prefix`` of a store: torch's PrefixStore does not pass ``delete_key`` on to a store
+    written in Python (a :class:`CoordinatorClient`), so the membership's keys go through this one."""
+
+    def __init__(self, prefix: str, store: dist.Store) -> None:
+        super().__init__()
+        self.prefix, self.store = prefix, store
+
+    def set(self, key: str, value: Any) -> None:
+        self.store.set(self.prefix + key, value)
+
+    def get(self, key: str) -> bytes:
+        return self.store.get(self.prefix + key)
+
+    def add(self, key: str, value: int) -> int:
+        return self.store.add(self.prefix + key, value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self.store.compare_set(self.prefix + key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.store.check([self.prefix + k for k in keys])
+
+    def delete_key(self, key: str) -> bool:
+        return self.store.delete_key(self.prefix + key)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self.store.wait([self.prefix + k for k in keys], *([] if timeout is None else [timeout]))
+
+
+def prefixed(prefix: str, store: dist.Store) -> dist.Store:
+    """The keys under ``prefix`` of ``store`` (a :class:`StoreView` of a coordinator's client)."""
+    python = isinstance(store, (CoordinatorClient, StoreView))
+    return StoreView(prefix, store) if python else dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------------------- agreement
@@ -287,8 +432,8 @@ def init_process_groups(workers: int, ranks_per_worker: int = 1, backend: str | 
 
 @dataclass(frozen=True)
 class OuterRendezvous:
-    """Where the workers of a run find each other when each is its own job: worker 0 hosts a TCPStore at
-    host:port, every worker's first rank connects to it."""
+    """Where the workers of a run find each other when each is its own job: the coordinator's TCPStore at
+    host:port (``eagerloco coordinator``), which every worker's first rank connects to."""
 
     host: str
     port: int
@@ -307,8 +452,9 @@ class OuterRendezvous:
             raise ConfigError(f"--outer-addr must be host:port with a port in 1..65535, got {addr!r}")
         if workers is None or isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ConfigError(f"--workers must be an integer >= 1 with --outer-addr, got {workers!r}")
-        if worker is None or isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < workers:
-            raise ConfigError(f"--worker-id must be an integer in 0..{workers - 1} (one per job), got {worker!r}")
+        if worker is None or isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
+            raise ConfigError(f"--worker-id must be an integer in 0..{workers - 1} (one per job; beyond, a worker "
+                              f"joining an elastic run under way), got {worker!r}")
         return cls(host.strip("[]"), int(port), worker, workers)
 
     @classmethod
@@ -324,35 +470,22 @@ class OuterRendezvous:
 
 def wait_for_workers(store: dist.Store, me: int, workers: int, timeout_s: float, where: str,
                      report_every_s: float = REPORT_EVERY_S) -> None:
-    """Wait until all ``workers`` joined the outer store (each set ``eagerloco/join/<id>`` and its M).
+    """Wait until all ``workers`` joined the coordinator (each set ``eagerloco/join/<id>`` and its M).
 
     Raises:
         ConfigError: a worker was started with another number of workers (named, with both numbers).
-        PeerError: a worker did not join within the timeout (named), or, on a worker other than 0, the
-            store went away meanwhile (worker 0, which hosts it, stopped).
+        PeerError: a worker did not join within the timeout (named), or the coordinator was lost meanwhile.
     """
     others = [w for w in range(workers) if w != me]
-    waited = [w for w in others if w != 0]  # whom the last look found missing, worker 0 (the store's host) aside
 
     def missing() -> list[int]:
-        nonlocal waited
-        try:
-            present = [w for w in others if store.check([f"eagerloco/join/{w}"])]
-            sizes = {w: int(store.get(f"eagerloco/size/{w}").decode()) if store.check([f"eagerloco/size/{w}"])
-                     else workers for w in present}
-        except Exception as e:
-            if me == 0 or not is_transport_failure(e):
-                raise
-            raise PeerError(f"worker {me}: worker 0 stopped while the workers waited for {names(waited)} at {where} "
-                            f"(its outer store is gone: {describe_exception(e)}); start all {workers} workers with "
-                            "the same --outer-addr and --workers, and see worker 0's log", [0, *waited]) from None
-        for w, other in sizes.items():
+        present = [w for w in others if store.check([f"eagerloco/join/{w}"])]
+        for w in present:
+            other = int(store.get(f"eagerloco/size/{w}").decode()) if store.check([f"eagerloco/size/{w}"]) else workers
             if other != workers:
                 raise ConfigError(f"the workers at {where} were started with different --workers: worker {me} with "
                                   f"{workers}, worker {w} with {other}; start every worker with the same --workers")
-        left = [w for w in others if w not in present]
-        waited = [w for w in left if w != 0]
-        return left
+        return [w for w in others if w not in present]
 
     def names(left: Sequence[int]) -> str:
         return ", ".join(f"worker {w}" for w in left)
@@ -365,14 +498,19 @@ def wait_for_workers(store: dist.Store, me: int, workers: int, timeout_s: float,
                         list(left))
 
 
+#: Set once the workers formed the run's first outer group: a worker that arrives later joins a run under way.
+STARTED_KEY = "eagerloco/started"
+
+
 def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
     """Join the other workers as one job of several: this job's WORLD is the worker's inner group.
 
     The job's WORLD (torchrun's, or one process alone) is left as it is: its ranks are the worker's
     data-parallel (or FSDP) ranks. If RANK and WORLD_SIZE say the job has several processes and nobody
-    initialized WORLD yet, it is initialized here (env://). The job's rank 0 connects to the TCPStore
-    worker 0 hosts at ``host:port`` (worker 0's first rank starts it) and forms the outer gloo group of the
-    M workers under its own key prefix. Heartbeats go to the same store.
+    initialized WORLD yet, it is initialized here (env://). The job's rank 0 connects to the coordinator
+    at ``host:port`` (``eagerloco coordinator``, a store no worker hosts) and forms the outer gloo group of
+    the M workers under its own key prefix. Heartbeats go to the same store. A worker that arrives after
+    the group was formed is a joiner (``ctx.joining``): no group yet, the elastic membership admits it.
 
     Raises:
         ConfigError: an invalid setting, two jobs with the same worker id, or workers that disagree on M.
@@ -395,24 +533,30 @@ def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S
     if rank != 0:
         return ctx
     where, me = rdzv.where, f"worker {rdzv.worker}"
-    what = "start the outer store at" if rdzv.worker == 0 else "reach worker 0's outer store at"
-    waiting = f"{me}: waiting for worker 0's outer store at {where}"
+    waiting = f"{me}: waiting for the coordinator at {where}"
+    fix = "check --outer-addr and that a coordinator runs there (`eagerloco coordinator`)"
     started = time.monotonic()
-    try:  # a connection that never answers must not hold the job past the timeout, nor ignore Ctrl-C
-        if rdzv.worker != 0:  # the store's client only once worker 0 listens: its own retries print C++ frames
-            wait_for_listener(rdzv.host, rdzv.port, timeout_s, waiting)
-        store = bounded(lambda: dist.TCPStore(rdzv.host, rdzv.port, is_master=rdzv.worker == 0,
-                                              wait_for_workers=False, timeout=timedelta(seconds=timeout_s)),
-                        timeout_s, waiting, started=started)
+    try:  # the store's client only once the coordinator listens: its own retries print C++ frames
+        wait_for_listener(rdzv.host, rdzv.port, timeout_s, waiting)
+        store = bounded(lambda: CoordinatorClient(rdzv.host, rdzv.port, timeout_s, me), timeout_s, waiting,
+                        started=started)
     except TimeoutError:
-        raise PeerError(f"{me} cannot {what} {where}: no answer within {timeout_s:g} s; check --outer-addr and "
-                        "that worker 0 runs", [0]) from None
+        raise PeerError(f"{me} cannot reach the coordinator at {where}: no answer within {timeout_s:g} s; {fix}",
+                        []) from None
     except Exception as e:
-        raise PeerError(f"{me} cannot {what} {where} ({describe_exception(e)}); check --outer-addr and that "
-                        "worker 0 runs", [0]) from None
-    if store.add(f"eagerloco/join/{rdzv.worker}", 1) != 1:
+        raise PeerError(f"{me} cannot reach the coordinator at {where} ({describe_exception(e)}); {fix}", []) from None
+    store.owner = threading.get_ident()
+    ctx.outer_store, ctx.store = store, StoreView(HEARTBEAT_PREFIX, store)
+    first = store.add(f"eagerloco/join/{rdzv.worker}", 1) == 1
+    if store.check([STARTED_KEY]):
+        ctx.joining = True
+        return ctx
+    if rdzv.worker >= rdzv.workers:
+        raise ConfigError(f"--worker-id {rdzv.worker} is beyond --workers {rdzv.workers}: a new worker id joins only "
+                          f"an elastic run under way; the run at {where} has not started")
+    if not first:
         raise ConfigError(f"two jobs joined {where} as worker {rdzv.worker}: give each job its own --worker-id "
-                          f"in 0..{rdzv.workers - 1} (or use a fresh --outer-addr port for a new run)")
+                          f"in 0..{rdzv.workers - 1} (or use a fresh coordinator for a new run)")
     store.set(f"eagerloco/size/{rdzv.worker}", str(rdzv.workers))
     wait_for_workers(store, rdzv.worker, rdzv.workers, timeout_s, where)
     try:
@@ -422,8 +566,8 @@ def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S
         raise PeerError(f"{me}: the outer rendezvous at {where} did not complete within {timeout_s:g} s "
                         f"({describe_exception(e)}); start all {rdzv.workers} workers with the same --outer-addr "
                         "and --workers", []) from None
-    ctx.outer_group, ctx.outer_store = group, store
-    ctx.store = dist.PrefixStore(HEARTBEAT_PREFIX, store)
+    store.keep(STARTED_KEY, "1")
+    ctx.outer_group = group
     return ctx
 
 
@@ -444,6 +588,8 @@ def leave_outer_group(ctx: DistContext) -> None:
     gc.collect()
 
 
-__all__ = ["AGREE_PREFIX", "REPORT_EVERY_S", "Meeting", "OuterRendezvous", "bounded", "check_agreement", "differences",
-           "init_process_groups", "init_world", "join_outer_group", "leave_outer_group", "parameter_digest", "poll",
-           "publish_and_gather", "shapes_digest", "wait_for_listener", "wait_for_workers"]
+__all__ = ["AGREE_PREFIX", "REPORT_EVERY_S", "STARTED_KEY", "CoordinatorClient", "Meeting", "OuterRendezvous",
+           "StoreView",
+           "bounded", "check_agreement", "differences", "init_process_groups", "init_world", "join_outer_group",
+           "leave_outer_group", "parameter_digest", "poll", "publish_and_gather", "prefixed", "shapes_digest",
+           "store_unreachable", "wait_for_listener", "wait_for_workers"]

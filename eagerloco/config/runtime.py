@@ -37,8 +37,8 @@ class RuntimeConfig:
     within this."""
     outer_addr: str | None = setting(None, metavar="HOST:PORT", group=_GROUP,
                                      shown_default="$EAGERLOCO_OUTER_ADDR")
-    """Each worker its own job (one process, started on its own): the outer rendezvous worker 0 hosts at
-    its address and this port; every job passes the same workers and its own worker_id (and its own out)."""
+    """Each worker its own job (one process, started on its own): the coordinator (`eagerloco coordinator`) at
+    this address and port; every job passes the same workers and its own worker_id (and its own out)."""
     worker_id: int | None = setting(None, metavar="I", group=_GROUP, shown_default="$EAGERLOCO_WORKER_ID")
     """This job's worker, 0..M-1, with outer_addr."""
     elastic: bool = setting(False, group="faults")
@@ -120,15 +120,17 @@ class RuntimeConfig:
         if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
             raise ConfigError(f"--outer-addr must be host:port with a port in 1..65535, got {addr!r}")
         w = self.worker_id
-        if w is None or isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < workers:
-            raise ConfigError(f"--worker-id must be an integer in 0..{workers - 1} (one per job), got {w!r}")
+        if w is None or isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < (1 << 20 if self.elastic
+                                                                                     else workers):
+            raise ConfigError(f"--worker-id must be an integer in 0..{workers - 1} (one per job; beyond, with "
+                              f"--elastic, a worker joining a run under way), got {w!r}")
         if (env.world_size or 1) > 1:
             raise ConfigError("`eagerloco train --outer-addr` runs one process per worker; start it with python, "
                               "not torchrun, or make each worker a job of several ranks with the hook API "
                               "(eagerloco.outer_loop, examples/)")
         if self.rejoin:
-            raise ConfigError("--rejoin is for `eagerloco launch --elastic` runs; with --outer-addr a worker that "
-                              "died does not come back into the running run (restart every job with --resume)")
+            raise ConfigError("--rejoin is for `eagerloco launch --elastic` runs; with --outer-addr --elastic a "
+                              "worker started against a run under way joins it (--resume: from its own checkpoints)")
 
     def _validate_elastic(self, kind: str, device: str) -> None:
         if self.rejoin and not self.elastic:

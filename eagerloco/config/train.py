@@ -278,7 +278,9 @@ class TrainConfig:
     def slowdown(self, worker: int) -> float:
         """How many times slower than measured this worker's inner steps are (1.0: not a straggler): its
         --slow-worker factor times the fastest --worker-speeds over its own."""
-        return parse_slow_workers(self.slow_workers).get(worker, 1.0) * self.outer.speed_factors(self.workers)[worker]
+        factors = self.outer.speed_factors(self.workers)  # a worker joining beyond the first M: no speed given
+        return parse_slow_workers(self.slow_workers).get(worker, 1.0) * (factors[worker] if worker < len(factors)
+                                                                         else 1.0)
 
     @property
     def eval_task_list(self) -> list[str]:

@@ -18,7 +18,7 @@ from torch import nn
 from eagerloco import events
 from eagerloco.comm.base import Communicator
 from eagerloco.comm.connect import Connection, connect
-from eagerloco.comm.elastic_jobs import JobsMembership
+from eagerloco.comm.elastic import Membership
 from eagerloco.comm.errors import api_error, api_errors, api_message
 from eagerloco.comm.groups import DistContext
 from eagerloco.comm.rendezvous import shapes_digest
@@ -114,7 +114,7 @@ class OuterLoop:
         return self.connection.ctx
 
     @property
-    def membership(self) -> JobsMembership | None:
+    def membership(self) -> Membership | None:
         """The elastic membership across jobs (``connect(elastic=True)``), else None."""
         return self.connection.membership
 

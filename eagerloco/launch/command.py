@@ -536,7 +536,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "127.0.0.1:PORT: jobs of one machine, each worker in its own namespace on a bridge they share")
     p.add_argument("--outer-addr", metavar="HOST:PORT", default=None,
                    help="each worker its own job: start only worker --worker-id of --workers, which meets the others "
-                   "at the outer rendezvous worker 0 hosts at HOST:PORT (passed on to train)")
+                   "at the coordinator at HOST:PORT (eagerloco coordinator; passed on to train)")
     p.add_argument("--worker-id", type=int, default=None, metavar="I", help="with --outer-addr: this job's worker")
     p.add_argument("--spawn-ranks", action="store_true",
                    help="start each rank as its own `python -m eagerloco train` (each imports torch: seconds per "

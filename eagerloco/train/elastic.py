@@ -20,9 +20,9 @@ from eagerloco import checkpoint as ckpt
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.elastic import Membership, outer_digest
 from eagerloco.comm.errors import PeerError
-from eagerloco.comm.groups import heartbeat_store, set_worker_threads, shutdown, store_client
+from eagerloco.comm.groups import heartbeat_store, set_worker_threads, store_client
 from eagerloco.comm.heartbeat import wait_for_key
-from eagerloco.comm.rendezvous import Meeting, init_process_groups
+from eagerloco.comm.rendezvous import Meeting
 from eagerloco.config import ConfigError
 from eagerloco.train.outputs import add_throughput, aggregate
 from eagerloco.train.resume import has_worker, own_last_state
@@ -69,6 +69,7 @@ class ElasticRuntime(Runtime):
         set_worker_threads()
         self.me, self.joining = me, rc.rejoin
         self.comm: Any = None
+        self.membership: Any = None
         self.lock = None if self.joining else guard_run_dir(self.cfg, reporting=me == 0)
         try:
             self.client = store_client(min(rc.dist_timeout, 60.0))
@@ -84,7 +85,8 @@ class ElasticRuntime(Runtime):
             if self.comm is not None:  # a dead peer, a signal (RunStopped, Ctrl-C): drop what is queued
                 self.comm.close(cancel=error is not None)
         finally:
-            shutdown()
+            if self.membership is not None:
+                self.membership.teardown()
 
     def resume_point(self) -> Found | None:
         return None if self.joining else super().resume_point()
@@ -106,9 +108,9 @@ class ElasticRuntime(Runtime):
                 print(f"eagerloco: worker {me}: the run finished before this worker could rejoin", flush=True)
                 return {}
             self.membership, outer, self.start_step, self.src = joined
-        else:
-            ctx = init_process_groups(cfg.workers, 1, "gloo", timeout_s)
-            self.membership, outer = Membership(self.client, me, cfg.workers, timeout_s, **kw), ctx.outer_group
+        else:  # epoch 0: a gloo group over the launcher's store, as every later epoch's (no WORLD)
+            self.membership = Membership(self.client, me, cfg.workers, timeout_s, **kw)
+            outer = self.membership.form(0, list(range(cfg.workers)))
         link = self.checked_link(num_params(base))
         self.comm = TorchDistCommunicator(outer, link, timeout_s, self.membership.names,
                                           store=heartbeat_store(timeout_s), seed=cfg.seed, elastic=True,
@@ -135,11 +137,11 @@ class ElasticRuntime(Runtime):
             elif (own := own_last_state(self.root, me)) is not None:
                 worker.stream.load_state_dict(own["stream"])  # its data position when it was last saved
             start_step, real_elapsed = int(meta["step"]), float(meta.get("real_elapsed", 0.0))
-            flags: list[Any] = [None] * self.cfg.workers
-            dist.all_gather_object(flags, have)
-            lacking = [w for w, h in enumerate(flags) if not h]
+            membership.kv.set(f"resumed/{me}", json.dumps(have))
+            flags = membership.collect("resumed")
+            lacking = [w for w, h in flags.items() if not h]
             if lacking:  # out of the group when the checkpoint was made: take a member's state
-                membership.handover(min(w for w, h in enumerate(flags) if h), lacking)
+                membership.handover(min(w for w, h in flags.items() if h), lacking)
         membership.step = self.start_step = start_step
         self.comm.step_hint = start_step + 1
         return start_step, real_elapsed

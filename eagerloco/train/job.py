@@ -1,8 +1,8 @@
 """One worker per job: ``eagerloco train --outer-addr HOST:PORT --worker-id I --workers M``.
 
 Each worker is its own process, started on its own (by hand, a scheduler, another machine), as the
-hook API's workers are: the jobs meet through the outer rendezvous worker 0 hosts
-(:meth:`~eagerloco.comm.connect.Connection.outer`) and exchange on a gloo group of their own. The
+hook API's workers are: the jobs meet at the coordinator (``eagerloco coordinator``, which no worker
+hosts; :meth:`~eagerloco.comm.connect.Connection.outer`) and exchange on a gloo group of their own. The
 loop, algorithm and accounting are the trainer's; the worker trains on shard I of the data, exactly
 the shard worker I has in-process or under ``eagerloco launch``, so the numbers are those of the
 other runtimes' worker I.
@@ -11,20 +11,26 @@ Each job owns its run directory (``--out``; give each job its own when they shar
 metrics, its summary (this worker's link accounting), its evaluations and its checkpoints, which
 hold this worker's state only; ``--resume`` continues each job from its own newest checkpoint
 (resume every job, from checkpoints of the same step). With ``--elastic`` the survivors of a dead
-worker go on (:mod:`eagerloco.comm.elastic_jobs`; worker 0 must stay).
+worker go on, and a worker started against the run under way (``--resume`` of its own checkpoints, or
+a fresh ``--out``) joins it at a round boundary with a live member's state
+(:mod:`eagerloco.comm.elastic`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from eagerloco import checkpoint as ckpt
 from eagerloco.comm.connect import Connection
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.heartbeat import wait_for_key
-from eagerloco.comm.rendezvous import Meeting, OuterRendezvous
+from eagerloco.comm.rendezvous import Meeting, OuterRendezvous, shapes_digest
 from eagerloco.device import resolve_device
+from eagerloco.train.agree import agreed_settings
+from eagerloco.train.resume import own_last_state
 from eagerloco.train.runtime import Found, Runtime, num_params
 from eagerloco.train.worker import Worker
 
@@ -48,11 +54,16 @@ class JobRuntime(Runtime):
         cfg, me, timeout_s = self.cfg, self.rdzv.worker, self.cfg.runtime.dist_timeout
         device = resolve_device(cfg.device)
         model = base.to(device)
-        stream = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed, iid=cfg.iid)[me]
+        # A worker beyond the run's first M (joining an elastic run) takes the last shard of M' = its id + 1.
+        shards = max(cfg.workers, me + 1)
+        stream = worker_streams(corpus, tok, shards, cfg.batch_size, cfg.seq_len, cfg.seed, iid=cfg.iid)[me]
         link = self.checked_link(num_params(model))
+        settings = {k: v for k, v in agreed_settings(cfg).items() if k != "--resume"}  # a joiner may resume
+        settings["model parameters"] = shapes_digest(model.named_parameters())
         self.peers = Connection.outer(self.rdzv, link, timeout_s=timeout_s, seed=cfg.seed,
-                                      elastic=cfg.runtime.elastic, device=device)
+                                      elastic=cfg.runtime.elastic, device=device, settings=settings)
         self.comm, self.membership = self.peers.comm, self.peers.membership
+        self.joining = self.peers.source >= 0
         worker = Worker(model, self.comm, stream, cfg)
         self.peers.attach(cfg.outer, worker, steps=cfg.steps)
         return {me: worker}
@@ -62,11 +73,26 @@ class JobRuntime(Runtime):
             self.peers.release(cancel=error is not None)
 
     def agreement(self) -> Meeting | None:
-        return self.peers.meeting if self.peers is not None else None
+        return self.peers.meeting if self.peers is not None else None  # a joiner's settings were checked
+
+    def load(self, files: dict[int, Worker], found: Found | None) -> tuple[int, float]:
+        if not self.joining:
+            return super().load(files, found)
+        assert self.peers is not None and self.membership is not None
+        own = own_last_state(ckpt.checkpoint_root(Path(self.cfg.out)), self.rdzv.worker)
+        if own is not None:  # its own data position; everything else comes from a live member
+            files[self.rdzv.worker].stream.load_state_dict(own["stream"])
+        self.peers.take_state()
+        step = self.membership.step
+        assert self.peers.ctx is not None and self.peers.ctx.store is not None
+        self.peers.ctx.store.set(f"evaluated/{step}/{self.rdzv.worker}", "1")  # the members evaluate at step
+        self.comm.step_hint = step + 1
+        return step, float(found[1].get("real_elapsed", 0.0)) if found is not None else 0.0
 
     def ready(self, start_step: int, found: Found | None) -> None:
-        super().ready(start_step, found)
-        self.comm.barrier()  # every job has joined and resumed from the same step
+        super().ready(start_step, None if self.joining else found)  # a joiner's state is a member's, not found's
+        if not self.joining:  # a joiner arrives mid-run: the members are past the start barrier
+            self.comm.barrier()  # every job has joined and resumed from the same step
 
     def on_step(self, step: int) -> None:
         if self.membership is not None:
@@ -96,7 +122,9 @@ class JobRuntime(Runtime):
         return {"runtime": "distributed", "ranks_per_worker": 1, "separate_jobs": True, "worker": self.rdzv.worker}
 
     def summarize(self, summary: dict[str, Any], files: dict[int, Worker]) -> dict[str, Any] | None:
-        self.comm.barrier()  # the loop drained: every job is done with the link before worker 0's store goes
+        self.comm.barrier()  # the loop drained: every job is done with the link
+        if self.membership is not None:
+            self.membership.finish()
         members = self.membership.members if self.membership is not None else list(range(self.cfg.workers))
         summary.update(runtime="job", worker=self.rdzv.worker, members=members)
         return summary

