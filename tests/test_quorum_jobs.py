@@ -61,6 +61,9 @@ def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and
     try:
         deadline = time.monotonic() + 240
         while not store.check([f"{QUORUM_PREFIX}0/{4 * H}/decided"]) and time.monotonic() < deadline:
+            if any(j.poll() is not None for j in jobs):  # one ended early: its output says why
+                out = wait_all(jobs, 60)
+                raise AssertionError("\n".join(o.stdout[-2000:] for o in out))
             time.sleep(0.005)
         # Stopped in its next window's inner steps, past the exchange's all-reduce (a worker stopped inside the
         # collective of an exchange it is a member of holds its members, as any collective's member does).

@@ -104,8 +104,8 @@ class QuorumJobs:
             closes_at = decision["closes_at"] - time.time() + time.perf_counter()
             result = QuorumResult(window.step, merged, dropped, closes_at, decision["tick_s"] or None)
         own = unflatten(flat, tensors) if keep_own else []
-        device = tensors[0].device if tensors else mean.device
-        return ReadyHandle(comm, unflatten(mean.to(device), tensors), own, flat.numel() * 4, None, members, result)
+        device = tensors[0].device if tensors else mean.device  # whose windows the mean holds: in result, as in-process
+        return ReadyHandle(comm, unflatten(mean.to(device), tensors), own, flat.numel() * 4, None, None, result)
 
     def _decide(self, key: str, window: Window) -> dict[str, Any]:
         """The exchange's decision: read if taken, else taken here once every worker has arrived, or Q have and
