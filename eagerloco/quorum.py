@@ -35,8 +35,8 @@ def quorum_rule(config: OuterConfig, comm: Communicator) -> QuorumRule | None:
         raise ConfigError(f"{flag_name('quorum')} {config.quorum} is more than the {workers} workers: give at most "
                           f"{workers} ({workers}: every exchange waits for every worker)")
     if not comm.closes_on_quorum:
-        raise ConfigError(f"{flag_name('quorum')} runs in-process only for now (eagerloco train without a launcher "
-                          "or --outer-addr): this runtime's exchanges need every worker; drop --quorum")
+        raise ConfigError(f"{flag_name('quorum')} runs in-process or across jobs at a coordinator (--outer-addr): "
+                          "this runtime's exchanges need every worker; drop --quorum")
     return QuorumRule(config.quorum, config.grace_seconds(), config.max_late_rounds)
 
 

@@ -211,11 +211,16 @@ def test_settings_are_refused_with_one_line() -> None:
         _Scripted(METHODS["diloco"], quorum=4)
 
 
-def test_train_refuses_a_quorum_on_a_multi_process_runtime_and_above_the_workers() -> None:
+def test_train_refuses_a_quorum_where_processes_do_not_close_on_one_and_above_the_workers() -> None:
     job = RuntimeConfig(outer_addr="127.0.0.1:29500", worker_id=0)
-    for quorum, runtime, says in [(2, job, "runs in-process only for now"), (4, RuntimeConfig(), "more than the 3")]:
-        cfg = TrainConfig(model="micro", batch_size=2, seq_len=16, workers=3, outer=OuterConfig(quorum=quorum),
-                          runtime=runtime)
+    elastic = RuntimeConfig(outer_addr="127.0.0.1:29500", worker_id=0, elastic=True)
+    for outer, runtime, says in [(OuterConfig(quorum=2), job, "across jobs needs --grace in seconds"),
+                                 (OuterConfig(quorum=2, grace="1"), elastic, "does not run with --elastic"),
+                                 (OuterConfig(quorum=2, grace="1", method="streaming", fragments=2), job,
+                                  "diloco or eager only"),
+                                 (OuterConfig(quorum=2, grace="1", codec="fp8"), job, "fp32 payloads only"),
+                                 (OuterConfig(quorum=4), RuntimeConfig(), "more than the 3")]:
+        cfg = TrainConfig(model="micro", batch_size=2, seq_len=16, workers=3, outer=outer, runtime=runtime)
         with pytest.raises(ConfigError, match=says) as info:
             cfg.validate(Environment.read())
         assert "\n" not in str(info.value)
@@ -228,7 +233,7 @@ def test_a_runtime_that_needs_every_worker_refuses_a_quorum() -> None:
         closes_on_quorum = False
 
     model = nn.Sequential(nn.Linear(3, 1, bias=False))
-    with pytest.raises(ConfigError, match="in-process only for now"):
+    with pytest.raises(ConfigError, match="runs in-process or across jobs at a coordinator"):
         OuterSync(model, None, AllOrNothing(num_workers=3), OuterConfig(quorum=2), blocks=[model[0]])
 
 

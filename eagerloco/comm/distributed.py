@@ -27,6 +27,7 @@ from eagerloco.codecs import Codec
 from eagerloco.comm.base import (
     Communicator,
     Handle,
+    Window,
     WorkerStats,
     encode,
     flatten,
@@ -42,6 +43,7 @@ from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext, outer_rank
 from eagerloco.comm.heartbeat import HEARTBEAT_S, Heartbeat
 from eagerloco.comm.ops import AGREE, BARRIER, Op, check_headers, check_schedules, header
 from eagerloco.comm.peers import Peers
+from eagerloco.comm.quorum_jobs import QuorumJobs
 from eagerloco.comm.reduce_scatter import Shards, uses_reduce_scatter
 from eagerloco.comm.regroup import Regroup
 from eagerloco.comm.staging import Staging
@@ -167,6 +169,7 @@ class TorchDistCommunicator(Communicator):
                                        name=f"eagerloco-outer-w{self.rank}")
         #: The elastic side: what a membership change does to the queue and the group.
         self.regroup = Regroup(self.exchanges, self.peers, self.stats)
+        self.quorum_jobs: QuorumJobs | None = None  # set by join_quorum: --quorum below M across jobs
         self._agreed = False  # agree() succeeded: exchanges launched with agreed=True skip the header
         self._unwaited: set[int] = set()  # launched exchanges nobody waited on (yet)
         self._in_collective_since: float | None = None  # monotonic time, while inside a collective
@@ -216,9 +219,11 @@ class TorchDistCommunicator(Communicator):
 
     def allreduce_mean(
         self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
-        *, keep_own: bool = True, agreed: bool = False, transport: str = "allgather",
-    ) -> TorchDistHandle:
+        *, keep_own: bool = True, agreed: bool = False, transport: str = "allgather", window: Window | None = None,
+    ) -> Handle:
         self._check_open()
+        if window is not None and self.quorum_jobs is not None:  # across jobs at the coordinator (12.10)
+            return self.quorum_jobs.exchange(tensors, window, keep_own)
         flat = flatten(tensors)
         numel = flat.numel()
         shards = Shards(codec, numel, self.num_workers) if uses_reduce_scatter(codec, transport, self.num_workers) \
@@ -304,6 +309,8 @@ class TorchDistCommunicator(Communicator):
             )
         # "failed": gave up because of a peer (others must not blame it); "closed": left on its own.
         self.heartbeat.stop("failed" if isinstance(self._error, PeerError) else "closed")
+        if self.quorum_jobs is not None:
+            self.quorum_jobs.close()
         # Let go of the group, so that whoever formed it can free it (its gloo threads and sockets) now:
         # see groups.leave_outer_group.
         self.peers.group = None

@@ -61,6 +61,14 @@ class LateWindow:
     values: torch.Tensor  # its payload as decoded, flat FP32
     age: int = 0  # exchanges of its fragment closed since its own
 
+    def report_drop(self, window: Window) -> None:
+        """The log line of its drop at the exchange of ``window`` (12.4)."""
+        c = self.contribution
+        norm = float(self.values.norm()) * self.weight / max(c.steps, 1)
+        print(f"eagerloco: quorum: dropped worker {c.worker}'s window of fragment {window.fragment} launched at "
+              f"step {c.step} ({c.steps} steps, outer gradient norm {norm:.4g}): it missed {self.age} exchange(s) "
+              f"of its fragment, more than --max-late-rounds {window.rule.max_late}", file=sys.stderr, flush=True)
+
 
 class LateWindows:
     """The late windows a party holds, by fragment, and the merge of each quorum exchange."""
@@ -101,11 +109,7 @@ class LateWindows:
         if keep:
             self.held[window.fragment] = keep
         for late in dropped:
-            c = late.contribution
-            norm = float(late.values.norm()) * late.weight / max(c.steps, 1)
-            print(f"eagerloco: quorum: dropped worker {c.worker}'s window of fragment {window.fragment} launched at "
-                  f"step {c.step} ({c.steps} steps, outer gradient norm {norm:.4g}): it missed {late.age} exchange(s) "
-                  f"of its fragment, more than --max-late-rounds {rule.max_late}", file=sys.stderr, flush=True)
+            late.report_drop(window)
         # Every worker's window on time with the steps the schedule gave it, and nothing late: the plain mean.
         plain = on_time == workers and len(merged) == workers and sum(steps) == window.total
         if plain and not dropped:

@@ -174,9 +174,18 @@ class TrainConfig:
         if quorum is not None and quorum > self.workers:
             raise ConfigError(f"--quorum {quorum} is more than the {self.workers} workers (--workers): give at most "
                               f"{self.workers} ({self.workers}: every exchange waits for every worker)")
-        if quorum is not None and quorum < self.workers and self.runtime.kind(env) != "inprocess":
-            raise ConfigError("--quorum runs in-process only for now (eagerloco train without a launcher or "
-                              "--outer-addr): a multi-process runtime's exchanges need every worker; drop --quorum")
+        kind = self.runtime.kind(env)
+        if quorum is not None and quorum < self.workers and kind != "inprocess":
+            o = self.outer
+            why = ("runs in-process or across jobs at a coordinator (--outer-addr), not under a launcher"
+                   if kind != "job" else "across jobs does not run with --elastic yet" if self.runtime.elastic
+                   else "across jobs runs with --method diloco or eager only for now"
+                   if o.method not in ("diloco", "eager")
+                   else "across jobs needs --grace in seconds (auto is in-process only)" if o.grace_seconds() is None
+                   else "across jobs sends fp32 payloads only: drop --codec and --topk" if o.codec != "fp32" or o.topk
+                   else "")
+            if why:
+                raise ConfigError(f"--quorum below --workers {why}; or drop --quorum")
         kernel = self.runtime.kernel_link_gbps
         if kernel is not None:  # the kernel shapes the bandwidth: the run records its rate
             given = self.link.bandwidth_gbps

@@ -27,6 +27,7 @@ from eagerloco import checkpoint as ckpt
 from eagerloco.comm.connect import Connection
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.heartbeat import wait_for_key
+from eagerloco.comm.quorum_jobs import join_quorum
 from eagerloco.comm.rendezvous import Meeting, OuterRendezvous, shapes_digest
 from eagerloco.device import resolve_device
 from eagerloco.train.agree import agreed_settings
@@ -63,6 +64,8 @@ class JobRuntime(Runtime):
         self.peers = Connection.outer(self.rdzv, link, timeout_s=timeout_s, seed=cfg.seed,
                                       elastic=cfg.runtime.elastic, device=device, settings=settings)
         self.comm, self.membership = self.peers.comm, self.peers.membership
+        if cfg.outer.quorum is not None and cfg.outer.quorum < cfg.workers and self.peers.ctx is not None:
+            join_quorum(self.comm, self.peers.ctx.outer_store, cfg.workers, timeout_s)
         self.joining = self.peers.source >= 0
         worker = Worker(model, self.comm, stream, cfg)
         self.peers.attach(cfg.outer, worker, steps=cfg.steps)

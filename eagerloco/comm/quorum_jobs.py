@@ -1,0 +1,164 @@
+"""Quorum exchanges across jobs at the coordinator (docs/algorithms.md, 12.10): each worker records its arrival
+there, the first worker to see every worker arrived, or Q arrived and the grace window passed since the Q-th,
+decides the exchange's contributors once (compare_set), and they all-reduce over a gloo group of that member
+set; a worker the decision leaves out reads the mean from the coordinator and holds its window for its next
+exchange of the fragment (12.3, the worker holds it), where it is merged or, staler than --max-late-rounds,
+dropped (12.4, logged). The rule and the held windows are comm/quorum.py's; only the transport is here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from eagerloco.comm.base import Contribution, Handle, QuorumResult, ReadyHandle, Window, flatten, unflatten
+from eagerloco.comm.errors import PeerError
+from eagerloco.comm.groups import gloo_group
+from eagerloco.comm.quorum import LateWindow
+from eagerloco.comm.rendezvous import prefixed
+
+#: Where the exchanges' arrivals, decisions and means live in the coordinator's store, and their groups' keys.
+QUORUM_PREFIX, QUORUM_PG_PREFIX = "eagerloco/quorum/", "eagerloco/quorum-pg/"
+#: How often a waiting worker looks at the arrivals (a few small keys per look).
+_POLL_S = 0.02
+
+
+class QuorumJobs:
+    """One worker's quorum exchanges over the coordinator.
+
+    Args:
+        comm: its communicator (for the stats and the clock).
+        client: the coordinator's store client.
+        workers: M, every one live (no --elastic).
+        timeout_s: how long an exchange may wait for its quorum, and a collective for its members.
+    """
+
+    def __init__(self, comm: Any, client: dist.Store, workers: int, timeout_s: float) -> None:
+        self.comm, self.client, self.workers, self.timeout_s = comm, client, workers, timeout_s
+        self.store = prefixed(QUORUM_PREFIX, client)
+        self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # by member set: all present forms nothing new
+        self.held: dict[int, list[LateWindow]] = {}  # this worker's windows that missed, by fragment
+
+    def exchange(self, tensors: list[torch.Tensor], window: Window, keep_own: bool) -> Handle:
+        """The exchange of ``window``, run now: its mean and what it merged (FP32 payloads, sent unencoded)."""
+        me, comm = self.comm.rank, self.comm
+        flat = flatten(tensors).float().cpu()  # gloo
+        weight = window.total / self.workers  # N / M: the payload (M n / N) X times this is n X
+        held = self.held.pop(window.fragment, [])
+        key = f"{window.fragment}/{window.step}"
+        t0 = time.perf_counter()
+        arrival = {"t": time.time(), "steps": window.steps, "held": [[c.contribution.step, c.contribution.steps]
+                                                                     for c in held],
+                   "tick_s": comm.stats.compute_s / max(1, window.step)}
+        self.store.set(f"{key}/arrived/{me}", json.dumps(arrival))
+        decision = self._decide(key, window)
+        members = decision["members"]
+        merged = [Contribution(*c) for c in decision["merged"]]
+        plain = decision["plain"]
+        dropped: list[Contribution] = []
+        if me in members:
+            if plain:
+                send = flat.clone()
+            else:
+                send = flat * weight
+                for late in held:
+                    send.add_(late.values, alpha=late.weight)
+            group = self._group(tuple(members))
+            dist.all_reduce(send, group=group)
+            mean = send.div_(len(members) if plain else max(1, sum(c.steps for c in merged)))
+            wire = 2 * (len(members) - 1) * send.numel() * 4 // len(members)  # a ring all-reduce's bytes each way
+            if len(members) < self.workers and members[0] == me:  # the left-out workers read it here
+                self.store.set(f"{key}/mean", mean.numpy().tobytes())
+                wire += mean.numel() * 4
+        else:
+            self.store.wait([f"{key}/mean"])
+            mean = torch.frombuffer(bytearray(self.store.get(f"{key}/mean")), dtype=torch.float32)
+            if self.store.add(f"{key}/read", 1) == self.workers - len(members):
+                self.store.delete_key(f"{key}/mean")
+            wire = mean.numel() * 4
+            for late in held:
+                late.age += 1
+            keep = [w for w in held if w.age < window.rule.max_late]
+            for late in held:
+                if late.age >= window.rule.max_late:
+                    dropped.append(late.contribution)
+                    late.report_drop(window)
+            mine = LateWindow(Contribution(me, window.step, window.steps), time.time(), weight, flat.clone())
+            (keep if window.rule.max_late > 0 else dropped).append(mine)
+            if window.rule.max_late == 0:
+                mine.report_drop(window)
+            if keep:
+                self.held[window.fragment] = keep
+        comm.stats.bytes_sent += wire
+        comm.stats.bytes_received += wire
+        comm.stats.peak_sync_bytes = max(comm.stats.peak_sync_bytes, flat.numel() * 4)
+        comm.stats.num_syncs += 1
+        comm.stats.blocked_s += time.perf_counter() - t0
+        result = None
+        if not (plain and me in members):
+            # The close on this worker's clock (perf_counter), so that a late one knows how far behind it is.
+            closes_at = decision["closes_at"] - time.time() + time.perf_counter()
+            result = QuorumResult(window.step, merged, dropped, closes_at, decision["tick_s"] or None)
+        own = unflatten(flat, tensors) if keep_own else []
+        device = tensors[0].device if tensors else mean.device  # whose windows the mean holds: in result, as in-process
+        return ReadyHandle(comm, unflatten(mean.to(device), tensors), own, flat.numel() * 4, None, None, result)
+
+    def _decide(self, key: str, window: Window) -> dict[str, Any]:
+        """The exchange's decision: read if taken, else taken here once every worker has arrived, or Q have and
+        the grace window has passed since the Q-th (the first worker to see it wins the compare_set)."""
+        rule = window.rule
+        deadline = time.monotonic() + self.timeout_s + (rule.grace or 0.0)
+        names = [f"{key}/arrived/{m}" for m in range(self.workers)]
+        while True:
+            if self.store.check([f"{key}/decided"]):
+                return json.loads(self.store.get(f"{key}/decided"))
+            arrivals = {m: json.loads(self.store.get(n)) for m, n in enumerate(names) if self.store.check([n])}
+            times = sorted(a["t"] for a in arrivals.values())
+            q = rule.quorum
+            closes = times[-1] if len(times) == self.workers else \
+                times[q - 1] + (rule.grace or 0.0) if len(times) >= q else None
+            if closes is not None and closes <= time.time():
+                members = sorted(arrivals)
+                plain = len(members) == self.workers and sum(a["steps"] for a in arrivals.values()) == window.total \
+                    and not any(a["held"] for a in arrivals.values())
+                merged = sorted([[m, window.step, a["steps"]] for m, a in arrivals.items()]
+                                + [[m, step, n] for m, a in arrivals.items() for step, n in a["held"]],
+                                key=lambda c: (c[1], c[0]))
+                decision = {"members": members, "merged": merged, "plain": plain, "closes_at": closes,
+                            "decided_at": time.time(), "tick_s": min(a["tick_s"] for a in arrivals.values()),
+                            "arrivals_at": {str(m): a["t"] for m, a in arrivals.items()}}
+                self.store.compare_set(f"{key}/decided", "", json.dumps(decision))
+                continue  # whoever won, everyone reads the same decision
+            if time.monotonic() > deadline:
+                raise PeerError(f"worker {self.comm.rank}: the exchange of fragment {window.fragment} at step "
+                                f"{window.step} had {len(times)} of the {rule.quorum} workers its quorum needs after "
+                                f"{self.timeout_s:g} s (--dist-timeout); the others are gone: restart them", [])
+            time.sleep(_POLL_S)
+
+    def _group(self, members: tuple[int, ...]) -> dist.ProcessGroup:
+        """The gloo group of exactly these workers, formed over the coordinator the first time they meet."""
+        group = self.groups.get(members)
+        if group is None:
+            store = dist.PrefixStore(f"{QUORUM_PG_PREFIX}{'-'.join(map(str, members))}/", self.client)
+            group = self.groups[members] = gloo_group(store, members.index(self.comm.rank), len(members),
+                                                      self.timeout_s)
+        return group
+
+    def close(self) -> None:
+        """Shut down the member sets' groups."""
+        for group in self.groups.values():
+            group.shutdown()
+        self.groups.clear()
+
+
+def join_quorum(comm: Any, client: dist.Store, workers: int, timeout_s: float) -> None:
+    """Let ``comm`` (a TorchDistCommunicator of a job at a coordinator) close its outer exchanges on a quorum."""
+    comm.quorum_jobs = QuorumJobs(comm, client, workers, timeout_s)
+    comm.closes_on_quorum = True
+
+
+__all__ = ["QUORUM_PG_PREFIX", "QUORUM_PREFIX", "QuorumJobs", "join_quorum"]
