@@ -183,7 +183,8 @@ def _local_port(outer_addr: str) -> int:
     if host.strip("[]") not in _LOOPBACK:
         raise ValueError(
             f"--kernel-link-gbps with --outer-addr shapes the links between jobs on this machine: give every job "
-            f"--outer-addr 127.0.0.1:{port} (the launch reaches the coordinator there through the shaped bridge), not {host}; "
+            f"--outer-addr 127.0.0.1:{port} (the launch reaches the coordinator there through the shaped bridge), "
+            f"not {host}; "
             "jobs on separate machines are joined by the real link: drop --kernel-link-gbps there")
     return int(port)
 
