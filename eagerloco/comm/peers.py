@@ -16,13 +16,8 @@ from eagerloco.config import LinkConfig
 
 
 class Peers:
-    """This worker's view of the outer group.
-
-    group: the ProcessGroup (None: the default group). members: the worker id of each of its ranks;
-    pos: this worker's rank in it. names: how errors call each worker (worker id -> name; default
-    "worker <id>"). link, seed: the slow link to emulate and its jitter's seed, the same on every
-    worker so that they agree on the link's schedule.
-    """
+    """This worker's view of the outer group: its members' worker ids and this worker's position, how errors
+    name each worker, and the emulated link with its jitter seed (the same on every worker)."""
 
     def __init__(self, group: dist.ProcessGroup | None, members: list[int], pos: int,
                  names: Mapping[int, str] | None = None, link: LinkConfig | None = None, seed: int = 0) -> None:
