@@ -1,9 +1,5 @@
-"""Who a worker exchanges with: the current outer group, its members, their names, the link to them.
-
-A :class:`~eagerloco.comm.distributed.TorchDistCommunicator` runs its collectives on the group held
-here and names workers in its errors as held here. It changes only at an elastic membership change
-(:mod:`eagerloco.comm.regroup`), while the exchange thread is parked.
-"""
+"""Who a worker exchanges with: the current outer group, its members, their names, the link to them; it changes
+only at an elastic membership change (:mod:`eagerloco.comm.regroup`), while the exchange thread is parked."""
 
 from __future__ import annotations
 
