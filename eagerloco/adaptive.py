@@ -1,21 +1,9 @@
-"""Workers of unequal speed (section 11 of docs/algorithms.md): every worker's inner steps per round, agreed
-by all of them, and the token weights of each exchange.
+"""Workers of unequal speed (docs/algorithms.md, 11): every worker's inner steps per round, agreed by all of
+them, and the token weights of each exchange; the round's arithmetic is :class:`eagerloco.schedule.Rounds`.
 
-:class:`~eagerloco.outer.OuterSync` holds one :class:`AdaptiveSteps` under ``--adaptive-steps``. The round's
-arithmetic (ticks, H_m, each worker's steps by tick) is :class:`eagerloco.schedule.Rounds`; here is what needs
-the other workers: the speeds, measured and exchanged, and the weight each worker gives its own outer gradient.
-
-The weighted mean needs no change to the exchange: worker m sends (M * w_m) * Delta_m, so that the mean of
-the contributions is sum_m w_m Delta_m, with w_m its share of the tokens of the fragment's window (its inner
-steps since the fragment's last sync over all workers'; batches are equal). The payload's size, and so the
-bytes on the link, do not change; equal windows give the factor 1.0 exactly and the method without the flag.
-
-Under ``--elastic`` (:class:`~eagerloco.comm.elastic.Membership`) the weights are renormalised over the workers
-present. Every vector here is indexed by worker id (M counts the run's workers, present or not), and what a
-worker sends depends on nothing a membership change moves: survivors see a change at different steps, and an
-exchange in flight may run again among them. So the factor stays M w_m over every worker's window, and the mean
-that lands is rescaled over the workers whose payloads it holds (``Handle.contributors``, :meth:`settle`); the
-next rounds' H_m come from the speeds exchange's contributors (:meth:`round_end`), the same on every survivor.
+Worker m sends (M * w_m) * Delta_m, so the plain mean is sum_m w_m Delta_m on the same bytes. Under
+``--elastic`` every vector is indexed by worker id and the factor stays M w_m over every worker's window
+(survivors see a change at different steps); the mean that lands is rescaled over its contributors (:meth:`settle`).
 """
 
 from __future__ import annotations
@@ -35,15 +23,8 @@ from eagerloco.schedule import Rounds, round_lengths
 
 
 class SpeedMeter:
-    """A worker's inner steps per second: an exponential average of its step times, each first clipped to at
-    most ``clip`` times the median of the last ``window`` (one slow step, a checkpoint or a page fault, moves it
-    little).
-
-    Args:
-        decay: the average's weight of the past, in [0, 1).
-        window: recent step times whose median clips the next.
-        clip: how many times that median a step time may count for.
-    """
+    """A worker's inner steps per second: an exponential average of its step times, each clipped to ``clip`` times
+    the median of the last ``window`` (one slow step moves it little)."""
 
     def __init__(self, decay: float = 0.9, window: int = 9, clip: float = 2.0) -> None:
         self.decay, self.window, self.clip = decay, window, clip
@@ -70,15 +51,8 @@ class SpeedMeter:
 
 @dataclass(frozen=True)
 class Weight:
-    """How one worker weighs the exchange it launches (:meth:`AdaptiveSteps.weigh`).
-
-    Attributes:
-        scale: the factor M * w_m its contribution is sent with (1.0 for equal windows).
-        workers: the M its own share is applied with (eager applies ``sent / workers`` = w_m Delta_m, w_m its
-            share among the workers present; the run's M when every worker is).
-        others: the others' weight in the mean, 1 - w_m.
-        window: each worker's inner steps in the window, by worker id (what :meth:`AdaptiveSteps.settle` needs).
-    """
+    """How one worker weighs the exchange it launches: the factor M * w_m it is sent with (``scale``), the M its own
+    share is applied with (``workers``), the others' weight 1 - w_m, and every worker's steps in the window."""
 
     scale: float
     workers: float
@@ -89,20 +63,9 @@ class Weight:
 class AdaptiveSteps:
     """One worker's side of the adaptive rounds: when it steps, how it weighs what it sends, and the speeds.
 
-    Speeds come from ``--worker-speeds`` (fixed, no exchange) or are measured: at each round's end every
-    worker launches its averaged speed (at its own index of an M-vector, times M, so the mean is the vector of
-    every worker's speed) after that tick's outer exchanges, and waits on it at the next round's end, after
-    that tick's; the vector then sizes the round that starts. The exchange has a whole round to land, so it
-    never holds up an overlapped method; the speeds lag one round (an average does not move much in one).
-    Rounds before the first vector lands run H on every worker. An elastic communicator exchanges given speeds
-    too: the workers whose speeds a vector holds are the ones its round is sized for.
-
-    Args:
-        config: the outer settings (``adaptive_steps`` on).
-        comm: this worker's communicator.
-
-    Raises:
-        ConfigError: ``--worker-speeds`` names another number of workers than the communicator has.
+    Speeds are ``--worker-speeds`` or measured and exchanged at each round's end, waited on a round later, so the
+    exchange never holds up an overlapped method and rounds before the first vector lands run H everywhere.
+    An elastic communicator exchanges given speeds too: a round is sized for the workers its vector holds.
     """
 
     def __init__(self, config: OuterConfig, comm: Communicator) -> None:
@@ -154,9 +117,8 @@ class AdaptiveSteps:
     @staticmethod
     def settle(mean: list[torch.Tensor], window: Sequence[int], contributors: Sequence[int] | None
                ) -> list[torch.Tensor]:
-        """The landed mean of an exchange launched with this window, renormalised over its contributors (in
-        place): their factors M w_m sum to M T_C / T over the |C| of them, T_C their steps and T every worker's,
-        so the mean times |C| T / (M T_C) is sum_{m in C} (n_m / T_C) Delta_m. Unchanged when every worker sent."""
+        """The landed mean of an exchange launched with this window, renormalised in place over its contributors: times
+        |C| T / (M T_C), giving sum_{m in C} (n_m / T_C) Delta_m; unchanged when every worker sent."""
         workers = len(window)
         if contributors is None or len(contributors) == workers:
             return mean
@@ -169,9 +131,8 @@ class AdaptiveSteps:
         self.meter, self.compute_mark = SpeedMeter(), None
 
     def round_end(self, **agreed: Any) -> float:
-        """At a round's end (after the tick's outer exchanges): take the speeds launched a round ago for the
-        round that starts, and launch this round's (measured, or elastic). Returns the real seconds blocked on
-        them (0.0 on a simulated clock, whose wait is the clock's), which the caller leaves out of its overhead."""
+        """At a round's end: take the speeds launched a round ago for the round that starts, and launch this round's.
+        Returns the real seconds blocked on them (0.0 on a simulated clock), left out of the caller's overhead."""
         if not self.exchanged:
             return 0.0
         waited = 0.0
@@ -191,9 +152,8 @@ class AdaptiveSteps:
         return waited
 
     def resize(self, speeds: list[float], contributors: Sequence[int] | None) -> None:
-        """Size the next round from a speeds vector that holds these workers' speeds (None: every worker's):
-        once each of them has measured a step, theirs become H_m = max(1, round(H r_m / r_max)) over them (the
-        fastest of them runs H); a worker not among them (gone, or just rejoined) keeps its H_m."""
+        """Size the next round from a speeds vector of these workers (None: every worker): H_m = max(1, round(H r_m /
+        r_max)) once each has measured a step; a worker not among them keeps its H_m."""
         who = range(len(speeds)) if contributors is None else contributors
         if min(speeds[w] for w in who) <= 0:
             return
@@ -233,11 +193,7 @@ class AdaptiveSteps:
 
 
 def load_rounds(adaptive: AdaptiveSteps | None, saved: dict[str, Any] | None) -> None:
-    """Continue the rounds of a checkpoint (``saved``: None when it was made without adaptive steps).
-
-    Raises:
-        ValueError: the checkpoint was made with --adaptive-steps and this run has it off, or the reverse.
-    """
+    """Continue the rounds of a checkpoint (``saved``: None without adaptive steps)."""
     if (saved is None) != (adaptive is None):
         was, now = ("off" if x is None else "on" for x in (saved, adaptive))
         raise ValueError(f"state was saved with --adaptive-steps {was} and this run has it {now}: resume with the "

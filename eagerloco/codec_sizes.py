@@ -1,9 +1,5 @@
-"""Bytes on the wire of each exchange format, without importing torch.
-
-The codecs in :mod:`eagerloco.codecs` pack exactly this many bytes (values, then one bfloat16 scale
-per block for the block-scaled formats); the simulator and any planning code use these numbers so
-that they start without torch.
-"""
+"""Bytes on the wire of each exchange format, without importing torch: the codecs pack exactly these, and
+the simulator and planning code start without torch."""
 
 from __future__ import annotations
 
@@ -31,19 +27,7 @@ DEFAULT_BLOCK_SIZE = 32  # values per scale block unless --codec-block says othe
 
 
 def packed_nbytes(codec: str, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """Bytes of one packed payload of numel values in the named codec.
-
-    Args:
-        codec: one of :data:`CODEC_NAMES`.
-        numel: number of values encoded (>= 0).
-        block_size: values per scale block (block-scaled codecs only; >= 1).
-
-    Returns:
-        ceil(numel * bits / 8), plus SCALE_BYTES per block of block_size values for block formats.
-
-    Raises:
-        ValueError: unknown codec, negative numel or block_size below 1.
-    """
+    """Bytes of one packed payload: ceil(numel * bits / 8), plus SCALE_BYTES per block for block formats."""
     if codec not in CODEC_BITS:
         raise ValueError(f"unknown codec {codec!r}; choose one of: {', '.join(CODEC_NAMES)}")
     if numel < 0:
@@ -57,10 +41,8 @@ def packed_nbytes(codec: str, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) 
 
 
 def shard_numel(numel: int, workers: int, align: int = 1) -> int:
-    """Values in each of the ``workers`` equal shards of a reduce-scatter of numel values: numel / workers
-    rounded up to a multiple of ``align`` (a block format's scale block, so that each shard quantizes
-    exactly as its part of the whole vector does); the last shard is padded with zeros.
-    """
+    """Values in each of ``workers`` equal shards of numel values: rounded up to a multiple of ``align`` (a scale
+    block, so each shard quantizes as its part of the whole); the last shard is padded with zeros."""
     blocks = -(-numel // align)
     return -(-blocks // max(workers, 1)) * align
 
@@ -71,10 +53,8 @@ def shard_align(codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
 
 
 def reduce_scatter_wire_bytes(codec: str, numel: int, workers: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """Bytes one worker sends for one reduce-scatter exchange of numel values in the named codec: its M-1
-    quantized shards to their owners, then its requantized shard to the M-1 others (sent and received
-    alike). About two payloads whatever M; 0 for one worker alone.
-    """
+    """Bytes one worker sends for one reduce-scatter exchange: M-1 quantized shards, then its requantized shard
+    to the M-1 others; about two payloads whatever M, 0 alone."""
     if workers <= 1:
         return 0
     shard = shard_numel(numel, workers, shard_align(codec, block_size))
@@ -82,40 +62,21 @@ def reduce_scatter_wire_bytes(codec: str, numel: int, workers: int, block_size: 
 
 
 def chunk_position_bits(length: int, k: int) -> int:
-    """Bits that say which k of a chunk's length values a sparse payload keeps: k indices of
-    ceil(log2 length) bits each, or a mask of length bits, whichever is smaller (the mask on a tie).
-
-    Args:
-        length: values in the chunk (>= 1; the last chunk of a vector may be shorter than the others).
-        k: values kept in it (at most length).
-    """
+    """Bits that say which k of a chunk's ``length`` values a sparse payload keeps: k indices of ceil(log2 length)
+    bits, or a mask of length bits, whichever is smaller (the mask on a tie)."""
     index_bits = (length - 1).bit_length()  # ceil(log2 length): 0 for a chunk of one value
     return min(k * index_bits, length)
 
 
 def sparse_nbytes(codec: str, numel: int, chunk: int, k: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """Bytes of one sparse (top-k) payload: the kept values in the named codec, then their positions.
-
-    numel values are split into chunks of ``chunk`` values (the last may be shorter); each chunk keeps
-    min(k, its length) values. The kept values, in chunk order, form one payload of ``codec`` (its blocks
-    of ``block_size`` values each carry a scale); the positions follow as one bit stream, each chunk's
-    :func:`chunk_position_bits`, padded to a whole byte at the end.
-
-    Raises:
-        ValueError: unknown codec, numel < 0, chunk or k below 1.
-    """
+    """Bytes of one sparse (top-k) payload: the kept values (min(k, length) per chunk) as one payload of ``codec``,
+    then every chunk's :func:`chunk_position_bits` as one bit stream padded to a byte."""
     kept, position_bytes = sparse_counts(numel, chunk, k)
     return packed_nbytes(codec, kept, block_size) + position_bytes
 
 
 def sparse_counts(numel: int, chunk: int, k: int) -> tuple[int, int]:
-    """The two parts of a sparse payload of numel values that do not depend on the codec: how many values
-    it keeps (min(k, length) of every chunk) and the bytes of their positions (every chunk's
-    :func:`chunk_position_bits`, one bit stream padded to a whole byte).
-
-    Raises:
-        ValueError: numel < 0, chunk or k below 1.
-    """
+    """How many values a sparse payload keeps and the bytes of their positions (the codec-free parts)."""
     if chunk < 1 or k < 1:
         raise ValueError(f"chunk and k must be >= 1, got chunk={chunk}, k={k}")
     if numel < 0:

@@ -7,16 +7,8 @@ import torch
 
 
 class ErrorFeedback:
-    """One worker's FP32 buffers e, one list of tensors per fragment, all zero at the start.
-
-    At a fragment's sync, with its outer gradient Delta: :meth:`add` makes e <- beta * e + Delta, which is
-    what the exchange compresses and sends; :meth:`sent` takes the decoded payload C away, e <- e - C, so
-    nothing is lost (beta * e_before + Delta == e_after + C) and nothing is sent twice.
-
-    Args:
-        fragments: the tensors of each fragment (the buffers take their shapes, FP32, on their device).
-        beta: the decay in [0, 1] (SparseLoCo: 0.95); 0 sends each round's outer gradient afresh.
-    """
+    """One worker's FP32 error-feedback buffers, one list per fragment, zero at the start (docs/algorithms.md, 10):
+    :meth:`add` makes e <- beta * e + Delta, what is sent; :meth:`sent` takes the decoded payload away, e <- e - C."""
 
     def __init__(self, fragments: list[list[torch.Tensor]], beta: float) -> None:
         self.beta = beta
@@ -48,11 +40,7 @@ class ErrorFeedback:
 
     @torch.no_grad()
     def load(self, saved: list[list[torch.Tensor]]) -> None:
-        """Take the buffers of :meth:`state`.
-
-        Raises:
-            ValueError: the saved buffers do not match these fragments' shapes, or are not finite.
-        """
+        """Take the buffers of :meth:`state` (ValueError: shapes that do not match, or values not finite)."""
         if len(saved) != len(self.buffers) or any(
             len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True))
             for a, b in zip(saved, self.buffers, strict=True)

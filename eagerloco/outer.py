@@ -28,48 +28,19 @@ from eagerloco.schedule import apply_delay, fragment_offsets, fragments_due
 class OuterSync:
     """Wraps a model and its inner optimizer with the configured outer algorithm.
 
-    Settings select the method (see :class:`eagerloco.config.OuterConfig`):
+    The method and its settings come from :class:`eagerloco.config.OuterConfig`; the update rules of dp,
+    DiLoCo, Streaming, overlap, delayed and eager are docs/algorithms.md, sections 1-6, and quorum
+    exchanges section 12. Each worker keeps its own outer copies and outer-optimizer state (eager makes
+    them differ), and sees its peers only through a :class:`~eagerloco.comm.base.Communicator`.
 
-    - dp: the gradients are averaged before every inner step.
-    - diloco / streaming: fragment p's outer gradient (outer copy minus local parameters) is
-      averaged at its sync step; tau = overlap_steps inner steps later the outer optimizer steps on
-      the mean and the local fragment is merged: local <- alpha * local + (1 - alpha) * outer.
-      DiLoCo is the case P = 1, tau = 0.
-    - delayed / eager: the exchange launched at a fragment's sync is applied k rounds later. At every
-      sync the outer optimizer steps on
-          delayed:               D(t-k)                           (nothing in the first k rounds)
-          eager, nonlocal:       Delta_m(t)/M + [D(t-k) - Delta_m(t-k)/M]
-          eager, stale_average:  Delta_m(t)/M + (M-1)/M * D(t-k)
-      and the local fragment restarts from the new outer copy (merged with alpha).
+    Per inner step a worker calls :meth:`before_inner_step` (after backward, before the inner optimizer
+    step) and :meth:`after_inner_step`; each is two halves, launch and finish, so M workers in one process
+    can run in lockstep. Frozen parameters are not exchanged; sharded ones (FSDP's DTensors) are handled
+    through this rank's shards, since every outer operation is elementwise.
 
-    Each worker keeps its own outer copies and outer-optimizer state (eager makes them differ).
-    Under ``--quorum`` an outer exchange may close without the slowest workers, whose windows a later mean merges
-    (docs/algorithms.md, 12; this worker's side: :class:`eagerloco.quorum.OwnWindows`).
-    The object never knows what its peers are: it talks to a :class:`~eagerloco.comm.base.Communicator`.
-
-    Per inner step a worker calls :meth:`OuterSync.before_inner_step` (after backward, before the
-    inner optimizer step) and :meth:`OuterSync.after_inner_step`. Each is two halves, launch and
-    finish, so M workers in one process can be driven in lockstep by :func:`before_inner_step_all`
-    and :func:`after_inner_step_all`.
-
-    Frozen parameters (``requires_grad=False``) are not exchanged and keep their values; the
-    fragments, the outer copies and the checkpointed state hold only the trainable ones.
-
-    Sharded parameters (FSDP's DTensors) are fine: everything the outer algorithm does is
-    elementwise, so it works on this rank's shards (``local_shard``) and exchanges those.
-
-    Args:
-        model: any nn.Module; its parameters are updated in place.
-        inner_optimizer: kept for checkpointing and for the user's loop (the user calls its step()).
-        comm: this worker's communicator.
-        config: the method and its settings (default: ``OuterConfig()``, DiLoCo).
-        blocks: the modules to split into fragments (default: found by :func:`find_blocks`).
-        outer_optimizer: a factory taking a list of FP32 tensors (default from the config).
-        seed: seeds stochastic rounding, per worker (mixed with ``comm.rank``).
-
-    Raises:
-        ConfigError: an invalid setting, or fragments that do not fit the model's blocks (more
-            fragments than blocks, a fragment without parameters).
+    ``outer_optimizer`` is a factory taking a list of FP32 tensors (default from the config); ``seed``
+    seeds stochastic rounding, mixed with ``comm.rank``. Raises ConfigError on an invalid setting or
+    fragments that do not fit the model's blocks.
     """
 
     def __init__(
@@ -141,12 +112,7 @@ class OuterSync:
 
     @torch.no_grad()
     def restart_from_model(self) -> None:
-        """Take the model's current parameters as the start: the outer copies become them. Only before the
-        first inner step (the workers' initial parameters were just made equal, say).
-
-        Raises:
-            RuntimeError: the outer algorithm has already taken a step.
-        """
+        """Take the model's current parameters as the outer copies; only before the first inner step."""
         if self.step != 0 or self.in_flight:
             raise RuntimeError("restart_from_model() is for the start of a run, before the first inner step")
         if self.is_dp:  # no outer copies: the model is the state
@@ -168,12 +134,7 @@ class OuterSync:
 
     # ------------------------------------------------------------------ data-parallel gradients
     def launch_grads(self) -> None:
-        """dp: start averaging the gradients (call after backward); other methods: nothing.
-
-        Raises:
-            PeerError: the communicator's group already failed.
-            DivergedError: a gradient is not finite.
-        """
+        """dp: start averaging the gradients (call after backward); other methods: nothing."""
         if not self.is_dp:
             return
         t0 = time.perf_counter()
@@ -186,11 +147,7 @@ class OuterSync:
         self.comm.add_overhead(time.perf_counter() - t0)
 
     def finish_grads(self) -> None:
-        """dp: write the mean gradient into .grad (call before the inner optimizer step).
-
-        Raises:
-            PeerError: another worker died, hung or left before the gradients were averaged.
-        """
+        """dp: write the mean gradient into .grad (call before the inner optimizer step)."""
         if self._grad_handle is None:
             return
         t0 = time.perf_counter()
@@ -207,27 +164,14 @@ class OuterSync:
         self.comm.add_overhead(time.perf_counter() - t0 - waited)
 
     def before_inner_step(self) -> None:
-        """One worker per process: average gradients if the method says so.
-
-        Call after backward and before the inner optimizer's step(), every inner step (it does
-        nothing except for dp). Same as :meth:`launch_grads` then :meth:`finish_grads`.
-
-        Raises:
-            PeerError: another worker died, hung or left (dp: the gradient exchange failed).
-            ScheduleMismatchError: the workers run different settings (checked at the first exchange).
-        """
+        """One worker per process: :meth:`launch_grads` then :meth:`finish_grads`, after backward and before the
+        inner optimizer's step(), every inner step. Raises PeerError or ScheduleMismatchError."""
         self.launch_grads()
         self.finish_grads()
 
     # ------------------------------------------------------------------ outer exchange
     def launch_outer(self) -> None:
-        """Count the inner step just taken and launch the exchanges due at it (no waiting).
-
-        Raises:
-            PeerError: the communicator's group already failed.
-            ScheduleMismatchError: the workers run different settings (checked at the first exchange).
-            DivergedError: an outer gradient (or error-feedback buffer) due to be sent is not finite.
-        """
+        """Count the inner step just taken and launch the exchanges due at it (no waiting)."""
         self.step += 1
         if self.is_dp:
             return
@@ -272,10 +216,8 @@ class OuterSync:
     def finish_outer(self) -> None:
         """Wait for and apply the exchanges due at this step (outer step, then merge into the model).
 
-        Raises:
-            PeerError: an exchange due now failed. Nothing of it is applied: the outer copies and
-                outer-optimizer state stay those of the last exchange that landed, the failed
-                exchange is dropped from ``in_flight``, and the run must restart from a checkpoint.
+        On PeerError nothing of the failed exchange is applied: the state stays that of the last exchange that
+        landed, the exchange leaves ``in_flight``, and the run must restart from a checkpoint.
         """
         if self.is_dp:
             return
@@ -296,18 +238,8 @@ class OuterSync:
         self.comm.add_overhead(time.perf_counter() - t0 - waited)
 
     def after_inner_step(self) -> None:
-        """One worker per process: launch and apply what is due after this inner step.
-
-        Call after the inner optimizer's step(), every inner step: it counts the step, launches
-        the exchanges due at it and applies those due (a blocking method waits for its own; an
-        overlapped one applies what was launched ``delay`` steps ago). Same as
-        :meth:`launch_outer` then :meth:`finish_outer`.
-
-        Raises:
-            PeerError: another worker died, hung or left before an exchange due now landed (see
-                :meth:`finish_outer` for the state left behind).
-            ScheduleMismatchError: the workers run different settings (checked at the first exchange).
-        """
+        """One worker per process: :meth:`launch_outer` then :meth:`finish_outer`, after the inner optimizer's
+        step(), every inner step. Raises PeerError or ScheduleMismatchError."""
         self.launch_outer()
         self.finish_outer()
 
@@ -317,12 +249,8 @@ class OuterSync:
             raise DivergedError(what, self.step, self.comm.rank)
 
     def _agreed(self) -> dict[str, Any]:
-        """Agree with the other workers, once, on everything that decides which exchanges this object
-        launches when; a runtime may then skip its per-exchange check (a round trip on the link).
-
-        Returns the keywords to launch with: ``agreed=True`` where the communicator agreed, and ``transport``
-        where not the default (a communicator written before either existed need not accept them).
-        """
+        """Agree once with the other workers on everything that decides which exchanges launch when, so a runtime
+        may skip its per-exchange check; returns the launch keywords (``agreed``, a non-default ``transport``)."""
         if self._agreement is None:
             cfg = self.config
             sizes = [sum(t.numel() for t in frag) for frag in self.local]
@@ -365,9 +293,8 @@ class OuterSync:
         return waited
 
     def _others_share(self, mean: list[torch.Tensor], item: InFlight) -> list[torch.Tensor]:
-        """Eager's correction: what the others added to an exchange's mean, with the M of its round (the
-        weight its own share was applied with when it was launched). nonlocal: the mean less its own
-        share, as sent (every outer gradient applied exactly once); stale_average: (M-1)/M of the mean."""
+        """Eager's correction: what the others added to an exchange's mean, with the M of its round
+        (docs/algorithms.md, 6): nonlocal, the mean less its own share as sent; stale_average, (M-1)/M of the mean."""
         m = float(item.workers)
         if self.config.eager_weighting == "nonlocal":  # own: this worker's weighted contribution, M w_m Delta_m
             return [d - o / m for d, o in zip(mean, item.handle.own, strict=True)]
@@ -384,12 +311,9 @@ class OuterSync:
 
     def _wait(self, handle: Handle, out: list[torch.Tensor] | None = None, window: list[int] | None = None
               ) -> tuple[list[torch.Tensor], float]:
-        """The mean, and the real seconds spent blocked (which the caller leaves out of overhead_s); with the
-        window of adaptive steps, renormalised over the workers whose payloads it holds.
-
-        On a real clock the time in wait() is blocking (the communicator counts it as blocked_s). On a
-        simulated clock wait() moves the clock itself, and its real seconds are the mean's computation:
-        outer machinery like the rest.
+        """The mean and the real seconds spent blocked (left out of overhead_s); under adaptive steps renormalised
+        over the workers whose payloads it holds. On a simulated clock wait() moves the clock, so its real
+        seconds are the mean's computation, counted as overhead.
         """
         t0 = time.perf_counter()
         mean = handle.wait() if out is None else handle.wait(out)
@@ -416,17 +340,8 @@ class OuterSync:
 
     # ------------------------------------------------------------------ run end and evaluation
     def drain(self, apply: bool = False) -> None:
-        """Wait on every exchange still in flight (end of a run); ``in_flight`` is empty afterwards.
-
-        Args:
-            apply: False leaves the parameters as the schedule has them. True applies what was
-                still in flight, so that every outer gradient of the run counts once: eager adds
-                the others' share (the mean less its own, already applied, with the M of its
-                round), delayed and overlapped Streaming add the mean.
-
-        Raises:
-            PeerError: an exchange in flight failed.
-        """
+        """Wait on every exchange still in flight (end of a run). ``apply=True`` applies them, so every outer
+        gradient of the run counts once; False leaves the parameters as the schedule has them."""
         t0 = time.perf_counter()
         waited = 0.0
         for item in list(self.in_flight):
@@ -446,13 +361,8 @@ class OuterSync:
         self.comm.add_overhead(time.perf_counter() - t0 - waited)
 
     def launch_consensus(self) -> list[Handle]:
-        """End of an eager run, first half: launch the mean of every fragment's outer parameters (eager's
-        workers each mix their own fresh outer gradient in, so their outer copies differ at the end; the
-        other methods' are equal already and launch nothing). Call after :meth:`drain`.
-
-        Raises:
-            RuntimeError: exchanges are still in flight (drain first).
-        """
+        """End of an eager run, first half: launch the mean of every fragment's outer parameters (other methods'
+        are equal already and launch nothing). Call after :meth:`drain`."""
         if self.config.method != "eager":
             return []
         if self.in_flight:
@@ -463,12 +373,7 @@ class OuterSync:
 
     @torch.no_grad()
     def finish_consensus(self, handles: list[Handle]) -> None:
-        """Second half: the outer parameters become the workers' mean, and the model takes them, so every
-        worker ends with the same model.
-
-        Raises:
-            PeerError: the exchange failed.
-        """
+        """Second half: the outer parameters and the model become the workers' mean."""
         for frag_outer, frag_local, handle in zip(self.outer, self.local, handles, strict=False):
             mean, _ = self._wait(handle)
             for outer, local, m in zip(frag_outer, frag_local, mean, strict=True):
@@ -509,19 +414,8 @@ class OuterSync:
                         local.copy_(s)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly.
-
-        In-flight exchanges are resolved (on a real link this waits for them) and replaced by
-        ready handles in this run too, so the run that continues and the run that resumes from
-        this state apply the very same numbers.
-
-        Returns:
-            method, step, outer copies, outer-optimizer states, the exchanges in flight with their results,
-            stochastic-rounding generator state, error-feedback buffers and adaptive rounds (None when off).
-
-        Raises:
-            PeerError: an exchange in flight failed while being resolved.
-        """
+        """Everything needed to continue exactly. In-flight exchanges are resolved and replaced by ready handles in
+        this run too, so the run that continues and the run that resumes apply the very same numbers."""
         in_flight = save_in_flight(self.in_flight, self.comm)
         return {"method": self.config.method, "step": self.step, "outer": [[t.clone() for t in f] for f in self.outer],
                 "outer_opts": [opt.state_dict() for opt in self.outer_opts], "in_flight": in_flight,
@@ -531,16 +425,8 @@ class OuterSync:
                 **({} if self.own_windows is None else {"own_windows": self.own_windows.state_dict()})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a :meth:`state_dict` (the model and inner optimizer are restored separately).
-
-        Args:
-            state: what :meth:`state_dict` returned.
-
-        Raises:
-            ValueError: the state lacks a part (saved by a development version before that part existed), is
-                for another method, its fragments do not match this model and fragment setting, or it was
-                saved with error feedback or adaptive steps on where this run has it off (or the reverse).
-        """
+        """Continue from a :meth:`state_dict` (model and inner optimizer are restored separately). Raises
+        ValueError when the state lacks a part, is for another method or fragmenting, or differs in settings."""
         check_state(state, self.config.method, self.outer)
         self.step = int(state["step"])
         with torch.no_grad():

@@ -65,12 +65,8 @@ def load_in_flight(saved: list[dict[str, Any]], comm: Communicator) -> list[InFl
 
 
 def check_state(state: dict[str, Any], method: str, outer: list[list[torch.Tensor]]) -> None:
-    """Refuse a saved outer state that this run cannot continue from.
-
-    Raises:
-        ValueError: the state lacks a part (saved by a development version before that part existed), is for
-            another method, or its fragments do not match this model and fragment setting.
-    """
+    """Refuse (ValueError) a saved outer state that lacks a part, is for another method, or whose fragments do not
+    match this model and fragment setting."""
     missing = {k for k in STATE_KEYS if k not in state} | {k for x in state.get("in_flight", ()) for k in
                                                            IN_FLIGHT_KEYS if k not in x}
     if missing:

@@ -1,7 +1,7 @@
 """A worker's side of quorum exchanges (docs/algorithms.md, 12): the rule its settings give, the window it launches
-each outer exchange with, and what it learns when a mean lands: its windows that missed their exchange, were
-merged into a later one or dropped (counted in its stats), and, under error feedback, a dropped window's payload
-put back into the buffer, so that what no mean merged stays there."""
+each outer exchange with, and where its windows landed (merged, late or dropped; a dropped payload goes back
+into the error-feedback buffer).
+"""
 
 from __future__ import annotations
 
@@ -22,12 +22,8 @@ TICKS_MEASURED = 9
 
 
 def quorum_rule(config: OuterConfig, comm: Communicator) -> QuorumRule | None:
-    """The rule of this run's exchanges; None where every exchange waits for every worker (no ``--quorum``, or
-    Q = M: every method then is bit for bit what it is without one).
-
-    Raises:
-        ConfigError: Q is more than the workers, or the communicator cannot close an exchange on a quorum.
-    """
+    """The rule of this run's exchanges; None where every exchange waits for every worker (no ``--quorum``, or Q = M:
+    bit for bit the method without one). ConfigError when Q > M or the communicator cannot close on a quorum."""
     workers = comm.num_workers
     if config.quorum is None or config.quorum == workers:
         return None
@@ -41,17 +37,9 @@ def quorum_rule(config: OuterConfig, comm: Communicator) -> QuorumRule | None:
 
 
 class OwnWindows:
-    """This worker's windows under a quorum: the inner steps each spans, where each landed (counted in ``stats``),
-    and the catch-up after one missed its exchange (12.5): a worker j of its tick-times behind the others skips
-    its next j ticks (no inner step, no compute), so that it arrives with them again, its window shorter and
-    weighted by the steps it ran. Under error feedback each window's payload (unweighted, as the others decode
-    it) is kept until a mean merges it, and put back into the buffer if dropped.
-
-    Args:
-        rank: this worker's id.
-        rule: the run's :class:`QuorumRule`.
-        fragments: P.
-        feedback: its error-feedback buffers (None: off).
+    """This worker's windows under a quorum: the steps each spans, where each landed (counted in ``stats``), and the
+    catch-up after one missed its exchange (12.5: a worker j ticks behind skips its next j ticks). Under error
+    feedback each window's payload is kept until a mean merges it, and put back into the buffer if dropped.
     """
 
     def __init__(self, rank: int, rule: QuorumRule, fragments: int, feedback: ErrorFeedback | None) -> None:
@@ -87,8 +75,7 @@ class OwnWindows:
 
     def window(self, fragment: int, step: int, workers: int, weight: Weight | None) -> tuple[Window, float]:
         """The fragment's window launched now at ``step`` as a quorum exchange takes it, and the factor its outer
-        gradient is sent with: M n / N (section 11: 1.0 for equal windows, the weight's under adaptive steps), n
-        the steps it ran."""
+        gradient is sent with: M n / N (1.0 for equal windows), n the steps it ran."""
         steps, scheduled = self.ran[fragment], self.scheduled[fragment]
         self.ran[fragment] = self.scheduled[fragment] = 0
         scale = 1.0 if weight is None else weight.scale

@@ -1,7 +1,4 @@
-"""The dense codecs: every value of the outer gradient in a low-precision format, packed for real.
-
-See :class:`Codec` for how it works.
-"""
+"""The dense codecs: every value of the outer gradient in a low-precision format (see :class:`Codec`)."""
 
 from __future__ import annotations
 
@@ -42,11 +39,8 @@ def _pow2(exponents: torch.Tensor) -> torch.Tensor:
 
 
 def _stochastic_floor(t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Round t down or up to an integer, up with probability frac(t): unbiased. Overwrites t.
-
-    Comparing u with the exact fraction avoids floor(t + u), whose FP32 addition rounds up too often
-    (e.g. 100 + 0.99999994 == 101 in FP32).
-    """
+    """Round t down or up to an integer, up with probability frac(t): unbiased. Overwrites t. Comparing u with
+    the fraction avoids floor(t + u), whose FP32 addition rounds up too often (100 + 0.99999994 == 101)."""
     low = t.floor()
     return low.add_(u < t.sub_(low))
 
@@ -54,51 +48,21 @@ def _stochastic_floor(t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 class Codec(ABC):
     """A number format for the exchange: pack FP32 values into bytes and back.
 
-    Every codec turns a 1-D FP32 vector into one contiguous ``uint8`` tensor (codes and scales) whose
-    length is exactly :meth:`Codec.packed_nbytes`, so the bytes a transport moves are the bytes the
-    format costs. Sums always happen in FP32 after decoding; only :class:`Fp32Codec` is summable as is.
+    Every codec turns a 1-D FP32 vector into one contiguous ``uint8`` tensor of exactly :meth:`packed_nbytes`,
+    so the bytes a transport moves are the bytes the format costs; sums happen in FP32 after decoding (only
+    :class:`Fp32Codec` is summable as is). Block-scaled payloads (fp8, e2m1, e3m0, int8, int4, 2bit) are
+    ``[scales: 2 bytes per block][codes: ceil(numel * bits / 8) bytes]``, native byte order.
 
-    Layout of a block-scaled payload (fp8, e2m1, e3m0, int8, int4, 2bit)::
+    The scale is the block absmax over the format's largest magnitude, rounded up to bfloat16: an absmax scale
+    uses the whole grid (e2m1 in blocks of 32: relative RMS error 0.101 against 0.115 for an E8M0 power of two on
+    normal data, 0.095 against 0.135 on Student-t(3)); bfloat16 keeps FP32's exponent range, so tiny outer
+    gradients keep a nonzero scale; rounding up never maps the absmax beyond the grid, at most 2^-7 above exact.
 
-        [ scales: 2 bytes per block ][ codes: ceil(numel * bits / 8) bytes ]
-
-    Scales come first so that they are 2-byte aligned. Multi-byte fields use the machine's native byte
-    order (little-endian on every platform PyTorch supports here).
-
-    Scale encoding (one choice for every block format): the block absmax divided by the format's largest
-    magnitude, rounded *up* to bfloat16 and stored as 2 bytes. Why:
-
-    * an absmax scale uses the whole grid; a power-of-two E8M0 scale (as in the OCP MX formats) wastes up
-      to half a binade. Measured for e2m1 with blocks of 32, relative RMS error is 0.101 (bf16 absmax)
-      against 0.115 (E8M0) on normal data and 0.095 against 0.135 on Student-t(3) data;
-    * bfloat16 has FP32's exponent range, so tiny outer gradients (1e-10 and below) keep a nonzero scale,
-      where FP16 would underflow;
-    * rounding up means the block absmax never maps beyond the grid (no saturation of the largest
-      element); the scale is at most 2^-7 above absmax / max, indistinguishable from an FP32 scale
-      (0.1013 against 0.1012 above) at half the bytes. Block absmaxes below about 1e-36 fall into
-      bfloat16's subnormal range and lose scale precision (never to zero).
-
-    Inputs must be finite: infinities saturate to the block's top value, NaN is not supported.
-
-    Encoding and decoding run on the device the tensors are on (the parameters' device: a GPU encodes
-    its own outer gradient), with the same layout; only stochastic rounding's noise differs between
-    devices (each device has its own random generator).
-
-    An all-zero block stores scale 0 and decodes to exact zeros. Codes for the 4-bit formats are packed
-    two per byte, the first value in the low nibble (2-bit codes four per byte, the first in the lowest
-    bits); the stream is not padded per block, only the last byte may be partly empty.
-
-    Rounding is round-to-nearest, ties to the even significand (for e3m0, which has no mantissa bits,
-    a tie between two powers of two goes to the larger one, a tie between 0 and 2^-6 to 0) or, with
-    ``stochastic=True``, unbiased stochastic rounding to one of the two neighbouring grid points, driven
-    by the given ``torch.Generator``.
-
-    Attributes:
-        name: one of :data:`CODEC_NAMES`.
-        bits: bits per value, excluding scales.
-        block_size: values sharing one scale (block formats only).
-        stochastic: stochastic instead of round-to-nearest rounding.
-        summable: whether payloads may be summed directly by an all-reduce (FP32 only).
+    Inputs must be finite (infinities saturate, NaN is not supported). An all-zero block stores scale 0 and
+    decodes to zeros. 4-bit codes are packed two per byte, first in the low nibble (2-bit four per byte, first
+    in the lowest bits), unpadded per block. Rounding is to nearest, ties to the even significand (e3m0: a tie
+    between powers of two goes up, between 0 and 2^-6 to 0), or with ``stochastic=True`` unbiased stochastic
+    rounding driven by the given generator, on the tensors' device.
     """
 
     name: str
@@ -116,11 +80,8 @@ class Codec(ABC):
 
     @abstractmethod
     def pack(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Encode a 1-D float tensor into one contiguous uint8 tensor of packed_nbytes(x.numel()).
-
-        The result never shares memory with x, so the caller may modify x afterwards.
-        generator drives stochastic rounding (same seed, same bytes); ignored for nearest rounding.
-        """
+        """Encode a 1-D float tensor into a new contiguous uint8 tensor of packed_nbytes(x.numel()); ``generator``
+        drives stochastic rounding (same seed, same bytes)."""
 
     @abstractmethod
     def unpack(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
@@ -180,10 +141,7 @@ class Fp32Codec(Codec):
 
 
 class Bf16Codec(Codec):
-    """Each value rounded to bfloat16 (no scale needed: bfloat16 has FP32's exponent range).
-
-    Values beyond the largest finite bfloat16 saturate instead of becoming infinite.
-    """
+    """Each value rounded to bfloat16 (no scale: FP32's exponent range); values beyond its largest finite saturate."""
 
     name = "bf16"
     bits = 16
@@ -208,11 +166,8 @@ class Bf16Codec(Codec):
 
 
 class _BlockCodec(Codec):
-    """Shared machinery of the block-scaled formats: per-block bf16 scale, code packing, decode table.
-
-    A subclass defines ``max_level`` (largest magnitude on its grid, relative to the scale),
-    :meth:`_encode` (scaled values to integer codes) and :meth:`_code_values` (value of every code).
-    """
+    """Shared machinery of the block-scaled formats: a subclass defines ``max_level`` (largest magnitude relative to
+    the scale), :meth:`_encode` (scaled values to integer codes) and :meth:`_code_values` (value of every code)."""
 
     max_level: float
 
@@ -243,10 +198,7 @@ class _BlockCodec(Codec):
 
     @abstractmethod
     def _encode(self, q: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-        """Codes (int32, in [0, 2**bits)) for values q already divided by the block scale.
-
-        u: uniform [0, 1) noise of q's shape for stochastic rounding, None for nearest.
-        """
+        """Codes (int32, in [0, 2**bits)) for values q already divided by the block scale."""
 
     @abstractmethod
     def _code_values(self) -> torch.Tensor:
@@ -361,10 +313,9 @@ class _BlockCodec(Codec):
 class _MinifloatCodec(_BlockCodec):
     """Sign-magnitude floats with `mantissa` bits, smallest normal exponent `emin` and no inf/NaN.
 
-    Codes follow the usual bit layout (sign, biased exponent, mantissa), so fp8 codes are genuine
-    float8_e4m3fn bytes and e2m1 codes the OCP MX FP4 ones. Rounding works on the magnitude: its ulp
-    is 2^(max(e, emin) - mantissa) with e = floor(log2 |q|); q / ulp is then an integer n on the grid
-    and the code is (max(e, emin) - emin) * 2^mantissa + n, which is the bit pattern of n * ulp.
+    Codes follow the usual bit layout, so fp8 codes are float8_e4m3fn bytes and e2m1 the OCP MX FP4 ones. The
+    ulp of |q| is 2^(max(e, emin) - mantissa), e = floor(log2 |q|); n = q / ulp is an integer and the code is
+    (max(e, emin) - emin) * 2^mantissa + n, the bit pattern of n * ulp.
     """
 
     mantissa: int
@@ -393,12 +344,8 @@ class _MinifloatCodec(_BlockCodec):
 
 
 class Fp8Codec(_MinifloatCodec):
-    """float8 e4m3fn (max 448, subnormals down to 2^-9) with a per-block scale.
-
-    E4M3 already has a wide dynamic range, but outer gradients are far below its smallest subnormal,
-    so the per-block scale (absmax mapped to 448, as in MXFP8) places each block at the top of the
-    range; values saturate at +-448 rather than turning into NaN.
-    """
+    """float8 e4m3fn (max 448) with a per-block scale: outer gradients lie far below its smallest subnormal, so
+    the scale (absmax to 448, as in MXFP8) places each block at the top of the range; values saturate at +-448."""
 
     name = "fp8"
     bits = 8
@@ -457,14 +404,9 @@ class Int4Codec(_IntCodec):
 
 
 class TwoBitCodec(_BlockCodec):
-    """Sign and one bit of magnitude: {+-1/2, +-1} times the block scale (absmax maps to 1), four codes a
-    byte. Meant for the values a sparse exchange keeps (the largest of their chunk, so none is near
-    zero); error feedback carries the rounding to the next round.
-
-    Code bits: bit 0 the magnitude (0: 1/2, 1: 1), bit 1 the sign. Nearest rounding sends |q| >= 3/4 to
-    1 and everything below, zero included, to 1/2 (an all-zero block has scale 0 and decodes to zeros);
-    stochastic rounding sends |q| in [1/2, 1] to 1 with probability 2|q| - 1 (unbiased there) and |q|
-    below 1/2 to 1/2. Values already on the grid decode to themselves.
+    """Sign and one bit of magnitude: {+-1/2, +-1} times the block scale, four codes a byte (bit 0 the magnitude,
+    bit 1 the sign), for the values a sparse exchange keeps (docs/algorithms.md, 10). Nearest sends |q| >= 3/4
+    to 1 and the rest to 1/2; stochastic sends |q| in [1/2, 1] to 1 with probability 2|q| - 1, below to 1/2.
     """
 
     name = "2bit"

@@ -43,30 +43,10 @@ def _bits_uint(bits: torch.Tensor, width: int) -> torch.Tensor:
 class TopKCodec(Codec):
     """Keep the k entries of largest magnitude of every chunk of ``chunk`` values; send them and where they are.
 
-    The vector is cut into chunks of ``chunk`` values in order (the last may be shorter and keeps
-    min(k, its length)). In each chunk the k entries of largest |x| are kept, ties to the lower index
-    (deterministic on every device), and listed in increasing position. Everything else decodes to zero.
-
-    Layout of a payload::
-
-        [ the kept values, chunk after chunk, as one payload of ``values`` (its scales first) ]
-        [ positions: one bit stream, chunk after chunk, padded to a whole byte at the end ]
-
-    A chunk's positions are k indices of ceil(log2 length) bits each (lowest bit first), or a mask of
-    length bits (the first value in the lowest bit), whichever is smaller; the choice follows from the
-    chunk's length and k alone (:func:`~eagerloco.codec_sizes.chunk_position_bits`), so it costs no flag.
-    With the default 2-bit values, 64 of 4096 take 12-bit indices: about 0.23 bits per value of the
-    vector, 141x fewer bytes than FP32 (:func:`~eagerloco.codec_sizes.sparse_bits_per_value`).
-
-    Encoding is vectorized over chunks (one threshold per chunk from ``torch.topk``, ties settled by a
-    running count), so its cost grows with the vector, not with a Python loop. Encoding what a payload
-    decodes to gives the same values again (the decoded kept entries are what TopK keeps again; where
-    a chunk had fewer than k nonzeros, the 2-bit grid has turned the zeros it kept into +-scale/2).
-
-    Args:
-        values: the dense codec of the kept values (its blocks run over the kept values in order).
-        chunk: values per chunk (C).
-        k: values kept per chunk (at most C).
+    Ties go to the lower index; the payload is the kept values as one payload of ``values`` (scales first), then
+    the positions as one bit stream, per chunk k indices or a mask, whichever is smaller
+    (:func:`~eagerloco.codec_sizes.chunk_position_bits`), padded to a byte at the end (docs/algorithms.md, 10).
+    Encoding is vectorized over chunks; encoding what a payload decodes to gives the same values again.
     """
 
     summable = False
@@ -161,14 +141,8 @@ class TopKCodec(Codec):
 
 
 class SharedSupportCodec(Codec):
-    """k values of every chunk of ``chunk`` at positions drawn from a seed every worker shares (the exchange's
-    step, :meth:`for_step`), sent without their positions: every worker keeps the same positions, so the
-    values can be summed on the way (:mod:`eagerloco.comm.reduce_scatter`), whatever M.
-
-    Each chunk's k positions are a uniform draw without replacement (the last chunk keeps min(k, its
-    length)), from a CPU generator seeded by the seed alone: the same on every worker and device. The
-    payload is the kept values, in position order, as one payload of ``values``; the rest decodes to zero.
-    """
+    """k values of every chunk at positions every worker draws alike from the exchange's step (:meth:`for_step`),
+    sent without positions, so the values can be summed on the way whatever M (docs/algorithms.md, 7)."""
 
     summable = False
 

@@ -1,10 +1,7 @@
 """The Communicator interface: what the outer algorithm sees of the other workers.
 
-The algorithm never knows whether its peers are objects in the same process, processes on one
-machine or machines across an ocean. It calls :meth:`Communicator.allreduce_mean` and later
-waits on the returned :class:`Handle`. Every implementation encodes the tensors once with the
-codec, moves the packed bytes, dequantizes every worker's payload and sums in FP32 in worker
-order, so results do not depend on the transport.
+Every implementation encodes the tensors once with the codec, moves the packed bytes, dequantizes every
+worker's payload and sums in FP32 in worker order, so results do not depend on the transport.
 """
 
 from __future__ import annotations
@@ -76,14 +73,9 @@ class Contribution:
 
 @dataclass(frozen=True)
 class QuorumResult:
-    """What a quorum exchange that did not merge exactly every worker's window on time with its scheduled steps
-    holds (sent with the mean, so that every worker knows where its own window landed).
-
-    Attributes:
-        step: the step its own windows were launched at.
-        merged: every window its mean holds, on time (``step`` equal) or late, in (step, worker) order; the mean
-            is their token-weighted mean, sum_c n_c X_c / sum_c n_c.
-        dropped: the late windows it dropped as staler than the rule's bound.
+    """What a quorum exchange that did not merge every worker's window on time holds, sent with the mean so every
+    worker knows where its own windows landed: ``merged`` (token-weighted into the mean, in (step, worker) order)
+    and ``dropped`` (staler than the rule's bound).
     """
 
     step: int
@@ -110,12 +102,8 @@ class QuorumResult:
 
 
 def wire_bytes(payload_bytes: int, num_workers: int, summable: bool) -> int:
-    """Bytes one worker sends for one exchange of a payload of this size.
-
-    Summable (fp32) payloads use a ring all-reduce: 2(M-1)/M of the payload. Quantized payloads
-    are all-gathered so that the sum stays in FP32: each worker sends (M-1) payloads' worth on a
-    ring. One worker alone sends nothing.
-    """
+    """Bytes one worker sends for one exchange: a ring all-reduce (2(M-1)/M of the payload) for summable fp32
+    payloads, an all-gather ((M-1) payloads) for quantized ones so the sum stays FP32; nothing alone."""
     if num_workers <= 1:
         return 0
     if summable:
@@ -155,13 +143,9 @@ def decoder(codec: Codec) -> Callable[[torch.Tensor, int], torch.Tensor]:
 
 def mean_of_payloads(codec: Codec, payloads: list[torch.Tensor], numel: int,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dequantize every worker's payload and sum in FP32 in worker order, then divide by M.
-
-    out: an FP32 vector of numel values to write the mean into (reused memory) instead of a new one.
-    """
-    # The FP32 payloads are the values: they are read in place instead of decoded into copies. The
-    # sum starts from the first two payloads (into fresh memory, or out) instead of from zeros: the
-    # same bits (0 + x == x) with one pass less; the division happens in place.
+    """Dequantize every worker's payload and sum in FP32 in worker order, then divide by M (into ``out`` if given)."""
+    # The FP32 payloads are read in place; the sum starts from the first two payloads instead of zeros
+    # (the same bits, 0 + x == x, with one pass less).
     decode = decoder(codec)
     vals = (decode(buf, numel) for buf in payloads)  # decoded one by one, not all at once
     total = next(vals)
@@ -178,11 +162,8 @@ def mean_of_payloads(codec: Codec, payloads: list[torch.Tensor], numel: int,
 
 def encode(codec: Codec, flat: torch.Tensor, generator: torch.Generator | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(payload, own): the packed payload of a flat FP32 vector and its values as the others decode them.
-
-    flat must be the caller's private copy (as :func:`flatten` makes). FP32 is its own encoding: the
-    payload is flat's bytes and own is flat itself, with no copies; nothing writes to either.
-    """
+    """(payload, own): the packed payload of a flat FP32 vector (the caller's private copy) and its values as the
+    others decode them; FP32 is its own encoding, with no copies."""
     if isinstance(codec, Fp32Codec) and flat.dtype == torch.float32 and flat.is_contiguous():
         return flat.view(torch.uint8), flat
     payload = codec.pack(flat, generator)
@@ -206,41 +187,19 @@ class Handle(ABC):
 
     @abstractmethod
     def wait(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Block until the exchange has landed; return the FP32 mean, shaped like the input.
+        """Block until the exchange has landed; return the FP32 mean, shaped like the input (into ``out`` if given).
 
-        The tensors are the caller's: fresh memory that nothing else holds, so the caller may write
-        into them (an optimizer given them as gradients does). Passing out avoids the allocation,
-        which matters for an exchange every step (data-parallel gradients).
-
-        Args:
-            out: tensors shaped like the input (any float dtype) to copy the mean into.
-
-        Returns:
-            The mean over the workers, one tensor per input tensor: out itself when given.
-
-        Raises:
-            PeerError: another worker died, hung or left before the exchange completed (real
-                transports); the run cannot go on without re-forming the group.
-            ScheduleMismatchError: the workers launched different exchanges at this position.
-            RuntimeError: the handle was already waited on (wait exactly once).
-            ValueError: out holds a different number of tensors than the input.
+        The tensors are fresh memory the caller may write into. Wait exactly once. Raises PeerError when another
+        worker died, hung or left (the group must be re-formed), ScheduleMismatchError when the workers launched
+        different exchanges at this position.
         """
 
     @abstractmethod
     def done(self) -> bool:
-        """Whether :meth:`wait` would return without blocking.
-
-        Returns:
-            True once the result is there (or the exchange has failed: wait then raises). It is
-            advisory: algorithms must not branch on it, since workers may see different answers.
-        """
+        """Whether :meth:`wait` would return without blocking; advisory (workers may see different answers)."""
 
     def checkpoint_result(self) -> tuple[list[torch.Tensor], float | None]:
-        """The mean, for a checkpoint, and the clock time it lands at (None: already landed).
-
-        The default waits; a runtime with a simulated clock returns the result without moving
-        the clock, so checkpointing does not change the run's accounting.
-        """
+        """The mean for a checkpoint and the clock time it lands at (None: landed); a simulated clock is not moved."""
         return self.wait(), None
 
 
@@ -307,37 +266,14 @@ class Communicator(ABC):
         self, tensors: list[torch.Tensor], codec: Codec, generator: torch.Generator | None = None,
         *, keep_own: bool = True, agreed: bool = False, transport: str = "allgather", window: Window | None = None,
     ) -> Handle:
-        """Start averaging tensors over the workers (background); returns at once.
+        """Start averaging tensors over the workers (background); returns at once with a :class:`Handle`.
 
-        The tensors are encoded before this returns, so the caller may change them afterwards.
-        Every worker must launch the same exchanges (same sizes and codec) in the same order.
-
-        Args:
-            tensors: this worker's contribution (any shapes and float dtypes; summed in FP32).
-            codec: how the payload is encoded on the link (its byte size is what is accounted).
-            generator: drives stochastic rounding, where the codec uses it.
-            keep_own: False when the caller will not read ``handle.own`` (it is then empty), which
-                lets a runtime reuse the payload's memory once the exchange is done (data-parallel
-                gradients, every step).
-            agreed: :meth:`agree` returned True for the schedule this exchange belongs to, so every
-                worker launches this same exchange now and a runtime may skip its own per-exchange
-                check.
-            transport: how a quantized dense payload moves (``OuterConfig.transport``): ``allgather``
-                (exact FP32 sums of the payloads) or ``reduce-scatter`` (about two payloads per worker
-                whatever M, one more rounding: :mod:`eagerloco.comm.reduce_scatter`). FP32 and sparse
-                payloads ignore it; a runtime that cannot shard (elastic) refuses it.
-            window: an outer window of a quorum exchange (only where ``closes_on_quorum``): the exchange may
-                close without every worker's window by its rule, and a window that missed it is merged into
-                the fragment's next one or dropped; ``Handle.quorum`` then says which.
-
-        Returns:
-            A :class:`Handle` to wait on exactly once; ``handle.own`` is this worker's contribution
-            as the others decode it.
-
-        Raises:
-            PeerError: the group already failed (a real transport raises on every call after a
-                failure); failures of this exchange itself surface at :meth:`Handle.wait`.
-            RuntimeError: the communicator is closed.
+        The tensors are encoded before this returns. Every worker must launch the same exchanges (same sizes and
+        codec) in the same order. ``keep_own=False``: the caller will not read ``handle.own``, so the runtime may
+        reuse the payload's memory. ``agreed``: :meth:`agree` returned True for this schedule, so the runtime may
+        skip its per-exchange check. ``transport``: how a quantized dense payload moves (``OuterConfig.transport``).
+        ``window``: a quorum exchange's window (only where ``closes_on_quorum``; docs/algorithms.md, 12).
+        Failures of the exchange itself surface at :meth:`Handle.wait`.
         """
 
     def clock(self) -> float:
@@ -359,42 +295,14 @@ class Communicator(ABC):
         """Block (on a simulated clock) until time t, counting the wait as blocked time."""
 
     def agree(self, schedule: bytes, describe: str = "") -> bool:
-        """Check once that every worker runs the same exchange schedule; say whether exchanges of it
-        may then be launched with ``agreed=True``.
-
-        Every worker must call it at the same point of its exchange sequence (it is an exchange).
-
-        Args:
-            schedule: a digest of everything that decides which exchanges are launched when
-                (method, fragment sizes, codec, step, ...).
-            describe: the same in words, for the error message.
-
-        Returns:
-            True when the workers agreed and this runtime will skip its per-exchange check for
-            exchanges launched with ``agreed=True``; False where there is nothing to skip (the
-            default, and a runtime that keeps its checks anyway).
-
-        Raises:
-            ScheduleMismatchError: the workers' digests differ.
-            PeerError: another worker died, hung or left during the agreement.
+        """Check once that every worker runs the same exchange ``schedule`` (a digest; ``describe`` in words for the
+        error) and say whether exchanges of it may be launched with ``agreed=True``. Every worker calls it at the
+        same point of its exchange sequence; raises ScheduleMismatchError when the digests differ.
         """
         return False
 
     def barrier(self) -> None:  # noqa: B027 - optional for implementations without peers
-        """Wait for every worker (used at start and end of a run), in order with the exchanges
-        launched before it.
-
-        Raises:
-            PeerError: another worker died, hung or left before reaching the barrier.
-        """
+        """Wait for every worker (start and end of a run), in order with the exchanges launched before it."""
 
     def close(self, cancel: bool = False) -> None:  # noqa: B027 - nothing to release by default
-        """Release resources (threads, connections); closing twice is harmless.
-
-        Every implementation takes the same arguments: the trainer closes whichever one it has
-        with ``close(cancel=True)`` after a peer failure.
-
-        Args:
-            cancel: drop exchanges still queued instead of running them first (after a failure,
-                when the peers no longer expect them). Implementations without a queue ignore it.
-        """
+        """Release resources; closing twice is harmless. ``cancel`` drops exchanges still queued (after a failure)."""

@@ -1,9 +1,5 @@
-"""Connecting the workers of a run, for every entry point: :func:`connect` (the hook API, the callbacks, the
-torchft port) and :meth:`Connection.outer` (the trainer's separate jobs) join the other workers through
-:mod:`eagerloco.comm.rendezvous` (an outer store across separate jobs, a torchrun WORLD, or one worker
-alone) and return a :class:`Connection`: the communicator, where this process sits, the meeting where
-the workers agree before the first step, and what to give back at the end.
-"""
+"""Connecting the workers of a run, for every entry point: :func:`connect` and :meth:`Connection.outer` join
+through :mod:`eagerloco.comm.rendezvous` and return a :class:`Connection`."""
 
 from __future__ import annotations
 
@@ -37,13 +33,8 @@ from eagerloco.environment import Environment
 class Connection:
     """How this process reaches the other workers, and what it must give back at the end.
 
-    Attributes:
-        comm: this worker's communicator.
-        ctx: where this process sits among the workers (None: a communicator given by the caller, or alone).
-        membership: the elastic membership across jobs (``elastic=True``), else None.
-        timeout_s: how long a wait for the others lasts.
-        seed: seeds the emulated link and stochastic rounding (mixed with the worker id).
-        init_sync: the workers start from worker 0's parameters (else each keeps its own, checked equal).
+    ``ctx``: where this process sits (None: a given communicator, or alone); ``membership``: the elastic
+    membership across jobs; ``init_sync``: start from worker 0's parameters (else each keeps its own, checked equal).
     """
 
     comm: Communicator
@@ -67,13 +58,9 @@ class Connection:
     def outer(cls, rdzv: OuterRendezvous, link: LinkConfig | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
               seed: int = 0, elastic: bool = False, init_sync: bool = True,
               device: torch.device | None = None, settings: Mapping[str, Any] | None = None) -> Connection:
-        """Join the other workers as one job of several (:func:`join_outer_group`) and open the communicator
-        over the outer group; ``elastic``: with a membership that re-forms it when a worker dies, and that
-        admits this worker into a run under way (:func:`join_run`; then :meth:`take_state`).
-        ``settings``: what a worker joining later must match (kept in the coordinator).
-
-        Raises:
-            ConfigError, PeerError: as :func:`join_outer_group` (naming the command line's flags).
+        """Join the other workers as one job of several and open the communicator over the outer group; ``elastic``
+        adds a membership that re-forms it and admits this worker into a run under way (then :meth:`take_state`).
+        ``settings``: what a worker joining later must match.
         """
         from eagerloco.comm.worker import communicator_for
 
@@ -144,14 +131,8 @@ SETTINGS_KEY = "eagerloco/settings"
 
 def join_run(ctx: DistContext, rdzv: OuterRendezvous, timeout_s: float, elastic: bool,
              settings: Mapping[str, Any] | None) -> tuple[Membership, int]:
-    """A worker that arrives after the run started: check its settings against the run's, ask to join, and wait
-    until the members admit it at a round boundary (:meth:`Membership.join`). Returns the membership and
-    the member whose state it receives.
-
-    Raises:
-        ConfigError: the run is not elastic, or a setting differs from the run's (each named, one line).
-        PeerError: no member is alive to admit it, or it was not admitted in time.
-    """
+    """A worker that arrives after the run started: check its settings against the run's, ask to join, and wait to
+    be admitted at a round boundary. Returns the membership and the member whose state it receives."""
     store = ctx.outer_store
     assert store is not None
     me = f"worker {rdzv.worker}"
@@ -191,20 +172,10 @@ def connect(outer_addr: str | None = None, worker_id: int | None = None, workers
     """Join the other workers: an outer rendezvous (the arguments, else EAGERLOCO_OUTER_ADDR / _WORKER_ID /
     _WORKERS: each worker its own job), else the torchrun WORLD of M workers x R ranks, else this worker alone.
 
-    Args:
-        outer_addr, worker_id, workers: the outer rendezvous (the coordinator at host:port, ``eagerloco coordinator``).
-        ranks_per_worker: R, under one torchrun WORLD of M * R ranks.
-        link: an emulated slow link (bandwidth, latency) between the workers.
-        timeout_s: seconds before a silent worker is declared dead (and every wait here gives up).
-        seed: seeds the emulated link and stochastic rounding (mixed with the worker id).
-        elastic: with an outer rendezvous (one process per job), a worker that dies does not stop the
-            others: they re-form the outer group over the coordinator's store (:mod:`eagerloco.comm.elastic`).
-        init_sync: the workers start from worker 0's parameters (as torchft's Manager does).
-        device: where the communicator hands means back (default: the parameters').
-
-    Raises:
-        ConfigError: ``workers`` > 1 without a way to reach the others, or an invalid rendezvous.
-        PeerError: the rendezvous did not complete within the timeout.
+    ``outer_addr`` is the coordinator's host:port (``eagerloco coordinator``); ``link`` an emulated slow link;
+    ``timeout_s`` the seconds before a silent worker is declared dead; ``elastic`` lets the others go on when a
+    worker dies (:mod:`eagerloco.comm.elastic`); ``init_sync`` starts everyone from worker 0's parameters;
+    ``device`` is where means are handed back. Raises ConfigError or PeerError.
     """
     from eagerloco.comm.inprocess import InProcessGroup
     from eagerloco.comm.worker import communicator_for

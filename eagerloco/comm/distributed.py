@@ -1,14 +1,10 @@
 """The torch.distributed transport: one outer communicator per process, exchanges in a background thread.
 
-Only the outer ranks (see :mod:`eagerloco.comm.groups`) own a :class:`TorchDistCommunicator`; a
-worker of several ranks shares its results with the others through
-:class:`~eagerloco.comm.worker.WorkerCommunicator`. The communicator composes the parts of
-``comm/``: the queue and thread its exchanges run on in launch order
-(:mod:`~eagerloco.comm.exchange_queue`), the group it runs them on (:mod:`~eagerloco.comm.peers`),
-the header and agreement checks (:mod:`~eagerloco.comm.ops`), the heartbeat that names a dead peer
-(:mod:`~eagerloco.comm.heartbeat`) and the elastic membership change (:mod:`~eagerloco.comm.regroup`).
-How one exchange runs is told beside :meth:`TorchDistCommunicator._execute`, failures beside
-:meth:`TorchDistCommunicator._fail`.
+Only the outer ranks (:mod:`eagerloco.comm.groups`) own a :class:`TorchDistCommunicator`; the others share
+its results through :class:`~eagerloco.comm.worker.WorkerCommunicator`. It composes the queue
+(:mod:`~eagerloco.comm.exchange_queue`), the group (:mod:`~eagerloco.comm.peers`), the header checks
+(:mod:`~eagerloco.comm.ops`), the heartbeat (:mod:`~eagerloco.comm.heartbeat`) and the elastic change
+(:mod:`~eagerloco.comm.regroup`).
 """
 
 from __future__ import annotations
@@ -77,12 +73,8 @@ class TorchDistHandle(Handle):
         return self._event.is_set()
 
     def wait(self, out: list[torch.Tensor] | None = None, timeout: float | None = None) -> list[torch.Tensor]:
-        """Block until the exchange landed; the time spent here is added to stats.blocked_s.
-
-        timeout: seconds to wait at most (then :class:`PeerError`). By default the wait lasts as long
-        as the exchanges ahead make progress, and gives up once one collective has been stuck for
-        the communicator's timeout (plus slack).
-        """
+        """Block until the exchange landed (time added to stats.blocked_s). By default the wait lasts while the
+        exchanges ahead make progress, and gives up once one collective is stuck past the timeout (plus slack)."""
         if self._waited:
             raise RuntimeError("this exchange was already waited on; wait on each handle exactly once")
         self._waited = True
@@ -114,16 +106,10 @@ class TorchDistHandle(Handle):
 class TorchDistCommunicator(Communicator):
     """One worker's view of the outer group over torch.distributed (one worker per process).
 
-    group: the outer ProcessGroup (None: the default group). link: the slow link to emulate
-    (default: none beyond the real one). timeout_s: how long one collective may wait for peers.
-    names: how error messages call each worker (outer-group rank -> name). store: where heartbeats
-    go (None: no heartbeats, errors cannot name the dead worker). seed: jitter RNG, the same on all
-    workers so that they agree on the link schedule. elastic: park on a failed collective instead
-    of failing (see :mod:`eagerloco.comm.regroup`). members: the worker id of each group rank (default:
-    rank r is worker r); ``rank`` is this process's worker id. channel: which of its worker's outer
-    exchanges this is when each rank exchanges a shard (its rank in the worker); heartbeats are kept
-    per channel, and errors name the same worker whichever channel fails. device: where the
-    parameters are; on a GPU payloads leave and return through :mod:`~eagerloco.comm.staging`.
+    ``store``: where heartbeats go (None: errors cannot name a dead worker). ``seed``: jitter RNG, the same on
+    all workers so they agree on the link schedule. ``elastic``: park on a failed collective instead of failing.
+    ``members``: the worker id of each group rank. ``channel``: this rank's index in its worker when each rank
+    exchanges a shard. ``device``: on a GPU payloads pass through :mod:`~eagerloco.comm.staging`.
     """
 
     def __init__(
@@ -254,17 +240,9 @@ class TorchDistCommunicator(Communicator):
         return handle
 
     def agree(self, schedule: bytes, describe: str = "") -> bool:
-        """Check with the other workers that they all run the schedule digested in ``schedule``.
-
-        Every exchange normally starts with a header round trip (sizes, codec and sequence agreed
-        before the payload moves: gloo aborts or corrupts on mismatched sizes). On a real link that
-        is one more latency per exchange, on the critical path of every blocking sync. A caller whose
-        exchanges follow from a schedule (OuterSync: method, fragment sizes, codec, step) agrees on
-        it once here; its exchanges launched with ``agreed=True`` then skip the header.
-
-        Returns False, without talking to anyone, where the header is needed anyway: in elastic
-        mode (membership changes rerun exchanges by their sequence) and on an emulated link (the
-        header carries the launch times the link schedule starts from).
+        """Agree once on the schedule, so exchanges launched with ``agreed=True`` skip the per-exchange header round
+        trip (one latency each). False, without talking, in elastic mode (changes rerun exchanges by their sequence)
+        and on an emulated link (the header carries the launch times).
         """
         self._check_open()
         if self.elastic or not self.link.trivial:
@@ -289,11 +267,8 @@ class TorchDistCommunicator(Communicator):
             raise handle._error
 
     def close(self, cancel: bool = False) -> None:
-        """Stop the communication thread.
-
-        By default exchanges still queued run first (the peers expect them); cancel=True (or after
-        an error) drops them and interrupts the link emulation. Waits at most the timeout.
-        """
+        """Stop the communication thread; queued exchanges run first unless ``cancel`` (or after an error). Waits at
+        most the timeout."""
         if self._closed:
             return
         self._closed = True
@@ -421,16 +396,10 @@ class TorchDistCommunicator(Communicator):
     def _execute(self, op: Op) -> torch.Tensor | None:
         """Run one operation on this thread; returns the flat FP32 mean (None for a barrier or agreement).
 
-        First the header all-gather (:mod:`eagerloco.comm.ops`) unless the schedule was agreed,
-        then the payload moves, then a sleep until the emulated slow link could have carried it
-        (:mod:`~eagerloco.comm.emulated_link`, starting from the latest launch time). Quantized
-        payloads are all-gathered packed and each worker dequantizes and sums them in FP32 in
-        worker order (:func:`~eagerloco.comm.base.mean_of_payloads`, bit for bit the in-process
-        runtime's result). FP32 payloads are summed by one all-reduce: for M = 2 that is bit for
-        bit the same sum, beyond that it differs only in the ring's summation order (last-bit
-        rounding), and it moves 2(M-1)/M payloads per worker instead of M-1. So the byte
-        accounting of :func:`~eagerloco.comm.base.wire_bytes` (a ring all-reduce for fp32, a ring
-        all-gather otherwise) is what the transport moves.
+        Header all-gather unless agreed, then the payload, then a sleep until the emulated link could have carried it.
+        Quantized payloads are all-gathered and summed in FP32 in worker order (bit for bit the in-process result);
+        FP32 payloads by one all-reduce (the same bits for M = 2, else the ring's order), as
+        :func:`~eagerloco.comm.base.wire_bytes` accounts.
         """
         self.exchanges.entered = op.seq
         self.heartbeat.announce()
@@ -467,14 +436,8 @@ class TorchDistCommunicator(Communicator):
     # -- failures -----------------------------------------------------------------------------------
 
     def _fail(self, seq: int, what: str, cause: BaseException | None) -> None:
-        """Turn a transport failure into one PeerError for this and every later operation.
-
-        A peer that dies closes its sockets and gloo fails the collective at once; a peer that hangs
-        makes it fail at the process-group timeout (``wait()`` has its own backstop, timeout + slack
-        of no progress, in case the backend never returns). Either ends here outside elastic mode:
-        the group is unusable afterwards (restart from a checkpoint). The message names the workers
-        the heartbeats (:mod:`eagerloco.comm.heartbeat`) point at.
-        """
+        """Turn a transport failure into one PeerError for this and every later operation, naming the workers the
+        heartbeats point at; outside elastic mode the group is unusable afterwards (restart from a checkpoint)."""
         if self._error is not None:
             self.exchanges.fail_pending(self._error)
             return

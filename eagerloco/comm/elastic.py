@@ -1,7 +1,4 @@
-"""Elastic membership: workers die and come back, the others go on.
-
-See :class:`Membership` for how it works.
-"""
+"""Elastic membership: workers die and come back, the others go on (see :class:`Membership`)."""
 
 from __future__ import annotations
 
@@ -49,62 +46,25 @@ def outer_digest(params: list[torch.Tensor]) -> str:
 class Membership:
     """This worker's view of who is in the run, and the protocol that changes it.
 
-    torch.distributed cannot shrink or grow a process group, so membership moves in *epochs*: every
-    change shuts the group down and builds a new gloo group among the new members (not a subgroup of
-    WORLD: separate jobs have none in common), over the store no worker hosts (the coordinator of
-    ``eagerloco coordinator``, or ``eagerloco launch``'s) under a fresh prefix
-    (``eagerloco/outer-pg/ep<E>/``). The few control collectives of a change run on it too (the
-    communication thread is parked meanwhile). Worker ids stay
-    stable (they name data shards, seeds and checkpoint files); a worker's rank in an epoch's group is
-    its position among the sorted member ids. One worker per process (``--ranks-per-worker 1``).
+    torch.distributed cannot shrink or grow a process group, so membership moves in epochs: every change builds a
+    new gloo group among the new members over the coordinator's store under ``eagerloco/outer-pg/ep<E>/``. Worker
+    ids stay stable (they name data shards, seeds and checkpoints); a worker's rank is its position among the
+    sorted member ids. One worker per process.
 
-    A worker dies (epoch E -> E+1). Its peers' collectives fail; each survivor's communicator parks
-    (:class:`~eagerloco.comm.distributed.TorchDistCommunicator` in elastic mode, see
-    :mod:`eagerloco.comm.regroup`) and the survivor, at its next wait or step boundary, runs
-    :meth:`Membership.recover`:
+    A worker dies: each survivor's communicator parks (:mod:`eagerloco.comm.regroup`) and the survivor runs
+    :meth:`recover`: it flags ``ep<E+1>/recovering``, announces itself alive, and once every member has announced
+    or is known gone (exited, stale heartbeat) or at the timeout, the first to decide writes the member list with
+    compare-and-set, which all adopt. An exchange that completed on any survivor counts in full (passed to those
+    that missed it); every later one is rerun among the survivors from their saved payloads, so no partial result
+    is applied, and eager's correction uses each exchange's own M so every outer gradient counts exactly once.
 
-    1. it flags ``ep<E+1>/recovering`` (peers that have not hit a failed collective yet see it at
-       their next round boundary) and announces ``ep<E+1>/alive/<id>``;
-    2. once every member of epoch E has announced or is known gone (the launcher wrote
-       ``exited/<id>``, or its heartbeat is stale or says closed), or after the timeout, the first
-       survivor to decide writes the member list with compare-and-set; everyone adopts that one value
-       (a survivor left out stops with PeerError, and may come back as a joiner);
-    3. the survivors build epoch E+1's groups.
+    A worker (re)joins: it writes ``join/req/<id>`` and waits; the leader (lowest id) sees it at a round boundary
+    and schedules the change at a later boundary b (exchange delay plus two rounds ahead) in ``ep<E>/change``. At
+    b the members resolve the exchanges in flight, build the new group, and the leader sends the joiner its whole
+    state, so the joiner continues from b+1 as an exact copy except for its data position.
 
-    The exchanges that were in flight: an exchange that completed on *any* survivor counts with its
-    full result (every worker, the dead one included, contributed to it): survivors that did not see
-    it complete receive it from one that did (at most one exchange can be in that state, since
-    completing exchange n needs every member to have completed n-1). Every later exchange is run
-    again among the survivors from each survivor's own saved payload, so the mean is over the workers
-    present. No partial result is ever applied. Eager's bookkeeping stays exact because each exchange
-    in flight remembers the M its worker's own share was applied with (``_InFlight.workers`` in
-    :mod:`eagerloco.outer`): the correction subtracts own/M_round and adds the mean over whoever
-    contributed, so every outer gradient present is applied exactly once.
-
-    A worker (re)joins (epoch E -> E+1). A restarted process (``eagerloco launch --elastic --max-restarts
-    N`` restarts it; a job started against a run under way), or a new worker id, writes ``join/req/<id>``
-    (and its id under ``join/who/``) and waits. The leader (lowest member id) sees the request at a round
-    boundary (a step where fragment 0 syncs: step % H == 0; every step for dp) and schedules the change at a
-    later boundary b, far enough ahead (the exchange delay plus two rounds) that no member has passed b, in
-    ``ep<E>/change``. Every member reads it at its boundaries; at step b they resolve the exchanges still in
-    flight in the old group (so nothing crosses the change half-done), the leader writes
-    ``join/admit/<id>``, all build the new groups, and the leader sends the joiner its complete current
-    state: outer parameters and outer-optimizer state of every fragment, the exchanges in flight with their
-    results, the local model, inner optimizer and schedule, step counter and exchange numbering. The joiner
-    continues from step b+1 as an exact copy of the leader except for its own data position (its last
-    checkpoint's, else fresh). The outer state is the leader's at the very step the joiner starts from:
-    never a stale copy.
-
-    An elastic run ends with the members agreeing on one model: the leader's outer parameters are
-    broadcast (for eager, whose workers' outer copies differ slightly, this picks the copy the final
-    evaluation used; for the other methods they are already equal).
-
-    Limits: a second failure during the few collectives of a change (or a joiner dying between its
-    admission and its first step) stops the run with PeerError; resume from the last checkpoint.
-
-    client: a client of the coordinator's store. group, members, epoch: the current group (None: :meth:`form`
-    builds it, or :meth:`join`). inner_steps/delay/steps: where
-    round boundaries are, how far ahead a change must be scheduled, and when the run ends.
+    An elastic run ends with the leader's outer parameters broadcast. A second failure during a change stops the
+    run with PeerError (resume from the last checkpoint).
     """
 
     def __init__(
@@ -187,9 +147,8 @@ class Membership:
 
     # ------------------------------------------------------------------ per step
     def on_step(self, step: int) -> None:
-        """After each inner step: re-form the group if an exchange failed; at a round boundary, if another
-        member started a change, and admit joiners (no store round trip on the other steps: on a slow link
-        each would cost a latency)."""
+        """After each inner step: re-form the group if an exchange failed; at a round boundary, follow a change another
+        member started and admit joiners (no store round trip on other steps: each would cost a latency)."""
         self.step = step
         comm = self.comm
         assert comm is not None
@@ -217,13 +176,8 @@ class Membership:
                         "resume from the last checkpoint")
 
     def collect(self, prefix: str) -> dict[int, Any]:
-        """Wait until every member has published ``prefix/<id>`` (JSON) in the store; returns them.
-
-        Checkpoint manifests and the final summary go through the store rather than a collective:
-        a worker that has published goes on without waiting, so a death can never leave some
-        members inside a collective that others completed. A member found gone is not waited for;
-        a broken group is re-formed first.
-        """
+        """Wait until every member has published ``prefix/<id>`` (JSON) in the store; returns them. Through the store
+        rather than a collective, so a death never leaves some members inside a collective others completed."""
         comm = self.comm
         assert comm is not None
 
@@ -432,16 +386,8 @@ class Membership:
 
     @staticmethod
     def change_failed(e: RuntimeError, what: str) -> RuntimeError:
-        """A backend failure during a membership change (a documented limit, see the class) as one line naming
-        the change and the way on, not the backend's C++ frames; a PeerError of ours is passed on as it is.
-
-        Args:
-            e: the error the change raised.
-            what: who failed doing what, e.g. ``worker 0: a failure while admitting workers [2] at step 6``.
-
-        Returns:
-            The error to raise (``from None``).
-        """
+        """A backend failure during a membership change as one line naming the change (``what``) and the way on, not
+        the backend's C++ frames; our own PeerError is passed on as it is. Returns the error to raise."""
         if isinstance(e, PeerError):
             return e
         return PeerError(f"{what} ({describe_exception(e)}); resume from the last checkpoint")
@@ -526,11 +472,8 @@ class Membership:
     @classmethod
     def join(cls, client: dist.Store, worker: int, workers: int, timeout_s: float,
              wait_s: float, **kwargs: Any) -> tuple[Membership, dist.ProcessGroup, int, int] | None:
-        """A returning worker: ask to join, wait to be admitted (at most wait_s), build the groups.
-
-        Returns (membership, outer group, step the members are at, source worker), or None when
-        the run ended before this worker could join.
-        """
+        """A returning worker: ask to join, wait to be admitted (at most wait_s), build the groups. Returns
+        (membership, outer group, step, source worker), or None when the run ended first."""
         m = cls(client, worker, workers, timeout_s, **kwargs)
         if poll(lambda: [] if m._gone(worker) or not m.hb.check([f"hb/{worker}"]) else [worker], 3 * _STALE_S,
                 lambda _: f"worker {worker}: waiting for the heartbeat of an earlier worker {worker} to stop",

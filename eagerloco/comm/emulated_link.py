@@ -1,9 +1,5 @@
-"""A slow link emulated on a fast one (loopback, LAN): when each transfer may finish.
-
-The in-process runtime's rule: a transfer starts when the last worker has launched it and the previous one has
-left the link, and takes ``latency + wire_bytes * 8 / bandwidth`` plus uniform jitter in ``[0, jitter]``. Times are
-wall-clock (``time.time()``), comparable across processes.
-"""
+"""A slow link emulated on a fast one: a transfer starts once every worker launched it and the link is free, and
+takes ``latency + wire_bytes * 8 / bandwidth`` plus jitter in ``[0, jitter]``, in wall-clock time."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Process groups of a torch.distributed run: who is which worker, and the groups and store they use.
 
-M workers of R ranks each (``WORLD_SIZE = M * R``, global rank ``w * R + r``). The R ranks of worker
-w form its *inner group* (ordinary data parallelism, fast interconnect); the first rank of every
-worker forms the *outer group*, the slow link the outer algorithm crosses. With sharded workers
-(FSDP, ``sharded_outer``) there are R outer groups instead, the i-th of the i-th rank of every
-worker, and every rank exchanges its own shard. Joining them (the rendezvous): :mod:`eagerloco.comm.connect`.
+M workers of R ranks (global rank ``w * R + r``): the R ranks of a worker form its inner group, the first
+rank of every worker the outer group (with ``sharded_outer``, R outer groups, the i-th of the i-th rank of
+every worker).
 """
 
 from __future__ import annotations
@@ -82,11 +80,8 @@ class DistContext:
 
 
 def set_worker_threads() -> int:
-    """Give this process its share of the cores as intra-op threads; returns the count.
-
-    Several processes on one host each defaulting to all cores oversubscribe them (on a 2-core
-    machine 4 processes x 2 threads run slower than 4 x 1). Call before building the model.
-    """
+    """Give this process its share of the cores as intra-op threads (processes on one host would oversubscribe
+    them); returns the count. Call before building the model."""
     local = Environment.read().local_world_size or 1
     n = max(1, (os.cpu_count() or 1) // local)
     torch.set_num_threads(n)
@@ -95,13 +90,8 @@ def set_worker_threads() -> int:
 
 def world_backend(workers: int, ranks_per_worker: int, backend: str | None, timeout_s: float,
                   outer_backend: str | None, sharded_outer: bool) -> tuple[str, torch.device]:
-    """Check the settings of a run of M workers x R ranks against RANK and WORLD_SIZE, and choose its backend
-    ("nccl" when CUDA is available, else "gloo") and this rank's device (under NCCL made current).
-
-    Raises:
-        ConfigError: an invalid setting, RANK / WORLD_SIZE missing, a WORLD of another size than M x R, or NCCL
-            where there is no CUDA or two ranks of one group would share a GPU.
-    """
+    """Check M x R against RANK and WORLD_SIZE, and choose the backend ("nccl" with CUDA, else "gloo") and this
+    rank's device (made current under NCCL). ConfigError names a bad setting or two ranks on one GPU."""
     for name, value in (("workers", workers), ("ranks_per_worker", ranks_per_worker)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
@@ -137,12 +127,10 @@ def world_backend(workers: int, ranks_per_worker: int, backend: str | None, time
 
 def process_groups(workers: int, ranks_per_worker: int, backend: str, device: torch.device, timeout_s: float,
                    outer_backend: str | None, sharded_outer: bool) -> DistContext:
-    """The inner and outer groups of M workers x R ranks over the initialized WORLD (see the module).
+    """The inner and outer groups of M workers x R ranks over the initialized WORLD; every rank creates every group.
 
-    The outer group uses gloo by default even on GPUs: the outer payload is decoded and summed on the CPU
-    anyway, it is small and rare next to inner traffic, and gloo reports a dead peer as an exception where
-    NCCL's watchdog would abort the process; ``outer_backend=None`` uses the main backend. sharded_outer: R
-    outer groups, the i-th of the i-th rank of every worker (FSDP). Every rank creates every group, in order.
+    The outer group is gloo even on GPUs: the outer payload is decoded and summed on the CPU anyway, and gloo
+    reports a dead peer as an exception where NCCL's watchdog aborts the process (``outer_backend=None``: the main one).
     """
     rank, world, r = dist.get_rank(), dist.get_world_size(), ranks_per_worker
     timeout = timedelta(seconds=timeout_s)
@@ -164,15 +152,7 @@ def process_groups(workers: int, ranks_per_worker: int, backend: str, device: to
 
 
 def shared_gpu(local_ranks: Iterable[int], device_count: int) -> tuple[int, int] | None:
-    """The first two of these local ranks that land on the same GPU (local rank modulo the GPUs), if any.
-
-    Args:
-        local_ranks: the local ranks of one process group's members on this machine.
-        device_count: the machine's GPUs.
-
-    Returns:
-        (first, second) local ranks sharing a GPU, or None when each has its own.
-    """
+    """The first two of these local ranks that land on the same GPU (local rank modulo the GPUs), if any."""
     seen: dict[int, int] = {}
     for lr in local_ranks:
         if lr % device_count in seen:
@@ -198,14 +178,8 @@ OUTER_PG_PREFIX = "eagerloco/outer-pg/"
 
 
 def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
-    """A gloo process group over ``store`` that is not part of this process's WORLD.
-
-    torch.distributed's ``new_group`` only makes subgroups of WORLD; a group across jobs is built
-    the way ``init_process_group`` builds WORLD (a ProcessGroup with a gloo backend), without
-    registering it as WORLD, so it works whether or not (and however) the job initialized its own.
-    The collectives (``dist.all_reduce(..., group=g)``) accept it; ``dist.get_rank(g)`` does not:
-    use ``g.rank()`` and ``g.size()``.
-    """
+    """A gloo process group over ``store`` outside this process's WORLD (``new_group`` only makes subgroups of
+    WORLD). Collectives accept it; ``dist.get_rank(g)`` does not: use ``g.rank()`` and ``g.size()``."""
     timeout = timedelta(seconds=timeout_s)
     group = dist.ProcessGroup(store, rank, size)
     backend = dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -222,18 +196,7 @@ def outer_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 def store_client(timeout_s: float) -> dist.TCPStore:
-    """A client connection of this process's own to the run's rendezvous store.
-
-    Args:
-        timeout_s: how long each store operation may wait, in seconds.
-
-    Returns:
-        A TCPStore client of the store at MASTER_ADDR:MASTER_PORT (no key prefix).
-
-    Raises:
-        ConfigError: MASTER_ADDR or MASTER_PORT is not set.
-        PeerError: the store cannot be reached (the launcher is gone).
-    """
+    """A client of this process's own to the run's store at MASTER_ADDR:MASTER_PORT."""
     env = Environment.read()
     host, port = env.master_addr, env.master_port
     if not host or port is None:
@@ -247,11 +210,8 @@ def store_client(timeout_s: float) -> dist.TCPStore:
 
 
 def heartbeat_store(timeout_s: float) -> dist.Store | None:
-    """The store the outer communicators publish heartbeats in, or None where there is none.
-
-    Heartbeats only improve error messages (they name a dead worker), so a missing or unreachable
-    store is a warning, not an error. timeout_s is capped at 30 s: diagnosis must stay quick.
-    """
+    """The heartbeat store, or None: heartbeats only improve error messages, so a missing store is a warning.
+    timeout_s is capped at 30 s: diagnosis must stay quick."""
     try:
         client = store_client(min(timeout_s, 30.0))
     except ConfigError:

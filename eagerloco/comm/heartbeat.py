@@ -1,11 +1,8 @@
 """Heartbeats of the outer ranks in the run's store, and the diagnosis read from them on a failure.
 
-Every outer rank's heartbeat thread writes ``hb/<worker>`` (``hb/<worker>/<channel>`` for the other
-shards of a sharded worker) = "wall time, last exchange entered, state, step, inner steps done" under
-:data:`~eagerloco.comm.groups.HEARTBEAT_PREFIX`. When a collective fails, the survivors read the
-others' heartbeats to name the workers whose heartbeat went stale, that closed their communicator,
-or (failing that) that never reached the failed exchange. ``eagerloco launch`` adds ``exited/<worker>``
-when it sees a process end. Before a collective, a worker waits for a peer that is behind but alive and
+Every outer rank writes ``hb/<worker>[/<channel>]`` = "wall time, last exchange entered, state, step, inner
+steps done"; when a collective fails the survivors name the workers whose heartbeat went stale, that closed,
+or that never reached the failed exchange. Before a collective a worker waits for a peer that is behind but
 still stepping (:meth:`Heartbeat.wait_for_peers`): slow is not dead.
 """
 
@@ -27,14 +24,8 @@ Suspects = list[tuple[int, str]]
 
 
 class Heartbeat:
-    """One outer rank's heartbeat: a thread that publishes it, and a reader of the others'.
-
-    store: the heartbeat store (None: no heartbeats; diagnosis then names nobody). worker: this
-    worker's id; channel: which of its worker's outer exchanges this is (its rank in the worker
-    when each rank exchanges a shard). progress: returns (last exchange entered, training step),
-    read on every publish. The communication thread never talks to the store itself: a slow or
-    unreachable store must not delay exchanges; it calls :meth:`announce` instead.
-    """
+    """One outer rank's heartbeat: a thread that publishes it, and a reader of the others'. The communication
+    thread never talks to the store itself (a slow store must not delay exchanges): it calls :meth:`announce`."""
 
     def __init__(self, store: dist.Store | None, worker: int, channel: int = 0, interval_s: float = HEARTBEAT_S,
                  progress: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
@@ -104,16 +95,11 @@ class Heartbeat:
 
     def wait_for_peers(self, seq: int, members: list[int], names: Mapping[int, str], patience_s: float,
                        cancel: threading.Event) -> None:
-        """Before exchange seq's collective, wait for the peers that have not entered it yet while they are
-        alive and stepping: a slow worker, not a dead one, so that the collective's timeout only ever meets a
-        silent peer. Each such peer is waited for as long as its inner steps advance, at most ``patience_s``
-        (the run's --dist-timeout) without one. Returns at once when every peer has entered or is at this
-        worker's inner step (a moment behind: the collective waits for it, as dp's every step does), or when
-        one is silent, closed or gone (the collective then fails and :meth:`diagnose` names it).
+        """Before exchange seq's collective, wait for peers that have not entered it yet while they are alive and
+        stepping, so the collective's timeout only ever meets a silent peer.
 
-        Raises:
-            PeerError: a peer alive whose inner steps did not advance for ``patience_s``: slow or stuck, named
-                with the bound and how to raise it.
+        Returns at once when every peer has entered or is at this worker's step, or one is silent or gone (the
+        collective then fails and :meth:`diagnose` names it). PeerError when a live peer's steps stall ``patience_s``.
         """
         if self.store is None:
             return
@@ -155,13 +141,8 @@ class Heartbeat:
 
     def diagnose(self, seq: int, members: list[int], names: Mapping[int, str],
                  cancel: threading.Event) -> tuple[list[int], list[str]]:
-        """Which workers look responsible for the failure of exchange seq, with a note each.
-
-        Strong evidence (a stale heartbeat, a closed or never started communicator) wins over weak
-        (alive but not at this exchange yet: it may just be slower). A worker that died a moment
-        ago still has a fresh heartbeat, so weak evidence is only reported after waiting long
-        enough for a death to show (or until cancel is set).
-        """
+        """Which workers look responsible for the failure of exchange seq, with a note each. Strong evidence (stale,
+        closed) wins over weak (not there yet), reported only after waiting long enough for a death to show."""
         if self.store is None:
             return [], ["no heartbeat store, so the failed worker is unknown"]
         deadline = time.monotonic() + self.stale_s + self.interval_s
@@ -232,25 +213,10 @@ def exit_note(store: dist.Store, w: int) -> str:
 
 def wait_for_key(store: dist.Store, key: str, worker: int, name: str, patience_s: float,
                  poll_s: float = 0.2) -> float:
-    """Wait, with no deadline, for ``worker`` to set ``key``, as long as that worker shows signs of life.
+    """Wait, with no deadline, for ``worker`` to set ``key`` while it shows signs of life; returns the seconds.
 
-    What one rank does alone for a long time (evaluation, which can outlast the collective timeout)
-    must not make the others declare it dead: they wait here instead of inside a collective, and
-    give up only when the worker's process ended (the launcher's ``exited/<worker>``) or its
-    heartbeat (``hb/<worker>``, refreshed by a thread while it works) is older than ``patience_s``.
-
-    Args:
-        store: the heartbeat store (:func:`~eagerloco.comm.groups.heartbeat_store`).
-        key: the key the worker sets when done.
-        worker: the worker waited on; name: how messages call it.
-        patience_s: how old its heartbeat may get before it counts as frozen (the run's --dist-timeout).
-        poll_s: seconds between looks.
-
-    Returns:
-        The seconds waited.
-
-    Raises:
-        PeerError: the worker's process ended or froze, or the store is gone; the message names it.
+    What one rank does alone (evaluation) may outlast the collective timeout, so the others wait here and give
+    up only when its process ended or its heartbeat is older than ``patience_s`` (PeerError names it).
     """
     t0 = time.monotonic()
     hb = f"hb/{worker}"
@@ -278,21 +244,8 @@ def wait_for_key(store: dist.Store, key: str, worker: int, name: str, patience_s
 
 def blame_ranks(store: dist.Store, me: int, world: int, ranks_per_worker: int, what: str,
                 wait_s: float = 5 * HEARTBEAT_S) -> PeerError:
-    """The error for a collective of this process's own (a checkpoint, the inner group) that failed.
-
-    Every rank of a multi-process run publishes a heartbeat under ``rank/`` in the heartbeat store
-    (``rank/hb/<rank>``) and the launcher records ``rank/exited/<rank>``: the ranks whose process
-    ended, or whose heartbeat is older than the staleness limit, are named. A rank that died a
-    moment ago may still look alive: evidence is awaited for up to ``wait_s``.
-
-    Args:
-        store: the heartbeat store; me: this global rank; world: the number of ranks;
-        ranks_per_worker: R (to name each rank's worker); what: what failed, for the message.
-        wait_s: how long to wait for evidence.
-
-    Returns:
-        A PeerError naming the ranks found (their workers in ``workers``), or saying none was found.
-    """
+    """The PeerError for a collective of this process's own (a checkpoint, the inner group) that failed, naming
+    the ranks whose process ended or whose ``rank/hb/<rank>`` went stale; evidence is awaited up to ``wait_s``."""
     stale_s = max(3 * HEARTBEAT_S, 2.0)
     deadline = time.monotonic() + wait_s
     while True:

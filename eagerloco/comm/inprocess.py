@@ -1,11 +1,8 @@
 """M workers in one process, exact math, and a simulated link with its own clock.
 
-Workers run in lockstep: within one phase, every worker launches its exchange before any worker
-waits on it (see :func:`eagerloco.outer.lockstep`). Each worker has a simulated clock advanced by
-its measured (or fixed) compute time; an exchange finishes when the last worker has launched it
-and the link, which carries one transfer at a time, has moved its bytes. A worker that waits on
-an unfinished exchange is blocked until then, on its own clock. That is how blocked time and
-compute utilization are reported as they would be on the configured link.
+Workers run in lockstep: in one phase every worker launches before any waits. Each worker's clock advances by
+its compute time; an exchange finishes when the last worker launched it and the link (one transfer at a time)
+has moved its bytes, so blocked time and utilization are reported as on the configured link.
 """
 
 from __future__ import annotations
@@ -89,9 +86,8 @@ class InProcessHandle(Handle):
         result = hand_over(mean, out)
         ex.waits += 1
         if ex.waits == len(ex.payloads):
-            # Every worker has its copy and nothing else sees the mean (checkpoints copy it too):
-            # its memory serves the next exchange of this size, which saves a fresh allocation,
-            # a page-faulting mmap for a large model, when the exchange happens every step (dp).
+            # Every worker has its copy and nothing else sees the mean: its memory serves the next exchange of
+            # this size (no page-faulting allocation every step under dp).
             group = self._group
             assert ex.mean_flat is not None  # set by _mean()
             group._spare[ex.numel] = ex.mean_flat
@@ -161,11 +157,7 @@ class InProcessGroup:
                 "step": self._step, "tick_s": self._tick_s}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore :meth:`state_dict`.
-
-        Raises:
-            ValueError: ``state`` is not one (:meth:`state_problem` says why).
-        """
+        """Restore :meth:`state_dict` (ValueError: :meth:`state_problem` says why not)."""
         problem = self.state_problem(state)
         if problem:
             raise ValueError(problem)

@@ -1,9 +1,5 @@
-"""Who a worker exchanges with: the current outer group, its members, their names, the link to them.
-
-A :class:`~eagerloco.comm.distributed.TorchDistCommunicator` runs its collectives on the group held
-here and names workers in its errors as held here. It changes only at an elastic membership change
-(:mod:`eagerloco.comm.regroup`), while the exchange thread is parked.
-"""
+"""Who a worker exchanges with: the current outer group, its members, their names, the link to them; it changes
+only at an elastic membership change (:mod:`eagerloco.comm.regroup`), while the exchange thread is parked."""
 
 from __future__ import annotations
 
@@ -16,13 +12,8 @@ from eagerloco.config import LinkConfig
 
 
 class Peers:
-    """This worker's view of the outer group.
-
-    group: the ProcessGroup (None: the default group). members: the worker id of each of its ranks;
-    pos: this worker's rank in it. names: how errors call each worker (worker id -> name; default
-    "worker <id>"). link, seed: the slow link to emulate and its jitter's seed, the same on every
-    worker so that they agree on the link's schedule.
-    """
+    """This worker's view of the outer group: its members' worker ids and this worker's position, how errors
+    name each worker, and the emulated link with its jitter seed (the same on every worker)."""
 
     def __init__(self, group: dist.ProcessGroup | None, members: list[int], pos: int,
                  names: Mapping[int, str] | None = None, link: LinkConfig | None = None, seed: int = 0) -> None:

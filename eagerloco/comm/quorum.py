@@ -1,10 +1,5 @@
-"""The party that forms a quorum exchange's mean (docs/algorithms.md, 12.1-12.4): when the exchange closes (a
-fixed or auto grace window after its Q-th arrival), the late windows it holds until their fragment's next
-exchange merges or drops them, and the token-weighted mean of what it merged.
-
-The in-process group and the scripted communicator form their means with these; a process transport's
-aggregator (or a coordinator) would keep the same state.
-"""
+"""The party that forms a quorum exchange's mean (docs/algorithms.md, 12.1-12.4): when it closes, the late
+windows it holds, and the token-weighted mean of what it merged. The in-process and scripted runtimes use it."""
 
 from __future__ import annotations
 
@@ -25,9 +20,7 @@ GRACE_WINDOW, GRACE_MIN, GRACE_MAX = 8, 0.01, 0.25
 
 
 class GraceWindow:
-    """When exchanges close: min(last arrival, Q-th arrival + g), g fixed or auto (twice the median, over the last
-    8 exchanges, of how far the Q-th arrival trailed the quorum's median one, within 1% and 25% of a round's
-    compute time; the first 8 exchanges close all-or-nothing and measure it)."""
+    """When exchanges close: min(last arrival, Q-th arrival + g), g fixed or auto (docs/algorithms.md, 12.2)."""
 
     def __init__(self) -> None:
         self.spreads: deque[float] = deque(maxlen=GRACE_WINDOW)
@@ -78,19 +71,11 @@ class LateWindows:
 
     def close(self, window: Window, closes_at: float, values: Sequence[torch.Tensor], arrivals: Sequence[float],
               steps: Sequence[int], tick_s: float | None = None) -> tuple[torch.Tensor | None, QuorumResult | None]:
-        """Close the exchange of ``window`` (any worker's: they share fragment, step, total and rule).
+        """Close the exchange of ``window`` given every live worker's decoded payload, arrival and steps.
 
-        Args:
-            closes_at: its close (:meth:`GraceWindow.closes_at`); a window arrived by then is on time.
-            values: every live worker's payload, decoded (flat FP32), by worker.
-            arrivals: when each reached the party; steps: the inner steps each spans.
-            tick_s: the fastest worker's compute seconds per tick (sent with the result, for the catch-up).
-
-        Returns:
-            The token-weighted mean of every window it merges, on time or late, and what it merged and dropped;
-            (None, None) when it merged exactly every worker's window on time, each with the steps the schedule
-            gave it, and dropped nothing (its mean is then the plain mean of the payloads, bit for bit what an
-            exchange without a quorum gives), and a None mean with a result when only a drop is new.
+        Returns the token-weighted mean of every window it merges and what it merged and dropped; (None, None) when
+        it merged exactly every worker's window on time with its scheduled steps (the plain mean, bit for bit), and a
+        None mean with a result when only a drop is new.
         """
         workers, rule = len(values), window.rule
         weight = window.total / workers

@@ -1,10 +1,5 @@
-"""Quorum exchanges across jobs at the coordinator (docs/algorithms.md, 12.10): each worker records its arrival
-there, the first worker to see every worker arrived, or Q arrived and the grace window passed since the Q-th,
-decides the exchange's contributors once (compare_set), and they all-reduce over a gloo group of that member
-set; a worker the decision leaves out reads the mean from the coordinator and holds its window for its next
-exchange of the fragment (12.3, the worker holds it), where it is merged or, staler than --max-late-rounds,
-dropped (12.4, logged). The rule and the held windows are comm/quorum.py's; only the transport is here.
-"""
+"""Quorum exchanges across jobs at the coordinator (docs/algorithms.md, 12.10). The rule and the held windows
+are comm/quorum.py's; only the transport is here."""
 
 from __future__ import annotations
 
@@ -28,14 +23,7 @@ _POLL_S = 0.02
 
 
 class QuorumJobs:
-    """One worker's quorum exchanges over the coordinator.
-
-    Args:
-        comm: its communicator (for the stats and the clock).
-        client: the coordinator's store client.
-        workers: M, every one live (no --elastic).
-        timeout_s: how long an exchange may wait for its quorum, and a collective for its members.
-    """
+    """One worker's quorum exchanges over the coordinator (M workers, every one live; no --elastic)."""
 
     def __init__(self, comm: Any, client: dist.Store, workers: int, timeout_s: float) -> None:
         self.comm, self.client, self.workers, self.timeout_s = comm, client, workers, timeout_s

@@ -1,25 +1,11 @@
 """Exchanges summed on the way by a reduce-scatter: about two payloads per worker whatever M.
 
-An all-gathered exchange makes every worker receive the M-1 others' payloads (M-1 payloads per worker).
-Here each worker quantizes its flat vector once, as M equal shards (:func:`~eagerloco.codec_sizes.shard_numel`:
-whole scale blocks, so each shard quantizes exactly as its part of the whole vector does). Shard j of
-every worker goes to worker j, which dequantizes the M payloads of its shard (its own included) and sums
-them in FP32 in worker order, divides by M and quantizes that mean once more, to nearest; the requantized
-shards are then all-gathered. Every worker sends M-1 shards twice: 2(M-1)/M payloads, as a ring all-reduce.
-
-The mean differs from the all-gathered one by that second rounding (at most half a step of the
-requantized block's grid; none for M = 1, which exchanges nothing, nor where the mean is already on the
-grid). ``handle.own`` stays the first quantization: error feedback keeps what the first rounding lost and
-does not absorb the second (the shard's owner alone knows it, after the exchange).
-
-A :class:`~eagerloco.codecs.SharedSupportCodec` payload (``transport shared-support``) goes the same way
-whatever its values' format: its positions are the same on every worker, so the kept values alone are
-sharded and summed (FP32 values exactly), and spread back to their positions at both ends. Its bytes
-per worker stay flat in M at sparse compression ratios.
-
-The same functions serve the in-process runtime (exact math, the simulated link's bytes) and the
-torch.distributed one (whose collectives move the rows these functions lay out). An emulated link
-charges the exchange its wire bytes and one latency, as it does every exchange.
+Each worker quantizes its flat vector once as M shards of whole scale blocks
+(:func:`~eagerloco.codec_sizes.shard_numel`); worker j sums shard j of every worker in FP32 in worker order,
+divides by M and requantizes to nearest, and the shards are all-gathered: 2(M-1)/M payloads per worker. The
+mean differs from the all-gathered one by that second rounding; ``handle.own`` stays the first quantization,
+so error feedback does not absorb the second. A shared-support payload shards its kept values alone. The same
+functions serve the in-process and the torch.distributed runtimes.
 """
 
 from __future__ import annotations
@@ -38,18 +24,16 @@ SHARED_SUPPORT = "shared-support"
 
 
 def uses_reduce_scatter(codec: Codec, transport: str, workers: int) -> bool:
-    """Whether an exchange in this codec goes through the reduce-scatter: a quantized dense codec among
-    several workers (FP32 is summed by a plain all-reduce; a sparse payload keeps other positions on
-    every worker and is all-gathered); a shared-support payload among several workers always does."""
+    """Whether an exchange in this codec goes through the reduce-scatter: a quantized dense codec, or a shared
+    support, among several workers (FP32 is a plain all-reduce; sparse payloads are all-gathered)."""
     if isinstance(codec, SharedSupportCodec):
         return workers > 1
     return transport == REDUCE_SCATTER and workers > 1 and not codec.summable and not isinstance(codec, TopKCodec)
 
 
 class Shards:
-    """The layout of one reduce-scatter exchange: numel values (a shared support's kept values) in M shards
-    of ``length`` values, each packed to ``nbytes`` bytes; a worker's payload is its M packed shards, one row
-    each."""
+    """The layout of one reduce-scatter exchange: numel values in M shards of ``length`` values, each packed to
+    ``nbytes`` bytes; a worker's payload is its M packed shards, one row each."""
 
     def __init__(self, codec: Codec, numel: int, workers: int) -> None:
         #: The shared-support codec whose kept values are reduced, or None (every value is).
@@ -106,9 +90,8 @@ class Shards:
 
     def exchange(self, payload: torch.Tensor, scatter: Callable[[torch.Tensor], torch.Tensor],
                  gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """One worker's side over real collectives: ``scatter`` sends row j of the (M, nbytes) payload to
-        group position j and returns the rows received, in group order (this worker's own row at its
-        place); ``gather`` all-gathers one row into (M, nbytes). Returns the flat FP32 mean."""
+        """One worker's side over real collectives (``scatter`` row j to position j, ``gather`` one row to all);
+        returns the flat FP32 mean."""
         received = scatter(payload.view(self.workers, self.nbytes))
         return self.mean(gather(self.reduce(list(received.unbind(0)))))
 

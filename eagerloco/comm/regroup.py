@@ -1,13 +1,8 @@
 """The communicator's side of an elastic membership change: park, hand the exchanges back, rerun them.
 
-In elastic mode (``elastic=True``, driven by :mod:`eagerloco.comm.elastic`) a failed collective
-does not fail the handles: the exchange thread parks with the failed exchange kept
-(:class:`~eagerloco.comm.exchange_queue.ExchangeQueue`), the caller's thread notices (at its next
-wait, or at a step boundary through ``broken``) and runs the membership protocol, which re-forms the
-group among the survivors and hands the unfinished exchanges back (:meth:`Regroup.take_ops`,
-:meth:`Regroup.resume`) to be run again on the new group. ``rank`` stays the worker id (it names
-seeds, shards and files); the position in the current group is separate
-(:class:`~eagerloco.comm.peers.Peers`).
+A failed collective does not fail the handles: the exchange thread parks with it, the caller's thread
+notices and runs :mod:`eagerloco.comm.elastic`'s protocol, which re-forms the group and hands the unfinished
+exchanges back (:meth:`Regroup.take_ops`, :meth:`Regroup.resume`) to run again. ``rank`` stays the worker id.
 """
 
 from __future__ import annotations
@@ -25,30 +20,21 @@ from eagerloco.comm.peers import Peers
 
 
 class Regroup:
-    """A membership change on one worker's exchange queue and view of the group, on the caller's
-    thread: what :class:`~eagerloco.comm.elastic.Membership` calls (through the communicator).
-
-    stats: the worker's accounting, where an exchange that runs again is counted again.
-    """
+    """A membership change on one worker's exchange queue and view of the group, on the caller's thread."""
 
     def __init__(self, exchanges: ExchangeQueue, peers: Peers, stats: WorkerStats) -> None:
         self.exchanges, self.peers, self.stats = exchanges, peers, stats
 
     def pause(self, timeout_s: float) -> None:
-        """Park the exchange thread between exchanges; returns once it is parked.
-
-        An exchange under way finishes first (or fails, when a member is gone: then the thread
-        parks with it). Raises PeerError if that takes longer than timeout_s.
-        """
+        """Park the exchange thread between exchanges; PeerError past timeout_s."""
         if not self.exchanges.pause(timeout_s):
             raise PeerError(f"{self.peers.name(self.peers.rank)}: the outer communication thread did not stop "
                             f"within {timeout_s:g} s for a membership change. Restart the run from the last "
                             "checkpoint.")
 
     def detach_group(self) -> None:
-        """Drop the reference to the current group (parked thread), so that destroying it closes its
-        sockets: survivors still blocked in a collective of that group then fail at once instead
-        of at the timeout."""
+        """Drop the reference to the current group, so destroying it closes its sockets and survivors blocked in it
+        fail at once instead of at the timeout."""
         assert self.exchanges.parked
         self.peers.group = None
 
@@ -72,11 +58,8 @@ class Regroup:
 
     def resume(self, group: dist.ProcessGroup | None, members: list[int], ops: list[Op], epoch: int,
                names: Mapping[int, str] | None = None) -> None:
-        """Continue on a new group: rerun the given exchanges there, in order, then the later ones.
-
-        The emulated link restarts (same seed and epoch on every member, so they agree on it);
-        an exchange that runs again is counted again in the byte accounting, at the new size.
-        """
+        """Continue on a new group: rerun the given exchanges there, in order, then the later ones (counted again; the
+        emulated link restarts with the same seed and epoch on every member)."""
         assert self.exchanges.parked, "pause() first"
         self.peers.regroup(group, members, names)
         self.peers.reset_link(epoch)

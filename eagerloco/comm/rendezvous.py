@@ -1,17 +1,9 @@
 """How the workers of a run meet: the rendezvous, the agreement there, and the waits both take.
 
-The rendezvous: each worker its own job, meeting at the coordinator, a TCPStore no worker hosts
-(:func:`join_outer_group`, :class:`CoordinatorClient`), or one torchrun WORLD of M workers x R ranks
-(:func:`init_process_groups`).
-Before the first step the workers compare what must match through the run's store (:class:`Meeting`):
-a difference stops every worker with one line naming each value. Every entry point reaches these
-through :mod:`eagerloco.comm.connect`.
-
-Every wait here is bounded by the timeout, says every 10 s whom it waits for, and ends at once on
-Ctrl-C (:func:`poll`, the one deadline poll of the package, and :func:`bounded`): a TCPStore connecting
-to nobody, or a gloo group whose peers never come, blocks in C++ with no line and Ctrl-C ignored. The
-store's client is made only once something listens at its address (:func:`wait_for_listener`: its own
-retries print C++ frames).
+The rendezvous is either each worker its own job meeting at the coordinator (:func:`join_outer_group`), or one
+torchrun WORLD of M x R ranks (:func:`init_process_groups`); :class:`Meeting` compares what must match before
+the first step. Every wait is bounded, says whom it waits for and ends at once on Ctrl-C: a TCPStore or gloo
+group waiting on absent peers blocks in C++ with no line and Ctrl-C ignored.
 """
 
 from __future__ import annotations
@@ -59,14 +51,8 @@ _MEETINGS = itertools.count()
 def poll(pending: Callable[[], Sequence[T]], timeout_s: float, waiting: Callable[[Sequence[T]], str] | None = None,
          *, interval_s: float = 0.1, report_every_s: float = REPORT_EVERY_S,
          started: float | None = None) -> Sequence[T]:
-    """Call ``pending()`` until it returns nothing or ``timeout_s`` has passed since ``started`` (default: now).
-
-    Every ``report_every_s`` it prints ``eagerloco: <waiting(what is pending)> (<s> s of <timeout>)``;
-    Ctrl-C ends it at once (nothing is waited on blindly). ``pending`` may raise to end the wait early.
-
-    Returns:
-        What was still pending at the deadline (empty: nothing, the wait succeeded).
-    """
+    """Call ``pending()`` until it returns nothing or ``timeout_s`` has passed since ``started``, printing what is
+    pending every ``report_every_s``; returns what was still pending at the deadline (empty: success)."""
     start = time.monotonic() if started is None else started
     last = time.monotonic()
     while True:
@@ -83,17 +69,8 @@ def poll(pending: Callable[[], Sequence[T]], timeout_s: float, waiting: Callable
 
 def bounded(fn: Callable[[], T], timeout_s: float, waiting: str, report_every_s: float = REPORT_EVERY_S,
             slack_s: float = 5.0, started: float | None = None) -> T:
-    """``fn()``, which may block in C++ (a TCPStore connecting, a gloo group forming), run on a daemon thread
-    that this one polls, so that the wait is bounded, says what it waits for and ends at once on Ctrl-C.
-
-    A call left running after a timeout or Ctrl-C dies with the process. ``started``: the
-    ``time.monotonic()`` at which the wait began, where an earlier step of it already took some of the timeout.
-
-    Raises:
-        TimeoutError: ``fn`` did not return within timeout_s plus ``slack_s`` (its own timeout, where it
-            has one, should end it first and say why).
-        Exception: what ``fn`` raised.
-    """
+    """``fn()``, which may block in C++, run on a daemon thread this one polls, so the wait is bounded, reported
+    and ended by Ctrl-C (a call left running dies with the process). TimeoutError after timeout_s + slack_s."""
     result: list[tuple[bool, Any]] = []
 
     def run() -> None:
@@ -119,13 +96,7 @@ def bounded(fn: Callable[[], T], timeout_s: float, waiting: str, report_every_s:
 
 def wait_for_listener(host: str, port: int, timeout_s: float, waiting: str,
                       report_every_s: float = REPORT_EVERY_S) -> None:
-    """Wait until something accepts connections at ``host:port`` (a store listening), probing with
-    plain connections closed at once.
-
-    Raises:
-        TimeoutError: nothing accepted a connection within timeout_s.
-        OSError: the host name cannot be resolved (socket.gaierror).
-    """
+    """Wait until something accepts connections at ``host:port``, probing with plain connections (TimeoutError)."""
     def closed() -> list[str]:
         try:
             with socket.create_connection((host, port), timeout=1.0):
@@ -148,16 +119,12 @@ def store_unreachable(e: BaseException) -> bool:
 
 
 class CoordinatorClient(dist.Store):
-    """A client of the coordinator's store (``eagerloco coordinator``) that outlives the coordinator's restarts.
+    """A client of the coordinator's store that outlives the coordinator's restarts.
 
-    torch's TCPStore client does not reconnect: once its server restarted, every call fails with a
-    broken pipe. This one opens a new client when a call fails and sets again the keys this worker
-    keeps there (:meth:`keep`: its registration, the run's settings), since a restarted coordinator
-    starts empty: what it held is rebuilt from the workers, not kept on disk. Only the thread that made
-    the client waits for the coordinator to come back (saying so every 10 s); other threads (the
-    heartbeat) fail at once and try again later. A coordinator away longer than ``timeout_s`` means this
-    worker is cut off from the run: the call raises :class:`PeerError`, and the workers that still reach
-    the coordinator go on without it. Formed gloo groups do not use the store, so exchanges go on meanwhile.
+    torch's TCPStore client does not reconnect, so this one opens a new client when a call fails and sets again
+    the keys this worker keeps (:meth:`keep`): a restarted coordinator starts empty. Only the thread that made
+    the client waits for the coordinator (other threads fail at once); away longer than ``timeout_s`` raises
+    :class:`PeerError`. Formed gloo groups do not use the store, so exchanges go on meanwhile.
     """
 
     def __init__(self, host: str, port: int, timeout_s: float, me: str) -> None:
@@ -302,11 +269,7 @@ def shapes_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 def publish_and_gather(store: dist.Store, me: int, ids: list[int], mine: Mapping[str, Any], timeout_s: float,
                        name: Callable[[int], str], where: str = "", prefix: str = AGREE_PREFIX,
                        report_every_s: float = REPORT_EVERY_S) -> dict[int, dict[str, Any]]:
-    """Publish ``mine`` (JSON) as participant ``me`` under ``<prefix><me>`` and return every participant's, by id.
-
-    Raises:
-        PeerError: a participant did not publish within the timeout (it is named).
-    """
+    """Publish ``mine`` (JSON) as participant ``me`` and return every participant's, by id."""
     store.set(f"{prefix}{me}", json.dumps(mine, sort_keys=True, default=str))
     at = f" at {where}" if where else ""
     missing = poll(lambda: [i for i in ids if i != me and not store.check([f"{prefix}{i}"])], timeout_s,
@@ -331,10 +294,8 @@ def differences(everyone: Mapping[int, Mapping[str, Any]], name: Callable[[int],
 
 def check_agreement(everyone: Mapping[int, Mapping[str, Any]], name: Callable[[int], str], fix: str,
                     fixes: Sequence[tuple[str, str]] = ()) -> None:
-    """Raise ConfigError, one line, naming each setting that differs and each participant's value.
-
-    ``fix``: what to do about a difference; ``fixes``: (setting or its first words, what to do) where a
-    setting has advice of its own."""
+    """Raise ConfigError, one line, naming each setting that differs and each participant's value, with ``fix``
+    (or a setting's own advice from ``fixes``)."""
     diff = differences(everyone, name)
     if not diff:
         return
@@ -367,22 +328,13 @@ class Meeting:
 
     def agree(self, mine: Mapping[str, Any], topic: str, timeout_s: float, fix: str,
               fixes: Sequence[tuple[str, str]] = ()) -> None:
-        """Compare ``mine`` with every participant's (:func:`check_agreement`).
-
-        Raises:
-            ConfigError: naming each difference and each participant's value.
-            PeerError: a participant did not arrive within the timeout.
-        """
+        """Compare ``mine`` with every participant's (:func:`check_agreement`)."""
         check_agreement(self.gather(mine, topic, timeout_s), self.name, fix, fixes)
 
 
 # ---------------------------------------------------------------------------------------------- rendezvous
 def init_world(backend: str, timeout_s: float, env: Environment) -> None:
-    """``dist.init_process_group`` over the launcher's variables (env://), in a bounded wait.
-
-    Raises:
-        PeerError: the run's other processes did not all arrive, or the rendezvous store cannot be reached.
-    """
+    """``dist.init_process_group`` over the launcher's variables (env://), in a bounded wait."""
     rank, world = env.rank or 0, env.world_size or 1
     where = f"{env.master_addr or 'localhost'}:{env.master_port or '?'}"
     me = f"rank {rank}"
@@ -414,13 +366,8 @@ def init_world(backend: str, timeout_s: float, env: Environment) -> None:
 def init_process_groups(workers: int, ranks_per_worker: int = 1, backend: str | None = None,
                         timeout_s: float = DEFAULT_TIMEOUT_S, outer_backend: str | None = "gloo",
                         sharded_outer: bool = False) -> DistContext:
-    """Join the run started by torchrun or ``eagerloco launch`` (its WORLD, in a bounded wait) and build the
-    inner and outer groups (:func:`~eagerloco.comm.groups.process_groups`, which says what each one is).
-
-    Raises:
-        ConfigError: an invalid setting, or a WORLD of another size than M x R.
-        PeerError: the run's other processes did not all arrive within the timeout.
-    """
+    """Join the run started by torchrun or ``eagerloco launch`` and build the inner and outer groups
+    (:func:`~eagerloco.comm.groups.process_groups`)."""
     backend, device = world_backend(workers, ranks_per_worker, backend, timeout_s, outer_backend, sharded_outer)
     env = Environment.read()
     if not dist.is_initialized():
@@ -471,12 +418,7 @@ class OuterRendezvous:
 
 def wait_for_workers(store: dist.Store, me: int, workers: int, timeout_s: float, where: str,
                      report_every_s: float = REPORT_EVERY_S) -> None:
-    """Wait until all ``workers`` joined the coordinator (each set ``eagerloco/join/<id>`` and its M).
-
-    Raises:
-        ConfigError: a worker was started with another number of workers (named, with both numbers).
-        PeerError: a worker did not join within the timeout (named), or the coordinator was lost meanwhile.
-    """
+    """Wait until all ``workers`` joined the coordinator, refusing one started with another M."""
     others = [w for w in range(workers) if w != me]
 
     def missing() -> list[int]:
@@ -506,16 +448,9 @@ STARTED_KEY = "eagerloco/started"
 def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
     """Join the other workers as one job of several: this job's WORLD is the worker's inner group.
 
-    The job's WORLD (torchrun's, or one process alone) is left as it is: its ranks are the worker's
-    data-parallel (or FSDP) ranks. If RANK and WORLD_SIZE say the job has several processes and nobody
-    initialized WORLD yet, it is initialized here (env://). The job's rank 0 connects to the coordinator
-    at ``host:port`` (``eagerloco coordinator``, a store no worker hosts) and forms the outer gloo group of
-    the M workers under its own key prefix. Heartbeats go to the same store. A worker that arrives after
-    the group was formed is a joiner (``ctx.joining``): no group yet, the elastic membership admits it.
-
-    Raises:
-        ConfigError: an invalid setting, two jobs with the same worker id, or workers that disagree on M.
-        PeerError: the rendezvous did not complete within timeout_s.
+    WORLD is initialized here (env://) if the job has several processes and nobody did. The job's rank 0
+    connects to the coordinator at ``host:port`` and forms the outer gloo group of the M workers under its own
+    key prefix; a worker that arrives after the group was formed is a joiner (``ctx.joining``).
     """
     if not (timeout_s > 0):
         raise ConfigError(f"--dist-timeout must be a positive number of seconds, got {timeout_s}")
@@ -573,13 +508,8 @@ def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S
 
 
 def leave_outer_group(ctx: DistContext) -> None:
-    """Shut down a group formed across jobs (:func:`join_outer_group`) now, and free it and its store.
-
-    Such a group is not WORLD's, so ``destroy_process_group`` does not know it, and gloo's ``shutdown()``
-    stops none of its threads: they end only when the group is freed. Left to the interpreter's exit (a
-    framework's trainer holding the loop in a reference cycle), it is freed while Python is torn down,
-    which can abort a process that succeeded (status 134). The cycles that still hold it are collected here.
-    """
+    """Shut down and free a group formed across jobs now: gloo's threads end only when the group is freed, and
+    freed during interpreter teardown they can abort a process that succeeded (status 134)."""
     group = ctx.outer_group
     if group is not None:
         group.shutdown()

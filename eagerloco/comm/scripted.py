@@ -1,8 +1,5 @@
-"""A scripted Communicator for tests: preset results, simulated durations, failures on cue, a record of calls.
-
-It stands in for the other workers at the one seam the outer algorithm talks through, so that
-:class:`~eagerloco.outer.OuterSync` can be unit-tested in one process without peers.
-"""
+"""A scripted Communicator for tests: preset results, simulated durations, failures on cue, a record of calls,
+so :class:`~eagerloco.outer.OuterSync` can be unit-tested in one process without peers."""
 
 from __future__ import annotations
 
@@ -85,26 +82,11 @@ class ScriptedHandle(Handle):
 class ScriptedCommunicator(Communicator):
     """One worker's communicator whose peers are a script.
 
-    Results, by priority: ``means[i]`` (the mean exchange i returns, as given); else the true mean
-    of this worker's contribution and ``peers(i)``'s (the other workers' contributions), summed in
-    FP32 and divided by their count; else (no peers) this worker's contribution as the others
-    decode it, which is the mean when every worker passes the same tensors.
-
-    Args:
-        num_workers: the M the algorithm sees (a test may change it between calls: elastic membership).
-        rank: this worker's id.
-        means: preset results by exchange index.
-        peers: the other workers' contributions by exchange index.
-        durations: simulated seconds each exchange takes on the link (one value for all, or by index).
-        fail: exchange indices whose wait() raises; a mapping gives the exception, else a PeerError.
-        agree_result: what :meth:`agree` returns.
-        elastic: an elastic group: the workers present change with :meth:`regroup`.
-        contributors: by exchange index, the worker ids whose payloads its mean holds (``Handle.contributors``:
-            an exchange run again among the survivors of a membership change).
-        late: quorum exchanges (launched with a ``window``): by exchange index, the workers whose windows miss
-            it and by how many of their fragment's exchanges (1: in time for the next); the others are on time.
-            ``peers(i)`` then gives the other workers' contributions in worker order, each spanning as many
-            steps as this worker's.
+    Results, by priority: ``means[i]`` as given; else the FP32 mean of this worker's contribution and
+    ``peers(i)``'s; else this worker's own contribution as decoded. ``durations``: simulated link seconds;
+    ``fail``: exchange indices whose wait() raises (a mapping gives the exception); ``contributors``: by index,
+    the worker ids a rerun's mean holds (elastic); ``late``: by index, the workers whose quorum windows miss it
+    and by how many of their fragment's exchanges.
     """
 
     simulated_clock = True

@@ -21,12 +21,8 @@ from eagerloco.config import LinkConfig
 class WorkerCommunicator(Communicator):
     """Every rank of a worker sees the worker's outer exchanges; only the first rank uses the link.
 
-    With R > 1 ranks per worker, all ranks run the same outer algorithm on identical parameters
-    (their inner gradients are averaged), so they must apply the same outer means. The first rank
-    exchanges with the other workers (its :class:`TorchDistCommunicator`) and, when waited on,
-    broadcasts the mean over the inner group; the other ranks receive it. The algorithm must wait
-    on handles in the same order on every rank of a worker (the schedule is deterministic; never
-    branch on done()). Link bytes are counted on the first rank only.
+    The first rank exchanges with the other workers and broadcasts the mean over the inner group when waited
+    on. Every rank must wait on handles in the same order (never branch on done()); link bytes count on the first.
     """
 
     def __init__(self, ctx: DistContext, outer: TorchDistCommunicator | None) -> None:
@@ -85,11 +81,8 @@ class _WorkerHandle(Handle):
         return self._waited or (self._outer is not None and self._outer.done())
 
     def wait(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """First rank: wait for the exchange, then broadcast; the others: receive the broadcast.
-
-        One extra value travels with the mean: 1 when the exchange failed on the first rank, so
-        that the other ranks raise PeerError instead of waiting for a broadcast that never comes.
-        """
+        """First rank: wait, then broadcast the mean with one flag value (1: the exchange failed, so the other ranks
+        raise PeerError); the others: receive it."""
         if self._waited:
             raise RuntimeError("this exchange was already waited on; wait on each handle exactly once")
         self._waited = True
@@ -131,12 +124,8 @@ class _WorkerHandle(Handle):
 
 
 def communicator_for(ctx: DistContext, link: LinkConfig | None = None, **kwargs: Any) -> Communicator:
-    """The communicator every rank of a run uses: the outer one (R = 1, or every rank exchanging its
-    own shard), or a worker-wide one (R > 1, the first rank exchanging for all).
-
-    With sharded exchanges the worker's link is shared by its R ranks: each rank's emulated link
-    gets 1/R of the bandwidth, so a worker still moves its whole payload at the link's rate.
-    """
+    """The communicator every rank uses: the outer one (R = 1, or every rank exchanging its shard, each on 1/R of
+    the link's bandwidth), or a worker-wide one (R > 1, the first rank exchanging for all)."""
     if ctx.sharded_outer:
         share = link
         if link is not None and ctx.ranks_per_worker > 1:

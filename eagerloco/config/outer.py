@@ -122,10 +122,7 @@ class OuterConfig:
     a staler one is dropped, with a log line (0: dropped at once)."""
 
     def validate(self, num_blocks: int | None = None) -> OuterConfig:
-        """Raise ConfigError on the first invalid setting; returns self for chaining.
-
-        num_blocks: number of transformer blocks of the model, when known, to check P against.
-        """
+        """Raise ConfigError on the first invalid setting (P against ``num_blocks`` when known); returns self."""
         check_choice("method", self.method, METHODS)
         check_choice("fragment_pattern", self.fragment_pattern, PATTERNS)
         check_choice("eager_weighting", self.eager_weighting, WEIGHTINGS)
@@ -222,11 +219,7 @@ class OuterConfig:
                               f"{flag_name('transport')} allgather with {flag_name('quorum')}")
 
     def grace_seconds(self) -> float | None:
-        """--grace in seconds (None: auto).
-
-        Raises:
-            ConfigError: it is neither auto nor a number of seconds >= 0.
-        """
+        """--grace in seconds (None: auto); ConfigError when it is neither auto nor seconds >= 0."""
         if self.grace == "auto":
             return None
         try:
@@ -238,11 +231,7 @@ class OuterConfig:
         return seconds
 
     def speed_factors(self, workers: int) -> list[float]:
-        """Each worker's step time over the fastest's (1.0: as fast as the fastest), from --worker-speeds.
-
-        Raises:
-            ConfigError: --worker-speeds names another number of workers.
-        """
+        """Each worker's step time over the fastest's, from --worker-speeds (ConfigError: another number of workers)."""
         if not self.worker_speeds:
             return [1.0] * workers
         if len(self.worker_speeds) != workers:

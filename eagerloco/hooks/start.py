@@ -45,9 +45,8 @@ def start_weights(peers: Connection, model: nn.Module, sync: OuterSync) -> None:
     sync.restart_from_model()
 
 def outer_optimizer_settings(sync: OuterSync) -> dict[str, Any]:
-    """The outer optimizer as the workers compare it: the optimizer that really steps each fragment (the
-    settings' or one the caller passed), its class and the settings of the param group holding that fragment,
-    under ``outer optimizer`` (``outer optimizer (fragment p)`` where the fragments' differ)."""
+    """The outer optimizer as the workers compare it: the class and param-group settings of the optimizer that
+    really steps each fragment, under ``outer optimizer`` (``outer optimizer (fragment p)`` where they differ)."""
     each = []
     for opt, frag in zip(sync.outer_opts, sync.outer, strict=True):
         group = next((g for g in opt.param_groups if frag and any(t is frag[0] for t in g["params"])), opt.defaults)
@@ -76,11 +75,10 @@ def outer_state_digest(sync: OuterSync, copies: bool) -> str:
 
 
 def start_state(model: nn.Module, sync: OuterSync, init_sync: bool) -> dict[str, Any]:
-    """Where this worker starts, compared at the first forward pass (a resumed run has loaded its state by then):
-    the step, a digest of the outer state (a torchft-style resume restarts at step 0 with the outer optimizer's
-    state it loaded; init_sync then sends worker 0's weights, not its state), the outer optimizer's settings
-    (a load may change them), and without init_sync the parameters a run at step 0 starts from. Eager's
-    workers each keep their own outer copies and state: past step 0 only its step is compared."""
+    """Where this worker starts, compared at the first forward pass: the step, a digest of the outer state, the
+    outer optimizer's settings, and without init_sync the parameters at step 0. Eager's workers each keep their
+    own outer state, so past step 0 only their step is compared.
+    """
     mine: dict[str, Any] = {"step": sync.step, **outer_optimizer_settings(sync)}
     if sync.step == 0 and not init_sync:
         mine["initial parameters"] = parameter_digest(model.parameters())

@@ -1,15 +1,9 @@
-"""The hook API (:mod:`eagerloco.hooks`) inside training frameworks: Hugging Face's Trainer
-(:mod:`eagerloco.integrations.hf`, ``pip install 'eagerloco[hf]'``) and PyTorch Lightning
-(:mod:`eagerloco.integrations.lightning`, ``pip install 'eagerloco[lightning]'``); and torchft's
-``DiLoCo`` call for ported scripts (:mod:`eagerloco.integrations.torchft`, no extra needed).
+"""The hook API inside training frameworks: Hugging Face's Trainer (``eagerloco[hf]``), PyTorch Lightning
+(``eagerloco[lightning]``) and torchft's ``DiLoCo`` call (docs/guides/frameworks.md, docs/guides/torchft.md).
 
-Each is a callback that attaches :class:`~eagerloco.hooks.OuterLoop` to the framework's optimizer
-at train start, keeps its state in the framework's checkpoints and reports its link accounting in
-the framework's logs. A worker may itself be a data-parallel job (the framework's DDP over the
-job's WORLD): the outer group is separate (``outer_addr``), so the two never meet.
-
-A callback takes what :func:`eagerloco.outer_loop` takes (an OuterConfig, ``peers=``, the loop's options) and,
-without ``peers=``, :func:`~eagerloco.comm.connect.connect`'s keywords, to connect at train start.
+Each callback attaches :class:`~eagerloco.hooks.OuterLoop` to the framework's optimizer at train start,
+keeps its state in the framework's checkpoints and logs its link accounting. It takes what
+:func:`eagerloco.outer_loop` takes and, without ``peers=``, :func:`~eagerloco.comm.connect.connect`'s keywords.
 """
 
 from __future__ import annotations
@@ -34,12 +28,7 @@ LOOP_OPTIONS = ("blocks", "outer_optimizer", "apply_in_flight", "grad_scaler")
 
 
 def check_options(config: OuterConfig | None, options: Mapping[str, Any]) -> None:
-    """A callback's settings, checked when it is made (long before training starts): a bad one fails where it
-    is written, as the Python API names it.
-
-    Raises:
-        ConfigError: an unknown keyword, or an invalid setting of the config.
-    """
+    """A callback's settings, checked when it is made, so a bad one fails where it is written (ConfigError)."""
     known = [*LOOP_OPTIONS, *inspect.signature(connect).parameters]
     unknown = sorted(set(options) - set(known))
     if unknown:

@@ -1,16 +1,6 @@
-"""Hugging Face ``transformers``: a TrainerCallback that runs the outer algorithm around ``Trainer.train``.
-
-    trainer = Trainer(model=model, args=args, train_dataset=data,
-                      callbacks=[OuterLoopCallback(OuterConfig(method="eager", inner_steps=50),
-                                                   outer_addr="10.0.0.1:29600", worker_id=0, workers=2)])
-    trainer.train()                      # or trainer.train(resume_from_checkpoint=True)
-
-At train begin the hooks go on the Trainer's optimizer (under accelerate's wrapper). Each checkpoint
-``checkpoint-<step>/`` gets the worker's outer state (``eagerloco_outer_worker<w>.pt``), read back
-when the Trainer resumes from it. Every log line gets the worker's ``outer.metrics()``
-(``bytes_sent``, ``blocked_s``, ``compute_utilization``, ...). The Trainer's own DDP (a job of several ranks)
-stays inside the worker: the outer group spans the jobs (``outer_addr``), not the job's WORLD.
-Under ``fp16=True`` the loop gets the Trainer's GradScaler as ``grad_scaler`` (so not with method dp).
+"""Hugging Face ``transformers``: a TrainerCallback that runs the outer algorithm around ``Trainer.train``
+(docs/guides/frameworks.md). Each ``checkpoint-<step>/`` gets the worker's outer state, read back on resume;
+every log line gets ``outer.metrics()``; under ``fp16=True`` the loop gets the Trainer's GradScaler.
 """
 
 from __future__ import annotations
@@ -35,15 +25,11 @@ STATE_FILE = "eagerloco_outer_worker{worker}.pt"
 
 
 class OuterLoopCallback(TrainerCallback):
-    """Run ``eagerloco.outer_loop`` inside a Trainer (see :mod:`eagerloco.integrations`).
+    """Run ``eagerloco.outer_loop`` inside a Trainer.
 
-    Args:
-        config: the outer algorithm's settings.
-        peers: the other workers (a connection or a Communicator); default: connect at train begin with
-            ``options`` (outer_addr, worker_id, workers, timeout_s, link, elastic, ...).
-        resume_from: the checkpoint folder to read the outer state from when the Trainer resumes
-            (default: ``<output_dir>/checkpoint-<global_step>``, the one the Trainer resumed from).
-        options: connect()'s keywords, and the loop's (apply_in_flight, grad_scaler, ...).
+    ``peers``: the other workers (default: connect at train begin with ``options``, connect()'s keywords and the
+    loop's); ``resume_from``: the checkpoint folder to read the outer state from (default: the one the Trainer
+    resumed from).
     """
 
     def __init__(self, config: OuterConfig | None = None, *, peers: Connection | Communicator | None = None,
@@ -58,10 +44,9 @@ class OuterLoopCallback(TrainerCallback):
         if optimizer is None or model is None:
             raise RuntimeError("the Trainer gave the callback no model or optimizer at train begin")
         model = getattr(model, "module", model)  # the bare model under a DDP wrapper
-        # Under fp16 accelerate's wrapper holds the GradScaler (None otherwise) and steps through it:
-        # accelerate/optimizer.py, AcceleratedOptimizer.step, calls scaler.step(optimizer) then scaler.update()
-        # once per optimizer step. The loop must count a step that scaler skips on this worker alone, or the
-        # other workers wait for an exchange this one never launches. A grad_scaler= of the user's own wins.
+        # Under fp16 accelerate's wrapper steps through the GradScaler (accelerate/optimizer.py,
+        # AcceleratedOptimizer.step); the loop must count a step the scaler skips on this worker alone, or the
+        # others wait for an exchange this one never launches. A grad_scaler= of the user's own wins.
         self.outer = start_loop(model, optimizer, self.config, self.peers, self.options,
                                 getattr(optimizer, "scaler", None))
         if state.global_step > 0:  # resumed: the outer state of the checkpoint it resumed from
@@ -105,10 +90,10 @@ class OuterLoopCallback(TrainerCallback):
 
 
 class _EndedEarly:
-    """A Trainer stopped before its end (Ctrl-C, an error in a step) never calls on_train_end: say so in one
-    line for the Trainer's user and release the loop, before the hook API's own advice ("use with
-    outer_loop(...)"), which does not apply here, and without a traceback for Ctrl-C. The Trainer has no
-    exception callback: an uncaught KeyboardInterrupt reaches sys.excepthook, anything else the exit."""
+    """A Trainer stopped before its end never calls on_train_end: say so in one line and release the loop, before
+    the hook API's own advice (which does not apply here). The Trainer has no exception callback, so this hooks
+    sys.excepthook for Ctrl-C and the exit for anything else.
+    """
 
     def __init__(self, loop: OuterLoop) -> None:
         self.loop, self.previous = loop, sys.excepthook

@@ -1,17 +1,8 @@
-"""PyTorch Lightning: a Callback that runs the outer algorithm around ``Trainer.fit``.
+"""PyTorch Lightning: a Callback that runs the outer algorithm around ``Trainer.fit`` (docs/guides/frameworks.md).
 
-    trainer = pl.Trainer(max_epochs=3, callbacks=[OuterLoopCallback(OuterConfig(method="eager", inner_steps=50),
-                                                                    outer_addr="10.0.0.1:29600",
-                                                                    worker_id=0, workers=2)])
-    trainer.fit(module)                  # or trainer.fit(module, ckpt_path="last.ckpt")
-
-At train start the hooks go on the module's (single) optimizer; Lightning's closure (forward and
-backward inside ``optimizer.step``) is handled. The outer state is the callback's state in every
-Lightning checkpoint (saved on every rank at the same point, as its in-flight exchanges resolve
-collectively) and is restored from it on ``fit(ckpt_path=...)``. The worker's link accounting is
-logged every step (``outer/bytes_sent``, ``outer/blocked_s``, ``outer/compute_utilization``).
-Under ``precision="16-mixed"`` the loop gets the precision plugin's GradScaler as ``grad_scaler`` (so not
-with method dp).
+The hooks go on the module's single optimizer (Lightning's closure is handled); the outer state is the
+callback's state in every checkpoint, restored on ``fit(ckpt_path=...)``; the link accounting is logged every
+step; under ``precision="16-mixed"`` the loop gets the precision plugin's GradScaler.
 """
 
 from __future__ import annotations
@@ -43,11 +34,9 @@ class OuterLoopCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if len(trainer.optimizers) != 1:
             raise ValueError(f"OuterLoopCallback needs exactly one optimizer, the module has {len(trainer.optimizers)}")
-        # precision="16-mixed" steps through the precision plugin's GradScaler (None otherwise):
-        # pytorch_lightning/plugins/precision/amp.py, MixedPrecision.optimizer_step (and fsdp.py's
-        # FSDPPrecision.optimizer_step), calls scaler.step(optimizer) then scaler.update() once per optimizer
-        # step. The loop must count a step that scaler skips on this worker alone, or the other workers wait
-        # for an exchange this one never launches. A grad_scaler= of the user's own wins.
+        # precision="16-mixed" steps through the precision plugin's GradScaler (plugins/precision/amp.py,
+        # MixedPrecision.optimizer_step); the loop must count a step the scaler skips on this worker alone, or
+        # the others wait for an exchange this one never launches. A grad_scaler= of the user's own wins.
         self.outer = start_loop(pl_module, trainer.optimizers[0], self.config, self.peers, self.options,
                                 getattr(trainer.precision_plugin, "scaler", None))
         if self._restored is not None:  # fit(ckpt_path=...): Lightning restored the callbacks first

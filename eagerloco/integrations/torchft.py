@@ -1,41 +1,5 @@
-"""torchft's ``DiLoCo`` call, argument for argument, over eagerloco: a torchft script ports by its imports.
-
-torchft (``torchft.local_sgd.DiLoCo``) takes, in this order::
-
-    DiLoCo(manager, model_fragments, inner_optimizer, outer_optimizer, sync_every,
-           backup_device=None, pin_memory=True, use_bucketization=False, bucket_cap_mb=None,
-           should_quantize=False, fragment_sync_delay=0, fragment_update_alpha=0.0)
-
-and so does :class:`DiLoCo` here. Porting a script::
-
-    # from torchft import Manager
-    # from torchft.local_sgd import DiLoCo
-    from eagerloco.integrations.torchft import DiLoCo, Manager
-
-    manager = Manager(outer_addr="10.0.0.1:29600", worker_id=0, workers=2)  # was torchft's Manager(pg=..., ...)
-    outer_opt = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    with DiLoCo(manager, [model], inner_opt, outer_opt, sync_every=100):
-        for x, y in batches:                         # the loop stays as it was
-            loss_fn(model(x), y).backward()
-            inner_opt.step()
-            inner_opt.zero_grad()
-
-What maps to what: one fragment is DiLoCo, several (or ``fragment_sync_delay`` > 0) Streaming DiLoCo
-with the fragments synced evenly over the ``sync_every`` steps; ``fragment_sync_delay`` is tau
-(``overlap_steps``), ``fragment_update_alpha`` the merge weight alpha; ``should_quantize`` sends fp8
-(e4m3) instead of fp32. The outer optimizer (one, or one per fragment) is re-pointed at eagerloco's
-FP32 outer copies of its fragments and steps them with its own settings (the one passed is the one
-that steps, so ``outer_optimizer.state_dict()`` in a torchft-style checkpoint holds the
-outer state, and loading it after creating DiLoCo resumes bit for bit at a sync step).
-``backup_device``, ``pin_memory``, ``use_bucketization`` and ``bucket_cap_mb`` are accepted for the
-call's sake and change nothing: the outer copies live in FP32 beside the parameters, and each
-fragment moves as one flat buffer. The :class:`Manager` here only says where the other workers are
-(torchft's quorum, lighthouse and live recovery have no counterpart: pass ``elastic=True`` for
-survivors that go on without a dead worker). Only the fragments' parameters are synchronized, as in
-torchft: worker 0's at the first forward pass, where the workers also compare the outer optimizers
-they were given (class and settings) and the outer state each one loaded (a resume from different
-checkpoints stops them all with one line).
-"""
+"""torchft's ``DiLoCo`` call, argument for argument, over eagerloco: a torchft script ports by its imports
+(docs/guides/torchft.md)."""
 
 from __future__ import annotations
 
@@ -52,14 +16,9 @@ from eagerloco.hooks import OuterLoop
 
 
 class Manager:
-    """Where the workers are, in place of torchft's Manager (whose process groups and quorum eagerloco
-    does not use). Without arguments: EAGERLOCO_OUTER_ADDR / EAGERLOCO_WORKER_ID / EAGERLOCO_WORKERS,
-    else the torchrun WORLD, else this process alone (see :func:`eagerloco.outer_loop`).
-
-    Args:
-        outer_addr, worker_id, workers: the outer rendezvous (each worker its own job).
-        **options: anything else :func:`eagerloco.comm.connect.connect` takes (timeout_s, link, elastic, seed,
-            init_sync, ...).
+    """Where the workers are, in place of torchft's Manager (whose process groups and quorum eagerloco does not
+    use): ``outer_addr``, ``worker_id``, ``workers`` and anything else :func:`eagerloco.comm.connect.connect`
+    takes; without arguments the environment, else the torchrun WORLD, else this process alone.
     """
 
     def __init__(self, outer_addr: str | None = None, worker_id: int | None = None, workers: int | None = None,
@@ -87,14 +46,9 @@ class Manager:
 
 
 def outer_factory(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], fragments: int) -> Any:
-    """A factory that gives each fragment in turn the optimizer passed (or its own of a list), re-pointed at
-    that fragment's FP32 outer copies: the optimizer the user holds is the one that steps, so its
-    ``state_dict()`` carries the outer state, as in torchft. One optimizer for several fragments gets
-    one param group per fragment (a step moves only the fragment whose outer gradient is set).
-
-    Raises:
-        ConfigError: not torch optimizers, a list of another length than the fragments, param groups
-            with settings of their own, or an optimizer that already holds state (load it afterwards).
+    """A factory that gives each fragment the optimizer passed (or its own of a list), re-pointed at that
+    fragment's FP32 outer copies, so the user's optimizer steps and its ``state_dict()`` carries the outer state.
+    One optimizer for several fragments gets one param group per fragment. ConfigError for anything else.
     """
     given = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
     if not given or not all(isinstance(o, torch.optim.Optimizer) for o in given):
@@ -128,8 +82,13 @@ def outer_factory(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optim
 
 
 class DiLoCo(OuterLoop):
-    """torchft's ``DiLoCo(manager, model_fragments, inner_optimizer, outer_optimizer, sync_every, ...)``
-    on eagerloco's outer loop (see the module); a context manager, as torchft's."""
+    """torchft's ``DiLoCo(manager, model_fragments, inner_optimizer, outer_optimizer, sync_every, ...)`` on
+    eagerloco's outer loop; a context manager, as torchft's.
+
+    One fragment is DiLoCo, several (or ``fragment_sync_delay`` > 0) Streaming DiLoCo synced evenly over
+    ``sync_every`` steps; ``fragment_sync_delay`` is tau, ``fragment_update_alpha`` alpha; ``should_quantize``
+    sends fp8. ``backup_device``, ``pin_memory``, ``use_bucketization`` and ``bucket_cap_mb`` change nothing.
+    """
 
     def __init__(
         self,

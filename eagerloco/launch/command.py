@@ -1,7 +1,4 @@
-"""Start a multi-process run on this machine: M workers x R ranks of ``python -m eagerloco train``.
-
-See :func:`launch` for how it works.
-"""
+"""Start a multi-process run on this machine: M workers x R ranks of ``python -m eagerloco train`` (:func:`launch`)."""
 
 from __future__ import annotations
 
@@ -37,12 +34,7 @@ _STOP_GRACE_S = 10.0  # after a forwarded stop signal (Ctrl-C, SIGTERM, SIGHUP),
 
 class LinkShaping(Protocol):
     """A link between workers shaped on this machine (``--kernel-link-gbps``; the lab's
-    :class:`eagerloco.lab.launch.KernelShaping`): each worker's processes start behind it.
-
-    What ``run_link`` and ``job_link`` return are context managers whose value has ``env()`` (the
-    variables of each process behind it) and ``command(cmd, worker)`` (a command run behind it); a
-    job's also ``ns`` and ``bridge``, and a run's ``master_addr``.
-    """
+    :class:`eagerloco.lab.launch.KernelShaping`): each worker's processes start behind it."""
 
     gbps: float
 
@@ -75,40 +67,15 @@ def launch(
 ) -> int:
     """Run workers * ranks_per_worker local processes; return 0 if all succeed, else the first failure's code.
 
-    Each process gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT) plus EAGERLOCO_WORKERS and EAGERLOCO_RANKS_PER_WORKER, so the trainer
-    code is the same under ``torchrun --standalone`` and here.
+    Each process gets torchrun's environment plus EAGERLOCO_WORKERS and EAGERLOCO_RANKS_PER_WORKER. Not
+    torch.distributed.run: its agent tears every rank down at the first failure, where here the others get
+    ``timeout_s`` to notice the dead peer and exit naming it, and it cannot run an arbitrary ``command``. Kept from
+    torchrun: the launcher hosts the TCPStore (TORCHELASTIC_USE_AGENT_STORE), so it outlives any rank.
 
-    Why not torch.distributed.run: its elastic agent restarts or tears down every rank at the first
-    failure, while here the others get a grace period to notice the dead peer and exit with a message
-    that names it (see :class:`eagerloco.comm.errors.PeerError`); it also cannot run an arbitrary
-    command (tests) and prefixes output only through extra flags. What we keep from torchrun is its
-    store arrangement: the launcher hosts the rendezvous TCPStore and sets TORCHELASTIC_USE_AGENT_STORE,
-    so every rank connects as a client and the store (with the heartbeats) outlives any rank, rank 0
-    included, and the port is taken by the store itself (no race on a "free" port).
-
-    Elastic runs (``--elastic``, see :mod:`eagerloco.comm.elastic`): a rank that fails does not stop
-    the others; the launcher records its exit in the store (``eagerloco/outer/exited/<rank>``, so the
-    survivors need not wait for its heartbeat to go stale) and, with ``--max-restarts N``, starts it
-    again (at most N times per rank) as a returning worker (EAGERLOCO_REJOIN=1) that the others admit
-    at a round boundary. The run succeeds when it finished on the workers present at its end.
-
-    timeout_s: grace period after a process fails before the others are terminated (elastic:
-    after the first rank finishes the run, for the others to finish too).
-    command: what to run instead of ``python -m eagerloco train`` (argv_for_train is appended).
-    out: where the rank-prefixed output goes (default: sys.stdout).
-    elastic: the others go on when a rank fails (implied by ``--elastic`` among the train arguments,
-    and passed on to train); max_restarts: how many times each failed rank is started again.
-    shaping: run each worker behind a link shaped on this machine instead of emulating it (``eagerloco
-    launch --kernel-link-gbps``: a network namespace each, its uplink shaped by the kernel; see
-    :mod:`eagerloco.lab.kernel_link`); with outer_addr (127.0.0.1:PORT) the run's jobs on this machine
-    share one bridge.
-    outer_addr, worker_id: each worker its own job: start only worker ``worker_id`` of ``workers`` (one
-    process), which meets the others at the outer rendezvous ``outer_addr`` (``--outer-addr``,
-    ``--worker-id`` and ``--workers`` are passed on to train).
-    fork_ranks: on Linux, fork the ranks of the default command from this process's rank server
-    (:mod:`eagerloco.launch.ranks`: torch is imported once, not once per rank) rather than start each as
-    ``python -m eagerloco train``; a custom command and a kernel-shaped link always start processes.
+    ``elastic``: a failed rank does not stop the others; its exit is recorded in the store and, with
+    ``max_restarts``, it is started again as a returning worker. ``shaping``: each worker behind a kernel-shaped
+    link. ``outer_addr``, ``worker_id``: start only that worker, meeting the others at the coordinator.
+    ``fork_ranks``: fork the default command's ranks from this process's rank server (:mod:`eagerloco.launch.ranks`).
     """
     for name, value in (("--workers", workers), ("--ranks-per-worker", ranks_per_worker)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -192,9 +159,8 @@ def _local_port(outer_addr: str) -> int:
 def _launch_job_behind_link(argv: list[str], workers: int, worker_id: int, outer_addr: str, shaping: LinkShaping,
                             master_port: int | None, timeout_s: float, command: Sequence[str] | None,
                             out: IO[str] | None, elastic: bool) -> int:
-    """One job's worker in its own namespace behind a shaped uplink, on the bridge of the run's jobs
-    (:meth:`LinkShaping.job_link`); its --outer-addr becomes the bridge's address, where the namespace reaches
-    the coordinator this machine runs."""
+    """One job's worker in its own namespace behind a shaped uplink, on the bridge of the run's jobs; its
+    --outer-addr becomes the bridge's address, where the namespace reaches this machine's coordinator."""
     port = _local_port(outer_addr)
     with shaping.job_link(port, worker_id, workers) as link:
         addr = f"{link.master_addr}:{port}"  # the coordinator, seen from the namespace
@@ -370,9 +336,8 @@ def _supervise_elastic(
     procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
     spawn: Any, max_restarts: int, exits: _ExitBoard,
 ) -> int:
-    """Elastic: a failed rank does not stop the others; restart it (as a returning worker) while
-    it has restarts left. Done when every rank's latest process has exited; success if the run
-    finished (some rank exited 0). After the first rank finishes, the rest get grace_s."""
+    """Elastic: restart a failed rank (as a returning worker) while it has restarts left. Done when every rank's
+    latest process exited; success if some rank finished the run; after the first finishes the rest get grace_s."""
     restarts = [0] * len(procs)
     final: list[int | None] = [None] * len(procs)
     first_fail: int | None = None
@@ -481,11 +446,8 @@ class _Stop(threading.Event):
 
 
 def _install_stop_signals(flag: _Stop) -> dict[int, Any]:
-    """Turn SIGTERM and SIGHUP into a flag the supervisor loop sees (only possible on the main thread).
-
-    Returns the handlers replaced, to restore afterwards. SIGHUP (the terminal closed) must not kill
-    the launcher alone: the training processes run in sessions of their own and would be left behind.
-    """
+    """Turn SIGTERM and SIGHUP into a flag the supervisor loop sees (main thread only); returns the handlers to
+    restore. SIGHUP must not kill the launcher alone: the ranks, in sessions of their own, would be left behind."""
     if threading.current_thread() is not threading.main_thread():
         return {}
 

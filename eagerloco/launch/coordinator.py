@@ -1,11 +1,8 @@
 """``eagerloco coordinator --port P``: the store where the workers of a run meet, in a process no worker hosts.
 
-The workers' rendezvous, membership, heartbeats and the run's settings live in a torch ``TCPStore``
-served here; every worker (``train --outer-addr HOST:P``, ``connect()``) is a client of it, so the
-death of any worker, worker 0 included, leaves the others their meeting point. It keeps nothing on
-disk: after a restart (the same command) the workers set again what they keep there
-(:class:`~eagerloco.comm.rendezvous.CoordinatorClient`), and their gloo groups, formed over it, carry
-the exchanges meanwhile. Why a TCPStore rather than torchft's Lighthouse or etcd: docs/architecture.md.
+It serves a TCPStore every worker is a client of, so no worker's death takes the meeting point, and keeps
+nothing on disk: after a restart the workers set again what they keep there. Why a TCPStore:
+docs/architecture.md, "The coordinator".
 """
 
 from __future__ import annotations

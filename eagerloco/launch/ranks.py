@@ -1,18 +1,11 @@
-"""How `eagerloco launch` starts a rank: forked from a server that has imported torch and the trainer
-once (Linux), or as a process of its own (``python -m eagerloco train``).
+"""How `eagerloco launch` starts a rank: forked from a server that has imported torch and the trainer once
+(Linux), or as a process of its own (``python -m eagerloco train``).
 
-Every rank of a launch used to pay for its own interpreter and imports: about 4 CPU-seconds (torch,
-and the compiler stack every torch optimizer loads) before its first step, for each rank of each
-launch. The rank server (:mod:`eagerloco.rankserver`) pays it once per launcher process and forks a
-rank on each request, so a rank starts in milliseconds. A forked rank is what a started one is: its own
-session, its output on a pipe the launcher reads, the environment the launcher gives it, its exit status
-reported to the launcher (negative: killed by that signal). It differs in what an interpreter reads when
-it starts: a rank whose environment differs from the server's in such a variable (:func:`start_keys`:
-``PYTHONPATH``, ``LD_PRELOAD``, ``TORCH_*``, ...) is started as its own process instead.
-
-Why not :mod:`multiprocessing`'s fork server: its server is one per process, started with whatever the
-environment holds at that moment, and it cannot give a child its own session and output pipe before the
-child runs, nor report a status without a pickled ``Process`` object of the caller's.
+The rank server (:mod:`eagerloco.rankserver`) pays the imports (about 4 CPU-seconds) once per launcher and
+forks a rank on each request: its own session, output pipe, environment and exit status, as a started one.
+A rank whose start-time variables (:func:`start_keys`) differ from the server's is started as a process.
+Not :mod:`multiprocessing`'s fork server: one per process, with the environment of that moment, and it cannot
+give a child its own session and output pipe before it runs, nor report a status without a ``Process``.
 """
 
 from __future__ import annotations
@@ -38,41 +31,18 @@ _APPLIED_BY_RANK = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")
 
 
 def start_keys(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables of an environment that take effect when a process starts (not in a forked one).
-
-    Args:
-        env: a process environment.
-
-    Returns:
-        Its ``PYTHON*``, ``LD_*``, ``TORCH_*`` and thread-library variables, less those a forked rank
-        applies itself (``PYTHONUNBUFFERED``, ``OMP_NUM_THREADS``).
-    """
+    """The variables of ``env`` that take effect when a process starts (``PYTHON*``, ``LD_*``, ``TORCH_*``, thread
+    libraries), less those a forked rank applies itself (``PYTHONUNBUFFERED``, ``OMP_NUM_THREADS``)."""
     return {k: v for k, v in env.items() if k.startswith(_START_PREFIXES) and k not in _APPLIED_BY_RANK}
 
 
 def send_message(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
-    """One JSON message (and file descriptors) over a SOCK_SEQPACKET socket: one message per packet.
-
-    Args:
-        sock: one end of the launcher's socket pair with its rank server.
-        message: what to send (JSON).
-        fds: descriptors that travel with it (the receiver gets its own copies).
-
-    Raises:
-        OSError: the other end is gone.
-    """
+    """One JSON message (and file descriptors, copied for the receiver) over a SOCK_SEQPACKET socket, one a packet."""
     socket.send_fds(sock, [json.dumps(message).encode()], list(fds))
 
 
 def receive_message(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    """The next message and the descriptors that came with it.
-
-    Args:
-        sock: one end of the launcher's socket pair with its rank server.
-
-    Returns:
-        The message and the descriptors (the caller closes them); (None, []) when the other end is gone.
-    """
+    """The next message and the descriptors that came with it; (None, []) when the other end is gone."""
     try:
         data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
     except (ConnectionError, OSError):
@@ -114,11 +84,7 @@ class ForkedRank:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        """The exit status, once the rank has ended.
-
-        Raises:
-            subprocess.TimeoutExpired: it still runs after ``timeout`` seconds.
-        """
+        """The exit status, once the rank has ended (subprocess.TimeoutExpired after ``timeout`` seconds)."""
         if self.returncode is None:
             code = self._server.wait_exit(self.pid, timeout)
             if code is None:
@@ -140,14 +106,8 @@ class RankServer:
     how they end. Thread-safe; the server ends when this process closes its socket (or dies)."""
 
     def __init__(self, env: Mapping[str, str], command: Sequence[str] = (sys.executable, "-m", SERVER_MODULE)) -> None:
-        """Start the server with this environment.
-
-        Args:
-            env: the server's environment (its start-time variables are every child's).
-            command: the server's command line, to which its socket's descriptor is appended: by default
-                :mod:`eagerloco.rankserver`'s; another program serving with :func:`eagerloco.rankserver.serve`
-                forks other children.
-        """
+        """Start the server with ``env`` (its start-time variables are every child's); ``command`` is its command line,
+        to which its socket's descriptor is appended (default: :mod:`eagerloco.rankserver`'s)."""
         self.start_env = start_keys(env)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
@@ -201,23 +161,8 @@ class RankServer:
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], timeout_s: float = 600.0, *,
               cwd: str | None = None, output: int | None = None, errors: int | None = None) -> ForkedRank:
-        """Fork a rank running ``eagerloco ARGV`` (another server's child: what its ARGV says) with this environment.
-
-        Args:
-            argv: the arguments after the program name (``train ...``).
-            env: the rank's whole environment.
-            timeout_s: how long to wait for the server's answer.
-            cwd: the directory it starts in (default: the server's).
-            output: a descriptor its stdout and stderr go to (a log file's), instead of a new pipe.
-            errors: a descriptor its stderr goes to instead (default: with its stdout).
-
-        Returns:
-            The rank: its output (stdout and stderr) on its ``stdout`` (None with ``output``), its status
-            from ``poll``/``wait``.
-
-        Raises:
-            RuntimeError: the server is gone or did not answer within timeout_s (it imports torch first).
-        """
+        """Fork a rank running ``eagerloco ARGV`` with this environment; its stdout and stderr on its ``stdout``, or
+        on ``output`` (``errors``: stderr apart). RuntimeError when the server is gone or silent past timeout_s."""
         read_end, write_end = os.pipe() if output is None else (-1, output)
         request: dict[str, Any] = {"argv": list(argv), "env": dict(env)}
         if cwd is not None:
@@ -275,16 +220,8 @@ _server_lock = threading.Lock()
 
 
 def rank_server(env: Mapping[str, str]) -> RankServer | None:
-    """This process's rank server for ranks started with this environment, started on first use with it.
-
-    Args:
-        env: the launcher's environment for its ranks, before the variables of each rank are added.
-
-    Returns:
-        The server; None where a rank must be a process of its own (not Linux, or a start-time variable
-        that differs from the server's while the server has ranks running; an idle server with other
-        settings is replaced).
-    """
+    """This process's rank server for ranks started with ``env``, started on first use; None where a rank must be
+    a process of its own (not Linux, or start-time variables that differ while the server has ranks running)."""
     global _server
     if not sys.platform.startswith("linux"):
         return None

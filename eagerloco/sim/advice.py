@@ -1,11 +1,8 @@
-"""What ``simulate --plan`` tells a person: its assumptions, the answer as commands to copy, what the answer
-costs in loss as measured, the runner-up, and whether the answer rests on an assumed step time.
+"""What ``simulate --plan`` tells a person: its assumptions, the answer as commands to copy, its measured cost
+in loss, the runner-up, and whether the answer rests on an assumed step time.
 
-The commands are train's flags (and ``outer_loop``'s arguments) of the answer's row, with the settings its
-exchange format needs: a sparse (top-k) exchange runs with error feedback and plain averaging, as SparseLoCo
-does and as the committed comparison measured it (``bench/results/compression``: without the buffer, top 64
-of 4096 costs 0.22 nats more). The measured costs are that comparison's numbers and ``compare_seeds_400``'s,
-copied here because an installed package has no ``bench/``; a test reads each back from its ``summary.json``.
+A sparse answer runs with error feedback and plain averaging, as SparseLoCo and the committed comparison did.
+The measured costs are copied from ``bench/results`` (an installed package has none); a test checks them.
 """
 
 from __future__ import annotations
@@ -58,9 +55,8 @@ MEASURED: dict[tuple[str, str], Measured] = {
 
 
 def measured_for(row: dict[str, Any]) -> tuple[str, Measured] | None:
-    """The format measured for this row's method and its measurement: the row's own format, or for a dense
-    one without a measurement of its own the nearest measured (e2m1, then fp32); None when nothing
-    comparable ran."""
+    """The format measured for this row's method and its measurement: the row's own, or for a dense one the nearest
+    measured (e2m1, then fp32); None when nothing comparable ran."""
     formats = [row["format"]] if row["topk"] is not None else [row["format"], "e2m1", "fp32"]
     return next(((f, MEASURED[(row["family"], f)]) for f in formats if (row["family"], f) in MEASURED), None)
 
@@ -145,15 +141,8 @@ def _answer(title: str, row: dict[str, Any], report: dict[str, Any]) -> list[str
 
 def format_decision(report: dict[str, Any], step_source: str, shifted: dict[float, dict[str, Any] | None] | None,
                     verbose: bool = False) -> str:
-    """The plan as a person reads it: the assumptions, the answer, the runner-up, a warning where the answer
-    changes with an assumed step time, and the full tables only when ``verbose``.
-
-    Args:
-        report: from :func:`eagerloco.sim.plan.plan`.
-        step_source: where the step time came from, in words.
-        shifted: when the step time is assumed, the answer at the step time times each of STEP_TIME_FACTORS.
-        verbose: add every format's cheapest row and every candidate.
-    """
+    """The plan as a person reads it: the assumptions, the answer, the runner-up, a warning where the answer changes
+    with an assumed step time (``shifted``), and the full tables only when ``verbose``."""
     m, best = report["model"], report["best"]
     speeds = report["worker_speeds"]
     lines = [

@@ -1,12 +1,7 @@
 """What is simulated: model presets, step times, the method rows and the bytes they put on the link.
 
-Everything here is arithmetic on sizes; the timing lives in :mod:`eagerloco.sim.engine`.
-This module imports no torch (scale sizes come from :mod:`eagerloco.codec_sizes`), so
-``eagerloco simulate`` starts instantly; payload sizes are computed from bits per value plus
-per-block scale bytes, the same layout the runtime codecs pack (values, then one scale per block
-for formats below 16 bits); a sparse (top-k) exchange adds the positions of the values it keeps, as
-:class:`eagerloco.codecs.TopKCodec` packs them (:func:`eagerloco.codec_sizes.sparse_counts`); a shared-support
-one (:class:`eagerloco.codecs.SharedSupportCodec`) sends its values alone, through the reduce-scatter.
+Arithmetic on sizes only, without torch (``eagerloco simulate`` starts instantly): payload sizes follow the
+layout the runtime codecs pack (:mod:`eagerloco.codec_sizes`); the timing lives in :mod:`eagerloco.sim.engine`.
 """
 
 from __future__ import annotations
@@ -26,11 +21,8 @@ class SimError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model as the simulator sees it: parameters spread evenly over its transformer blocks.
-
-    Embeddings and head are folded into the blocks (params / layers each), as the papers'
-    simulation does; step_time is one inner step (forward + backward) of one worker.
-    """
+    """A model as the simulator sees it: parameters spread evenly over its blocks (embeddings and head folded in,
+    as the papers' simulation does); step_time is one inner step of one worker."""
 
     name: str
     params: float
@@ -68,12 +60,9 @@ def flops_step_time(params: float, tokens_per_step: float, accel_tflops: float, 
 class Variant:
     """One row of the tables: a method of :data:`eagerloco.config.METHODS` with its settings.
 
-    fragmented: the exchange is split into the P streaming fragments (streaming always; delayed
-    and eager only when asked, as the eager paper's main setting syncs the whole model).
-    topk: the exchange sends only the topk values of largest magnitude of every chunk of topk_chunk
-    values (train's --topk, --topk-chunk), at ``bits`` a value, with their positions; None: every value.
-    shared: those k values sit at positions every worker draws alike (train's --transport shared-support),
-    so only the values travel, reduce-scattered whatever the transport.
+    ``fragmented``: the exchange is split into the P fragments (streaming always; delayed and eager when asked).
+    ``topk``: only the top k of every ``topk_chunk`` values travel, at ``bits`` a value, with their positions;
+    ``shared``: at positions every worker draws alike, values only, reduce-scattered.
     """
 
     key: str
@@ -112,12 +101,9 @@ def default_variants(
     topk_chunk: int = 4096,
     shared: bool = False,
 ) -> list[Variant]:
-    """The rows of the papers' comparison, parameterized by the CLI flags.
-
-    data-parallel, DiLoCo, Streaming (blocking), Streaming with each tau of overlap, Streaming with
-    the first tau at low_bits (the papers' "4-bit overlapped" headline row), naive delayed and eager
-    with k rounds of tolerance. topk makes the rows at ``bits`` sparse; data-parallel and the
-    low_bits row stay dense; shared makes the sparse rows shared-support ones.
+    """The rows of the papers' comparison, parameterized by the CLI flags: data-parallel, DiLoCo, Streaming
+    (blocking, each tau of overlap, the first tau at low_bits), naive delayed and eager; topk (and shared) make
+    the rows at ``bits`` sparse, data-parallel and the low_bits row stay dense.
     """
     sp = {"topk": topk, "topk_chunk": topk_chunk, "shared": shared and topk is not None}
     fmt = payload_label(bits, topk, topk_chunk, shared and topk is not None)
@@ -168,20 +154,8 @@ CODEC_FOR_BITS = {32: "fp32", 16: "bf16", 8: "fp8", 4: "e2m1", 2: "2bit"}
 
 
 def fragment_layers(layers: int, fragments: int, pattern: str = "strided") -> list[tuple[int, ...]]:
-    """Blocks (0-based, first block first) of each fragment.
-
-    Args:
-        layers: transformer blocks L.
-        fragments: fragments P (capped at L).
-        pattern: "strided" (fragment p holds p, p+P, ...) or "sequential" (contiguous runs, the
-            first fragments one block longer when P does not divide L).
-
-    Returns:
-        One tuple of block indices per fragment; every block is in exactly one.
-
-    Raises:
-        SimError: unknown pattern.
-    """
+    """Blocks (0-based) of each fragment: "strided" (fragment p holds p, p+P, ...) or "sequential" (contiguous
+    runs, the first fragments one block longer); P is capped at L."""
     try:
         return [tuple(g) for g in block_groups(layers, max(1, min(fragments, layers)), pattern)]
     except ValueError:
@@ -189,10 +163,8 @@ def fragment_layers(layers: int, fragments: int, pattern: str = "strided") -> li
 
 
 def fragment_layer_counts(layers: int, fragments: int) -> list[int]:
-    """Blocks per fragment under the strided pattern (fragment p holds blocks p, p+P, ...).
-
-    The largest holds ceil(layers / P) blocks, so adding fragments never enlarges the peak.
-    """
+    """Blocks per fragment under the strided pattern; the largest holds ceil(layers / P), so more fragments never
+    enlarge the peak."""
     fragments = min(fragments, layers)
     return [len(range(p, layers, fragments)) for p in range(fragments)]
 
@@ -208,12 +180,8 @@ def payload_bytes(numel: float, bits: int, block: int = 32, scale_bytes: int = S
 def sparse_payload_bytes(
     numel: float, bits: int, chunk: int, k: int, block: int = 32, scale_bytes: int = SCALE_BYTES
 ) -> float:
-    """Encoded size of a sparse exchange of numel values (rounded to a whole count): the values it keeps
-    (k of every chunk of ``chunk``) at ``bits`` each with their block scales, then their positions.
-
-    With the default scale bytes it is exactly :func:`eagerloco.codec_sizes.sparse_nbytes` of the
-    codec of ``bits`` bits; ``scale_bytes`` changes the scales as it does for a dense payload.
-    """
+    """Encoded size of a sparse exchange of numel values: :func:`eagerloco.codec_sizes.sparse_nbytes` of the codec
+    of ``bits`` bits, with ``scale_bytes`` changing the scales as for a dense payload."""
     kept, position_bytes = sparse_counts(round(numel), chunk, k)
     return math.ceil(payload_bytes(kept, bits, block, scale_bytes)) + position_bytes
 
@@ -237,13 +205,9 @@ def bits_per_value(variant: Variant, block: int = 32, scale_bytes: int = SCALE_B
 
 
 def wire_bytes(payload: float, workers: int, bits: int, transport: str = "ring", sparse: bool = False) -> float:
-    """Bytes one worker sends for one exchange of payload bytes.
-
-    ring: a ring all-reduce, 2(M-1)/M of the payload, for every format (the papers' model).
-    allgather: what the runtime does for quantized payloads so that sums stay in FP32: each
-    worker sends (M-1) payloads; FP32 payloads still use the ring. Identical for M = 2.
-    sparse: a top-k payload is all-gathered whatever the transport (every worker keeps other
-    positions, so no ring can sum them on the way), as the runtime and SparseLoCo do.
+    """Bytes one worker sends for one exchange of payload bytes: ``ring`` 2(M-1)/M of it for every format (the
+    papers' model); ``allgather`` (M-1) payloads for quantized ones, FP32 still on the ring; ``sparse`` payloads
+    are all-gathered whatever the transport.
     """
     if workers <= 1:
         return 0.0
@@ -254,13 +218,9 @@ def wire_bytes(payload: float, workers: int, bits: int, transport: str = "ring",
 
 def exchange_wire_bytes(numel: float, variant: Variant, workers: int, block: int = 32,
                         scale_bytes: int = SCALE_BYTES, transport: str = "ring") -> float:
-    """Bytes one worker sends for one outer exchange of numel values (:func:`wire_bytes` of its payload).
-
-    reduce-scatter (and shared-support for a dense row): a quantized dense payload goes as the runtime's
-    ``--transport reduce-scatter`` sends it: M-1 shards of numel / M values (whole scale blocks below 16
-    bits) to their owners, then M-1 requantized shards (:func:`eagerloco.codec_sizes.reduce_scatter_wire_bytes`
-    with the default scale bytes); FP32 and top-k payloads go as under ring. A shared-support row's kept
-    values go through that reduce-scatter whatever the transport (FP32 values in shards of single values).
+    """Bytes one worker sends for one outer exchange of numel values: :func:`wire_bytes` of its payload, or under
+    reduce-scatter (and for a shared-support row whatever the transport)
+    :func:`eagerloco.codec_sizes.reduce_scatter_wire_bytes`; FP32 and top-k payloads go as under ring.
     """
     if workers <= 1:
         return 0.0
@@ -304,13 +264,8 @@ def traffic(
     transport: str = "ring",
     pattern: str = "strided",
 ) -> Traffic:
-    """Sizes of the transfers one period puts on the link, and the blocks each one carries.
-
-    dp: one gradient exchange per block per step (never sparse; quantized gradients are all-gathered or
-    reduce-scattered as the transport says, as the runtime does). Outer methods: one
-    exchange per fragment per round of H steps (one fragment of every block unless the variant is
-    fragmented, then the fragments of the given pattern), dense or sparse (:func:`exchange_payload_bytes`).
-    """
+    """Sizes of the transfers one period puts on the link, and the blocks each carries: dp one gradient exchange per
+    block per step (never sparse); outer methods one exchange per fragment per round of H steps."""
     per_layer = model.params_per_layer
     if variant.method == "dp":
         one = exchange_wire_bytes(per_layer, variant, workers, block, scale_bytes, transport)

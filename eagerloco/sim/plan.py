@@ -1,19 +1,10 @@
 """The planner: the cheapest settings that reach a compute-utilization target on a given link.
 
-"Cheapest" means giving up the least, in the order the papers' quality results suggest: a
-smaller H first (the papers' loss grows with H), then the simpler method (data-parallel,
-DiLoCo, Streaming, Streaming with tau overlap, eager), then more bits on the link per value
-(nothing is cheaper than not compressing; FP4 costs little in the papers; a sparse exchange,
-which sends only the top k of every chunk, gives up more the fewer it keeps), then a smaller
-tau. The exchange formats tried are the dense codecs (bf16, fp8, e2m1) and SparseLoCo's 2-bit
-top-k at 25%, 6.25% and 1.56% of the values (1024, 256 and 64 of every 4096; plus --topk's own
-setting when given), and beyond 2 workers the shared support of :data:`SHARED` (--transport
-shared-support: no positions, values reduce-scattered, flat in M where top-k is all-gathered). Each
-row's bytes are those of the transport train runs it with (:func:`row_transport`) at the question's M.
-Every candidate is simulated at the one bandwidth asked for; the table lists each with the utilization
-it reaches, and a second table the cheapest per exchange format.
-Naive delayed updates are left out: the eager paper finds them clearly worse than eager at the
-same overlap.
+"Cheapest" gives up the least, in the order the papers' quality results suggest: a smaller H first, then the
+simpler method (data-parallel, DiLoCo, Streaming, Streaming with tau overlap, eager), then more bits per value
+(dense codecs, then sparse top-k, then beyond 2 workers :data:`SHARED`), then a smaller tau. Each row is
+simulated at the question's bandwidth and M, with the bytes of the transport train runs it with
+(:func:`row_transport`). Naive delayed is left out: the eager paper finds it clearly worse than eager.
 """
 
 from __future__ import annotations
@@ -64,9 +55,8 @@ def format_name(bits: int, topk: int | None = None, topk_chunk: int = 4096, shar
 
 
 def row_transport(v: Variant, transport: str) -> str:
-    """train's --transport for a row whose bytes the simulator charges under ``transport``: shared-support for a
-    shared row, allgather for top-k and FP32 (a ring all-reduce either way), and for quantized dense rows
-    reduce-scatter unless the question's transport is allgather (the ring's bytes, plus shard padding)."""
+    """train's --transport for a row charged under ``transport``: shared-support for a shared row, allgather for
+    top-k and FP32, and for quantized dense rows reduce-scatter unless the question says allgather."""
     if v.shared:
         return "shared-support"
     return "reduce-scatter" if v.topk is None and v.bits < 32 and transport != "allgather" else "allgather"
@@ -84,12 +74,7 @@ def candidates(
     scale_bytes: int = SCALE_BYTES,
     shared: tuple[tuple[int, int, int], ...] = (),
 ) -> list[Candidate]:
-    """Every setting considered, in rank order (cheapest first).
-
-    bits: the dense formats; sparse: (bits, k, chunk) of each sparse one (data-parallel stays dense); shared:
-    those of the shared-support ones.
-    Streaming with tau overlap is kept only where tau * P < H, as training requires.
-    """
+    """Every setting considered, cheapest first (overlap tau only where tau * P < H)."""
     P = fragment_count(model.layers, fragment_layers)
     dp = Variant("dp", f"data-parallel {dp_bits}-bit", "dp", dp_bits)
     out = [Candidate("dp", 1, 1, 0, dp_bits, dp, bits_per_value(dp, block, scale_bytes))]
@@ -130,12 +115,8 @@ class Question:
 
 
 def evaluate(model: ModelSpec, q: Question, c: Candidate) -> dict[str, Any]:
-    """One candidate simulated: its row of the plan.
-
-    With unequal speeds the run's utilization is the mean of its workers' (each worker's compute over the wall
-    time), with a fixed H and with adaptive steps (section 11 of docs/algorithms.md); the row keeps the better
-    of the two and says which (``adaptive_steps``).
-    """
+    """One candidate simulated: its row of the plan. With unequal speeds the run's utilization is the mean of its
+    workers', with a fixed H and with adaptive steps; the row keeps the better and says which."""
     v = c.variant
     tr = traffic(model, v, q.workers, c.inner_steps, c.fragments, q.block, q.scale_bytes, q.transport, q.pattern)
     adaptive, per_worker = False, None
@@ -162,18 +143,10 @@ def evaluate(model: ModelSpec, q: Question, c: Candidate) -> dict[str, Any]:
 
 
 def plan(model: ModelSpec, q: Question) -> dict[str, Any]:
-    """Simulate every candidate at one bandwidth; the first in rank order that meets the target wins.
+    """Simulate every candidate at one bandwidth; the first in rank order that meets the target wins (``best``).
 
-    Args:
-        model: the model (a preset or the user's own: layers, parameters, step time).
-        q: the link, the target CU in (0, 1], the workers and their speeds.
-
-    Returns:
-        {"model", "bandwidth_gbps", "target", "workers", "latency_ms", "transport", "worker_speeds", "best" (a row or
-        None), "runner_up" (a row or None, :func:`runner_up`), "by_format": [rows], "candidates": [rows]}; a
-        row holds method, inner_steps, fragments, tau, bits, codec, topk, topk_chunk, format, bits_per_value, transport,
-        adaptive_steps, cu_per_worker (None for equal speeds), cu and meets. by_format has, per exchange
-        format (densest first), the cheapest row that meets the target, or else the one with the highest CU.
+    Returns the question, ``best`` and ``runner_up`` (rows or None), ``by_format`` (per format, densest first, the
+    cheapest row meeting the target, else the highest CU) and every row in ``candidates``.
     """
     rows = [evaluate(model, q, c) for c in _candidates(model, q)]
     best = next((r for r in rows if r["meets"]), None)
@@ -194,9 +167,8 @@ def _candidates(model: ModelSpec, q: Question) -> list[Candidate]:
 
 
 def runner_up(rows: list[dict[str, Any]], best: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The alternative to the answer: the cheapest row meeting the target with the other kind of exchange
-    (dense for a sparse answer, sparse for a dense one: whether compression is worth its settings), or
-    else the next row meeting it."""
+    """The alternative to the answer: the cheapest row meeting the target with the other kind of exchange (dense
+    for a sparse answer, sparse for a dense one), or else the next row meeting it."""
     if best is None:
         return None
     hits = [r for r in rows if r["meets"] and r is not best]

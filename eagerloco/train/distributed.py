@@ -1,13 +1,6 @@
-"""The multi-process runtime: one process per rank, R ranks per worker, M workers.
-
-Started by ``eagerloco launch`` or torchrun; ``eagerloco train`` comes here when RANK and
-WORLD_SIZE are set. The loop, algorithm and accounting are the trainer's; only the transport
-differs (:class:`~eagerloco.comm.distributed.TorchDistCommunicator` with a real background exchange
-and an emulated link), plus the inner data-parallel group of each worker.
-
-Without ``--elastic`` a dead worker stops the run: the others raise PeerError naming it and exit
-non-zero, and the last checkpoint (published only once every rank's file is written) stays the
-one to resume from. With ``--elastic`` see :mod:`eagerloco.train.elastic`.
+"""The multi-process runtime: one process per rank, R ranks per worker, M workers (``eagerloco launch`` or
+torchrun). Only the transport differs from the trainer's; a dead worker stops the run, the others naming it
+(with ``--elastic``: :mod:`eagerloco.train.elastic`).
 """
 
 from __future__ import annotations
@@ -40,10 +33,8 @@ from eagerloco.train.worker import Worker
 class DistributedRuntime(Runtime):
     """This rank's share of a run of M workers x R ranks on torch.distributed.
 
-    Rank 0 reports (metrics, summary, the checkpoint's manifest) and evaluates (with FSDP every rank
-    of worker 0, whose forward needs them all). A checkpoint's files reach rank 0 as an all-gather
-    of their manifest entries; its verdict is broadcast, so a rank that cannot write stops every rank
-    with the same message.
+    Rank 0 reports and evaluates (under FSDP every rank of worker 0). A checkpoint's manifest entries reach rank 0
+    by all-gather and its verdict is broadcast, so a rank that cannot write stops every rank with the same message.
     """
 
     checkpoint_kind = "distributed"

@@ -1,10 +1,5 @@
-"""The elastic multi-process runtime (``--elastic``, one rank per worker): survive deaths, admit returns.
-
-The survivors of a dead worker go on with the mean over the workers present, and a returning
-worker is admitted at a round boundary with a live worker's state: see :mod:`eagerloco.comm.elastic`.
-The leader (lowest live worker id) does what rank 0 does otherwise: evaluation, metrics,
-checkpoint manifest, summary.
-"""
+"""The elastic multi-process runtime (``--elastic``, one rank per worker): survive deaths, admit returns
+(:mod:`eagerloco.comm.elastic`). The leader (lowest live worker id) does what rank 0 does otherwise."""
 
 from __future__ import annotations
 
@@ -54,11 +49,8 @@ def worker_steps(events: list[dict[str, Any]], workers: int, start: int, steps: 
 
 
 class ElasticRuntime(Runtime):
-    """One worker of an elastic run: its process's share of a launched run whose workers may die and return.
-
-    The leader evaluates and reports; a checkpoint's files reach it through the run's store (a worker
-    that died while saving is left out of the manifest).
-    """
+    """One worker of an elastic run; the leader evaluates and reports, and checkpoint files reach it through the
+    store (a worker that died while saving is left out of the manifest)."""
 
     checkpoint_kind = "distributed"
 

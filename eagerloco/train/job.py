@@ -1,19 +1,9 @@
 """One worker per job: ``eagerloco train --outer-addr HOST:PORT --worker-id I --workers M``.
 
-Each worker is its own process, started on its own (by hand, a scheduler, another machine), as the
-hook API's workers are: the jobs meet at the coordinator (``eagerloco coordinator``, which no worker
-hosts; :meth:`~eagerloco.comm.connect.Connection.outer`) and exchange on a gloo group of their own. The
-loop, algorithm and accounting are the trainer's; the worker trains on shard I of the data, exactly
-the shard worker I has in-process or under ``eagerloco launch``, so the numbers are those of the
-other runtimes' worker I.
-
-Each job owns its run directory (``--out``; give each job its own when they share a disk): its
-metrics, its summary (this worker's link accounting), its evaluations and its checkpoints, which
-hold this worker's state only; ``--resume`` continues each job from its own newest checkpoint
-(resume every job, from checkpoints of the same step). With ``--elastic`` the survivors of a dead
-worker go on, and a worker started against the run under way (``--resume`` of its own checkpoints, or
-a fresh ``--out``) joins it at a round boundary with a live member's state
-(:mod:`eagerloco.comm.elastic`).
+Each worker is its own process meeting the others at the coordinator (:meth:`~eagerloco.comm.connect.Connection.outer`);
+it trains on shard I, exactly as worker I elsewhere. Each job owns its run directory (metrics, this worker's
+summary and checkpoints); ``--resume`` continues each job from its own newest checkpoint, and with
+``--elastic`` a worker started against the run under way joins it (:mod:`eagerloco.comm.elastic`).
 """
 
 from __future__ import annotations
