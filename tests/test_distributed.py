@@ -26,7 +26,7 @@ import torch
 from eagerloco.codecs import get_codec
 from eagerloco.comm.base import flatten
 from eagerloco.launch import launch
-from eagerloco.procs import pid_stopped
+from eagerloco.procs import pid_alive, pid_stopped
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -212,6 +212,20 @@ def test_pid_stopped_reads_the_process_state() -> None:
         p.kill()
         p.wait()
     assert not pid_stopped(p.pid)  # gone
+
+
+def test_a_zombie_is_not_alive() -> None:
+    """A process dead but not yet reaped (its parent killed, say) holds no run lock: pid_alive says so."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{p.pid}/stat").read_text().split(") ")[1][0] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not pid_alive(p.pid)
+    finally:
+        p.wait()
+    assert not pid_alive(p.pid)  # reaped
+    assert pid_alive(os.getpid())
 
 
 def test_launch_forwards_ctrl_c() -> None:
