@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from eagerloco.comm.base import Contribution, Handle, QuorumResult, ReadyHandle,
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import gloo_group
 from eagerloco.comm.quorum import LateWindow
-from eagerloco.comm.rendezvous import prefixed
+from eagerloco.comm.rendezvous import poll, prefixed
 
 #: Where the exchanges' arrivals, decisions and means live in the coordinator's store, and their groups' keys.
 QUORUM_PREFIX, QUORUM_PG_PREFIX = "eagerloco/quorum/", "eagerloco/quorum-pg/"
@@ -99,12 +100,16 @@ class QuorumJobs:
         """The exchange's decision: read if taken, else taken here once every worker has arrived, or Q have and
         the grace window has passed since the Q-th (the first worker to see it wins the compare_set)."""
         rule = window.rule
-        deadline = time.monotonic() + self.timeout_s + (rule.grace or 0.0)
         names = [f"{key}/arrived/{m}" for m in range(self.workers)]
-        while True:
+        decided: list[dict[str, Any]] = []
+        arrived: list[int] = []
+
+        def undecided() -> list[int]:  # the workers not yet arrived, while nobody has decided
             if self.store.check([f"{key}/decided"]):
-                return json.loads(self.store.get(f"{key}/decided"))
+                decided.append(json.loads(self.store.get(f"{key}/decided")))
+                return []
             arrivals = {m: json.loads(self.store.get(n)) for m, n in enumerate(names) if self.store.check([n])}
+            arrived[:] = list(arrivals)
             times = sorted(a["t"] for a in arrivals.values())
             q = rule.quorum
             closes = times[-1] if len(times) == self.workers else \
@@ -120,12 +125,18 @@ class QuorumJobs:
                             "decided_at": time.time(), "tick_s": min(a["tick_s"] for a in arrivals.values()),
                             "arrivals_at": {str(m): a["t"] for m, a in arrivals.items()}}
                 self.store.compare_set(f"{key}/decided", "", json.dumps(decision))
-                continue  # whoever won, everyone reads the same decision
-            if time.monotonic() > deadline:
-                raise PeerError(f"worker {self.comm.rank}: the exchange of fragment {window.fragment} at step "
-                                f"{window.step} had {len(times)} of the {rule.quorum} workers its quorum needs after "
-                                f"{self.timeout_s:g} s (--dist-timeout); the others are gone: restart them", [])
-            time.sleep(_POLL_S)
+                return undecided()  # whoever won, everyone reads the same decision
+            return [m for m in range(self.workers) if m not in arrivals]
+
+        def waiting(missing: Sequence[int]) -> str:
+            return (f"worker {self.comm.rank}: the exchange of fragment {window.fragment} at step {window.step} "
+                    f"waits for worker(s) {', '.join(map(str, missing))} (quorum {rule.quorum})")
+
+        if poll(undecided, self.timeout_s + (rule.grace or 0.0), waiting, interval_s=_POLL_S):
+            raise PeerError(f"worker {self.comm.rank}: the exchange of fragment {window.fragment} at step "
+                            f"{window.step} had {len(arrived)} of the {rule.quorum} workers its quorum needs after "
+                            f"{self.timeout_s:g} s (--dist-timeout); the others are gone: restart them", [])
+        return decided[0]
 
     def _group(self, members: tuple[int, ...]) -> dist.ProcessGroup:
         """The gloo group of exactly these workers, formed over the coordinator the first time they meet."""
