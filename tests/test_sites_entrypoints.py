@@ -1,0 +1,62 @@
+"""Sites that come and go, through every library entry point: a worker of an elastic run started through
+``connect(elastic=True)``, the Hugging Face or Lightning callback, or the torchft port is killed mid-run (kill -9);
+the other goes on alone, and the same command started again rejoins the run at a round boundary with a live
+worker's state (its digest checked) and ends with the other's outer parameters."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import popen
+from test_hooks_jobs import coordinators, job_env, wait_all
+
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
+HERE = Path(__file__).resolve().parent
+STEPS = 120
+
+
+def _job(entry: str, out: Path, port: int, w: int, env: dict[str, str] | None = None) -> Any:
+    return popen([sys.executable, str(HERE / "rejoin_job.py"), entry, str(out), str(w), "2", str(port), str(STEPS)],
+                 env={**job_env(), **(env or {})}, cwd=HERE.parent, stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT, text=True)
+
+
+def _killed_and_back(entry: str, out: Path) -> None:
+    port = coordinators(1)[0]
+    first = _job(entry, out, port, 1, {"EAGERLOCO_FAULT_KILL": "1:10"})
+    survivor = _job(entry, out, port, 0)
+    killed = wait_all([first], 120)[0]
+    assert killed.returncode == -9, killed.stdout[-3000:]
+    back, survivor_done = wait_all([_job(entry, out, port, 1), survivor], 180)
+    assert survivor_done.returncode == 0, survivor_done.stdout[-3000:]
+    assert back.returncode == 0, back.stdout[-3000:]
+    assert "worker 0: lost 1; continuing with workers [0]" in survivor_done.stdout, survivor_done.stdout[-3000:]
+    assert "worker 0: workers [1] joined at step" in survivor_done.stdout, survivor_done.stdout[-3000:]
+    assert "worker 1: joined at step" in back.stdout and "checked); members [0, 1]" in back.stdout, back.stdout
+    ends = [json.loads((out / f"{entry}_{w}.json").read_text()) for w in range(2)]
+    assert ends[0]["joined_at"] is None and 10 < ends[1]["joined_at"] < STEPS, ends
+    assert [e["ticks"] for e in ends] == [STEPS, STEPS] and [e["workers"] for e in ends] == [2, 2], ends
+    assert ends[0]["digest"] == ends[1]["digest"], ends
+
+
+def test_hook_api_a_killed_worker_restarted_rejoins_with_the_others_outer_parameters(tmp_path: Path) -> None:
+    _killed_and_back("hooks", tmp_path)
+
+
+def test_torchft_port_a_killed_worker_restarted_rejoins_with_the_others_outer_parameters(tmp_path: Path) -> None:
+    _killed_and_back("torchft", tmp_path)
+
+
+def test_hf_callback_a_killed_worker_restarted_rejoins_with_the_others_outer_parameters(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    _killed_and_back("hf", tmp_path)
+
+
+def test_lightning_callback_a_killed_worker_restarted_rejoins_with_the_others_outer_parameters(tmp_path: Path) -> None:
+    pytest.importorskip("pytorch_lightning")
+    _killed_and_back("lightning", tmp_path)
