@@ -1,7 +1,7 @@
 """One worker of tests/test_sites_entrypoints.py, started as its own job: an elastic run through one library entry
 point, the same command at the start and for a worker that comes back.
 
-Usage: python tests/rejoin_job.py ENTRY OUTDIR WORKER WORKERS PORT STEPS
+Usage: python tests/rejoin_job.py ENTRY OUTDIR WORKER WORKERS PORT STEPS [OUTER_LR]
 
 ENTRY is ``hooks`` (outer_loop on connect(elastic=True)), ``hf`` (the Hugging Face callback), ``lightning`` (the
 Lightning callback) or ``torchft`` (the torchft port). DiLoCo rounds of 2 steps; a worker that is alone sleeps
@@ -27,7 +27,7 @@ from eagerloco.comm.connect import connect
 from eagerloco.comm.elastic import outer_digest
 from eagerloco.config import OuterConfig
 
-CONFIG = {"method": "diloco", "inner_steps": 2, "outer_lr": 0.7}
+CONFIG: dict[str, Any] = {"method": "diloco", "inner_steps": 2, "outer_lr": 0.7}
 TIMEOUT_S = 20
 
 
@@ -161,7 +161,8 @@ def lightning(out: Path, worker: int, workers: int, port: int, steps: int) -> No
 
 
 def main() -> None:
-    entry, outdir, worker, workers, port, steps = sys.argv[1:]
+    entry, outdir, worker, workers, port, steps, *outer_lr = sys.argv[1:]
+    CONFIG["outer_lr"] = float(outer_lr[0]) if outer_lr else CONFIG["outer_lr"]
     torch.set_num_threads(1)
     run = {"hooks": hooks, "hf": hf, "lightning": lightning, "torchft": torchft}[entry]
     with eagerloco.exit_on_errors():

@@ -15,23 +15,32 @@ import pytest
 from jobs import popen
 from test_hooks_jobs import coordinators, job_env, wait_all
 
-pytestmark = [pytest.mark.processes, pytest.mark.slow]
+from eagerloco.comm.connect import connect
+from eagerloco.config import ConfigError
+
 HERE = Path(__file__).resolve().parent
 STEPS = 120
 
 
-def _job(entry: str, out: Path, port: int, w: int, env: dict[str, str] | None = None) -> Any:
-    return popen([sys.executable, str(HERE / "rejoin_job.py"), entry, str(out), str(w), "2", str(port), str(STEPS)],
+def _job(entry: str, out: Path, port: int, w: int, env: dict[str, str] | None = None, *extra: str) -> Any:
+    return popen([sys.executable, str(HERE / "rejoin_job.py"), entry, str(out), str(w), "2", str(port), str(STEPS),
+                  *extra],
                  env={**job_env(), **(env or {})}, cwd=HERE.parent, stdout=subprocess.PIPE,
                  stderr=subprocess.STDOUT, text=True)
 
 
-def _killed_and_back(entry: str, out: Path) -> None:
+def _killed_and_back(entry: str, out: Path, wrong_settings: bool = False) -> None:
     port = coordinators(1)[0]
     first = _job(entry, out, port, 1, {"EAGERLOCO_FAULT_KILL": "1:10"})
     survivor = _job(entry, out, port, 0)
     killed = wait_all([first], 120)[0]
     assert killed.returncode == -9, killed.stdout[-3000:]
+    if wrong_settings:  # refused with one line before it asks to join; the run goes on
+        wrong = wait_all([_job(entry, out, port, 1, None, "0.5")], 120)[0]
+        assert wrong.returncode == 2, wrong.stdout[-3000:]
+        assert wrong.stdout.strip().splitlines()[-1] == (
+            "eagerloco: error: the workers disagree on settings that must match: outer_lr (worker 1: 0.5, the run: "
+            "0.7). Start worker 1 with the run's settings to join it"), wrong.stdout[-3000:]
     back, survivor_done = wait_all([_job(entry, out, port, 1), survivor], 180)
     assert survivor_done.returncode == 0, survivor_done.stdout[-3000:]
     assert back.returncode == 0, back.stdout[-3000:]
@@ -44,19 +53,33 @@ def _killed_and_back(entry: str, out: Path) -> None:
     assert ends[0]["digest"] == ends[1]["digest"], ends
 
 
-def test_hook_api_a_killed_worker_restarted_rejoins_with_the_others_outer_parameters(tmp_path: Path) -> None:
-    _killed_and_back("hooks", tmp_path)
+@pytest.mark.processes
+@pytest.mark.slow
+def test_hook_api_a_killed_worker_restarted_rejoins_with_the_others_outer_parameters_and_other_settings_are_refused(
+        tmp_path: Path) -> None:
+    _killed_and_back("hooks", tmp_path, wrong_settings=True)
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_torchft_port_a_killed_worker_restarted_rejoins_with_the_others_outer_parameters(tmp_path: Path) -> None:
     _killed_and_back("torchft", tmp_path)
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_hf_callback_a_killed_worker_restarted_rejoins_with_the_others_outer_parameters(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     _killed_and_back("hf", tmp_path)
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_lightning_callback_a_killed_worker_restarted_rejoins_with_the_others_outer_parameters(tmp_path: Path) -> None:
     pytest.importorskip("pytorch_lightning")
     _killed_and_back("lightning", tmp_path)
+
+
+def test_elastic_without_a_coordinator_is_refused_with_one_line_naming_the_way() -> None:
+    with pytest.raises(ConfigError, match=r"^elastic=True needs each worker as its own job: pass outer_addr="):
+        connect(elastic=True)
