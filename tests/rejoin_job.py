@@ -1,13 +1,14 @@
 """One worker of tests/test_sites_entrypoints.py, started as its own job: an elastic run through one library entry
 point, the same command at the start and for a worker that comes back.
 
-Usage: python tests/rejoin_job.py ENTRY OUTDIR WORKER WORKERS PORT STEPS [OUTER_LR]
+Usage: python tests/rejoin_job.py ENTRY OUTDIR WORKER WORKERS PORT STEPS [OUTER_LR [EXPECTED]]
 
 ENTRY is ``hooks`` (outer_loop on connect(elastic=True)), ``hf`` (the Hugging Face callback), ``lightning`` (the
-Lightning callback) or ``torchft`` (the torchft port). DiLoCo rounds of 2 steps; a worker that is alone sleeps
-0.2 s a step, so that the run lasts until a worker killed mid-run is back (whatever the machine's load), and
-then goes on at full speed. Each worker writes OUTDIR/<ENTRY>_<WORKER>.json: where it joined, the workers at the
-end, and the outer parameters' digest after its last step, before the loop's end (which makes them equal anyway).
+Lightning callback) or ``torchft`` (the torchft port). DiLoCo rounds of 2 steps; while fewer than EXPECTED
+workers (default: WORKERS) are in the run, each sleeps 0.2 s a step, so that the run lasts until a worker killed
+mid-run is back or a new one has joined (whatever the machine's load), and then goes on at full speed. Each
+worker writes OUTDIR/<ENTRY>_<WORKER>.json: where it joined, the workers at the end, and the outer parameters'
+digest after its last step, before the loop's end (which makes them equal anyway).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from eagerloco.config import OuterConfig
 
 CONFIG: dict[str, Any] = {"method": "diloco", "inner_steps": 2, "outer_lr": 0.7}
 TIMEOUT_S = 20
+EXPECTED = [2]  # the workers the run waits for, pacing its steps until they are in
 
 
 def _batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +44,7 @@ def _model() -> Toy:
 
 
 def _pace(outer: Any) -> None:
-    if outer.num_workers < 2:
+    if outer.num_workers < EXPECTED[0]:
         time.sleep(0.2)
 
 
@@ -161,8 +163,9 @@ def lightning(out: Path, worker: int, workers: int, port: int, steps: int) -> No
 
 
 def main() -> None:
-    entry, outdir, worker, workers, port, steps, *outer_lr = sys.argv[1:]
-    CONFIG["outer_lr"] = float(outer_lr[0]) if outer_lr else CONFIG["outer_lr"]
+    entry, outdir, worker, workers, port, steps, *more = sys.argv[1:]
+    CONFIG["outer_lr"] = float(more[0]) if more else CONFIG["outer_lr"]
+    EXPECTED[0] = int(more[1]) if len(more) > 1 else int(workers)
     torch.set_num_threads(1)
     run = {"hooks": hooks, "hf": hf, "lightning": lightning, "torchft": torchft}[entry]
     with eagerloco.exit_on_errors():

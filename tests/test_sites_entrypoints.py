@@ -8,14 +8,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 from jobs import popen
 from test_hooks_jobs import coordinators, job_env, wait_all
 
 from eagerloco.comm.connect import connect
+from eagerloco.comm.rendezvous import STARTED_KEY
 from eagerloco.config import ConfigError
 
 HERE = Path(__file__).resolve().parent
@@ -78,6 +81,24 @@ def test_hf_callback_a_killed_worker_restarted_rejoins_with_the_others_outer_par
 def test_lightning_callback_a_killed_worker_restarted_rejoins_with_the_others_outer_parameters(tmp_path: Path) -> None:
     pytest.importorskip("pytorch_lightning")
     _killed_and_back("lightning", tmp_path)
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_hook_api_a_third_worker_joins_a_running_two_worker_run(tmp_path: Path) -> None:
+    port = coordinators(1)[0]
+    first = [_job("hooks", tmp_path, port, w, None, "0.7", "3") for w in range(2)]
+    # A new worker id is admitted only into a run under way: wait for its start at the coordinator.
+    dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120)).wait([STARTED_KEY])
+    third = _job("hooks", tmp_path, port, 2, None, "0.7", "3")
+    done = wait_all([*first, third], 180)
+    for w, d in enumerate(done):
+        assert d.returncode == 0, f"worker {w}:\n{d.stdout[-3000:]}"
+    assert "worker 0: workers [2] joined at step" in done[0].stdout, done[0].stdout[-3000:]
+    assert "checked); members [0, 1, 2]" in done[2].stdout, done[2].stdout[-3000:]
+    ends = [json.loads((tmp_path / f"hooks_{w}.json").read_text()) for w in range(3)]
+    assert [e["workers"] for e in ends] == [3, 3, 3] and ends[2]["joined_at"] > 0, ends
+    assert ends[0]["digest"] == ends[1]["digest"] == ends[2]["digest"], ends
 
 
 def test_elastic_without_a_coordinator_is_refused_with_one_line_naming_the_way() -> None:

@@ -222,7 +222,9 @@ def connect(outer_addr: str | None = None, worker_id: int | None = None, workers
 
     ``outer_addr`` is the coordinator's host:port (``eagerloco coordinator``); ``link`` an emulated slow link;
     ``timeout_s`` the seconds before a silent worker is declared dead; ``elastic`` lets the others go on when a
-    worker dies (:mod:`eagerloco.comm.elastic`); ``init_sync`` starts everyone from worker 0's parameters;
+    worker dies (:mod:`eagerloco.comm.elastic`), and a worker that finds the run under way (one that died, started
+    again; or a new ``worker_id`` beyond ``workers``) joins it in the loop it is given to, at a round boundary with
+    a live worker's state (``outer.joined_at``); ``init_sync`` starts everyone from worker 0's parameters;
     ``device`` is where means are handed back. Raises ConfigError or PeerError.
     """
     from eagerloco.comm.inprocess import InProcessGroup
