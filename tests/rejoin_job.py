@@ -8,7 +8,7 @@ Lightning callback) or ``torchft`` (the torchft port). DiLoCo rounds of 2 steps;
 workers (default: WORKERS) are in the run, each sleeps 0.2 s a step, so that the run lasts until a worker killed
 mid-run is back or a new one has joined (whatever the machine's load), and then goes on at full speed. Each
 worker writes OUTDIR/<ENTRY>_<WORKER>.json: where it joined, the workers at the end, and the outer parameters'
-digest after its last step, before the loop's end (which makes them equal anyway).
+digest after its last step, before the loop's end (which makes them equal anyway), and its learning rate.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def _pace(outer: Any) -> None:
 def _report(out: Path, entry: str, worker: int, outer: Any) -> None:
     (out / f"{entry}_{worker}.json").write_text(json.dumps({
         "joined_at": outer.joined_at, "ticks": outer.ticks, "workers": outer.num_workers,
+        "lr": outer.inner_optimizer.param_groups[0]["lr"],  # the frameworks' schedules decay it to 0 at their end
         "digest": outer_digest(outer.outer_parameters())}))
 
 
@@ -141,8 +142,10 @@ def lightning(out: Path, worker: int, workers: int, port: int, steps: int) -> No
             x, y = batch
             return ((self.toy(x) - y) ** 2).mean()
 
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=0.01)
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+            decay = torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=steps)  # to 0 at the end
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
 
     callback = OuterLoopCallback(OuterConfig(**CONFIG), outer_addr=f"127.0.0.1:{port}", worker_id=worker,
                                  workers=workers, timeout_s=TIMEOUT_S, elastic=True)

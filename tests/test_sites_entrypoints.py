@@ -54,6 +54,7 @@ def _killed_and_back(entry: str, out: Path, wrong_settings: bool = False) -> Non
     assert ends[0]["joined_at"] is None and 10 < ends[1]["joined_at"] < STEPS, ends
     assert [e["ticks"] for e in ends] == [STEPS, STEPS] and [e["workers"] for e in ends] == [2, 2], ends
     assert ends[0]["digest"] == ends[1]["digest"], ends
+    assert ends[0]["lr"] == ends[1]["lr"], ends  # the learning-rate schedule's position too
 
 
 @pytest.mark.processes

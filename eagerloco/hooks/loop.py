@@ -350,14 +350,24 @@ class OuterLoop:
         return self.sync.outer_weights()
 
 
-class _NoSchedule:
-    """The learning-rate schedule of a loop given none: nothing to hand over."""
+class _Schedule:
+    """The loop's learning-rate scheduler as the handover moves it. The members hand theirs over inside an inner step
+    (the optimizer's hook), before the loop steps it: the joiner steps the one it receives once, and so is where
+    they are after theirs."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {} if self.scheduler is None else self.scheduler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        if self.scheduler is None:
+            return
+        self.scheduler.load_state_dict(state)
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": the members stepped theirs
+            warnings.simplefilter("ignore")
+            self.scheduler.step()
 
 
 @dataclass
@@ -374,8 +384,8 @@ class Handover:
     last_loss: float = float("nan")
 
     @property
-    def sched(self) -> Any:
-        return _NoSchedule() if self.scheduler is None else self.scheduler
+    def sched(self) -> _Schedule:
+        return _Schedule(self.scheduler)
 
 
 def _release_at_exit(ref: weakref.ref[OuterLoop]) -> None:
@@ -422,8 +432,9 @@ def outer_loop(
         apply_in_flight: at the end, apply what is still in flight instead of only waiting for it.
         grad_scaler: the ``torch.amp.GradScaler`` the loop steps through, if any: a step it skips still
             counts, so every worker's schedule stays the same. Not with method dp.
-        scheduler: the inner optimizer's learning-rate scheduler, if any: a worker that joins an elastic run under
-            way takes its position (with the model, the inner optimizer and the outer state) from a live worker.
+        scheduler: the learning-rate scheduler the loop steps after each inner step, if any: a worker that joins an
+            elastic run under way takes its position (with the model, the inner optimizer and the outer state) from a
+            live worker.
 
     Raises:
         ConfigError: an invalid setting or launch.
