@@ -34,11 +34,11 @@ class OuterLoopCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if len(trainer.optimizers) != 1:
             raise ValueError(f"OuterLoopCallback needs exactly one optimizer, the module has {len(trainer.optimizers)}")
+        # A worker joining an elastic run takes a live worker's schedule: one stepped after each step (interval "step").
+        scheduler = next((c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"), None)
         # precision="16-mixed" steps through the precision plugin's GradScaler (plugins/precision/amp.py,
         # MixedPrecision.optimizer_step); the loop must count a step the scaler skips on this worker alone, or
         # the others wait for an exchange this one never launches. A grad_scaler= of the user's own wins.
-        # A worker joining an elastic run takes a live worker's schedule: one stepped after each step (interval "step").
-        scheduler = next((c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"), None)
         self.outer = start_loop(pl_module, trainer.optimizers[0], self.config, self.peers, self.options,
                                 getattr(trainer.precision_plugin, "scaler", None), scheduler)
         if self.outer.joined_at is not None:  # joined an elastic run under way: it goes on from the run's step
