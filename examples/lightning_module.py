@@ -52,7 +52,8 @@ def main() -> None:
     p.add_argument("--worker-id", type=int, default=int(os.environ.get("EAGERLOCO_WORKER_ID", 0)))
     p.add_argument("--workers", type=int, default=int(os.environ.get("EAGERLOCO_WORKERS", 1)))
     p.add_argument("--method", default="diloco")
-    p.add_argument("--elastic", action="store_true", help="the others go on when a worker dies (not worker 0)")
+    p.add_argument("--elastic", action="store_true",
+                   help="the others go on when a worker dies; started again, the same command rejoins the run")
     p.add_argument("--inner-steps", type=int, default=4)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--out", default="runs/pl")

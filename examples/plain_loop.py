@@ -25,7 +25,8 @@ p.add_argument("--outer-addr")
 p.add_argument("--worker-id", type=int)
 p.add_argument("--workers", type=int)
 p.add_argument("--method", default="eager")
-p.add_argument("--elastic", action="store_true", help="the others go on when a worker dies (not worker 0)")
+p.add_argument("--elastic", action="store_true",
+               help="the others go on when a worker dies; started again, the same command rejoins the run")
 p.add_argument("--steps", type=int, default=40)
 p.add_argument("--save", help="write the outer state to this file at the end (for your own checkpoints)")
 a = p.parse_args()
@@ -41,7 +42,7 @@ with eagerloco.exit_on_errors():  # a dead peer: one line naming it, exit status
     config = eagerloco.OuterConfig(method=a.method, inner_steps=10, fragments=2, outer_lr=0.4)
     peers = eagerloco.connect(a.outer_addr, a.worker_id, a.workers, elastic=a.elastic)
     with eagerloco.outer_loop(model, inner, config, peers=peers) as outer:
-        for step in range(1, a.steps + 1):
+        for step in range(outer.ticks + 1, a.steps + 1):  # a worker that joined a run goes on from its step
             x, y = data.next_batch()
             _, loss = model(x, y)
             loss.backward()

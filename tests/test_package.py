@@ -216,7 +216,7 @@ def test_outer_loop_takes_a_config_and_its_peers_apart() -> None:
     assert [p.name for p in params[:3]] == ["model", "inner_optimizer", "config"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[3:])
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    assert "peers" in sig.parameters and len(params) <= 8
+    assert "peers" in sig.parameters and len(params) <= 9
     # The settings are the config's; outer_optimizer= here is a factory in place of the config's named one.
     assert {f.name for f in fields(OuterConfig)} & set(sig.parameters) == {"outer_optimizer"}
     hints = typing.get_type_hints(eagerloco.outer_loop)

@@ -35,9 +35,10 @@ class Connection:
 
     ``ctx``: where this process sits (None: a given communicator, or alone); ``membership``: the elastic
     membership across jobs; ``init_sync``: start from worker 0's parameters (else each keeps its own, checked equal).
+    A worker that arrives at an elastic run under way has no communicator until :meth:`settle` admits it.
     """
 
-    comm: Communicator
+    opened: Communicator | None
     ctx: DistContext | None = None
     membership: Membership | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -48,6 +49,16 @@ class Connection:
     joined: bool = False  # the outer group was formed across jobs (join_outer_group)
     meeting: Meeting | None = None
     source: int = -1  # a worker that joined a run under way: the member whose state it receives (take_state)
+    late: Opening | None = None  # arrived at an elastic run under way: how it opens once admitted (settle)
+
+    @property
+    def comm(self) -> Communicator:
+        """The communicator over the outer group."""
+        if self.opened is None:
+            raise ConfigError("this connection joins an elastic run under way and is not admitted yet: pass it to "
+                              "outer_loop (or a callback), which checks the run's settings and waits for a round "
+                              "boundary")
+        return self.opened
 
     @classmethod
     def given(cls, comm: Communicator, seed: int = 0) -> Connection:
@@ -60,31 +71,71 @@ class Connection:
               device: torch.device | None = None, settings: Mapping[str, Any] | None = None) -> Connection:
         """Join the other workers as one job of several and open the communicator over the outer group; ``elastic``
         adds a membership that re-forms it and admits this worker into a run under way (then :meth:`take_state`).
-        ``settings``: what a worker joining later must match.
+        ``settings``: what a worker joining later must match; a joiner without them waits for :meth:`settle`.
         """
+        ctx = join_outer_group(rdzv, timeout_s)
+        self = cls(None, ctx, timeout_s=timeout_s, seed=seed, init_sync=init_sync, joined=True,
+                   late=Opening(rdzv, link, elastic, device) if ctx.joining else None)
+        try:
+            if not ctx.joining:
+                self.meeting = outer_meeting(ctx, rdzv.where)
+                self.open(Opening(rdzv, link, elastic, device))
+            elif not elastic:
+                raise ConfigError(f"worker {rdzv.worker}: the run at {rdzv.where} is under way, and only an elastic "
+                                  "run (--elastic, elastic=True) admits a worker that arrives late; restart every "
+                                  "worker from the last checkpoint, or start a fresh coordinator for a new run")
+            if settings is not None:  # the trainer compares them among the workers that start the run
+                self.settle(settings)
+        except BaseException:
+            self.release(cancel=True)
+            raise
+        return self
+
+    def open(self, how: Opening) -> None:
+        """Open the communicator over the outer group (the membership's, under elastic)."""
         from eagerloco.comm.worker import communicator_for
 
-        ctx = join_outer_group(rdzv, timeout_s)
-        membership, src = None, -1
-        try:
-            if ctx.joining:
-                membership, src = join_run(ctx, rdzv, timeout_s, elastic, settings)
-                ctx.outer_group = membership.group
-            elif elastic:
-                membership = Membership(ctx.outer_store, rdzv.worker, rdzv.workers, timeout_s, group=ctx.outer_group)
-            comm = communicator_for(ctx, link, seed=seed, timeout_s=timeout_s, device=device, elastic=elastic,
-                                    **({} if membership is None else {"members": membership.members}))
-            if settings is not None and not ctx.joining:
-                ctx.outer_store.keep(SETTINGS_KEY, json.dumps(settings, sort_keys=True, default=str))
-            if membership is not None:
-                ctx.outer_group = None  # the membership owns it (and its successors) from here
-        except BaseException:
-            if membership is not None:
-                membership.teardown()
-            leave_outer_group(ctx)
-            raise
-        return cls(comm, ctx, membership, timeout_s, seed, init_sync, joined=True,
-                   meeting=None if ctx.joining else outer_meeting(ctx, rdzv.where), source=src)
+        ctx, rdzv = self.ctx, how.rdzv
+        assert ctx is not None
+        if self.late is not None:
+            self.membership, self.source = join_run(ctx, rdzv, self.timeout_s)
+            ctx.outer_group = self.membership.group
+        elif how.elastic:
+            self.membership = Membership(ctx.outer_store, rdzv.worker, rdzv.workers, self.timeout_s,
+                                         group=ctx.outer_group)
+        members = {} if self.membership is None else {"members": self.membership.members}
+        self.opened = communicator_for(ctx, how.link, seed=self.seed, timeout_s=self.timeout_s, device=how.device,
+                                       elastic=how.elastic, **members)
+        if self.membership is not None:
+            ctx.outer_group = None  # the membership owns it (and its successors) from here
+
+    def enter(self, mine: Mapping[str, Any], topic: str = "settings", fix: str = "",
+              fixes: Sequence[tuple[str, str]] = ()) -> None:
+        """Meet the others with ``mine`` on ``topic``: the workers that start the run compare theirs (:meth:`agree`);
+        then :meth:`settle`."""
+        if self.late is None:
+            self.agree(mine, topic, fix, fixes)
+        self.settle(mine, topic, fixes)
+
+    def settle(self, mine: Mapping[str, Any], topic: str = "settings", fixes: Sequence[tuple[str, str]] = ()) -> None:
+        """Across jobs, ``mine`` on ``topic`` as the run's at the coordinator: the workers that start it keep theirs
+        there; a worker that arrives later checks its own against them (ConfigError) and, once its settings pass,
+        waits to be admitted at a round boundary (its communicator opens then)."""
+        store = None if self.ctx is None else self.ctx.outer_store
+        if store is None:  # a torchrun WORLD, a given communicator, or alone
+            return
+        key = SETTINGS_KEY if topic == "settings" else f"{SETTINGS_KEY}/{topic}"
+        if self.late is None:
+            store.keep(key, json.dumps(mine, sort_keys=True, default=str))
+            return
+        me = f"worker {self.late.rdzv.worker}"
+        if store.check([key]):
+            theirs = json.loads(store.get(key).decode())
+            check_agreement({0: json.loads(json.dumps(mine, default=str)), -1: theirs},
+                            lambda i: "the run" if i < 0 else me, f"Start {me} with the run's settings to join it",
+                            fixes)
+        if self.opened is None:
+            self.open(self.late)
 
     def take_state(self) -> None:
         """A worker that joined a run under way: receive the outer state from a live member and check its digest."""
@@ -114,8 +165,8 @@ class Connection:
     def release(self, cancel: bool) -> None:
         """Close the communicator (cancel: drop what is queued), the membership and the groups this took."""
         try:
-            if self.owns_comm:
-                self.comm.close(cancel=cancel)
+            if self.owns_comm and self.opened is not None:
+                self.opened.close(cancel=cancel)
         finally:
             if self.membership is not None:
                 self.membership.teardown()
@@ -129,29 +180,26 @@ class Connection:
 SETTINGS_KEY = "eagerloco/settings"
 
 
-def join_run(ctx: DistContext, rdzv: OuterRendezvous, timeout_s: float, elastic: bool,
-             settings: Mapping[str, Any] | None) -> tuple[Membership, int]:
-    """A worker that arrives after the run started: check its settings against the run's, ask to join, and wait to
-    be admitted at a round boundary. Returns the membership and the member whose state it receives."""
+@dataclass(frozen=True)
+class Opening:
+    """How a worker across jobs opens its communicator: its rendezvous, the emulated link, elastic or not, and the
+    device means are handed back on."""
+
+    rdzv: OuterRendezvous
+    link: LinkConfig | None
+    elastic: bool
+    device: torch.device | None
+
+
+def join_run(ctx: DistContext, rdzv: OuterRendezvous, timeout_s: float) -> tuple[Membership, int]:
+    """A worker that arrives after the run started (its settings checked): ask to join, and wait to be admitted at a
+    round boundary. Returns the membership and the member whose state it receives."""
     store = ctx.outer_store
     assert store is not None
-    me = f"worker {rdzv.worker}"
-    if not elastic:
-        raise ConfigError(f"{me}: the run at {rdzv.where} is under way, and only an elastic run (--elastic, "
-                          "elastic=True) admits a worker that arrives late; restart every worker from the last "
-                          "checkpoint, or start a fresh coordinator for a new run")
-    if settings is None:
-        raise ConfigError(f"{me}: the run at {rdzv.where} is under way; a worker joins a run under way through "
-                          "`eagerloco train --outer-addr --elastic`, while through connect() every worker restarts "
-                          "from the last checkpoint")
-    if store.check([SETTINGS_KEY]):
-        theirs = json.loads(store.get(SETTINGS_KEY).decode())
-        check_agreement({rdzv.worker: json.loads(json.dumps(settings, default=str)), -1: theirs},
-                        lambda i: "the run" if i < 0 else me, f"Start {me} with the run's settings to join it")
     wait_s = max(4 * timeout_s, 600.0)
     joined = Membership.join(store, rdzv.worker, rdzv.workers, timeout_s, wait_s=wait_s, group=None)
     if joined is None:
-        raise PeerError(f"{me}: the run at {rdzv.where} finished before this worker could join", [])
+        raise PeerError(f"worker {rdzv.worker}: the run at {rdzv.where} finished before this worker could join", [])
     membership, _, _, src = joined
     return membership, src
 
@@ -174,14 +222,16 @@ def connect(outer_addr: str | None = None, worker_id: int | None = None, workers
 
     ``outer_addr`` is the coordinator's host:port (``eagerloco coordinator``); ``link`` an emulated slow link;
     ``timeout_s`` the seconds before a silent worker is declared dead; ``elastic`` lets the others go on when a
-    worker dies (:mod:`eagerloco.comm.elastic`); ``init_sync`` starts everyone from worker 0's parameters;
+    worker dies (:mod:`eagerloco.comm.elastic`), and a worker that finds the run under way (one that died, started
+    again; or a new ``worker_id`` beyond ``workers``) joins it in the loop it is given to, at a round boundary with
+    a live worker's state (``outer.joined_at``); ``init_sync`` starts everyone from worker 0's parameters;
     ``device`` is where means are handed back. Raises ConfigError or PeerError.
     """
     from eagerloco.comm.inprocess import InProcessGroup
     from eagerloco.comm.worker import communicator_for
 
     env = Environment.read()
-    rdzv = OuterRendezvous.find(outer_addr, worker_id, workers, env)
+    rdzv = OuterRendezvous.find(outer_addr, worker_id, workers, env, grow=elastic)
     world = env.world_size or 1
     if elastic and rdzv is None:
         raise ConfigError("elastic=True needs each worker as its own job: pass outer_addr='host:port', worker_id "
@@ -207,4 +257,4 @@ def connect(outer_addr: str | None = None, worker_id: int | None = None, workers
                       init_sync=init_sync)
 
 
-__all__ = ["SETTINGS_KEY", "Connection", "connect", "join_run", "outer_meeting"]
+__all__ = ["SETTINGS_KEY", "Connection", "Opening", "connect", "join_run", "outer_meeting"]

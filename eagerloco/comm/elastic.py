@@ -332,7 +332,7 @@ class Membership:
 
     def boundary(self, step: int) -> None:
         """At a round boundary: schedule the admission of joiners (the leader), admit them at the step scheduled."""
-        if self.trainer is None:  # the hook API's loops hand no trainer over: they admit nobody
+        if self.trainer is None:  # nothing to hand over: it admits nobody
             return
         key = f"ep{self.epoch}/change"
         if self.is_leader() and not self.kv.check([key]):
@@ -342,7 +342,7 @@ class Membership:
             if joiners:
                 h = 1 if self.is_dp else self.inner_steps
                 b = -(-(step + self._margin()) // h) * h
-                if b < self.steps:  # a change at the last step would only cost a handover
+                if not self.steps or b < self.steps:  # a change at the last step would only cost a handover
                     self.kv.compare_set(key, "", f"{b} {','.join(map(str, joiners))}")
         if not self.kv.check([key]):
             return

@@ -407,12 +407,12 @@ class OuterRendezvous:
 
     @classmethod
     def find(cls, outer_addr: str | None, worker_id: int | None, workers: int | None,
-             env: Environment) -> OuterRendezvous | None:
+             env: Environment, grow: bool = False) -> OuterRendezvous | None:
         """The rendezvous the arguments give, else the environment's (EAGERLOCO_OUTER_ADDR, ...); None: none."""
         if outer_addr:
-            return cls.parse(outer_addr, worker_id, workers)
+            return cls.parse(outer_addr, worker_id, workers, grow)
         if env.outer_addr:
-            return cls.parse(env.outer_addr, env.worker_id, env.workers)
+            return cls.parse(env.outer_addr, env.worker_id, env.workers, grow)
         return None
 
 

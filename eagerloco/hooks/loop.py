@@ -8,8 +8,8 @@ import time
 import warnings
 import weakref
 from collections.abc import Sequence
-from dataclasses import asdict
-from types import TracebackType
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace, TracebackType
 from typing import Any
 
 import torch
@@ -53,6 +53,7 @@ class OuterLoop:
         outer_optimizer: OuterOptimizerFactory | None = None,
         apply_in_flight: bool = False,
         grad_scaler: Any = None,
+        scheduler: Any = None,
     ) -> None:
         self.finished = False
         self._hooks: list[Any] = []
@@ -78,10 +79,11 @@ class OuterLoop:
         if peers is None:
             peers = connect()
         self.connection = peers if isinstance(peers, Connection) else Connection.given(peers)
-        self.comm = self.connection.comm
         try:
             if self.connection.ctx is not None:  # this loop joined the other workers: agree with them first
-                self.connection.agree({**asdict(self.config), "seed": self.connection.seed,
+                # A worker arriving at an elastic run under way checks these against the run's, then waits here to
+                # be admitted at the members' next round boundary.
+                self.connection.enter({**asdict(self.config), "seed": self.connection.seed,
                                        "workers": self.connection.ctx.workers,
                                        "model parameters": shapes_digest(model.named_parameters())},
                                       "settings", SETTINGS_FIX, FIXES)
@@ -89,11 +91,16 @@ class OuterLoop:
                 # loads its own state between here and there, and then keeps it. Every module is
                 # watched: torchft's fragments are parts of a model whose own forward the loop calls.
                 self._first_forward = [m.register_forward_pre_hook(self._start_weights) for m in model.modules()]
+            self.comm = self.connection.comm
             self.sync = OuterSync(model, self.inner_optimizer, self.comm, self.config, blocks=blocks,
                                   outer_optimizer=outer_optimizer, seed=self.connection.seed)
-            self.connection.attach(self.config)
+            self.connection.attach(self.config, Handover(model, self.inner_optimizer, self.sync, scheduler,
+                                                         SimpleNamespace(seed=self.connection.seed)))
+            self.connection.take_state()  # admitted into a run under way: a live member's state, its digest checked
+            #: The tick at which this worker joined an elastic run under way (its loop continues from there), else None.
+            self.joined_at = self.sync.step if self.connection.source >= 0 else None
             if self.connection.ctx is not None:  # the one that steps: a factory's (torchft's) replaces the settings'
-                self.connection.agree(outer_optimizer_settings(self.sync), "outer optimizer", SETTINGS_FIX, FIXES)
+                self.connection.enter(outer_optimizer_settings(self.sync), "outer optimizer", SETTINGS_FIX, FIXES)
         except BaseException:
             self._release(cancel=True)
             raise
@@ -269,6 +276,8 @@ class OuterLoop:
             stats.blocked_s = before
             if self.connection.owns_comm:
                 self.comm.barrier()
+            if self.membership is not None:  # one final model (the leader's); a worker still asking to join is told
+                self.membership.finish()
         except BaseException:
             self._release(cancel=True)
             raise
@@ -341,6 +350,44 @@ class OuterLoop:
         return self.sync.outer_weights()
 
 
+class _Schedule:
+    """The loop's learning-rate scheduler as the handover moves it. The members hand theirs over inside an inner step
+    (the optimizer's hook), before the loop steps it: the joiner steps the one it receives once, and so is where
+    they are after theirs."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.scheduler is None else self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scheduler is None:
+            return
+        self.scheduler.load_state_dict(state)
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": the members stepped theirs
+            warnings.simplefilter("ignore")
+            self.scheduler.step()
+
+
+@dataclass
+class Handover:
+    """What an elastic run's members hand a worker that joins it (:meth:`eagerloco.comm.elastic.Membership.handover`),
+    by the names the trainer's worker gives them: the user's model, inner optimizer and schedule, the loop's outer
+    state, and ``cfg.seed`` (the joiner's own rounding noise)."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    sync: OuterSync
+    scheduler: Any
+    cfg: SimpleNamespace
+    last_loss: float = float("nan")
+
+    @property
+    def sched(self) -> _Schedule:
+        return _Schedule(self.scheduler)
+
+
 def _release_at_exit(ref: weakref.ref[OuterLoop]) -> None:
     """At interpreter exit: a loop never finished (no ``with``, no finish()) still holds its gloo group, whose
     threads, torn down after Python is gone with an exchange in flight, abort the process ("terminate called
@@ -363,6 +410,7 @@ def outer_loop(
     outer_optimizer: OuterOptimizerFactory | None = None,
     apply_in_flight: bool = False,
     grad_scaler: Any = None,
+    scheduler: Any = None,
 ) -> OuterLoop:
     """Run the outer algorithm around an unchanged training loop: ``with outer_loop(...) as outer:``.
 
@@ -384,13 +432,16 @@ def outer_loop(
         apply_in_flight: at the end, apply what is still in flight instead of only waiting for it.
         grad_scaler: the ``torch.amp.GradScaler`` the loop steps through, if any: a step it skips still
             counts, so every worker's schedule stays the same. Not with method dp.
+        scheduler: the learning-rate scheduler the loop steps after each inner step, if any: a worker that joins an
+            elastic run under way takes its position (with the model, the inner optimizer and the outer state) from a
+            live worker.
 
     Raises:
         ConfigError: an invalid setting or launch.
         PeerError: another worker died or never joined; the message names it.
     """
     return OuterLoop(model, inner_optimizer, config, peers=peers, blocks=blocks, outer_optimizer=outer_optimizer,
-                     apply_in_flight=apply_in_flight, grad_scaler=grad_scaler)
+                     apply_in_flight=apply_in_flight, grad_scaler=grad_scaler, scheduler=scheduler)
 
 
-__all__ = ["OuterLoop", "STATE_VERSION", "outer_loop"]
+__all__ = ["Handover", "OuterLoop", "STATE_VERSION", "outer_loop"]

@@ -24,7 +24,7 @@ from eagerloco.config import ConfigError, OuterConfig
 from eagerloco.hooks import OuterLoop
 
 #: The keywords of a callback that go to the loop; the others are connect()'s.
-LOOP_OPTIONS = ("blocks", "outer_optimizer", "apply_in_flight", "grad_scaler")
+LOOP_OPTIONS = ("blocks", "outer_optimizer", "apply_in_flight", "grad_scaler", "scheduler")
 
 
 def check_options(config: OuterConfig | None, options: Mapping[str, Any]) -> None:
@@ -41,11 +41,13 @@ def check_options(config: OuterConfig | None, options: Mapping[str, Any]) -> Non
 
 
 def start_loop(model: nn.Module, optimizer: Any, config: OuterConfig | None, peers: Connection | Communicator | None,
-               options: Mapping[str, Any], grad_scaler: Any) -> OuterLoop:
+               options: Mapping[str, Any], grad_scaler: Any, scheduler: Any = None) -> OuterLoop:
     """The callback's OuterLoop at train start: on ``peers``, else connected with the callback's keywords;
-    the framework's GradScaler unless the callback was given one."""
+    the framework's GradScaler and learning-rate scheduler unless the callback was given its own. A worker that
+    arrives at an elastic run under way is admitted here, with a live worker's state (``loop.joined_at``)."""
     loop = {k: v for k, v in options.items() if k in LOOP_OPTIONS}
     loop.setdefault("grad_scaler", grad_scaler)
+    loop.setdefault("scheduler", scheduler)
     if peers is None:
         peers = connect(**{k: v for k, v in options.items() if k not in LOOP_OPTIONS})
     return OuterLoop(model, optimizer, config, peers=peers, **loop)  # it releases the connection on an error

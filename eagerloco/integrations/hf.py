@@ -48,8 +48,10 @@ class OuterLoopCallback(TrainerCallback):
         # AcceleratedOptimizer.step); the loop must count a step the scaler skips on this worker alone, or the
         # others wait for an exchange this one never launches. A grad_scaler= of the user's own wins.
         self.outer = start_loop(model, optimizer, self.config, self.peers, self.options,
-                                getattr(optimizer, "scaler", None))
-        if state.global_step > 0:  # resumed: the outer state of the checkpoint it resumed from
+                                getattr(optimizer, "scaler", None), kwargs.get("lr_scheduler"))
+        if self.outer.joined_at is not None:  # joined an elastic run under way: it goes on from the run's step
+            state.global_step = self.outer.joined_at
+        elif state.global_step > 0:  # resumed: the outer state of the checkpoint it resumed from
             folder = Path(self.resume_from or Path(args.output_dir) / f"checkpoint-{state.global_step}")
             path = folder / STATE_FILE.format(worker=self.outer.worker)
             if not path.exists():

@@ -34,12 +34,17 @@ class OuterLoopCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if len(trainer.optimizers) != 1:
             raise ValueError(f"OuterLoopCallback needs exactly one optimizer, the module has {len(trainer.optimizers)}")
+        # A worker joining an elastic run takes a live worker's schedule: one stepped after each step (interval "step").
+        scheduler = next((c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"), None)
         # precision="16-mixed" steps through the precision plugin's GradScaler (plugins/precision/amp.py,
         # MixedPrecision.optimizer_step); the loop must count a step the scaler skips on this worker alone, or
         # the others wait for an exchange this one never launches. A grad_scaler= of the user's own wins.
         self.outer = start_loop(pl_module, trainer.optimizers[0], self.config, self.peers, self.options,
-                                getattr(trainer.precision_plugin, "scaler", None))
-        if self._restored is not None:  # fit(ckpt_path=...): Lightning restored the callbacks first
+                                getattr(trainer.precision_plugin, "scaler", None), scheduler)
+        if self.outer.joined_at is not None:  # joined an elastic run under way: it goes on from the run's step
+            continue_at(trainer, self.outer.joined_at)
+            self._restored = None
+        elif self._restored is not None:  # fit(ckpt_path=...): Lightning restored the callbacks first
             self.outer.load_state_dict(self._restored)
             self._restored = None
         self.outer.start()
@@ -71,4 +76,16 @@ class OuterLoopCallback(Callback):
             self._restored = state_dict
 
 
-__all__ = ["OuterLoopCallback"]
+def continue_at(trainer: Any, step: int) -> None:
+    """Lightning's step count set to ``step``, as its own restore of a checkpoint sets it, so that the loop ends where
+    the run's other workers end: at ``max_steps``, or (a run of epochs) at the steps its epochs make."""
+    loop = trainer.fit_loop.epoch_loop
+    automatic = trainer.lightning_module.automatic_optimization
+    done = (loop.automatic_optimization.optim_progress.optimizer.step.total if automatic
+            else loop.manual_optimization.optim_step_progress.total)
+    done.ready = done.completed = step
+    if loop.max_steps < 0:  # epochs: its own start at batch 0 would run past the others' end
+        loop.max_steps = int(trainer.estimated_stepping_batches)
+
+
+__all__ = ["OuterLoopCallback", "continue_at"]
