@@ -9,7 +9,7 @@ from collections import deque
 
 import pytest
 
-from eagerloco.sim import cli
+from eagerloco import cli
 from eagerloco.sim.goodput import (
     GRACE_WINDOW,
     Faults,
