@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eagerloco.codec_sizes import SCALE_BYTES
+from eagerloco.config import ConfigError
 from eagerloco.jsonfiles import finite_json
 from eagerloco.sim import cli
 from eagerloco.sim.config import SimConfig
@@ -21,7 +22,6 @@ from eagerloco.sim.engine import simulate
 from eagerloco.sim.model import (
     PRESETS,
     ModelSpec,
-    SimError,
     Variant,
     default_variants,
     flops_step_time,
@@ -285,7 +285,7 @@ def test_bytes_per_token_ratio_against_data_parallel() -> None:
 
 def test_flops_step_time() -> None:
     assert flops_step_time(1e9, 1e6, 100.0, 0.6) == pytest.approx(6e15 / 6e13)
-    with pytest.raises(SimError, match="--mfu"):
+    with pytest.raises(ConfigError, match="--mfu"):
         flops_step_time(1e9, 1e6, 100.0, 1.5)
 
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from eagerloco.config import ConfigError
 from eagerloco.sim.engine import simulate
-from eagerloco.sim.model import PRESETS, ModelSpec, SimError, Variant, fragment_count, traffic
+from eagerloco.sim.model import PRESETS, ModelSpec, Variant, fragment_count, traffic
 from eagerloco.sim.paper import PAPER_ASSUMPTIONS, PAPER_FRAGMENT_LAYERS, PAPER_WORKERS, PRESET_MFU, paper_grid
 from eagerloco.sim.search import least_bandwidth, meets
 
@@ -42,11 +43,12 @@ PAPER_READING = "last-below"
 
 
 def paper_model(name: str, mfu: float = PRESET_MFU) -> ModelSpec:
-    """A preset with its step time read at ``mfu`` (the presets are stated at 60%); SimError for a bad name or MFU."""
+    """A preset with its step time read at ``mfu`` (the presets are stated at 60%); ConfigError for a bad name or
+    MFU."""
     if name not in PRESETS:
-        raise SimError(f"--model: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        raise ConfigError(f"--model: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     if not 0 < mfu <= 1:
-        raise SimError(f"--mfu must be in (0, 1], got {mfu}")
+        raise ConfigError(f"--mfu must be in (0, 1], got {mfu}")
     model = PRESETS[name]
     if mfu == PRESET_MFU:
         return model
@@ -110,9 +112,10 @@ def simulate_row(
     grid: np.ndarray | None = None,
     reading: str = "reached",
 ) -> list[float | None]:
-    """Grid bandwidth per paper target for one reference row, read as ``reading`` says; SimError for another reading."""
+    """Grid bandwidth per paper target for one reference row, read as ``reading`` says; ConfigError for another
+    reading."""
     if reading not in READINGS:
-        raise SimError(f"reading must be one of {', '.join(READINGS)}, got {reading!r}")
+        raise ConfigError(f"reading must be one of {', '.join(READINGS)}, got {reading!r}")
     grid = paper_grid() if grid is None else grid
     cu = row_cu(row, mfu, cold_rounds, pattern, grid)
     return [READINGS[reading](grid, cu, t) for t in PAPER_TARGETS]
@@ -139,7 +142,7 @@ def compare(
     A cell: the paper's value, ours (None: not reached), ours / paper, and how many grid points ours lies from the
     one nearest the paper's (0: the same point); under "other", the same for the other reading."""
     if reading not in READINGS:
-        raise SimError(f"reading must be one of {', '.join(READINGS)}, got {reading!r}")
+        raise ConfigError(f"reading must be one of {', '.join(READINGS)}, got {reading!r}")
     other = next(r for r in READINGS if r != reading)
     grid = paper_grid()
     rows, summary, summary_other = [], {}, {}

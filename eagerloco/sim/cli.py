@@ -14,13 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from eagerloco.config import ConfigError
 from eagerloco.extras import MissingExtraError, check
 from eagerloco.flags import add_dataclass_flags
 from eagerloco.jsonfiles import finite_json
 from eagerloco.sim import paper
 from eagerloco.sim.config import GROUPS, Settings, SimConfig
 from eagerloco.sim.goodput import GoodputConfig, format_goodput, goodput_report
-from eagerloco.sim.model import SimError
 from eagerloco.sim.plot import PLOT_NEEDS, plot_cu
 from eagerloco.sim.report import format_text
 from eagerloco.sim.tables import compute
@@ -65,15 +65,15 @@ def run(args: argparse.Namespace, reference: Reference | None = None) -> int:
         settings = cfg.validate()
         gp = GoodputConfig.from_args(args)
         if gp.goodput and (cfg.plan or cfg.compare_reference or cfg.plot is not None):
-            raise SimError("--goodput is a report of its own: drop --plan, --compare-reference and --plot")
+            raise ConfigError("--goodput is a report of its own: drop --plan, --compare-reference and --plot")
         if gp.goodput:
             report = goodput_report(gp, settings)
         if cfg.compare_reference and reference is None:
-            raise SimError("--compare-reference sets ours beside the papers' tables, which the lab holds: run it as "
+            raise ConfigError("--compare-reference sets ours beside the papers' tables, which the lab holds: run it as "
                            "`eagerloco simulate`")
         if cfg.plot is not None:
             check("matplotlib", PLOT_NEEDS)  # before simulating, not after
-    except (SimError, MissingExtraError) as e:
+    except (ConfigError, MissingExtraError) as e:
         print(f"eagerloco simulate: error: {e}", file=sys.stderr)
         return 2
     text = None  # the default tables are written once the report has its time
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace, reference: Reference | None = None) -> int:
     return 0
 
 
-def special(cfg: SimConfig, s: Settings, reference: Reference | None) -> tuple[dict[str, Any], str]:
+def special(cfg: SimConfig, s: Settings, reference: Reference | None = None) -> tuple[dict[str, Any], str]:
     """--compare-reference and --plan: their report and text."""
     if cfg.compare_reference:
         assert reference is not None  # run() refused it without one

@@ -16,13 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from eagerloco.config import setting
+from eagerloco.config import ConfigError, setting
 from eagerloco.sim.config import Settings
 from eagerloco.sim.engine import simulate
-from eagerloco.sim.model import ModelSpec, SimError, Variant, traffic
+from eagerloco.sim.model import ModelSpec, Variant, traffic
 
-#: The methods the goodput table has (naive delayed behaves as eager here: the same slack).
-METHODS = ("dp", "diloco", "streaming", "delayed", "eager")
 #: Exchanges the auto grace window looks back over, and its bounds as shares of a round's compute time.
 GRACE_WINDOW, GRACE_MIN, GRACE_MAX = 8, 0.01, 0.25
 #: Decoupled DiLoCo's published figures (arXiv 2604.21428), set beside ours.
@@ -73,33 +71,33 @@ class GoodputConfig:
         return cls(**{f.name: given[f.name] for f in fields(cls) if given.get(f.name) is not None})
 
     def check(self) -> tuple[list[int], float | None]:
-        """The worker counts and the grace (None: auto); SimError naming the first bad flag."""
+        """The worker counts and the grace (None: auto); ConfigError naming the first bad flag."""
         try:
             counts = [int(x) for x in self.goodput_workers.split(",") if x.strip()]
         except ValueError:
-            raise SimError(f"--goodput-workers takes integers separated by commas, got {self.goodput_workers!r}"
+            raise ConfigError(f"--goodput-workers takes integers separated by commas, got {self.goodput_workers!r}"
                            ) from None
         if not counts or min(counts) < 1:
-            raise SimError(f"--goodput-workers needs worker counts >= 1, got {self.goodput_workers!r}")
+            raise ConfigError(f"--goodput-workers needs worker counts >= 1, got {self.goodput_workers!r}")
         for flag, v in (("--mtbf-hours", self.mtbf_hours), ("--run-hours", self.run_hours)):
             if math.isnan(v) or v <= 0:
-                raise SimError(f"{flag} must be a positive number of hours, got {v}")
+                raise ConfigError(f"{flag} must be a positive number of hours, got {v}")
         for flag, v in (("--restart-seconds", self.restart_seconds), ("--stalls-per-hour", self.stalls_per_hour),
                         ("--stall-seconds", self.stall_seconds)):
             if not math.isfinite(v) or v < 0:
-                raise SimError(f"{flag} must be a finite number >= 0, got {v}")
+                raise ConfigError(f"{flag} must be a finite number >= 0, got {v}")
         if not 0 < self.quorum_share <= 1:
-            raise SimError(f"--quorum-share must be in (0, 1] (1: all-or-nothing), got {self.quorum_share}")
+            raise ConfigError(f"--quorum-share must be in (0, 1] (1: all-or-nothing), got {self.quorum_share}")
         if self.max_late_rounds < 0:
-            raise SimError(f"--max-late-rounds must be an integer >= 0, got {self.max_late_rounds}")
+            raise ConfigError(f"--max-late-rounds must be an integer >= 0, got {self.max_late_rounds}")
         if self.grace == "auto":
             return counts, None
         try:
             grace = float(self.grace)
         except ValueError:
-            raise SimError(f"--grace takes seconds or auto, got {self.grace!r}") from None
+            raise ConfigError(f"--grace takes seconds or auto, got {self.grace!r}") from None
         if not math.isfinite(grace) or grace < 0:
-            raise SimError(f"--grace must be a finite number of seconds >= 0 or auto, got {self.grace!r}")
+            raise ConfigError(f"--grace must be a finite number of seconds >= 0 or auto, got {self.grace!r}")
         return counts, grace
 
 
@@ -330,8 +328,8 @@ def goodput_report(cfg: GoodputConfig, s: Settings) -> dict[str, Any]:
     rows: dict[str, Variant] = {}
     for v in s.variants:  # the first row of each method, a Streaming row with overlap before one without
         first = rows.get(v.method)
-        if v.method in METHODS and (first is None or (v.method == "streaming" and not first.overlap_steps
-                                                      and v.overlap_steps and v.bits == first.bits)):
+        if first is None or (v.method == "streaming" and not first.overlap_steps and v.overlap_steps
+                             and v.bits == first.bits):
             rows[v.method] = v
     stream, eager = rows.get("streaming"), rows.get("eager", rows.get("delayed"))
     tau = stream.overlap_steps if stream is not None else 0

@@ -11,12 +11,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from eagerloco.codec_sizes import SCALE_BYTES, shard_numel, sparse_counts
-from eagerloco.config import METHODS
+from eagerloco.config import METHODS, ConfigError
 from eagerloco.schedule import block_groups
-
-
-class SimError(ValueError):
-    """Invalid simulator input; the message names the flag and what it accepts."""
 
 
 @dataclass(frozen=True)
@@ -48,11 +44,11 @@ PRESETS: dict[str, ModelSpec] = {
 def flops_step_time(params: float, tokens_per_step: float, accel_tflops: float, mfu: float) -> float:
     """Seconds per inner step from the 6 * params * tokens FLOPs rule at a given speed and MFU."""
     if not (accel_tflops > 0 and math.isfinite(accel_tflops)):
-        raise SimError(f"--peak-tflops must be a positive number of TFLOP/s, got {accel_tflops}")
+        raise ConfigError(f"--peak-tflops must be a positive number of TFLOP/s, got {accel_tflops}")
     if not 0 < mfu <= 1:
-        raise SimError(f"--mfu must be in (0, 1], got {mfu}")
+        raise ConfigError(f"--mfu must be in (0, 1], got {mfu}")
     if not (tokens_per_step > 0 and math.isfinite(tokens_per_step)):
-        raise SimError(f"--tokens-per-step must be a positive number, got {tokens_per_step}")
+        raise ConfigError(f"--tokens-per-step must be a positive number, got {tokens_per_step}")
     return 6.0 * params * tokens_per_step / (accel_tflops * 1e12 * mfu)
 
 
@@ -136,7 +132,7 @@ def select_variants(rows: list[Variant], wanted: list[str] | None) -> list[Varia
     keys = {r.key for r in rows}
     for w in wanted:
         if w not in METHODS and w not in keys:
-            raise SimError(
+            raise ConfigError(
                 f"--method must be one of {', '.join(METHODS)} or a row key "
                 f"({', '.join(sorted(keys))}); got {w!r}"
             )
@@ -148,18 +144,14 @@ def fragment_count(layers: int, fragment_layers: int) -> int:
     return max(1, math.ceil(layers / fragment_layers))
 
 
-PATTERNS = ("strided", "sequential")
-#: The codec that an earlier release's bit count meant (``--bits 16``: bf16); a bit count outside it has none.
+#: The codec the planner names for each bit count it tries; a bit count outside it has none.
 CODEC_FOR_BITS = {32: "fp32", 16: "bf16", 8: "fp8", 4: "e2m1", 2: "2bit"}
 
 
 def fragment_layers(layers: int, fragments: int, pattern: str = "strided") -> list[tuple[int, ...]]:
     """Blocks (0-based) of each fragment: "strided" (fragment p holds p, p+P, ...) or "sequential" (contiguous
     runs, the first fragments one block longer); P is capped at L."""
-    try:
-        return [tuple(g) for g in block_groups(layers, max(1, min(fragments, layers)), pattern)]
-    except ValueError:
-        raise SimError(f"--fragment-pattern must be one of {', '.join(PATTERNS)}, got {pattern!r}") from None
+    return [tuple(g) for g in block_groups(layers, max(1, min(fragments, layers)), pattern)]
 
 
 def fragment_layer_counts(layers: int, fragments: int) -> list[int]:
