@@ -20,7 +20,7 @@ import tomllib
 import types
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, Self, Union, get_args, get_origin, get_type_hints
 
 from eagerloco.config import SECTIONS, ConfigError, Environment, TrainConfig, train_config_from_tables
 
@@ -100,6 +100,16 @@ def add_dataclass_flags(groups: dict[str, Any], cls: type, group: str | None = N
             g.add_argument(meta.get("flag") or "--" + f.name.replace("_", "-"), **kw)
 
 
+class FromFlags:
+    """A settings dataclass whose flags :func:`add_dataclass_flags` made: :meth:`from_args` builds it from them."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Self:
+        """The flags given (parsed by a parser with the generated flags, where a flag not given is None)."""
+        given = vars(args)
+        return cls(**{f.name: given[f.name] for f in fields(cls) if given.get(f.name) is not None})
+
+
 def _separated(convert: Any, sep: str) -> Any:
     """A flag type reading one argument of values separated by sep (``1,0.5``) into a list."""
 
@@ -164,4 +174,4 @@ def build_train_config(args: argparse.Namespace, env: Environment | None = None)
     return train_config_from_tables(tables, where).validate(env)
 
 
-__all__ = ["GROUPS", "add_dataclass_flags", "add_train_flags", "build_train_config", "field_docs"]
+__all__ = ["GROUPS", "FromFlags", "add_dataclass_flags", "add_train_flags", "build_train_config", "field_docs"]

@@ -20,6 +20,7 @@ from eagerloco.config import ConfigError
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.model import PRESETS, ModelSpec, Variant, fragment_count, traffic
 from eagerloco.sim.paper import PAPER_ASSUMPTIONS, PAPER_FRAGMENT_LAYERS, PAPER_WORKERS, PRESET_MFU, paper_grid
+from eagerloco.sim.report import text_table
 from eagerloco.sim.search import least_bandwidth, meets
 
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
@@ -170,7 +171,6 @@ def format_compare(report: dict[str, Any]) -> str:
     """The side-by-side table: per row and target, paper / ours and the ratio."""
     st = report["settings"]
     head = ["source", "model", "row", "H"] + [f"{100 * t:g}%" for t in PAPER_TARGETS]
-    lines = []
     body = []
     for r in report["rows"]:
         cells = []
@@ -180,14 +180,8 @@ def format_compare(report: dict[str, Any]) -> str:
             cells.append(f"{c['paper']:g} / {ours}{ratio}")
         body.append([r["source"], r["model"], r["label"], str(r["inner_steps"])] + cells)
     mode = f"cold start, {st['cold_rounds']} rounds" if st["cold_rounds"] else "steady state"
-    lines.append(f"paper / ours Gbit/s (ours / paper), MFU {st['mfu']:g}, {mode}, {st['pattern']} fragments, "
-                 f"cells read as {st['reading']}")
-    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-    for n, x in enumerate([head, *body]):
-        lines.append("  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    lines.append("")
+    lines = [f"paper / ours Gbit/s (ours / paper), MFU {st['mfu']:g}, {mode}, {st['pattern']} fragments, "
+             f"cells read as {st['reading']}", text_table(head, body, right=()), ""]
     for key, name in (("summary", st["reading"]), ("summary_other", st["other_reading"])):
         for source, models in report[key].items():
             parts = [f"{m}: {s['same_point']}/{s['cells']} same grid point, {s['within_1_5x']}/{s['cells']} "

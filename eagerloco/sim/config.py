@@ -6,9 +6,8 @@ The field docstrings are the ``--help`` (:func:`eagerloco.flags.add_dataclass_fl
 
 from __future__ import annotations
 
-import argparse
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from eagerloco.config import ConfigError, setting
 from eagerloco.config.checks import check_choice
 from eagerloco.config.outer import MAX_ROUNDS_IN_FLIGHT
 from eagerloco.config.outer import TRANSPORTS as TRAIN_TRANSPORTS
+from eagerloco.flags import FromFlags
 from eagerloco.schedule import PATTERNS
 from eagerloco.sim import paper
 from eagerloco.sim.model import (
@@ -41,7 +41,7 @@ TRANSPORTS = ("ring", *TRAIN_TRANSPORTS)
 
 
 @dataclass
-class SimConfig:
+class SimConfig(FromFlags):
     """The flags of ``eagerloco simulate``; :meth:`validate` checks them and resolves the :class:`Settings`."""
 
     # -- the model. --model names the simulator's presets, the papers' models described by size and
@@ -163,12 +163,6 @@ class SimConfig:
     """Write cu_<model>.png per model to DIR."""
     json: str | None = setting(None, metavar="PATH", group="output")
     """Write every number as JSON to PATH ('-': stdout)."""
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> SimConfig:
-        """The flags given (parsed by a parser with the generated flags, where a flag not given is None)."""
-        given = vars(args)
-        return cls(**{f.name: given[f.name] for f in fields(cls) if given.get(f.name) is not None})
 
     def validate(self) -> Settings:
         """Check every flag (ConfigError naming the first bad one) and resolve the :class:`Settings` to simulate.

@@ -7,16 +7,16 @@ and a day of rounds take seconds. Nothing here imports torch.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from eagerloco.config import ConfigError, setting
+from eagerloco.flags import FromFlags
 from eagerloco.sim.config import Settings
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.model import ModelSpec, Variant, traffic
@@ -37,7 +37,7 @@ PUBLISHED = {
 
 
 @dataclass
-class GoodputConfig:
+class GoodputConfig(FromFlags):
     """The flags of ``eagerloco simulate --goodput`` (the model, --inner-steps, --method, --overlap-steps,
     --eager-rounds and --bandwidth-gbps come from the simulate flags)."""
 
@@ -63,12 +63,6 @@ class GoodputConfig:
     """Simulated wall clock of a fault-free run, in hours."""
     seed: int = setting(0, group="goodput")
     """Seed of the failure and stall draws."""
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> GoodputConfig:
-        """The flags given (parsed with the generated flags, where a flag not given is None)."""
-        given = vars(args)
-        return cls(**{f.name: given[f.name] for f in fields(cls) if given.get(f.name) is not None})
 
     def check(self) -> tuple[list[int], float | None]:
         """The worker counts and the grace (None: auto); ConfigError naming the first bad flag."""

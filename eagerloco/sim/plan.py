@@ -18,6 +18,7 @@ from eagerloco.codec_sizes import SCALE_BYTES
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.hetero import per_worker_cu
 from eagerloco.sim.model import CODEC_FOR_BITS, ModelSpec, Variant, bits_per_value, fragment_count, traffic
+from eagerloco.sim.report import text_table
 from eagerloco.sim.search import meets
 
 #: Method order of the ranking (simplest first).
@@ -204,13 +205,13 @@ def format_plan(report: dict[str, Any]) -> str:
     body = [[r["format"], f"{r['bits_per_value']:.3g}",
              describe(r) if r["meets"] else f"none (best: {describe(r)})", f"{r['cu']:.4f}"]
             for r in report["by_format"]]
-    lines += _table(head, body, right=(1, 3))
+    lines.append(text_table(head, body, right=(1, 3)))
     lines.append("")
     head = ["rank", "method", "H", "P", "tau", "codec", "topk", "bits/value", "CU", "meets"]
     body = [[str(i + 1), r["family"], str(r["inner_steps"]), str(r["fragments"]), str(r["tau"]), r["codec"],
              "-" if r["topk"] is None else f"{r['topk']}/{r['topk_chunk']}", f"{r['bits_per_value']:.3g}",
              f"{r['cu']:.4f}", "yes" if r["meets"] else ""] for i, r in enumerate(report["candidates"])]
-    lines += _table(head, body, right=(0, 2, 3, 4, 6, 7, 8))
+    lines.append(text_table(head, body, right=(0, 2, 3, 4, 6, 7, 8)))
     return "\n".join(lines)
 
 
@@ -232,19 +233,8 @@ def format_summary(reports: list[dict[str, Any]]) -> str:
         body.append([rep["model"]["name"], cheapest(rows),
                      cheapest([r for r in rows if r["topk"] is None]),
                      cheapest([r for r in rows if r["topk"] is not None])])
-    lines += _table(["model", "cheapest", "cheapest dense", "cheapest sparse"], body, right=())
+    lines.append(text_table(["model", "cheapest", "cheapest dense", "cheapest sparse"], body, right=()))
     return "\n".join(lines)
-
-
-def _table(head: list[str], body: list[list[str]], right: tuple[int, ...]) -> list[str]:
-    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-    lines = []
-    for n, x in enumerate([head, *body]):
-        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(x, widths, strict=True))).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return lines
 
 
 def describe(r: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 from typing import Any
 
 from eagerloco.sim.search import meets
@@ -27,12 +28,15 @@ def _fmt_count(x: float) -> str:
     return f"{x:.4g}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+def text_table(head: list[str], body: list[list[str]], right: Container[int] | None = None) -> str:
+    """Columns as wide as their widest cell under a rule; the columns in ``right`` (default: all but the first)
+    right-aligned."""
+    right = range(1, len(head)) if right is None else right
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     lines = []
-    for n, r in enumerate([header, *rows]):
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells).rstrip())
+    for n, x in enumerate([head, *body]):
+        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(x, widths, strict=True))).rstrip())
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -45,7 +49,7 @@ def _per_worker_tables(rows: list[dict[str, Any]], speeds: list[float]) -> list[
         header = [f"CU per worker at {key} Gbit/s"] + [f"w{m} ({v:g})" for m, v in enumerate(speeds)]
         lines = [[f"{r['label']}, {mode}"] + [f"{c:.4f}" for c in cus[key]]
                  for r in rows for mode, cus in r["cu_per_worker"].items()]
-        tables.append(_table(header, lines))
+        tables.append(text_table(header, lines))
     return tables
 
 
@@ -83,11 +87,11 @@ def format_text(report: dict[str, Any]) -> str:
                 ]
                 for r in m["rows"]
             ]
-            parts.append(_table(header, rows))
+            parts.append(text_table(header, rows))
         if st["bandwidths_gbps"]:
             header = ["CU at Gbit/s"] + [f"{b:g}" for b in st["bandwidths_gbps"]]
             rows = [[r["label"]] + [f"{c:.4f}" for c in r["cu_at_bandwidth"].values()] for r in m["rows"]]
-            parts.append(_table(header, rows))
+            parts.append(text_table(header, rows))
         if st.get("worker_speeds"):
             parts.extend(_per_worker_tables(m["rows"], st["worker_speeds"]))
         header = [
@@ -107,7 +111,7 @@ def format_text(report: dict[str, Any]) -> str:
             ]
             for r in m["rows"]
         ]
-        parts.append(_table(header, rows))
+        parts.append(text_table(header, rows))
         parts.append("")
     parts.append(
         f"grid {g['min_gbps']:g}..{g['max_gbps']:g} Gbit/s, {g['per_decade']:.4g} points per decade; "
