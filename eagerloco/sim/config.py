@@ -25,7 +25,6 @@ from eagerloco.sim.model import (
     ModelSpec,
     Variant,
     default_variants,
-    flops_step_time,
     fragment_count,
     select_variants,
     with_name,
@@ -193,9 +192,9 @@ class SimConfig(FromFlags):
         _at_least("--codec-block", self.codec_block, 1)
         _at_least("--scale-bytes", scale_bytes, 0)
         self._check_topk()
-        taus = _ints("--overlap-steps", self.overlap_steps, 0)
-        eager_ks = _ints("--eager-rounds", self.eager_rounds, 1)
-        delayed_ks = _ints("--delayed-rounds", self.delayed_rounds, 1)
+        taus = int_list("--overlap-steps", self.overlap_steps, 0)
+        eager_ks = int_list("--eager-rounds", self.eager_rounds, 1)
+        delayed_ks = int_list("--delayed-rounds", self.delayed_rounds, 1)
         for flag, ks in (("--eager-rounds", eager_ks), ("--delayed-rounds", delayed_ks)):
             if max(ks) > MAX_ROUNDS_IN_FLIGHT:
                 raise ConfigError(f"{flag} values must be at most {MAX_ROUNDS_IN_FLIGHT} (rounds an exchange may take; "
@@ -271,6 +270,9 @@ class SimConfig(FromFlags):
         _at_least("--layers", self.layers, 1)
         _positive("--step-time", self.step_time)
         _positive("--tokens-per-step", self.tokens_per_step)
+        _positive("--peak-tflops", self.peak_tflops)
+        if self.mfu is not None and not 0 < self.mfu <= 1:
+            raise ConfigError(f"--mfu must be in (0, 1], got {self.mfu}")
         overrides = {
             k: v
             for k, v in (("params", self.params), ("layers", self.layers), ("step_time", self.step_time))
@@ -299,13 +301,11 @@ class SimConfig(FromFlags):
             source = ("given (--step-time)", False)
             if self.peak_tflops is not None:
                 mfu = paper.PRESET_MFU if self.mfu is None else self.mfu
-                step = flops_step_time(model.params, self.tokens_per_step, self.peak_tflops, mfu)
+                step = 6.0 * model.params * self.tokens_per_step / (self.peak_tflops * 1e12 * mfu)
                 model = with_name(model, step_time=step)
                 source = (f"assumed: 6 x params x {self.tokens_per_step:.3g} tokens (--tokens-per-step) at "
                           f"{self.peak_tflops:g} TFLOP/s (--peak-tflops) and MFU {mfu:g} (--mfu)", True)
             elif self.mfu is not None and name != "custom" and self.step_time is None:
-                if not 0 < self.mfu <= 1:
-                    raise ConfigError(f"--mfu must be in (0, 1], got {self.mfu}")
                 model = with_name(model, step_time=model.step_time * paper.PRESET_MFU / self.mfu)
                 source = (f"assumed: the {name} preset's at MFU {self.mfu:g} (--mfu)", True)
             elif self.step_time is None:
@@ -407,7 +407,8 @@ def _floats(flag: str, text: str | None) -> list[float]:
     return out
 
 
-def _ints(flag: str, text: str | None, low: int) -> list[int]:
+def int_list(flag: str, text: str | None, low: int) -> list[int]:
+    """The integers >= low of a comma list; ConfigError naming the flag."""
     out = []
     for x in _split(flag, text):
         try:
@@ -430,4 +431,4 @@ def _at_least(flag: str, v: int | None, low: int) -> None:
         raise ConfigError(f"{flag} must be an integer >= {low}, got {v}")
 
 
-__all__ = ["DEFAULT_TARGETS", "GROUPS", "MAX_INNER_STEPS", "SimConfig", "Settings", "TRANSPORTS"]
+__all__ = ["DEFAULT_TARGETS", "GROUPS", "MAX_INNER_STEPS", "SimConfig", "Settings", "TRANSPORTS", "int_list"]

@@ -17,7 +17,7 @@ import numpy as np
 
 from eagerloco.config import ConfigError, setting
 from eagerloco.flags import FromFlags
-from eagerloco.sim.config import Settings
+from eagerloco.sim.config import Settings, int_list
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.model import ModelSpec, Variant, traffic
 
@@ -66,13 +66,7 @@ class GoodputConfig(FromFlags):
 
     def check(self) -> tuple[list[int], float | None]:
         """The worker counts and the grace (None: auto); ConfigError naming the first bad flag."""
-        try:
-            counts = [int(x) for x in self.goodput_workers.split(",") if x.strip()]
-        except ValueError:
-            raise ConfigError(f"--goodput-workers takes integers separated by commas, got {self.goodput_workers!r}"
-                           ) from None
-        if not counts or min(counts) < 1:
-            raise ConfigError(f"--goodput-workers needs worker counts >= 1, got {self.goodput_workers!r}")
+        counts = int_list("--goodput-workers", self.goodput_workers, 1)
         for flag, v in (("--mtbf-hours", self.mtbf_hours), ("--run-hours", self.run_hours)):
             if math.isnan(v) or v <= 0:
                 raise ConfigError(f"{flag} must be a positive number of hours, got {v}")

@@ -41,17 +41,6 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
-def flops_step_time(params: float, tokens_per_step: float, accel_tflops: float, mfu: float) -> float:
-    """Seconds per inner step from the 6 * params * tokens FLOPs rule at a given speed and MFU."""
-    if not (accel_tflops > 0 and math.isfinite(accel_tflops)):
-        raise ConfigError(f"--peak-tflops must be a positive number of TFLOP/s, got {accel_tflops}")
-    if not 0 < mfu <= 1:
-        raise ConfigError(f"--mfu must be in (0, 1], got {mfu}")
-    if not (tokens_per_step > 0 and math.isfinite(tokens_per_step)):
-        raise ConfigError(f"--tokens-per-step must be a positive number, got {tokens_per_step}")
-    return 6.0 * params * tokens_per_step / (accel_tflops * 1e12 * mfu)
-
-
 @dataclass(frozen=True)
 class Variant:
     """One row of the tables: a method of :data:`eagerloco.config.METHODS` with its settings.
