@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -278,7 +278,7 @@ def goodput_table(cfg: GoodputConfig, models: list[Any], methods: list[str], inn
                 if quo.graces:
                     row["quorum_exchange"]["grace_s_median"] = statistics.median(quo.graces)
                 rows.append(row)
-        tables.append({"model": model.as_dict(), "fragments": P, "rows": rows})
+        tables.append({"model": asdict(model), "fragments": P, "rows": rows})
     return {"goodput": tables, "settings": {f: getattr(cfg, f) for f in (
         "mtbf_hours", "restart_seconds", "stalls_per_hour", "stall_seconds", "quorum_share", "grace",
         "max_late_rounds", "run_hours", "seed")} | {"inner_steps": inner_steps, "overlap_steps": tau,

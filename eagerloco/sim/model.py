@@ -7,7 +7,7 @@ layout the runtime codecs pack (:mod:`eagerloco.codec_sizes`); the timing lives 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from eagerloco.codec_sizes import SCALE_BYTES, shard_numel, sparse_counts
@@ -28,9 +28,6 @@ class ModelSpec:
     @property
     def params_per_layer(self) -> float:
         return self.params / self.layers
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 #: The papers' presets: 60% MFU step times for 1B, 10B and 100B models (docs/algorithms.md, section 9).
@@ -64,9 +61,6 @@ class Variant:
     @property
     def sparse(self) -> bool:
         return self.topk is not None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def payload_label(bits: int, topk: int | None = None, topk_chunk: int = 4096, shared: bool = False) -> str:

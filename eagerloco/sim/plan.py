@@ -9,7 +9,7 @@ simulated at the question's bandwidth and M, with the bytes of the transport tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -151,7 +151,7 @@ def plan(model: ModelSpec, q: Question) -> dict[str, Any]:
     """
     rows = [evaluate(model, q, c) for c in _candidates(model, q)]
     best = next((r for r in rows if r["meets"]), None)
-    return {"model": model.as_dict(), "bandwidth_gbps": q.bandwidth_gbps, "target": q.target,
+    return {"model": asdict(model), "bandwidth_gbps": q.bandwidth_gbps, "target": q.target,
             "workers": q.workers, "latency_ms": q.latency_ms, "transport": q.transport,
             "worker_speeds": None if q.speeds is None else list(q.speeds), "best": best,
             "runner_up": runner_up(rows, best), "by_format": by_format(rows), "candidates": rows}

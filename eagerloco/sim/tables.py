@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,7 @@ def compute(s: Settings) -> tuple[dict[str, Any], dict[str, list[tuple[str, np.n
             rows.append(
                 {
                     **row_extra,
-                    **v.as_dict(),
+                    **asdict(v),
                     "fragments": len(tr.transfers) if v.method != "dp" else 1,
                     "least_bandwidth_gbps": {cell_key(t): least_bandwidth(grid, cu_grid, t) for t in s.targets},
                     "cu_at_bandwidth": {cell_key(b): float(c) for b, c in zip(s.bandwidths, cu_bw, strict=True)},
@@ -67,7 +68,7 @@ def compute(s: Settings) -> tuple[dict[str, Any], dict[str, list[tuple[str, np.n
             r["dp_ratio"] = dp_bytes_per_step / r["bytes_per_step"] if r["bytes_per_step"] > 0 else None
         out_models.append(
             {
-                "model": model.as_dict(),
+                "model": asdict(model),
                 "fragments": P,
                 "fragment_layer_counts": fragment_layer_counts(model.layers, P),
                 "dp_bytes_per_token": dp_bytes_per_step / c.tokens_per_step,
