@@ -63,9 +63,10 @@ class Variant:
         return self.topk is not None
 
 
-def payload_label(bits: int, topk: int | None = None, topk_chunk: int = 4096, shared: bool = False) -> str:
-    """How a row's label names its exchange format: "4-bit", or "2-bit top64/4096" (shared64/4096) for a sparse one."""
-    return f"{bits}-bit" + (f" {'shared' if shared else 'top'}{topk}/{topk_chunk}" if topk is not None else "")
+def payload_label(values: str, topk: int | None = None, topk_chunk: int = 4096, shared: bool = False) -> str:
+    """An exchange format in words: its values' format ("4-bit", "e2m1"), then for a sparse one "top64/4096"
+    (shared64/4096)."""
+    return values + (f" {'shared' if shared else 'top'}{topk}/{topk_chunk}" if topk is not None else "")
 
 
 def default_variants(
@@ -85,7 +86,7 @@ def default_variants(
     the rows at ``bits`` sparse, data-parallel and the low_bits row stay dense.
     """
     sp = {"topk": topk, "topk_chunk": topk_chunk, "shared": shared and topk is not None}
-    fmt = payload_label(bits, topk, topk_chunk, shared and topk is not None)
+    fmt = payload_label(f"{bits}-bit", topk, topk_chunk, shared and topk is not None)
     rows = [
         Variant("dp", f"data-parallel {dp_bits}-bit", "dp", dp_bits),
         Variant("diloco", f"DiLoCo {fmt}", "diloco", bits, **sp),
@@ -127,8 +128,6 @@ def fragment_count(layers: int, fragment_layers: int) -> int:
     return max(1, math.ceil(layers / fragment_layers))
 
 
-#: The codec the planner names for each bit count it tries; a bit count outside it has none.
-CODEC_FOR_BITS = {32: "fp32", 16: "bf16", 8: "fp8", 4: "e2m1", 2: "2bit"}
 
 
 def fragment_layers(layers: int, fragments: int, pattern: str = "strided") -> list[tuple[int, ...]]:

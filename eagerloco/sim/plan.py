@@ -17,14 +17,15 @@ import numpy as np
 from eagerloco.codec_sizes import SCALE_BYTES
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.hetero import per_worker_cu
-from eagerloco.sim.model import CODEC_FOR_BITS, ModelSpec, Variant, bits_per_value, fragment_count, traffic
+from eagerloco.sim.model import ModelSpec, Variant, bits_per_value, fragment_count, payload_label, traffic
 from eagerloco.sim.report import text_table
 from eagerloco.sim.search import meets
 
 #: Method order of the ranking (simplest first).
 METHOD_RANK = {"dp": 0, "diloco": 1, "streaming": 2, "streaming-tau": 3, "eager": 4}
-#: The dense formats tried, in bits per value.
+#: The dense formats tried, in bits per value, and the codec train's --codec names for each bit count.
 DENSE_BITS: tuple[int, ...] = (16, 8, 4)
+CODEC_FOR_BITS = {32: "fp32", 16: "bf16", 8: "fp8", 4: "e2m1", 2: "2bit"}
 #: The sparse formats tried: (bits per kept value, k, chunk): SparseLoCo's 2-bit top 64 of 4096 and
 #: denser ones (25%, 6.25% and 1.56% of the values).
 SPARSE: tuple[tuple[int, int, int], ...] = ((2, 1024, 4096), (2, 256, 4096), (2, 64, 4096))
@@ -47,12 +48,6 @@ class Candidate:
 
     def rank(self) -> tuple[int, int, float, int]:
         return (self.inner_steps, METHOD_RANK[self.family], -self.bits_per_value, self.tau)
-
-
-def format_name(bits: int, topk: int | None = None, topk_chunk: int = 4096, shared: bool = False) -> str:
-    """The exchange format as train's flags name it: "e2m1", or "2bit top64/4096" (shared64/4096) for a sparse one."""
-    codec = CODEC_FOR_BITS.get(bits, f"{bits}-bit")
-    return codec if topk is None else f"{codec} {'shared' if shared else 'top'}{topk}/{topk_chunk}"
 
 
 def row_transport(v: Variant, transport: str) -> str:
@@ -119,6 +114,7 @@ def evaluate(model: ModelSpec, q: Question, c: Candidate) -> dict[str, Any]:
     """One candidate simulated: its row of the plan. With unequal speeds the run's utilization is the mean of its
     workers', with a fixed H and with adaptive steps; the row keeps the better and says which."""
     v = c.variant
+    codec = CODEC_FOR_BITS.get(c.bits, f"{c.bits}-bit")
     tr = traffic(model, v, q.workers, c.inner_steps, c.fragments, q.block, q.scale_bytes, q.transport, q.pattern)
     adaptive, per_worker = False, None
     if q.speeds is None:
@@ -134,9 +130,9 @@ def evaluate(model: ModelSpec, q: Question, c: Candidate) -> dict[str, Any]:
         "method": v.method, "family": c.family, "inner_steps": c.inner_steps,
         "fragments": c.fragments, "tau": c.tau,
         "eager_rounds": v.eager_rounds if c.family == "eager" else 0,
-        "bits": c.bits, "codec": CODEC_FOR_BITS.get(c.bits, f"{c.bits}-bit"),
+        "bits": c.bits, "codec": codec,
         "topk": v.topk, "topk_chunk": v.topk_chunk if v.sparse else None,
-        "format": format_name(c.bits, v.topk, v.topk_chunk, v.shared), "bits_per_value": c.bits_per_value,
+        "format": payload_label(codec, v.topk, v.topk_chunk, v.shared), "bits_per_value": c.bits_per_value,
         "transport": row_transport(v, q.transport),
         "adaptive_steps": adaptive, "cu_per_worker": per_worker,
         "cu": cu, "meets": bool(meets(cu, q.target)),
