@@ -22,7 +22,7 @@ from dataclasses import MISSING, Field, fields
 from pathlib import Path
 from typing import Any, Self, Union, get_args, get_origin, get_type_hints
 
-from eagerloco.config import SECTIONS, ConfigError, Environment, TrainConfig, train_config_from_tables
+from eagerloco.config import SECTIONS, ConfigError, Environment, TrainConfig, flag_name, train_config_from_tables
 
 #: The --help sections, in order, with their titles; a field goes to its setting's group, else its class's.
 GROUPS = {"algorithm": "algorithm", "compression": "compression (sparse exchange, error feedback)", "link": "link",
@@ -86,7 +86,7 @@ def add_dataclass_flags(groups: dict[str, Any], cls: type, group: str | None = N
         g = groups[meta.get("group") or group or _CLASS_GROUP.get(cls.__name__, "training")]
         if tp is bool:
             on = f.default is not True
-            flag = meta.get("flag") or ("--" if on else "--no-") + f.name.replace("_", "-")
+            flag = meta.get("flag") or flag_name(f.name if on else "no_" + f.name)
             g.add_argument(flag, action="store_true" if on else "store_false", **kw)
         else:
             kw["type"] = _value_type(tp)
@@ -97,7 +97,7 @@ def add_dataclass_flags(groups: dict[str, Any], cls: type, group: str | None = N
             for key in ("choices", "metavar"):
                 if meta.get(key) is not None:
                     kw[key] = meta[key]
-            g.add_argument(meta.get("flag") or "--" + f.name.replace("_", "-"), **kw)
+            g.add_argument(meta.get("flag") or flag_name(f.name), **kw)
 
 
 class FromFlags:
