@@ -37,6 +37,16 @@ MAX_SPEED_RATIO = 1000.0
 MAX_LATENCY_MS = 60_000.0
 
 
+def check_topk(topk: int | None, chunk: int) -> None:
+    """The sparse exchange's K values of every chunk of C (train's and the simulator's); ConfigError naming the flag."""
+    check_int_at_least("topk_chunk", chunk, 1)
+    if topk is not None:
+        check_int_at_least("topk", topk, 1)
+        if topk > chunk:
+            raise ConfigError(f"{flag_name('topk')} ({topk}) must not exceed {flag_name('topk_chunk')} ({chunk}): it "
+                              "counts the values kept in each chunk")
+
+
 @dataclass
 class OuterConfig:
     """What the outer algorithm does; one object describes every method of the family.
@@ -164,12 +174,7 @@ class OuterConfig:
         return self
 
     def _validate_compression(self) -> None:
-        check_int_at_least("topk_chunk", self.topk_chunk, 1)
-        if self.topk is not None:
-            check_int_at_least("topk", self.topk, 1)
-            if self.topk > self.topk_chunk:
-                raise ConfigError(f"{flag_name('topk')} ({self.topk}) must not exceed {flag_name('topk_chunk')} "
-                                  f"({self.topk_chunk}): it counts the values kept in each chunk")
+        check_topk(self.topk, self.topk_chunk)
         beta = self.error_feedback
         if beta is not None and (not is_finite(beta) or not 0.0 <= beta <= 1.0):
             raise ConfigError(f"{flag_name('error_feedback')} must be a decay in [0, 1] (SparseLoCo: 0.95), "
@@ -339,4 +344,4 @@ class LinkConfig:
 
 
 __all__ = ["LinkConfig", "MAX_CODEC_BLOCK", "MAX_OUTER_LR", "MAX_ROUNDS_IN_FLIGHT", "METHODS", "MIN_BANDWIDTH_GBPS",
-           "OUTER_OPTIMIZERS", "OuterConfig", "TRANSPORTS", "WEIGHTINGS"]
+           "OUTER_OPTIMIZERS", "OuterConfig", "TRANSPORTS", "WEIGHTINGS", "check_topk"]

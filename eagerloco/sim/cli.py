@@ -70,7 +70,7 @@ def run(args: argparse.Namespace, reference: Reference | None = None) -> int:
             report = goodput_report(gp, settings)
         if cfg.compare_reference and reference is None:
             raise ConfigError("--compare-reference sets ours beside the papers' tables, which the lab holds: run it as "
-                           "`eagerloco simulate`")
+                              "`eagerloco simulate`")
         if cfg.plot is not None:
             check("matplotlib", PLOT_NEEDS)  # before simulating, not after
     except (ConfigError, MissingExtraError) as e:

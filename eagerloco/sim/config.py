@@ -15,7 +15,7 @@ import numpy as np
 from eagerloco.codec_sizes import CODEC_BITS, CODEC_NAMES, SCALE_BYTES
 from eagerloco.config import ConfigError, setting
 from eagerloco.config.checks import check_choice
-from eagerloco.config.outer import MAX_ROUNDS_IN_FLIGHT
+from eagerloco.config.outer import MAX_ROUNDS_IN_FLIGHT, check_topk
 from eagerloco.config.outer import TRANSPORTS as TRAIN_TRANSPORTS
 from eagerloco.flags import FromFlags
 from eagerloco.schedule import PATTERNS
@@ -179,7 +179,7 @@ class SimConfig(FromFlags):
         _at_least("--inner-steps", self.inner_steps, 1)
         if self.inner_steps > MAX_INNER_STEPS:
             raise ConfigError(f"--inner-steps must be at most {MAX_INNER_STEPS:,} (the papers use 30 to 500; the "
-                           f"simulator walks whole rounds), got {self.inner_steps:,}")
+                              f"simulator walks whole rounds), got {self.inner_steps:,}")
         _at_least("--fragment-layers", self.fragment_layers, 1)
         _at_least("--fragments", self.fragments, 1)
         for model in models:
@@ -191,14 +191,14 @@ class SimConfig(FromFlags):
         check_choice("transport", self.transport, TRANSPORTS)
         _at_least("--codec-block", self.codec_block, 1)
         _at_least("--scale-bytes", scale_bytes, 0)
-        self._check_topk()
+        check_topk(self.topk, self.topk_chunk)
         taus = int_list("--overlap-steps", self.overlap_steps, 0)
         eager_ks = int_list("--eager-rounds", self.eager_rounds, 1)
         delayed_ks = int_list("--delayed-rounds", self.delayed_rounds, 1)
         for flag, ks in (("--eager-rounds", eager_ks), ("--delayed-rounds", delayed_ks)):
             if max(ks) > MAX_ROUNDS_IN_FLIGHT:
                 raise ConfigError(f"{flag} values must be at most {MAX_ROUNDS_IN_FLIGHT} (rounds an exchange may take; "
-                               f"the papers use 1 and 2), got {max(ks):,}")
+                                  f"the papers use 1 and 2), got {max(ks):,}")
         rows = default_variants(
             bits=bits["codec"],
             dp_bits=bits["dp_codec"],
@@ -215,7 +215,7 @@ class SimConfig(FromFlags):
         variants = select_variants(rows, wanted)
         if self.topk is not None and all(v.method == "dp" for v in variants):
             raise ConfigError("--topk compresses outer gradients; --method dp exchanges gradients every step (its "
-                           "--dp-codec, dense): choose diloco, streaming, delayed or eager, or drop --topk")
+                              "--dp-codec, dense): choose diloco, streaming, delayed or eager, or drop --topk")
         bandwidths, targets = self._link_and_targets()
         self._check_grid_and_outputs()
         if self.plan and (len(bandwidths) != 1 or len(targets) != 1):
@@ -241,14 +241,6 @@ class SimConfig(FromFlags):
             raise ConfigError(f"--worker-speeds gives {len(speeds)} speed(s) for --workers {workers}: give one per "
                               "worker")
         return speeds
-
-    def _check_topk(self) -> None:
-        """The sparse exchange's flags, checked as train checks them."""
-        _at_least("--topk-chunk", self.topk_chunk, 1)
-        _at_least("--topk", self.topk, 1)
-        if self.topk is not None and self.topk > self.topk_chunk:
-            raise ConfigError(f"--topk ({self.topk}) must not exceed --topk-chunk ({self.topk_chunk}): it counts "
-                           "the values kept in each chunk")
 
     def _topk_notes(self, variants: list[Variant], workers: int) -> list[str]:
         notes = []
@@ -348,7 +340,7 @@ class SimConfig(FromFlags):
             raise ConfigError(f"--plot must name a directory, {self.plot!r} is a file")
         if self.json not in (None, "-") and not Path(self.json).parent.is_dir():
             raise ConfigError(f"--json {self.json}: the directory {Path(self.json).parent} does not exist; "
-                           "create it or pick another path")
+                              "create it or pick another path")
 
 
 @dataclass
