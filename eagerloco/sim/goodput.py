@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from eagerloco.config import ConfigError, setting
+from eagerloco.config import ConfigError, OuterConfig, setting
+from eagerloco.config.checks import check_int_at_least
 from eagerloco.flags import FromFlags
 from eagerloco.sim.config import Settings, int_list
 from eagerloco.sim.engine import simulate
@@ -76,17 +77,8 @@ class GoodputConfig(FromFlags):
                 raise ConfigError(f"{flag} must be a finite number >= 0, got {v}")
         if not 0 < self.quorum_share <= 1:
             raise ConfigError(f"--quorum-share must be in (0, 1] (1: all-or-nothing), got {self.quorum_share}")
-        if self.max_late_rounds < 0:
-            raise ConfigError(f"--max-late-rounds must be an integer >= 0, got {self.max_late_rounds}")
-        if self.grace == "auto":
-            return counts, None
-        try:
-            grace = float(self.grace)
-        except ValueError:
-            raise ConfigError(f"--grace takes seconds or auto, got {self.grace!r}") from None
-        if not math.isfinite(grace) or grace < 0:
-            raise ConfigError(f"--grace must be a finite number of seconds >= 0 or auto, got {self.grace!r}")
-        return counts, grace
+        check_int_at_least("max_late_rounds", self.max_late_rounds, 0)
+        return counts, OuterConfig(grace=self.grace).grace_seconds()  # train's --grace, read as train reads it
 
 
 @dataclass(frozen=True)
