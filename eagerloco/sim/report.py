@@ -77,16 +77,11 @@ def format_text(report: dict[str, Any]) -> str:
         )
         if st["targets"]:
             header = ["Gbit/s to reach CU"] + [f"{100 * t:g}%" for t in st["targets"]]
-            rows = [
-                [r["label"]]
-                + [
-                    _fmt_bw(
-                        r["least_bandwidth_gbps"][cell_key(t)], r["cu_at_infinite_bandwidth"], t, g["max_gbps"]
-                    )
-                    for t in st["targets"]
-                ]
-                for r in m["rows"]
-            ]
+            rows = []
+            for r in m["rows"]:
+                inf = r["cu_at_infinite_bandwidth"]
+                rows.append([r["label"], *(_fmt_bw(r["least_bandwidth_gbps"][cell_key(t)], inf, t, g["max_gbps"])
+                                           for t in st["targets"])])
             parts.append(text_table(header, rows))
         if st["bandwidths_gbps"]:
             header = ["CU at Gbit/s"] + [f"{b:g}" for b in st["bandwidths_gbps"]]
@@ -94,25 +89,10 @@ def format_text(report: dict[str, Any]) -> str:
             parts.append(text_table(header, rows))
         if st.get("worker_speeds"):
             parts.extend(_per_worker_tables(m["rows"], st["worker_speeds"]))
-        header = [
-            "bytes per worker",
-            "per token",
-            "dp / this",
-            "peak transfer",
-            f"at {st['tokens']:.3g} tokens",
-        ]
-        rows = [
-            [
-                r["label"],
-                f"{r['bytes_per_token']:.4g}",
-                "-" if r["dp_ratio"] is None else f"{r['dp_ratio']:.1f}x",
-                fmt_bytes(r["peak_transfer_bytes"], ".3g"),
-                fmt_bytes(r["total_bytes"], ".3g"),
-            ]
-            for r in m["rows"]
-        ]
-        parts.append(text_table(header, rows))
-        parts.append("")
+        header = ["bytes per worker", "per token", "dp / this", "peak transfer", f"at {st['tokens']:.3g} tokens"]
+        rows = [[r["label"], f"{r['bytes_per_token']:.4g}", "-" if r["dp_ratio"] is None else f"{r['dp_ratio']:.1f}x",
+                 fmt_bytes(r["peak_transfer_bytes"], ".3g"), fmt_bytes(r["total_bytes"], ".3g")] for r in m["rows"]]
+        parts += [text_table(header, rows), ""]
     parts.append(
         f"grid {g['min_gbps']:g}..{g['max_gbps']:g} Gbit/s, {g['per_decade']:.4g} points per decade; "
         + (
