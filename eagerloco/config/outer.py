@@ -166,10 +166,8 @@ class OuterConfig:
         if not is_finite(self.outer_momentum) or not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError(f"{flag_name('outer_momentum')} must be in [0, 1), got {self.outer_momentum}")
         if self.outer_nesterov and self.outer_optimizer == "sgd" and self.outer_momentum == 0:
-            raise ConfigError(
-                f"{flag_name('outer_nesterov')} needs {flag_name('outer_momentum')} > 0; "
-                "pass --no-outer-nesterov for plain SGD"
-            )
+            raise ConfigError(f"{flag_name('outer_nesterov')} needs {flag_name('outer_momentum')} > 0; "
+                              "pass --no-outer-nesterov for plain SGD")
         self._validate_combination(num_blocks)
         return self
 
@@ -248,36 +246,28 @@ class OuterConfig:
     def _validate_combination(self, num_blocks: int | None) -> None:
         method, fragments = flag_name("method"), flag_name("fragments")
         if self.method == "diloco" and self.fragments != 1:
-            raise ConfigError(
-                f"{method} diloco synchronizes the whole model at once, so {fragments} "
-                f"must be 1 (got {self.fragments}); use {method} streaming for P > 1"
-            )
+            raise ConfigError(f"{method} diloco synchronizes the whole model at once, so {fragments} "
+                              f"must be 1 (got {self.fragments}); use {method} streaming for P > 1")
         if self.method == "dp":
             if self.fragments != 1 or self.overlap_steps != 0:
-                raise ConfigError(
-                    f"{method} dp averages gradients every step: {fragments} must be 1 and "
-                    f"{flag_name('overlap_steps')} 0 (got {self.fragments} and {self.overlap_steps})"
-                )
+                raise ConfigError(f"{method} dp averages gradients every step: {fragments} must be 1 and "
+                                  f"{flag_name('overlap_steps')} 0 (got {self.fragments} and {self.overlap_steps})")
         if self.method in ("delayed", "eager") and self.overlap_steps != 0:
             raise ConfigError(
                 f"{method} {self.method} already overlaps the exchange with whole rounds "
                 f"({flag_name('eager_rounds')}); {flag_name('overlap_steps')} must be 0, got {self.overlap_steps}"
             )
         if self.method != "dp" and self.fragments > self.inner_steps:
-            raise ConfigError(
-                f"{fragments} ({self.fragments}) must not exceed {flag_name('inner_steps')} "
-                f"({self.inner_steps}): each fragment needs its own sync step within a round"
-            )
+            raise ConfigError(f"{fragments} ({self.fragments}) must not exceed {flag_name('inner_steps')} "
+                              f"({self.inner_steps}): each fragment needs its own sync step within a round")
         if self.overlap_steps > 0 and self.overlap_steps * self.fragments >= self.inner_steps:
             raise ConfigError(
                 f"{flag_name('overlap_steps')} must be smaller than H/P = {self.inner_steps}/{self.fragments} "
                 f"so one fragment's exchange lands before the next one starts; got {self.overlap_steps}"
             )
         if num_blocks is not None and self.fragments > max(num_blocks, 1):
-            raise ConfigError(
-                f"{fragments} ({self.fragments}) is larger than the model's number of blocks "
-                f"({num_blocks}); choose 1..{max(num_blocks, 1)}"
-            )
+            raise ConfigError(f"{fragments} ({self.fragments}) is larger than the model's number of blocks "
+                              f"({num_blocks}); choose 1..{max(num_blocks, 1)}")
 
     @property
     def sparse(self) -> bool:

@@ -108,10 +108,8 @@ class RuntimeConfig:
                 f"{workers} and --ranks-per-worker {r} were passed to train; pass the same numbers to both"
             )
         if self.fsdp and r < 2:
-            raise ConfigError(
-                f"--fsdp shards each worker's model over its ranks, but there is {r} rank per worker: "
-                "pass --ranks-per-worker 2 or more (to the launcher and to train), or drop --fsdp"
-            )
+            raise ConfigError(f"--fsdp shards each worker's model over its ranks, but there is {r} rank per worker: "
+                              "pass --ranks-per-worker 2 or more (to the launcher and to train), or drop --fsdp")
         self._validate_elastic(kind, device)
         return self
 

@@ -273,10 +273,8 @@ class SimConfig(FromFlags):
         if self.peak_tflops is not None and self.step_time is not None:
             raise ConfigError("--step-time and --peak-tflops both set the step time; give one of them")
         if (overrides or self.peak_tflops is not None) and len(names) != 1:
-            raise ConfigError(
-                "--params/--layers/--step-time/--peak-tflops describe one model; give a single --model "
-                f"(got {self.model!r})"
-            )
+            raise ConfigError("--params/--layers/--step-time/--peak-tflops describe one model; give a single --model "
+                              f"(got {self.model!r})")
         models = []
         sources: dict[str, tuple[str, bool]] = {}
         for name in names:

@@ -116,10 +116,8 @@ def select_variants(rows: list[Variant], wanted: list[str] | None) -> list[Varia
     keys = {r.key for r in rows}
     for w in wanted:
         if w not in METHODS and w not in keys:
-            raise ConfigError(
-                f"--method must be one of {', '.join(METHODS)} or a row key "
-                f"({', '.join(sorted(keys))}); got {w!r}"
-            )
+            raise ConfigError(f"--method must be one of {', '.join(METHODS)} or a row key "
+                              f"({', '.join(sorted(keys))}); got {w!r}")
     return [r for r in rows if r.method in wanted or r.key in wanted]
 
 
