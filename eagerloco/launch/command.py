@@ -170,11 +170,9 @@ def _launch_job_behind_link(argv: list[str], workers: int, worker_id: int, outer
         return _launch(argv, 1, 1, master_port, timeout_s, command, out, elastic, 0, link, False)
 
 
-def _launch(
-    argv_for_train: list[str], workers: int, ranks_per_worker: int, master_port: int | None, timeout_s: float,
-    command: Sequence[str] | None, out: IO[str] | None, elastic: bool, max_restarts: int, link: Any,
-    fork_ranks: bool,
-) -> int:
+def _launch(argv_for_train: list[str], workers: int, ranks_per_worker: int, master_port: int | None, timeout_s: float,
+            command: Sequence[str] | None, out: IO[str] | None, elastic: bool, max_restarts: int, link: Any,
+            fork_ranks: bool) -> int:
     import torch.distributed as dist  # here, not at module level: `eagerloco --help` stays fast
 
     nproc = workers * ranks_per_worker
@@ -293,10 +291,8 @@ class _ExitBoard:
             pass
 
 
-def _supervise(
-    procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
-    exits: _ExitBoard | None = None,
-) -> int:
+def _supervise(procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
+               exits: _ExitBoard | None = None) -> int:
     """Wait for all processes; after the first failure, give the rest grace_s, then stop them."""
     first: tuple[int, int] | None = None
     deadline = None
@@ -329,10 +325,8 @@ def _supervise(
     return rc if rc > 0 else 128 - rc  # killed by signal s: 128 + s, as a shell reports it
 
 
-def _supervise_elastic(
-    procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
-    spawn: Any, max_restarts: int, exits: _ExitBoard,
-) -> int:
+def _supervise_elastic(procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
+                       spawn: Any, max_restarts: int, exits: _ExitBoard) -> int:
     """Elastic: restart a failed rank (as a returning worker) while it has restarts left. Done when every rank's
     latest process exited; success if some rank finished the run; after the first finishes the rest get grace_s."""
     restarts = [0] * len(procs)

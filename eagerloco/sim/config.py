@@ -200,17 +200,10 @@ class SimConfig(FromFlags):
                 raise ConfigError(f"{flag} values must be at most {MAX_ROUNDS_IN_FLIGHT} (rounds an exchange may take; "
                                   f"the papers use 1 and 2), got {max(ks):,}")
         rows = default_variants(
-            bits=bits["codec"],
-            dp_bits=bits["dp_codec"],
-            low_bits=bits["low_codec"],
-            taus=tuple(dict.fromkeys(taus)),
-            delayed_rounds=tuple(dict.fromkeys(delayed_ks)),
-            eager_rounds=tuple(dict.fromkeys(eager_ks)),
-            eager_fragmented=self.eager_streaming,
-            topk=self.topk,
-            topk_chunk=self.topk_chunk,
-            shared=self.transport == "shared-support",
-        )
+            bits=bits["codec"], dp_bits=bits["dp_codec"], low_bits=bits["low_codec"], taus=tuple(dict.fromkeys(taus)),
+            delayed_rounds=tuple(dict.fromkeys(delayed_ks)), eager_rounds=tuple(dict.fromkeys(eager_ks)),
+            eager_fragmented=self.eager_streaming, topk=self.topk, topk_chunk=self.topk_chunk,
+            shared=self.transport == "shared-support")
         wanted = [x.lower() for x in _split("--method", self.method)] if self.method is not None else None
         variants = select_variants(rows, wanted)
         if self.topk is not None and all(v.method == "dp" for v in variants):

@@ -69,18 +69,10 @@ def payload_label(values: str, topk: int | None = None, topk_chunk: int = 4096, 
     return values + (f" {'shared' if shared else 'top'}{topk}/{topk_chunk}" if topk is not None else "")
 
 
-def default_variants(
-    bits: int = 32,
-    dp_bits: int = 16,
-    low_bits: int = 4,
-    taus: tuple[int, ...] = (1,),
-    delayed_rounds: tuple[int, ...] = (1,),
-    eager_rounds: tuple[int, ...] = (1, 2),
-    eager_fragmented: bool = False,
-    topk: int | None = None,
-    topk_chunk: int = 4096,
-    shared: bool = False,
-) -> list[Variant]:
+def default_variants(bits: int = 32, dp_bits: int = 16, low_bits: int = 4, taus: tuple[int, ...] = (1,),
+                     delayed_rounds: tuple[int, ...] = (1,), eager_rounds: tuple[int, ...] = (1, 2),
+                     eager_fragmented: bool = False, topk: int | None = None, topk_chunk: int = 4096,
+                     shared: bool = False) -> list[Variant]:
     """The rows of the papers' comparison, parameterized by the CLI flags: data-parallel, DiLoCo, Streaming
     (blocking, each tau of overlap, the first tau at low_bits), naive delayed and eager; topk (and shared) make
     the rows at ``bits`` sparse, data-parallel and the low_bits row stay dense.
@@ -149,9 +141,8 @@ def payload_bytes(numel: float, bits: int, block: int = 32, scale_bytes: int = S
     return body + math.ceil(numel / block) * scale_bytes
 
 
-def sparse_payload_bytes(
-    numel: float, bits: int, chunk: int, k: int, block: int = 32, scale_bytes: int = SCALE_BYTES
-) -> float:
+def sparse_payload_bytes(numel: float, bits: int, chunk: int, k: int, block: int = 32,
+                         scale_bytes: int = SCALE_BYTES) -> float:
     """Encoded size of a sparse exchange of numel values: :func:`eagerloco.codec_sizes.sparse_nbytes` of the codec
     of ``bits`` bits, with ``scale_bytes`` changing the scales as for a dense payload."""
     kept, position_bytes = sparse_counts(round(numel), chunk, k)
@@ -225,17 +216,8 @@ class Traffic:
         return max(self.transfers, default=0.0)
 
 
-def traffic(
-    model: ModelSpec,
-    variant: Variant,
-    workers: int,
-    inner_steps: int,
-    fragments: int,
-    block: int = 32,
-    scale_bytes: int = SCALE_BYTES,
-    transport: str = "ring",
-    pattern: str = "strided",
-) -> Traffic:
+def traffic(model: ModelSpec, variant: Variant, workers: int, inner_steps: int, fragments: int, block: int = 32,
+            scale_bytes: int = SCALE_BYTES, transport: str = "ring", pattern: str = "strided") -> Traffic:
     """Sizes of the transfers one period puts on the link, and the blocks each carries: dp one gradient exchange per
     block per step (never sparse); outer methods one exchange per fragment per round of H steps."""
     per_layer = model.params_per_layer

@@ -58,18 +58,10 @@ def row_transport(v: Variant, transport: str) -> str:
     return "reduce-scatter" if v.topk is None and v.bits < 32 and transport != "allgather" else "allgather"
 
 
-def candidates(
-    model: ModelSpec,
-    fragment_layers: int = 3,
-    inner_steps: tuple[int, ...] = (30, 50, 100, 200, 500),
-    bits: tuple[int, ...] = DENSE_BITS,
-    taus: tuple[int, ...] = (1, 2, 5),
-    dp_bits: int = 16,
-    sparse: tuple[tuple[int, int, int], ...] = SPARSE,
-    block: int = 32,
-    scale_bytes: int = SCALE_BYTES,
-    shared: tuple[tuple[int, int, int], ...] = (),
-) -> list[Candidate]:
+def candidates(model: ModelSpec, fragment_layers: int = 3, inner_steps: tuple[int, ...] = (30, 50, 100, 200, 500),
+               bits: tuple[int, ...] = DENSE_BITS, taus: tuple[int, ...] = (1, 2, 5), dp_bits: int = 16,
+               sparse: tuple[tuple[int, int, int], ...] = SPARSE, block: int = 32, scale_bytes: int = SCALE_BYTES,
+               shared: tuple[tuple[int, int, int], ...] = ()) -> list[Candidate]:
     """Every setting considered, cheapest first (overlap tau only where tau * P < H)."""
     P = fragment_count(model.layers, fragment_layers)
     dp = Variant("dp", f"data-parallel {dp_bits}-bit", "dp", dp_bits)
