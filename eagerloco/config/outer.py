@@ -6,15 +6,8 @@ import math
 from dataclasses import dataclass
 
 from eagerloco.codec_sizes import CODEC_NAMES
-from eagerloco.config.checks import (
-    ConfigError,
-    check_choice,
-    check_int_at_least,
-    check_switch,
-    flag_name,
-    is_finite,
-    setting,
-)
+from eagerloco.config.checks import check_choice, check_int_at_least, check_switch, flag_name, is_finite, setting
+from eagerloco.errors import ConfigError
 from eagerloco.schedule import PATTERNS, apply_delay
 
 METHODS = ("dp", "diloco", "streaming", "delayed", "eager")
