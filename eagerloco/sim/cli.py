@@ -87,14 +87,10 @@ def run(args: argparse.Namespace, reference: Reference | None = None) -> int:
             written = []
             for m in report["models"]:
                 name = m["model"]["name"]
-                title = (
-                    f"{name}: {m['model']['params']:.3g} params, step {m['model']['step_time']:.3g} s, "
-                    f"M={settings.workers}, H={cfg.inner_steps}, P={m['fragments']}"
-                )
-                safe = name.replace("*", "-custom")
-                written.append(
-                    str(plot_cu(Path(cfg.plot) / f"cu_{safe}.png", title, grid, curves[name], settings.targets))
-                )
+                title = (f"{name}: {m['model']['params']:.3g} params, step {m['model']['step_time']:.3g} s, "
+                         f"M={settings.workers}, H={cfg.inner_steps}, P={m['fragments']}")
+                path = Path(cfg.plot) / f"cu_{name.replace('*', '-custom')}.png"
+                written.append(str(plot_cu(path, title, grid, curves[name], settings.targets)))
             report["plots"] = written
     report["seconds"] = time.perf_counter() - started
     if text is None:

@@ -63,14 +63,8 @@ def exchanges(variant: Variant, traffic: Traffic, inner_steps: int, total_steps:
     if variant.method == "dp":
         n = len(traffic.transfers)
         return [Exchange(i, s, s) for s in range(1, total_steps + 1) for i in range(n)]
-    events = sync_events(
-        variant.method,
-        inner_steps,
-        len(traffic.transfers),
-        variant.overlap_steps,
-        variant.eager_rounds,
-        total_steps,
-    )
+    events = sync_events(variant.method, inner_steps, len(traffic.transfers), variant.overlap_steps,
+                         variant.eager_rounds, total_steps)
     return [Exchange(e.fragment, e.launch_step, e.apply_step) for e in events]
 
 

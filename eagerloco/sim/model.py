@@ -86,9 +86,8 @@ def default_variants(bits: int = 32, dp_bits: int = 16, low_bits: int = 4, taus:
     ]
     for tau in taus:
         if tau > 0:
-            rows.append(
-                Variant(f"streaming-tau{tau}", f"Streaming tau={tau} {fmt}", "streaming", bits, True, tau, **sp)
-            )
+            rows.append(Variant(f"streaming-tau{tau}", f"Streaming tau={tau} {fmt}", "streaming", bits, True, tau,
+                                **sp))
     if taus and low_bits != bits:
         tau = taus[0]
         suffix = f"-tau{tau}" if tau > 0 else ""

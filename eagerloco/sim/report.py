@@ -69,12 +69,10 @@ def format_text(report: dict[str, Any]) -> str:
     parts = []
     for m in report["models"]:
         mod = m["model"]
-        parts.append(
-            f"model {mod['name']}: {_fmt_count(mod['params'])} params, {mod['layers']} layers, "
-            f"step {mod['step_time']:.3g} s; M={st['workers']}, H={st['inner_steps']}, "
-            f"P={fragments_text(m['fragment_layer_counts'])}, "
-            f"latency {st['latency_ms']:g} ms, {st['transport']} exchange"
-        )
+        parts.append(f"model {mod['name']}: {_fmt_count(mod['params'])} params, {mod['layers']} layers, "
+                     f"step {mod['step_time']:.3g} s; M={st['workers']}, H={st['inner_steps']}, "
+                     f"P={fragments_text(m['fragment_layer_counts'])}, "
+                     f"latency {st['latency_ms']:g} ms, {st['transport']} exchange")
         if st["targets"]:
             header = ["Gbit/s to reach CU"] + [f"{100 * t:g}%" for t in st["targets"]]
             rows = []
