@@ -29,6 +29,16 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from eagerloco.sim.cli import run
+
+    if args.compare_reference:  # the papers' published tables are the lab's
+        from eagerloco.lab.sim_reference import compare_text
+
+        return run(args, compare_text)
+    return run(args)
+
+
 def _cmd_data(args: argparse.Namespace) -> int:
     from eagerloco.lab.corpora import fetch_source
 
@@ -59,7 +69,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default="brown", help="source(s): brown, kjv, austen, or a comma list (default brown)")
     p.add_argument("--data-dir", default=None, help="cache dir (default $EAGERLOCO_DATA_DIR or ~/.cache/eagerloco)")
     p.set_defaults(func=_cmd_data)
-    sim_cli.add_parser(sub)
+    sim_cli.add_parser(sub).set_defaults(func=_cmd_simulate)
     launch.add_parser(sub).set_defaults(func=_cmd_launch)
     coordinator.add_parser(sub).set_defaults(func=coordinator.run)
     compare_cli.add_parser(sub)

@@ -86,8 +86,3 @@ def sparse_counts(numel: int, chunk: int, k: int) -> tuple[int, int]:
     bits = full * chunk_position_bits(chunk, min(k, chunk)) + (chunk_position_bits(last, min(k, last)) if last else 0)
     return kept, -(-bits // 8)
 
-
-def sparse_bits_per_value(codec: str, chunk: int, k: int, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
-    """Bits on the wire per value of the vector (not per kept value) of a long sparse payload: what the
-    simulator charges. FP32 is 32; top 64 of 4096 in 2 bits with scales per 32 is about 0.23."""
-    return 8 * sparse_nbytes(codec, chunk * 1024, chunk, k, block_size) / (chunk * 1024)

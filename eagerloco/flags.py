@@ -20,9 +20,9 @@ import tomllib
 import types
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, Self, Union, get_args, get_origin, get_type_hints
 
-from eagerloco.config import SECTIONS, ConfigError, Environment, TrainConfig, train_config_from_tables
+from eagerloco.config import SECTIONS, ConfigError, Environment, TrainConfig, flag_name, train_config_from_tables
 
 #: The --help sections, in order, with their titles; a field goes to its setting's group, else its class's.
 GROUPS = {"algorithm": "algorithm", "compression": "compression (sparse exchange, error feedback)", "link": "link",
@@ -86,7 +86,7 @@ def add_dataclass_flags(groups: dict[str, Any], cls: type, group: str | None = N
         g = groups[meta.get("group") or group or _CLASS_GROUP.get(cls.__name__, "training")]
         if tp is bool:
             on = f.default is not True
-            flag = meta.get("flag") or ("--" if on else "--no-") + f.name.replace("_", "-")
+            flag = meta.get("flag") or flag_name(f.name if on else "no_" + f.name)
             g.add_argument(flag, action="store_true" if on else "store_false", **kw)
         else:
             kw["type"] = _value_type(tp)
@@ -97,7 +97,17 @@ def add_dataclass_flags(groups: dict[str, Any], cls: type, group: str | None = N
             for key in ("choices", "metavar"):
                 if meta.get(key) is not None:
                     kw[key] = meta[key]
-            g.add_argument(meta.get("flag") or "--" + f.name.replace("_", "-"), **kw)
+            g.add_argument(meta.get("flag") or flag_name(f.name), **kw)
+
+
+class FromFlags:
+    """A settings dataclass whose flags :func:`add_dataclass_flags` made: :meth:`from_args` builds it from them."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Self:
+        """The flags given (parsed by a parser with the generated flags, where a flag not given is None)."""
+        given = vars(args)
+        return cls(**{f.name: given[f.name] for f in fields(cls) if given.get(f.name) is not None})
 
 
 def _separated(convert: Any, sep: str) -> Any:
@@ -164,4 +174,4 @@ def build_train_config(args: argparse.Namespace, env: Environment | None = None)
     return train_config_from_tables(tables, where).validate(env)
 
 
-__all__ = ["GROUPS", "add_dataclass_flags", "add_train_flags", "build_train_config", "field_docs"]
+__all__ = ["GROUPS", "FromFlags", "add_dataclass_flags", "add_train_flags", "build_train_config", "field_docs"]

@@ -424,9 +424,9 @@ def test_the_simulator_predicts_each_worker_s_utilization_with_and_without_adapt
 @pytest.mark.parametrize(("speeds", "text"), [("1,0.5", "gives 2 speed\\(s\\) for --workers 3"),
                                               ("1,0,1", "must be positive"), ("1,fast,1", "takes numbers")])
 def test_the_simulator_refuses_bad_speeds(speeds: str, text: str) -> None:
-    from eagerloco.sim.model import SimError
+    from eagerloco.config import ConfigError
 
-    with pytest.raises(SimError, match=text):
+    with pytest.raises(ConfigError, match=text):
         _simulate("--workers", "3", "--worker-speeds", speeds)
 
 

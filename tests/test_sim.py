@@ -21,10 +21,8 @@ from eagerloco.sim.engine import simulate
 from eagerloco.sim.model import (
     PRESETS,
     ModelSpec,
-    SimError,
     Variant,
     default_variants,
-    flops_step_time,
     fragment_count,
     fragment_layer_counts,
     payload_bytes,
@@ -283,12 +281,6 @@ def test_bytes_per_token_ratio_against_data_parallel() -> None:
     assert wire_bytes(100.0, 1, 32) == 0.0
 
 
-def test_flops_step_time() -> None:
-    assert flops_step_time(1e9, 1e6, 100.0, 0.6) == pytest.approx(6e15 / 6e13)
-    with pytest.raises(SimError, match="--mfu"):
-        flops_step_time(1e9, 1e6, 100.0, 1.5)
-
-
 # ------------------------------------------------------------------------------------------- CLI
 
 
@@ -386,6 +378,8 @@ def test_cli_custom_model_from_flops(capsys: pytest.CaptureFixture[str]) -> None
         (["--model", "custom", "--params", "1e9"], "--layers"),
         (["--workers", "0"], "--workers"),
         (["--codec-block", "0"], "--codec-block"),
+        (["--mfu", "1.5"], "--mfu"),
+        (["--model", "custom", "--params", "1e9", "--layers", "10", "--peak-tflops", "0"], "--peak-tflops"),
     ],
 )
 def test_cli_bad_inputs_name_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,7 +9,7 @@ from collections import deque
 
 import pytest
 
-from eagerloco.sim import cli
+from eagerloco import cli
 from eagerloco.sim.goodput import (
     GRACE_WINDOW,
     Faults,
@@ -111,9 +111,9 @@ def test_command_without_faults_reports_the_utilization(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--grace", "soon"], "--grace takes seconds or auto"),
+    (["--grace", "soon"], "--grace takes a number of seconds >= 0 or auto"),
     (["--quorum-share", "0"], "--quorum-share must be in (0, 1]"),
-    (["--goodput-workers", "8,0"], "--goodput-workers needs worker counts >= 1"),
+    (["--goodput-workers", "8,0"], "--goodput-workers values must be integers >= 1"),
     (["--plan", "--bandwidth-gbps", "1", "--target-cu", "0.9"], "--goodput is a report of its own"),
 ])
 def test_command_rejects_bad_flags(capsys, flags: list[str], message: str) -> None:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from eagerloco.codec_sizes import chunk_position_bits, sparse_bits_per_value, sparse_nbytes
+from eagerloco.codec_sizes import chunk_position_bits, sparse_nbytes
 from eagerloco.codecs import TopKCodec, get_codec
 from eagerloco.codecs.sparse import pack_bits, unpack_bits
 
@@ -42,7 +42,7 @@ def test_positions_take_indices_or_a_mask_whichever_is_smaller() -> None:
     assert chunk_position_bits(4096, 341) == 4092 and chunk_position_bits(4096, 342) == 4096
     assert chunk_position_bits(5, 1) == 3 and chunk_position_bits(1, 1) == 0
     # SparseLoCo's 64 of 4096 in 2 bits with a scale per 32 kept values: 141x fewer bytes than FP32.
-    assert 32 / sparse_bits_per_value("2bit", 4096, 64) == pytest.approx(141.2, abs=0.1)
+    assert 32 / (8 * sparse_nbytes("2bit", 4096 * 1024, 4096, 64) / (4096 * 1024)) == pytest.approx(141.2, abs=0.1)
 
 
 @pytest.mark.parametrize(("c", "k", "n"), CASES)

@@ -3,18 +3,7 @@
 from __future__ import annotations
 
 from eagerloco.codec_sizes import CODEC_NAMES
-from eagerloco.codecs.dense import (
-    Bf16Codec,
-    Codec,
-    E2m1Codec,
-    E3m0Codec,
-    Fp8Codec,
-    Fp32Codec,
-    Int4Codec,
-    Int8Codec,
-    TwoBitCodec,
-    dense_codec,
-)
+from eagerloco.codecs.dense import Codec, Fp32Codec, dense_codec
 from eagerloco.codecs.sparse import SharedSupportCodec, TopKCodec
 
 
@@ -28,5 +17,4 @@ def get_codec(name: str, block_size: int = 32, stochastic: bool = False, *, topk
     return SharedSupportCodec(dense, chunk, topk) if shared else TopKCodec(dense, chunk, topk)
 
 
-__all__ = ["CODEC_NAMES", "Bf16Codec", "Codec", "E2m1Codec", "E3m0Codec", "Fp32Codec", "Fp8Codec", "Int4Codec",
-           "Int8Codec", "SharedSupportCodec", "TopKCodec", "TwoBitCodec", "dense_codec", "get_codec"]
+__all__ = ["CODEC_NAMES", "Codec", "Fp32Codec", "SharedSupportCodec", "TopKCodec", "dense_codec", "get_codec"]

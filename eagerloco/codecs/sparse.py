@@ -40,7 +40,21 @@ def _bits_uint(bits: torch.Tensor, width: int) -> torch.Tensor:
     return (bits.view(-1, width).to(torch.int64) << shifts).sum(1)
 
 
-class TopKCodec(Codec):
+class _SparseCodec(Codec):
+    """What the sparse exchanges share: k values of every chunk of ``chunk``, in the dense codec ``values``."""
+
+    summable = False
+
+    def __init__(self, values: Codec, chunk: int, k: int, kind: str) -> None:
+        if chunk < 1 or not 1 <= k <= chunk:
+            raise ValueError(f"a sparse exchange keeps 1 <= k <= chunk values of each chunk, got k={k}, chunk={chunk}")
+        super().__init__(values.block_size, values.stochastic)
+        self.values, self.chunk, self.k = values, chunk, k
+        self.name = f"{kind}{k}of{chunk}+{values.name}"
+        self.bits = values.bits
+
+
+class TopKCodec(_SparseCodec):
     """Keep the k entries of largest magnitude of every chunk of ``chunk`` values; send them and where they are.
 
     Ties go to the lower index; the payload is the kept values as one payload of ``values`` (scales first), then
@@ -49,17 +63,8 @@ class TopKCodec(Codec):
     Encoding is vectorized over chunks; encoding what a payload decodes to gives the same values again.
     """
 
-    summable = False
-
     def __init__(self, values: Codec, chunk: int, k: int) -> None:
-        if chunk < 1 or not 1 <= k <= chunk:
-            raise ValueError(f"a sparse exchange keeps 1 <= k <= chunk values of each chunk, got k={k}, chunk={chunk}")
-        super().__init__(values.block_size, values.stochastic)
-        self.values = values
-        self.chunk = chunk
-        self.k = k
-        self.name = f"top{k}of{chunk}+{values.name}"
-        self.bits = values.bits
+        super().__init__(values, chunk, k, "top")
 
     def __repr__(self) -> str:
         return f"TopKCodec({self.values!r}, chunk={self.chunk}, k={self.k})"
@@ -140,19 +145,13 @@ class TopKCodec(Codec):
         return out
 
 
-class SharedSupportCodec(Codec):
+class SharedSupportCodec(_SparseCodec):
     """k values of every chunk at positions every worker draws alike from the exchange's step (:meth:`for_step`),
     sent without positions, so the values can be summed on the way whatever M (docs/algorithms.md, 7)."""
 
-    summable = False
-
     def __init__(self, values: Codec, chunk: int, k: int, seed: int = 0) -> None:
-        if chunk < 1 or not 1 <= k <= chunk:
-            raise ValueError(f"a sparse exchange keeps 1 <= k <= chunk values of each chunk, got k={k}, chunk={chunk}")
-        super().__init__(values.block_size, values.stochastic)
-        self.values, self.chunk, self.k, self.seed = values, chunk, k, seed
-        self.name = f"shared{k}of{chunk}+{values.name}"
-        self.bits = values.bits
+        super().__init__(values, chunk, k, "shared")
+        self.seed = seed
         self._support: tuple[int, torch.Tensor] | None = None
 
     def __repr__(self) -> str:

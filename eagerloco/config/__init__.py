@@ -8,18 +8,5 @@ from eagerloco.config.schema import SECTIONS, train_config_from_tables
 from eagerloco.config.train import TrainConfig, parse_slow_workers
 from eagerloco.environment import Environment
 
-__all__ = [
-    "ConfigError",
-    "Environment",
-    "LinkConfig",
-    "METHODS",
-    "OUTER_OPTIMIZERS",
-    "OuterConfig",
-    "RuntimeConfig",
-    "SECTIONS",
-    "TrainConfig",
-    "flag_name",
-    "parse_slow_workers",
-    "setting",
-    "train_config_from_tables",
-]
+__all__ = ["ConfigError", "Environment", "LinkConfig", "METHODS", "OUTER_OPTIMIZERS", "OuterConfig", "RuntimeConfig",
+           "SECTIONS", "TrainConfig", "flag_name", "parse_slow_workers", "setting", "train_config_from_tables"]

@@ -60,6 +60,14 @@ def check_int_at_least(name: str, value: Any, low: int) -> None:
         raise ConfigError(f"{flag_name(name)} must be an integer >= {low}, got {value!r}")
 
 
+def host_port(name: str, addr: str) -> tuple[str, int]:
+    """The host and port of ``addr`` (``host:port``); ConfigError unless the port is in 1..65535."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ConfigError(f"{flag_name(name)} must be host:port with a port in 1..65535, got {addr!r}")
+    return host, int(port)
+
+
 def check_switch(name: str, value: Any) -> None:
     """Raise ConfigError unless value is a bool."""
     if not isinstance(value, bool):
@@ -71,4 +79,5 @@ def is_finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-__all__ = ["ConfigError", "check_choice", "check_int_at_least", "check_switch", "flag_name", "is_finite", "setting"]
+__all__ = ["ConfigError", "check_choice", "check_int_at_least", "check_switch", "flag_name", "host_port", "is_finite",
+           "setting"]

@@ -6,15 +6,8 @@ import math
 from dataclasses import dataclass
 
 from eagerloco.codec_sizes import CODEC_NAMES
-from eagerloco.config.checks import (
-    ConfigError,
-    check_choice,
-    check_int_at_least,
-    check_switch,
-    flag_name,
-    is_finite,
-    setting,
-)
+from eagerloco.config.checks import check_choice, check_int_at_least, check_switch, flag_name, is_finite, setting
+from eagerloco.errors import ConfigError
 from eagerloco.schedule import PATTERNS, apply_delay
 
 METHODS = ("dp", "diloco", "streaming", "delayed", "eager")
@@ -35,6 +28,16 @@ MAX_OUTER_LR = 10.0
 MAX_SPEED_RATIO = 1000.0
 #: One-way latency beyond a minute describes no link (around the Earth is about 0.1 s).
 MAX_LATENCY_MS = 60_000.0
+
+
+def check_topk(topk: int | None, chunk: int) -> None:
+    """The sparse exchange's K values of every chunk of C (train's and the simulator's); ConfigError naming the flag."""
+    check_int_at_least("topk_chunk", chunk, 1)
+    if topk is not None:
+        check_int_at_least("topk", topk, 1)
+        if topk > chunk:
+            raise ConfigError(f"{flag_name('topk')} ({topk}) must not exceed {flag_name('topk_chunk')} ({chunk}): it "
+                              "counts the values kept in each chunk")
 
 
 @dataclass
@@ -156,20 +159,13 @@ class OuterConfig:
         if not is_finite(self.outer_momentum) or not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError(f"{flag_name('outer_momentum')} must be in [0, 1), got {self.outer_momentum}")
         if self.outer_nesterov and self.outer_optimizer == "sgd" and self.outer_momentum == 0:
-            raise ConfigError(
-                f"{flag_name('outer_nesterov')} needs {flag_name('outer_momentum')} > 0; "
-                "pass --no-outer-nesterov for plain SGD"
-            )
+            raise ConfigError(f"{flag_name('outer_nesterov')} needs {flag_name('outer_momentum')} > 0; "
+                              "pass --no-outer-nesterov for plain SGD")
         self._validate_combination(num_blocks)
         return self
 
     def _validate_compression(self) -> None:
-        check_int_at_least("topk_chunk", self.topk_chunk, 1)
-        if self.topk is not None:
-            check_int_at_least("topk", self.topk, 1)
-            if self.topk > self.topk_chunk:
-                raise ConfigError(f"{flag_name('topk')} ({self.topk}) must not exceed {flag_name('topk_chunk')} "
-                                  f"({self.topk_chunk}): it counts the values kept in each chunk")
+        check_topk(self.topk, self.topk_chunk)
         beta = self.error_feedback
         if beta is not None and (not is_finite(beta) or not 0.0 <= beta <= 1.0):
             raise ConfigError(f"{flag_name('error_feedback')} must be a decay in [0, 1] (SparseLoCo: 0.95), "
@@ -243,36 +239,28 @@ class OuterConfig:
     def _validate_combination(self, num_blocks: int | None) -> None:
         method, fragments = flag_name("method"), flag_name("fragments")
         if self.method == "diloco" and self.fragments != 1:
-            raise ConfigError(
-                f"{method} diloco synchronizes the whole model at once, so {fragments} "
-                f"must be 1 (got {self.fragments}); use {method} streaming for P > 1"
-            )
+            raise ConfigError(f"{method} diloco synchronizes the whole model at once, so {fragments} "
+                              f"must be 1 (got {self.fragments}); use {method} streaming for P > 1")
         if self.method == "dp":
             if self.fragments != 1 or self.overlap_steps != 0:
-                raise ConfigError(
-                    f"{method} dp averages gradients every step: {fragments} must be 1 and "
-                    f"{flag_name('overlap_steps')} 0 (got {self.fragments} and {self.overlap_steps})"
-                )
+                raise ConfigError(f"{method} dp averages gradients every step: {fragments} must be 1 and "
+                                  f"{flag_name('overlap_steps')} 0 (got {self.fragments} and {self.overlap_steps})")
         if self.method in ("delayed", "eager") and self.overlap_steps != 0:
             raise ConfigError(
                 f"{method} {self.method} already overlaps the exchange with whole rounds "
                 f"({flag_name('eager_rounds')}); {flag_name('overlap_steps')} must be 0, got {self.overlap_steps}"
             )
         if self.method != "dp" and self.fragments > self.inner_steps:
-            raise ConfigError(
-                f"{fragments} ({self.fragments}) must not exceed {flag_name('inner_steps')} "
-                f"({self.inner_steps}): each fragment needs its own sync step within a round"
-            )
+            raise ConfigError(f"{fragments} ({self.fragments}) must not exceed {flag_name('inner_steps')} "
+                              f"({self.inner_steps}): each fragment needs its own sync step within a round")
         if self.overlap_steps > 0 and self.overlap_steps * self.fragments >= self.inner_steps:
             raise ConfigError(
                 f"{flag_name('overlap_steps')} must be smaller than H/P = {self.inner_steps}/{self.fragments} "
                 f"so one fragment's exchange lands before the next one starts; got {self.overlap_steps}"
             )
         if num_blocks is not None and self.fragments > max(num_blocks, 1):
-            raise ConfigError(
-                f"{fragments} ({self.fragments}) is larger than the model's number of blocks "
-                f"({num_blocks}); choose 1..{max(num_blocks, 1)}"
-            )
+            raise ConfigError(f"{fragments} ({self.fragments}) is larger than the model's number of blocks "
+                              f"({num_blocks}); choose 1..{max(num_blocks, 1)}")
 
     @property
     def sparse(self) -> bool:
@@ -339,4 +327,4 @@ class LinkConfig:
 
 
 __all__ = ["LinkConfig", "MAX_CODEC_BLOCK", "MAX_OUTER_LR", "MAX_ROUNDS_IN_FLIGHT", "METHODS", "MIN_BANDWIDTH_GBPS",
-           "OUTER_OPTIMIZERS", "OuterConfig", "TRANSPORTS", "WEIGHTINGS"]
+           "OUTER_OPTIMIZERS", "OuterConfig", "TRANSPORTS", "WEIGHTINGS", "check_topk"]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eagerloco.config.checks import ConfigError, check_choice, check_int_at_least, check_switch, is_finite, setting
+from eagerloco.config.checks import check_choice, check_int_at_least, check_switch, host_port, is_finite, setting
 from eagerloco.environment import Environment
+from eagerloco.errors import ConfigError
 
 BACKENDS = ("gloo", "nccl")
 #: The ways of starting workers (:meth:`RuntimeConfig.kind`).
@@ -107,18 +108,13 @@ class RuntimeConfig:
                 f"{workers} and --ranks-per-worker {r} were passed to train; pass the same numbers to both"
             )
         if self.fsdp and r < 2:
-            raise ConfigError(
-                f"--fsdp shards each worker's model over its ranks, but there is {r} rank per worker: "
-                "pass --ranks-per-worker 2 or more (to the launcher and to train), or drop --fsdp"
-            )
+            raise ConfigError(f"--fsdp shards each worker's model over its ranks, but there is {r} rank per worker: "
+                              "pass --ranks-per-worker 2 or more (to the launcher and to train), or drop --fsdp")
         self._validate_elastic(kind, device)
         return self
 
     def _validate_job(self, workers: int, env: Environment) -> None:
-        addr = str(self.outer_addr)
-        host, sep, port = addr.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-            raise ConfigError(f"--outer-addr must be host:port with a port in 1..65535, got {addr!r}")
+        host_port("outer_addr", str(self.outer_addr))
         w = self.worker_id
         if w is None or isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < (1 << 20 if self.elastic
                                                                                      else workers):

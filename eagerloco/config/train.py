@@ -8,10 +8,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from eagerloco.config.checks import ConfigError, check_choice, check_int_at_least, check_switch, is_finite, setting
+from eagerloco.config.checks import check_choice, check_int_at_least, check_switch, flag_name, is_finite, setting
 from eagerloco.config.outer import LinkConfig, OuterConfig
 from eagerloco.config.runtime import RuntimeConfig
 from eagerloco.environment import Environment
+from eagerloco.errors import ConfigError
 from eagerloco.extras import check
 
 MAX_SEED = 2**63 - 1
@@ -146,7 +147,7 @@ class TrainConfig:
         for name in ("lr", "weight_decay", "grad_clip"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (name == "lr" and v == 0):
-                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0 (lr > 0), got {v!r}")
+                raise ConfigError(f"{flag_name(name)} must be a finite number >= 0 (lr > 0), got {v!r}")
         self._validate_sizes()
         self._validate_inner_optimizer()
         self._validate_device()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import IO, Any, Protocol
 
+from eagerloco.config.checks import check_int_at_least, host_port
 from eagerloco.environment import (
     INCARNATION_ENV,
     LAUNCHER_PID_ENV,
@@ -77,11 +78,9 @@ def launch(
     link. ``outer_addr``, ``worker_id``: start only that worker, meeting the others at the coordinator.
     ``fork_ranks``: fork the default command's ranks from this process's rank server (:mod:`eagerloco.launch.ranks`).
     """
-    for name, value in (("--workers", workers), ("--ranks-per-worker", ranks_per_worker)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"--max-restarts must be an integer >= 0, got {max_restarts!r}")
+    check_int_at_least("workers", workers, 1)
+    check_int_at_least("ranks_per_worker", ranks_per_worker, 1)
+    check_int_at_least("max_restarts", max_restarts, 0)
     if not (isinstance(timeout_s, (int, float)) and timeout_s >= 0 and timeout_s != float("inf")):
         raise ValueError(f"--grace-s must be a finite number of seconds >= 0, got {timeout_s!r}")
     if master_port is not None and not 0 <= master_port <= 65535:
@@ -144,16 +143,14 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def _local_port(outer_addr: str) -> int:
     """The port of an --outer-addr that names this machine's loopback; ValueError otherwise (the
     kernel-shaped link between jobs emulates a WAN on one machine)."""
-    host, sep, port = outer_addr.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"--outer-addr must be host:port with a port in 1..65535, got {outer_addr!r}")
+    host, port = host_port("outer_addr", outer_addr)
     if host.strip("[]") not in _LOOPBACK:
         raise ValueError(
             f"--kernel-link-gbps with --outer-addr shapes the links between jobs on this machine: give every job "
             f"--outer-addr 127.0.0.1:{port} (the launch reaches the coordinator there through the shaped bridge), "
             f"not {host}; "
             "jobs on separate machines are joined by the real link: drop --kernel-link-gbps there")
-    return int(port)
+    return port
 
 
 def _launch_job_behind_link(argv: list[str], workers: int, worker_id: int, outer_addr: str, shaping: LinkShaping,
@@ -173,11 +170,9 @@ def _launch_job_behind_link(argv: list[str], workers: int, worker_id: int, outer
         return _launch(argv, 1, 1, master_port, timeout_s, command, out, elastic, 0, link, False)
 
 
-def _launch(
-    argv_for_train: list[str], workers: int, ranks_per_worker: int, master_port: int | None, timeout_s: float,
-    command: Sequence[str] | None, out: IO[str] | None, elastic: bool, max_restarts: int, link: Any,
-    fork_ranks: bool,
-) -> int:
+def _launch(argv_for_train: list[str], workers: int, ranks_per_worker: int, master_port: int | None, timeout_s: float,
+            command: Sequence[str] | None, out: IO[str] | None, elastic: bool, max_restarts: int, link: Any,
+            fork_ranks: bool) -> int:
     import torch.distributed as dist  # here, not at module level: `eagerloco --help` stays fast
 
     nproc = workers * ranks_per_worker
@@ -296,10 +291,8 @@ class _ExitBoard:
             pass
 
 
-def _supervise(
-    procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
-    exits: _ExitBoard | None = None,
-) -> int:
+def _supervise(procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
+               exits: _ExitBoard | None = None) -> int:
     """Wait for all processes; after the first failure, give the rest grace_s, then stop them."""
     first: tuple[int, int] | None = None
     deadline = None
@@ -332,10 +325,8 @@ def _supervise(
     return rc if rc > 0 else 128 - rc  # killed by signal s: 128 + s, as a shell reports it
 
 
-def _supervise_elastic(
-    procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
-    spawn: Any, max_restarts: int, exits: _ExitBoard,
-) -> int:
+def _supervise_elastic(procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
+                       spawn: Any, max_restarts: int, exits: _ExitBoard) -> int:
     """Elastic: restart a failed rank (as a returning worker) while it has restarts left. Done when every rank's
     latest process exited; success if some rank finished the run; after the first finishes the rest get grace_s."""
     restarts = [0] * len(procs)

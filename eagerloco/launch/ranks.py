@@ -86,7 +86,7 @@ class ForkedRank:
     def wait(self, timeout: float | None = None) -> int:
         """The exit status, once the rank has ended (subprocess.TimeoutExpired after ``timeout`` seconds)."""
         if self.returncode is None:
-            code = self._server.wait_exit(self.pid, timeout)
+            code = self._server.exit_code(self.pid, timeout)
             if code is None:
                 raise subprocess.TimeoutExpired(f"rank (pid {self.pid})", timeout or 0.0)
             self.returncode = code
@@ -186,13 +186,9 @@ class RankServer:
                 os.close(write_end)
         return ForkedRank(self, pid, os.fdopen(read_end, "rb") if output is None else None)
 
-    def exit_code(self, pid: int) -> int | None:
-        """How the rank ``pid`` ended (negative: the signal that killed it), or None while it runs."""
-        with self._changed:
-            return self._exits.get(pid)
-
-    def wait_exit(self, pid: int, timeout: float | None) -> int | None:
-        """:meth:`exit_code` once the rank ``pid`` has ended, or None after ``timeout`` seconds."""
+    def exit_code(self, pid: int, timeout: float | None = 0.0) -> int | None:
+        """How the rank ``pid`` ended (negative: the signal that killed it), waiting for it at most ``timeout`` seconds
+        (None: until it ends); None while it runs."""
         with self._changed:
             self._changed.wait_for(lambda: pid in self._exits, timeout)
             return self._exits.get(pid)

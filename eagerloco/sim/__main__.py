@@ -2,6 +2,6 @@
 
 import sys
 
-from eagerloco.sim.cli import main
+from eagerloco.cli import main
 
 sys.exit(main(["simulate", *sys.argv[1:]]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from eagerloco.config import flag_name
 from eagerloco.sim.plan import describe, format_plan
 
 #: The error-feedback decay of a sparse exchange (SparseLoCo's).
@@ -109,7 +110,7 @@ def settings(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _flag(name: str, value: Any) -> str:
-    flag = "--" + name.replace("_", "-")
+    flag = flag_name(name)
     return flag if value is True else f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
 
 

@@ -10,24 +10,29 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from eagerloco.config import ConfigError
 from eagerloco.extras import MissingExtraError, check
 from eagerloco.flags import add_dataclass_flags
 from eagerloco.jsonfiles import finite_json
 from eagerloco.sim import paper
 from eagerloco.sim.config import GROUPS, Settings, SimConfig
 from eagerloco.sim.goodput import GoodputConfig, format_goodput, goodput_report
-from eagerloco.sim.model import SimError
 from eagerloco.sim.plot import PLOT_NEEDS, plot_cu
 from eagerloco.sim.report import format_text
 from eagerloco.sim.tables import compute
 
-__all__ = ["add_arguments", "add_parser", "compute", "format_text", "main", "run"]
+__all__ = ["Reference", "add_arguments", "add_parser", "compute", "format_text", "run"]
+
+#: ``--compare-reference``: (MFU, cold-start rounds or None, fragment pattern) -> the report and its text, ours beside
+#: the papers' published tables (the lab's :func:`eagerloco.lab.sim_reference.compare_text`).
+Reference = Callable[[float, int | None, str], tuple[dict[str, Any], str]]
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register the ``simulate`` subcommand with all its flags; its handler is :func:`run`."""
     p = subparsers.add_parser(
         "simulate",
@@ -41,6 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_arguments(p)
     p.set_defaults(func=run)
+    return p
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,41 +56,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dataclass_flags(groups, GoodputConfig)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Simulate, print the tables, and write --json / --plot outputs; 2 on invalid input."""
+def run(args: argparse.Namespace, reference: Reference | None = None) -> int:
+    """Simulate, print the tables, and write --json / --plot outputs; 2 on invalid input. ``reference``: what
+    ``--compare-reference`` prints, which the command line (:mod:`eagerloco.cli`) takes from the lab."""
     started = time.perf_counter()
     try:
         cfg = SimConfig.from_args(args)
         settings = cfg.validate()
         gp = GoodputConfig.from_args(args)
         if gp.goodput and (cfg.plan or cfg.compare_reference or cfg.plot is not None):
-            raise SimError("--goodput is a report of its own: drop --plan, --compare-reference and --plot")
+            raise ConfigError("--goodput is a report of its own: drop --plan, --compare-reference and --plot")
         if gp.goodput:
             report = goodput_report(gp, settings)
+        if cfg.compare_reference and reference is None:
+            raise ConfigError("--compare-reference sets ours beside the papers' tables, which the lab holds: run it as "
+                              "`eagerloco simulate`")
         if cfg.plot is not None:
             check("matplotlib", PLOT_NEEDS)  # before simulating, not after
-    except (SimError, MissingExtraError) as e:
+    except (ConfigError, MissingExtraError) as e:
         print(f"eagerloco simulate: error: {e}", file=sys.stderr)
         return 2
     text = None  # the default tables are written once the report has its time
     if gp.goodput:
         text = format_goodput(report)
     elif cfg.compare_reference or cfg.plan:
-        report, text = special(cfg, settings)
+        report, text = special(cfg, settings, reference)
     else:
         report, curves, grid = compute(settings)
         if cfg.plot is not None:
             written = []
             for m in report["models"]:
                 name = m["model"]["name"]
-                title = (
-                    f"{name}: {m['model']['params']:.3g} params, step {m['model']['step_time']:.3g} s, "
-                    f"M={settings.workers}, H={cfg.inner_steps}, P={m['fragments']}"
-                )
-                safe = name.replace("*", "-custom")
-                written.append(
-                    str(plot_cu(Path(cfg.plot) / f"cu_{safe}.png", title, grid, curves[name], settings.targets))
-                )
+                title = (f"{name}: {m['model']['params']:.3g} params, step {m['model']['step_time']:.3g} s, "
+                         f"M={settings.workers}, H={cfg.inner_steps}, P={m['fragments']}")
+                path = Path(cfg.plot) / f"cu_{name.replace('*', '-custom')}.png"
+                written.append(str(plot_cu(path, title, grid, curves[name], settings.targets)))
             report["plots"] = written
     report["seconds"] = time.perf_counter() - started
     if text is None:
@@ -94,12 +100,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def special(cfg: SimConfig, s: Settings) -> tuple[dict[str, Any], str]:
+def special(cfg: SimConfig, s: Settings, reference: Reference | None = None) -> tuple[dict[str, Any], str]:
     """--compare-reference and --plan: their report and text."""
     if cfg.compare_reference:
-        mfu = paper.PRESET_MFU if cfg.mfu is None else cfg.mfu
-        report = paper.compare(mfu, cfg.rounds, cfg.fragment_pattern)
-        return report, paper.format_compare(report)
+        assert reference is not None  # run() refused it without one
+        return reference(paper.PRESET_MFU if cfg.mfu is None else cfg.mfu, cfg.rounds, cfg.fragment_pattern)
     from dataclasses import replace
 
     from eagerloco.sim.advice import STEP_TIME_FACTORS, format_decision
@@ -136,11 +141,3 @@ def write_json(path: str | None, report: dict[str, Any]) -> None:
     else:
         Path(path).write_text(data + "\n")  # its directory was checked before simulating
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m eagerloco.sim``: the simulate subcommand on its own."""
-    parser = argparse.ArgumentParser(prog="eagerloco")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args(argv)
-    return int(args.func(args))

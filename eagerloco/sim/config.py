@@ -6,24 +6,25 @@ The field docstrings are the ``--help`` (:func:`eagerloco.flags.add_dataclass_fl
 
 from __future__ import annotations
 
-import argparse
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from eagerloco.codec_sizes import CODEC_BITS, CODEC_NAMES, SCALE_BYTES
-from eagerloco.config import setting
+from eagerloco.config import ConfigError, setting
+from eagerloco.config.checks import check_choice
+from eagerloco.config.outer import MAX_ROUNDS_IN_FLIGHT, check_topk
+from eagerloco.config.outer import TRANSPORTS as TRAIN_TRANSPORTS
+from eagerloco.flags import FromFlags
+from eagerloco.schedule import PATTERNS
 from eagerloco.sim import paper
 from eagerloco.sim.model import (
-    PATTERNS,
     PRESETS,
     ModelSpec,
-    SimError,
     Variant,
     default_variants,
-    flops_step_time,
     fragment_count,
     select_variants,
     with_name,
@@ -34,12 +35,12 @@ GROUPS = {"model": "model", "method": "method", "exchange": "exchange", "link": 
           "output": "search and output", "goodput": "goodput under failures and stalls (--goodput)"}
 DEFAULT_TARGETS = "0.5,0.8,0.9,0.95,0.99"
 MAX_INNER_STEPS = 100_000
-MAX_ROUNDS_IN_FLIGHT = 64
-TRANSPORTS = ("ring", "allgather", "reduce-scatter", "shared-support")
+#: train's transports, and the papers' ring all-reduce.
+TRANSPORTS = ("ring", *TRAIN_TRANSPORTS)
 
 
 @dataclass
-class SimConfig:
+class SimConfig(FromFlags):
     """The flags of ``eagerloco simulate``; :meth:`validate` checks them and resolves the :class:`Settings`."""
 
     # -- the model. --model names the simulator's presets, the papers' models described by size and
@@ -162,19 +163,13 @@ class SimConfig:
     json: str | None = setting(None, metavar="PATH", group="output")
     """Write every number as JSON to PATH ('-': stdout)."""
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> SimConfig:
-        """The flags given (parsed by a parser with the generated flags, where a flag not given is None)."""
-        given = vars(args)
-        return cls(**{f.name: given[f.name] for f in fields(cls) if given.get(f.name) is not None})
-
     def validate(self) -> Settings:
-        """Check every flag (SimError naming the first bad one) and resolve the :class:`Settings` to simulate.
+        """Check every flag (ConfigError naming the first bad one) and resolve the :class:`Settings` to simulate.
 
         ``--paper`` only changes defaults (a flag given still wins)."""
         models, sources = self._models()
         if self.compare_reference and not self.paper:
-            raise SimError("--compare-reference compares with the papers' accounting: add --paper")
+            raise ConfigError("--compare-reference compares with the papers' accounting: add --paper")
         if self.codec is None:
             self.codec = "bf16" if self.paper else "fp32"
         bits = {name: self._codec_bits(name) for name in ("codec", "low_codec", "dp_codec")}
@@ -183,48 +178,41 @@ class SimConfig:
         _at_least("--workers", workers, 1)
         _at_least("--inner-steps", self.inner_steps, 1)
         if self.inner_steps > MAX_INNER_STEPS:
-            raise SimError(f"--inner-steps must be at most {MAX_INNER_STEPS:,} (the papers use 30 to 500; the "
-                           f"simulator walks whole rounds), got {self.inner_steps:,}")
+            raise ConfigError(f"--inner-steps must be at most {MAX_INNER_STEPS:,} (the papers use 30 to 500; the "
+                              f"simulator walks whole rounds), got {self.inner_steps:,}")
         _at_least("--fragment-layers", self.fragment_layers, 1)
         _at_least("--fragments", self.fragments, 1)
         for model in models:
             if self.fragments is not None and self.fragments > model.layers:
-                raise SimError(
+                raise ConfigError(
                     f"--fragments ({self.fragments}) exceeds the {model.layers} blocks of model {model.name}"
                 )
-        _choice("--fragment-pattern", self.fragment_pattern, PATTERNS)
-        _choice("--transport", self.transport, TRANSPORTS)
+        check_choice("fragment_pattern", self.fragment_pattern, PATTERNS)
+        check_choice("transport", self.transport, TRANSPORTS)
         _at_least("--codec-block", self.codec_block, 1)
         _at_least("--scale-bytes", scale_bytes, 0)
-        self._check_topk()
-        taus = _ints("--overlap-steps", self.overlap_steps, 0)
-        eager_ks = _ints("--eager-rounds", self.eager_rounds, 1)
-        delayed_ks = _ints("--delayed-rounds", self.delayed_rounds, 1)
+        check_topk(self.topk, self.topk_chunk)
+        taus = int_list("--overlap-steps", self.overlap_steps, 0)
+        eager_ks = int_list("--eager-rounds", self.eager_rounds, 1)
+        delayed_ks = int_list("--delayed-rounds", self.delayed_rounds, 1)
         for flag, ks in (("--eager-rounds", eager_ks), ("--delayed-rounds", delayed_ks)):
             if max(ks) > MAX_ROUNDS_IN_FLIGHT:
-                raise SimError(f"{flag} values must be at most {MAX_ROUNDS_IN_FLIGHT} (rounds an exchange may take; "
-                               f"the papers use 1 and 2), got {max(ks):,}")
+                raise ConfigError(f"{flag} values must be at most {MAX_ROUNDS_IN_FLIGHT} (rounds an exchange may take; "
+                                  f"the papers use 1 and 2), got {max(ks):,}")
         rows = default_variants(
-            bits=bits["codec"],
-            dp_bits=bits["dp_codec"],
-            low_bits=bits["low_codec"],
-            taus=tuple(dict.fromkeys(taus)),
-            delayed_rounds=tuple(dict.fromkeys(delayed_ks)),
-            eager_rounds=tuple(dict.fromkeys(eager_ks)),
-            eager_fragmented=self.eager_streaming,
-            topk=self.topk,
-            topk_chunk=self.topk_chunk,
-            shared=self.transport == "shared-support",
-        )
+            bits=bits["codec"], dp_bits=bits["dp_codec"], low_bits=bits["low_codec"], taus=tuple(dict.fromkeys(taus)),
+            delayed_rounds=tuple(dict.fromkeys(delayed_ks)), eager_rounds=tuple(dict.fromkeys(eager_ks)),
+            eager_fragmented=self.eager_streaming, topk=self.topk, topk_chunk=self.topk_chunk,
+            shared=self.transport == "shared-support")
         wanted = [x.lower() for x in _split("--method", self.method)] if self.method is not None else None
         variants = select_variants(rows, wanted)
         if self.topk is not None and all(v.method == "dp" for v in variants):
-            raise SimError("--topk compresses outer gradients; --method dp exchanges gradients every step (its "
-                           "--dp-codec, dense): choose diloco, streaming, delayed or eager, or drop --topk")
+            raise ConfigError("--topk compresses outer gradients; --method dp exchanges gradients every step (its "
+                              "--dp-codec, dense): choose diloco, streaming, delayed or eager, or drop --topk")
         bandwidths, targets = self._link_and_targets()
         self._check_grid_and_outputs()
         if self.plan and (len(bandwidths) != 1 or len(targets) != 1):
-            raise SimError("--plan needs one --bandwidth-gbps and one --target-cu (one plan per --model)")
+            raise ConfigError("--plan needs one --bandwidth-gbps and one --target-cu (one plan per --model)")
         s = Settings(
             self, models=models, variants=variants, dp_bits=bits["dp_codec"], workers=workers, scale_bytes=scale_bytes,
             bandwidths=bandwidths, targets=targets, grid=paper.paper_grid() if self.paper else None,
@@ -241,18 +229,11 @@ class SimConfig:
             return None
         speeds = _floats("--worker-speeds", self.worker_speeds)
         if not all(math.isfinite(v) and v > 0 for v in speeds):
-            raise SimError(f"--worker-speeds must be positive numbers, one per worker, got {self.worker_speeds!r}")
+            raise ConfigError(f"--worker-speeds must be positive numbers, one per worker, got {self.worker_speeds!r}")
         if len(speeds) != workers:
-            raise SimError(f"--worker-speeds gives {len(speeds)} speed(s) for --workers {workers}: give one per worker")
+            raise ConfigError(f"--worker-speeds gives {len(speeds)} speed(s) for --workers {workers}: give one per "
+                              "worker")
         return speeds
-
-    def _check_topk(self) -> None:
-        """The sparse exchange's flags, checked as train checks them."""
-        _at_least("--topk-chunk", self.topk_chunk, 1)
-        _at_least("--topk", self.topk, 1)
-        if self.topk is not None and self.topk > self.topk_chunk:
-            raise SimError(f"--topk ({self.topk}) must not exceed --topk-chunk ({self.topk_chunk}): it counts "
-                           "the values kept in each chunk")
 
     def _topk_notes(self, variants: list[Variant], workers: int) -> list[str]:
         notes = []
@@ -269,31 +250,32 @@ class SimConfig:
         names = [x.lower() for x in _split("--model", self.model)]
         for name in names:
             if name not in PRESETS and name != "custom":
-                raise SimError(f"--model: unknown preset {name!r}; choose from {', '.join(PRESETS)} or custom")
+                raise ConfigError(f"--model: unknown preset {name!r}; choose from {', '.join(PRESETS)} or custom")
         _positive("--params", self.params)
         _at_least("--layers", self.layers, 1)
         _positive("--step-time", self.step_time)
         _positive("--tokens-per-step", self.tokens_per_step)
+        _positive("--peak-tflops", self.peak_tflops)
+        if self.mfu is not None and not 0 < self.mfu <= 1:
+            raise ConfigError(f"--mfu must be in (0, 1], got {self.mfu}")
         overrides = {
             k: v
             for k, v in (("params", self.params), ("layers", self.layers), ("step_time", self.step_time))
             if v is not None
         }
         if self.peak_tflops is not None and self.step_time is not None:
-            raise SimError("--step-time and --peak-tflops both set the step time; give one of them")
+            raise ConfigError("--step-time and --peak-tflops both set the step time; give one of them")
         if (overrides or self.peak_tflops is not None) and len(names) != 1:
-            raise SimError(
-                "--params/--layers/--step-time/--peak-tflops describe one model; give a single --model "
-                f"(got {self.model!r})"
-            )
+            raise ConfigError("--params/--layers/--step-time/--peak-tflops describe one model; give a single --model "
+                              f"(got {self.model!r})")
         models = []
         sources: dict[str, tuple[str, bool]] = {}
         for name in names:
             if name == "custom":
                 if self.params is None or self.layers is None:
-                    raise SimError("--model custom needs --params and --layers")
+                    raise ConfigError("--model custom needs --params and --layers")
                 if self.step_time is None and self.peak_tflops is None:
-                    raise SimError(
+                    raise ConfigError(
                         "--model custom needs --step-time, or --peak-tflops (with --mfu, --tokens-per-step)"
                     )
                 model = ModelSpec("custom", self.params, self.layers, self.step_time or 0.0)
@@ -302,13 +284,11 @@ class SimConfig:
             source = ("given (--step-time)", False)
             if self.peak_tflops is not None:
                 mfu = paper.PRESET_MFU if self.mfu is None else self.mfu
-                step = flops_step_time(model.params, self.tokens_per_step, self.peak_tflops, mfu)
+                step = 6.0 * model.params * self.tokens_per_step / (self.peak_tflops * 1e12 * mfu)
                 model = with_name(model, step_time=step)
                 source = (f"assumed: 6 x params x {self.tokens_per_step:.3g} tokens (--tokens-per-step) at "
                           f"{self.peak_tflops:g} TFLOP/s (--peak-tflops) and MFU {mfu:g} (--mfu)", True)
             elif self.mfu is not None and name != "custom" and self.step_time is None:
-                if not 0 < self.mfu <= 1:
-                    raise SimError(f"--mfu must be in (0, 1], got {self.mfu}")
                 model = with_name(model, step_time=model.step_time * paper.PRESET_MFU / self.mfu)
                 source = (f"assumed: the {name} preset's at MFU {self.mfu:g} (--mfu)", True)
             elif self.step_time is None:
@@ -320,40 +300,38 @@ class SimConfig:
 
     def _codec_bits(self, name: str) -> int:
         """Bits per value of a codec field."""
-        value = getattr(self, name)
-        if value not in CODEC_BITS:
-            raise SimError(f"--{name.replace('_', '-')} must be one of {', '.join(CODEC_NAMES)}, got {value!r}")
-        return CODEC_BITS[value]
+        check_choice(name, getattr(self, name), CODEC_NAMES)
+        return CODEC_BITS[getattr(self, name)]
 
     def _link_and_targets(self) -> tuple[list[float], list[float]]:
         bandwidths = _floats("--bandwidth-gbps", self.bandwidth_gbps)
         for b in bandwidths:
             if math.isnan(b) or b <= 0:
-                raise SimError(f"--bandwidth-gbps values must be positive Gbit/s (inf allowed), got {b}")
+                raise ConfigError(f"--bandwidth-gbps values must be positive Gbit/s (inf allowed), got {b}")
         if math.isnan(self.latency_ms) or not math.isfinite(self.latency_ms) or self.latency_ms < 0:
-            raise SimError(f"--latency-ms must be a finite number >= 0, got {self.latency_ms}")
+            raise ConfigError(f"--latency-ms must be a finite number >= 0, got {self.latency_ms}")
         target_text = self.target_cu if self.target_cu is not None or bandwidths else DEFAULT_TARGETS
         targets = _floats("--target-cu", target_text)
         for t in targets:
             if not 0 < t <= 1:
-                raise SimError(f"--target-cu values must be in (0, 1], got {t}")
+                raise ConfigError(f"--target-cu values must be in (0, 1], got {t}")
         return bandwidths, targets
 
     def _check_grid_and_outputs(self) -> None:
         _positive("--bw-min", self.bw_min)
         _positive("--bw-max", self.bw_max)
         if self.bw_min >= self.bw_max:
-            raise SimError(f"--bw-min ({self.bw_min}) must be below --bw-max ({self.bw_max})")
+            raise ConfigError(f"--bw-min ({self.bw_min}) must be below --bw-max ({self.bw_max})")
         _at_least("--grid-per-decade", self.grid_per_decade, 1)
         _at_least("--warmup-rounds", self.warmup_rounds, 0)
         _at_least("--measure-rounds", self.measure_rounds, 1)
         _at_least("--rounds", self.rounds, 1)
         _positive("--tokens", self.tokens)
         if self.plot is not None and Path(self.plot).exists() and not Path(self.plot).is_dir():
-            raise SimError(f"--plot must name a directory, {self.plot!r} is a file")
+            raise ConfigError(f"--plot must name a directory, {self.plot!r} is a file")
         if self.json not in (None, "-") and not Path(self.json).parent.is_dir():
-            raise SimError(f"--json {self.json}: the directory {Path(self.json).parent} does not exist; "
-                           "create it or pick another path")
+            raise ConfigError(f"--json {self.json}: the directory {Path(self.json).parent} does not exist; "
+                              "create it or pick another path")
 
 
 @dataclass
@@ -398,7 +376,7 @@ def _split(flag: str, text: str | None) -> list[str]:
         return []
     items = [x.strip() for x in str(text).split(",") if x.strip()]
     if not items:
-        raise SimError(f"{flag} needs at least one value, got {text!r}")
+        raise ConfigError(f"{flag} needs at least one value, got {text!r}")
     return items
 
 
@@ -408,36 +386,32 @@ def _floats(flag: str, text: str | None) -> list[float]:
         try:
             out.append(float(x))
         except ValueError:
-            raise SimError(f"{flag} takes numbers separated by commas, got {x!r}") from None
+            raise ConfigError(f"{flag} takes numbers separated by commas, got {x!r}") from None
     return out
 
 
-def _ints(flag: str, text: str | None, low: int) -> list[int]:
+def int_list(flag: str, text: str | None, low: int) -> list[int]:
+    """The integers >= low of a comma list; ConfigError naming the flag."""
     out = []
     for x in _split(flag, text):
         try:
             v = int(x)
         except ValueError:
-            raise SimError(f"{flag} takes integers separated by commas, got {x!r}") from None
+            raise ConfigError(f"{flag} takes integers separated by commas, got {x!r}") from None
         if v < low:
-            raise SimError(f"{flag} values must be integers >= {low}, got {v}")
+            raise ConfigError(f"{flag} values must be integers >= {low}, got {v}")
         out.append(v)
     return out
 
 
 def _positive(flag: str, v: float | None) -> None:
     if v is not None and (math.isnan(v) or v <= 0 or math.isinf(v)):
-        raise SimError(f"{flag} must be a positive finite number, got {v}")
+        raise ConfigError(f"{flag} must be a positive finite number, got {v}")
 
 
 def _at_least(flag: str, v: int | None, low: int) -> None:
     if v is not None and v < low:
-        raise SimError(f"{flag} must be an integer >= {low}, got {v}")
+        raise ConfigError(f"{flag} must be an integer >= {low}, got {v}")
 
 
-def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise SimError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
-
-
-__all__ = ["DEFAULT_TARGETS", "GROUPS", "MAX_INNER_STEPS", "MAX_ROUNDS_IN_FLIGHT", "SimConfig", "Settings"]
+__all__ = ["DEFAULT_TARGETS", "GROUPS", "MAX_INNER_STEPS", "SimConfig", "Settings", "TRANSPORTS", "int_list"]

@@ -63,26 +63,13 @@ def exchanges(variant: Variant, traffic: Traffic, inner_steps: int, total_steps:
     if variant.method == "dp":
         n = len(traffic.transfers)
         return [Exchange(i, s, s) for s in range(1, total_steps + 1) for i in range(n)]
-    events = sync_events(
-        variant.method,
-        inner_steps,
-        len(traffic.transfers),
-        variant.overlap_steps,
-        variant.eager_rounds,
-        total_steps,
-    )
+    events = sync_events(variant.method, inner_steps, len(traffic.transfers), variant.overlap_steps,
+                         variant.eager_rounds, total_steps)
     return [Exchange(e.fragment, e.launch_step, e.apply_step) for e in events]
 
 
-def run_schedule(
-    graph: StepGraph,
-    traffic: Traffic,
-    schedule: list[Exchange],
-    bandwidths: np.ndarray,
-    latency_s: float,
-    total_steps: int,
-    mark_step: int,
-) -> tuple[np.ndarray, np.ndarray]:
+def run_schedule(graph: StepGraph, traffic: Traffic, schedule: list[Exchange], bandwidths: np.ndarray, latency_s: float,
+                 total_steps: int, mark_step: int) -> tuple[np.ndarray, np.ndarray]:
     """Simulate total_steps inner steps; returns the wall clock at the end of mark_step and of the last step.
 
     The graph of the Streaming DiLoCo paper (arXiv 2501.18512, section 3.1; docs/guides/simulator.md): per block a
@@ -146,17 +133,9 @@ def run_schedule(
     return at_mark, now
 
 
-def simulate(
-    model: ModelSpec,
-    variant: Variant,
-    traffic: Traffic,
-    bandwidths: np.ndarray | float,
-    latency_ms: float = 0.0,
-    inner_steps: int = 100,
-    warmup_rounds: int = 8,
-    rounds: int = 32,
-    cold_rounds: int | None = None,
-) -> SimResult:
+def simulate(model: ModelSpec, variant: Variant, traffic: Traffic, bandwidths: np.ndarray | float,
+             latency_ms: float = 0.0, inner_steps: int = 100, warmup_rounds: int = 8, rounds: int = 32,
+             cold_rounds: int | None = None) -> SimResult:
     """Compute utilization of one variant at each bandwidth (Gbit/s, inf allowed; ``traffic``: :func:`model.traffic`).
 
     The steady state (``rounds`` measured after ``warmup_rounds`` plus the k rounds of delay, never above what the

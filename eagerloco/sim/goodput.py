@@ -7,22 +7,21 @@ and a day of rounds take seconds. Nothing here imports torch.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from eagerloco.config import setting
-from eagerloco.sim.config import Settings
+from eagerloco.config import ConfigError, OuterConfig, setting
+from eagerloco.config.checks import check_int_at_least
+from eagerloco.flags import FromFlags
+from eagerloco.sim.config import Settings, int_list
 from eagerloco.sim.engine import simulate
-from eagerloco.sim.model import ModelSpec, SimError, Variant, traffic
+from eagerloco.sim.model import ModelSpec, Variant, traffic
 
-#: The methods the goodput table has (naive delayed behaves as eager here: the same slack).
-METHODS = ("dp", "diloco", "streaming", "delayed", "eager")
 #: Exchanges the auto grace window looks back over, and its bounds as shares of a round's compute time.
 GRACE_WINDOW, GRACE_MIN, GRACE_MAX = 8, 0.01, 0.25
 #: Decoupled DiLoCo's published figures (arXiv 2604.21428), set beside ours.
@@ -39,7 +38,7 @@ PUBLISHED = {
 
 
 @dataclass
-class GoodputConfig:
+class GoodputConfig(FromFlags):
     """The flags of ``eagerloco simulate --goodput`` (the model, --inner-steps, --method, --overlap-steps,
     --eager-rounds and --bandwidth-gbps come from the simulate flags)."""
 
@@ -66,41 +65,20 @@ class GoodputConfig:
     seed: int = setting(0, group="goodput")
     """Seed of the failure and stall draws."""
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> GoodputConfig:
-        """The flags given (parsed with the generated flags, where a flag not given is None)."""
-        given = vars(args)
-        return cls(**{f.name: given[f.name] for f in fields(cls) if given.get(f.name) is not None})
-
     def check(self) -> tuple[list[int], float | None]:
-        """The worker counts and the grace (None: auto); SimError naming the first bad flag."""
-        try:
-            counts = [int(x) for x in self.goodput_workers.split(",") if x.strip()]
-        except ValueError:
-            raise SimError(f"--goodput-workers takes integers separated by commas, got {self.goodput_workers!r}"
-                           ) from None
-        if not counts or min(counts) < 1:
-            raise SimError(f"--goodput-workers needs worker counts >= 1, got {self.goodput_workers!r}")
+        """The worker counts and the grace (None: auto); ConfigError naming the first bad flag."""
+        counts = int_list("--goodput-workers", self.goodput_workers, 1)
         for flag, v in (("--mtbf-hours", self.mtbf_hours), ("--run-hours", self.run_hours)):
             if math.isnan(v) or v <= 0:
-                raise SimError(f"{flag} must be a positive number of hours, got {v}")
+                raise ConfigError(f"{flag} must be a positive number of hours, got {v}")
         for flag, v in (("--restart-seconds", self.restart_seconds), ("--stalls-per-hour", self.stalls_per_hour),
                         ("--stall-seconds", self.stall_seconds)):
             if not math.isfinite(v) or v < 0:
-                raise SimError(f"{flag} must be a finite number >= 0, got {v}")
+                raise ConfigError(f"{flag} must be a finite number >= 0, got {v}")
         if not 0 < self.quorum_share <= 1:
-            raise SimError(f"--quorum-share must be in (0, 1] (1: all-or-nothing), got {self.quorum_share}")
-        if self.max_late_rounds < 0:
-            raise SimError(f"--max-late-rounds must be an integer >= 0, got {self.max_late_rounds}")
-        if self.grace == "auto":
-            return counts, None
-        try:
-            grace = float(self.grace)
-        except ValueError:
-            raise SimError(f"--grace takes seconds or auto, got {self.grace!r}") from None
-        if not math.isfinite(grace) or grace < 0:
-            raise SimError(f"--grace must be a finite number of seconds >= 0 or auto, got {self.grace!r}")
-        return counts, grace
+            raise ConfigError(f"--quorum-share must be in (0, 1] (1: all-or-nothing), got {self.quorum_share}")
+        check_int_at_least("max_late_rounds", self.max_late_rounds, 0)
+        return counts, OuterConfig(grace=self.grace).grace_seconds()  # train's --grace, read as train reads it
 
 
 @dataclass(frozen=True)
@@ -292,7 +270,7 @@ def goodput_table(cfg: GoodputConfig, models: list[Any], methods: list[str], inn
                 if quo.graces:
                     row["quorum_exchange"]["grace_s_median"] = statistics.median(quo.graces)
                 rows.append(row)
-        tables.append({"model": model.as_dict(), "fragments": P, "rows": rows})
+        tables.append({"model": asdict(model), "fragments": P, "rows": rows})
     return {"goodput": tables, "settings": {f: getattr(cfg, f) for f in (
         "mtbf_hours", "restart_seconds", "stalls_per_hour", "stall_seconds", "quorum_share", "grace",
         "max_late_rounds", "run_hours", "seed")} | {"inner_steps": inner_steps, "overlap_steps": tau,
@@ -330,8 +308,8 @@ def goodput_report(cfg: GoodputConfig, s: Settings) -> dict[str, Any]:
     rows: dict[str, Variant] = {}
     for v in s.variants:  # the first row of each method, a Streaming row with overlap before one without
         first = rows.get(v.method)
-        if v.method in METHODS and (first is None or (v.method == "streaming" and not first.overlap_steps
-                                                      and v.overlap_steps and v.bits == first.bits)):
+        if first is None or (v.method == "streaming" and not first.overlap_steps and v.overlap_steps
+                             and v.bits == first.bits):
             rows[v.method] = v
     stream, eager = rows.get("streaming"), rows.get("eager", rows.get("delayed"))
     tau = stream.overlap_steps if stream is not None else 0

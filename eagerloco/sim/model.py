@@ -7,16 +7,12 @@ layout the runtime codecs pack (:mod:`eagerloco.codec_sizes`); the timing lives 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from eagerloco.codec_sizes import SCALE_BYTES, shard_numel, sparse_counts
-from eagerloco.config import METHODS
+from eagerloco.config import METHODS, ConfigError
 from eagerloco.schedule import block_groups
-
-
-class SimError(ValueError):
-    """Invalid simulator input; the message names the flag and what it accepts."""
 
 
 @dataclass(frozen=True)
@@ -33,9 +29,6 @@ class ModelSpec:
     def params_per_layer(self) -> float:
         return self.params / self.layers
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 #: The papers' presets: 60% MFU step times for 1B, 10B and 100B models (docs/algorithms.md, section 9).
 PRESETS: dict[str, ModelSpec] = {
@@ -43,17 +36,6 @@ PRESETS: dict[str, ModelSpec] = {
     "10b": ModelSpec("10b", 1e10, 48, 0.8),
     "100b": ModelSpec("100b", 1e11, 108, 4.9),
 }
-
-
-def flops_step_time(params: float, tokens_per_step: float, accel_tflops: float, mfu: float) -> float:
-    """Seconds per inner step from the 6 * params * tokens FLOPs rule at a given speed and MFU."""
-    if not (accel_tflops > 0 and math.isfinite(accel_tflops)):
-        raise SimError(f"--peak-tflops must be a positive number of TFLOP/s, got {accel_tflops}")
-    if not 0 < mfu <= 1:
-        raise SimError(f"--mfu must be in (0, 1], got {mfu}")
-    if not (tokens_per_step > 0 and math.isfinite(tokens_per_step)):
-        raise SimError(f"--tokens-per-step must be a positive number, got {tokens_per_step}")
-    return 6.0 * params * tokens_per_step / (accel_tflops * 1e12 * mfu)
 
 
 @dataclass(frozen=True)
@@ -80,33 +62,23 @@ class Variant:
     def sparse(self) -> bool:
         return self.topk is not None
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+
+def payload_label(values: str, topk: int | None = None, topk_chunk: int = 4096, shared: bool = False) -> str:
+    """An exchange format in words: its values' format ("4-bit", "e2m1"), then for a sparse one "top64/4096"
+    (shared64/4096)."""
+    return values + (f" {'shared' if shared else 'top'}{topk}/{topk_chunk}" if topk is not None else "")
 
 
-def payload_label(bits: int, topk: int | None = None, topk_chunk: int = 4096, shared: bool = False) -> str:
-    """How a row's label names its exchange format: "4-bit", or "2-bit top64/4096" (shared64/4096) for a sparse one."""
-    return f"{bits}-bit" + (f" {'shared' if shared else 'top'}{topk}/{topk_chunk}" if topk is not None else "")
-
-
-def default_variants(
-    bits: int = 32,
-    dp_bits: int = 16,
-    low_bits: int = 4,
-    taus: tuple[int, ...] = (1,),
-    delayed_rounds: tuple[int, ...] = (1,),
-    eager_rounds: tuple[int, ...] = (1, 2),
-    eager_fragmented: bool = False,
-    topk: int | None = None,
-    topk_chunk: int = 4096,
-    shared: bool = False,
-) -> list[Variant]:
+def default_variants(bits: int = 32, dp_bits: int = 16, low_bits: int = 4, taus: tuple[int, ...] = (1,),
+                     delayed_rounds: tuple[int, ...] = (1,), eager_rounds: tuple[int, ...] = (1, 2),
+                     eager_fragmented: bool = False, topk: int | None = None, topk_chunk: int = 4096,
+                     shared: bool = False) -> list[Variant]:
     """The rows of the papers' comparison, parameterized by the CLI flags: data-parallel, DiLoCo, Streaming
     (blocking, each tau of overlap, the first tau at low_bits), naive delayed and eager; topk (and shared) make
     the rows at ``bits`` sparse, data-parallel and the low_bits row stay dense.
     """
     sp = {"topk": topk, "topk_chunk": topk_chunk, "shared": shared and topk is not None}
-    fmt = payload_label(bits, topk, topk_chunk, shared and topk is not None)
+    fmt = payload_label(f"{bits}-bit", topk, topk_chunk, shared and topk is not None)
     rows = [
         Variant("dp", f"data-parallel {dp_bits}-bit", "dp", dp_bits),
         Variant("diloco", f"DiLoCo {fmt}", "diloco", bits, **sp),
@@ -114,9 +86,8 @@ def default_variants(
     ]
     for tau in taus:
         if tau > 0:
-            rows.append(
-                Variant(f"streaming-tau{tau}", f"Streaming tau={tau} {fmt}", "streaming", bits, True, tau, **sp)
-            )
+            rows.append(Variant(f"streaming-tau{tau}", f"Streaming tau={tau} {fmt}", "streaming", bits, True, tau,
+                                **sp))
     if taus and low_bits != bits:
         tau = taus[0]
         suffix = f"-tau{tau}" if tau > 0 else ""
@@ -136,10 +107,8 @@ def select_variants(rows: list[Variant], wanted: list[str] | None) -> list[Varia
     keys = {r.key for r in rows}
     for w in wanted:
         if w not in METHODS and w not in keys:
-            raise SimError(
-                f"--method must be one of {', '.join(METHODS)} or a row key "
-                f"({', '.join(sorted(keys))}); got {w!r}"
-            )
+            raise ConfigError(f"--method must be one of {', '.join(METHODS)} or a row key "
+                              f"({', '.join(sorted(keys))}); got {w!r}")
     return [r for r in rows if r.method in wanted or r.key in wanted]
 
 
@@ -148,18 +117,12 @@ def fragment_count(layers: int, fragment_layers: int) -> int:
     return max(1, math.ceil(layers / fragment_layers))
 
 
-PATTERNS = ("strided", "sequential")
-#: The codec that an earlier release's bit count meant (``--bits 16``: bf16); a bit count outside it has none.
-CODEC_FOR_BITS = {32: "fp32", 16: "bf16", 8: "fp8", 4: "e2m1", 2: "2bit"}
 
 
 def fragment_layers(layers: int, fragments: int, pattern: str = "strided") -> list[tuple[int, ...]]:
     """Blocks (0-based) of each fragment: "strided" (fragment p holds p, p+P, ...) or "sequential" (contiguous
     runs, the first fragments one block longer); P is capped at L."""
-    try:
-        return [tuple(g) for g in block_groups(layers, max(1, min(fragments, layers)), pattern)]
-    except ValueError:
-        raise SimError(f"--fragment-pattern must be one of {', '.join(PATTERNS)}, got {pattern!r}") from None
+    return [tuple(g) for g in block_groups(layers, max(1, min(fragments, layers)), pattern)]
 
 
 def fragment_layer_counts(layers: int, fragments: int) -> list[int]:
@@ -177,9 +140,8 @@ def payload_bytes(numel: float, bits: int, block: int = 32, scale_bytes: int = S
     return body + math.ceil(numel / block) * scale_bytes
 
 
-def sparse_payload_bytes(
-    numel: float, bits: int, chunk: int, k: int, block: int = 32, scale_bytes: int = SCALE_BYTES
-) -> float:
+def sparse_payload_bytes(numel: float, bits: int, chunk: int, k: int, block: int = 32,
+                         scale_bytes: int = SCALE_BYTES) -> float:
     """Encoded size of a sparse exchange of numel values: :func:`eagerloco.codec_sizes.sparse_nbytes` of the codec
     of ``bits`` bits, with ``scale_bytes`` changing the scales as for a dense payload."""
     kept, position_bytes = sparse_counts(round(numel), chunk, k)
@@ -253,17 +215,8 @@ class Traffic:
         return max(self.transfers, default=0.0)
 
 
-def traffic(
-    model: ModelSpec,
-    variant: Variant,
-    workers: int,
-    inner_steps: int,
-    fragments: int,
-    block: int = 32,
-    scale_bytes: int = SCALE_BYTES,
-    transport: str = "ring",
-    pattern: str = "strided",
-) -> Traffic:
+def traffic(model: ModelSpec, variant: Variant, workers: int, inner_steps: int, fragments: int, block: int = 32,
+            scale_bytes: int = SCALE_BYTES, transport: str = "ring", pattern: str = "strided") -> Traffic:
     """Sizes of the transfers one period puts on the link, and the blocks each carries: dp one gradient exchange per
     block per step (never sparse); outer methods one exchange per fragment per round of H steps."""
     per_layer = model.params_per_layer

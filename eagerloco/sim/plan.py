@@ -9,7 +9,7 @@ simulated at the question's bandwidth and M, with the bytes of the transport tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -17,13 +17,15 @@ import numpy as np
 from eagerloco.codec_sizes import SCALE_BYTES
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.hetero import per_worker_cu
-from eagerloco.sim.model import CODEC_FOR_BITS, ModelSpec, Variant, bits_per_value, fragment_count, traffic
+from eagerloco.sim.model import ModelSpec, Variant, bits_per_value, fragment_count, payload_label, traffic
+from eagerloco.sim.report import text_table
 from eagerloco.sim.search import meets
 
 #: Method order of the ranking (simplest first).
 METHOD_RANK = {"dp": 0, "diloco": 1, "streaming": 2, "streaming-tau": 3, "eager": 4}
-#: The dense formats tried, in bits per value.
+#: The dense formats tried, in bits per value, and the codec train's --codec names for each bit count.
 DENSE_BITS: tuple[int, ...] = (16, 8, 4)
+CODEC_FOR_BITS = {32: "fp32", 16: "bf16", 8: "fp8", 4: "e2m1", 2: "2bit"}
 #: The sparse formats tried: (bits per kept value, k, chunk): SparseLoCo's 2-bit top 64 of 4096 and
 #: denser ones (25%, 6.25% and 1.56% of the values).
 SPARSE: tuple[tuple[int, int, int], ...] = ((2, 1024, 4096), (2, 256, 4096), (2, 64, 4096))
@@ -48,12 +50,6 @@ class Candidate:
         return (self.inner_steps, METHOD_RANK[self.family], -self.bits_per_value, self.tau)
 
 
-def format_name(bits: int, topk: int | None = None, topk_chunk: int = 4096, shared: bool = False) -> str:
-    """The exchange format as train's flags name it: "e2m1", or "2bit top64/4096" (shared64/4096) for a sparse one."""
-    codec = CODEC_FOR_BITS.get(bits, f"{bits}-bit")
-    return codec if topk is None else f"{codec} {'shared' if shared else 'top'}{topk}/{topk_chunk}"
-
-
 def row_transport(v: Variant, transport: str) -> str:
     """train's --transport for a row charged under ``transport``: shared-support for a shared row, allgather for
     top-k and FP32, and for quantized dense rows reduce-scatter unless the question says allgather."""
@@ -62,18 +58,10 @@ def row_transport(v: Variant, transport: str) -> str:
     return "reduce-scatter" if v.topk is None and v.bits < 32 and transport != "allgather" else "allgather"
 
 
-def candidates(
-    model: ModelSpec,
-    fragment_layers: int = 3,
-    inner_steps: tuple[int, ...] = (30, 50, 100, 200, 500),
-    bits: tuple[int, ...] = DENSE_BITS,
-    taus: tuple[int, ...] = (1, 2, 5),
-    dp_bits: int = 16,
-    sparse: tuple[tuple[int, int, int], ...] = SPARSE,
-    block: int = 32,
-    scale_bytes: int = SCALE_BYTES,
-    shared: tuple[tuple[int, int, int], ...] = (),
-) -> list[Candidate]:
+def candidates(model: ModelSpec, fragment_layers: int = 3, inner_steps: tuple[int, ...] = (30, 50, 100, 200, 500),
+               bits: tuple[int, ...] = DENSE_BITS, taus: tuple[int, ...] = (1, 2, 5), dp_bits: int = 16,
+               sparse: tuple[tuple[int, int, int], ...] = SPARSE, block: int = 32, scale_bytes: int = SCALE_BYTES,
+               shared: tuple[tuple[int, int, int], ...] = ()) -> list[Candidate]:
     """Every setting considered, cheapest first (overlap tau only where tau * P < H)."""
     P = fragment_count(model.layers, fragment_layers)
     dp = Variant("dp", f"data-parallel {dp_bits}-bit", "dp", dp_bits)
@@ -118,6 +106,7 @@ def evaluate(model: ModelSpec, q: Question, c: Candidate) -> dict[str, Any]:
     """One candidate simulated: its row of the plan. With unequal speeds the run's utilization is the mean of its
     workers', with a fixed H and with adaptive steps; the row keeps the better and says which."""
     v = c.variant
+    codec = CODEC_FOR_BITS.get(c.bits, f"{c.bits}-bit")
     tr = traffic(model, v, q.workers, c.inner_steps, c.fragments, q.block, q.scale_bytes, q.transport, q.pattern)
     adaptive, per_worker = False, None
     if q.speeds is None:
@@ -133,9 +122,9 @@ def evaluate(model: ModelSpec, q: Question, c: Candidate) -> dict[str, Any]:
         "method": v.method, "family": c.family, "inner_steps": c.inner_steps,
         "fragments": c.fragments, "tau": c.tau,
         "eager_rounds": v.eager_rounds if c.family == "eager" else 0,
-        "bits": c.bits, "codec": CODEC_FOR_BITS.get(c.bits, f"{c.bits}-bit"),
+        "bits": c.bits, "codec": codec,
         "topk": v.topk, "topk_chunk": v.topk_chunk if v.sparse else None,
-        "format": format_name(c.bits, v.topk, v.topk_chunk, v.shared), "bits_per_value": c.bits_per_value,
+        "format": payload_label(codec, v.topk, v.topk_chunk, v.shared), "bits_per_value": c.bits_per_value,
         "transport": row_transport(v, q.transport),
         "adaptive_steps": adaptive, "cu_per_worker": per_worker,
         "cu": cu, "meets": bool(meets(cu, q.target)),
@@ -150,7 +139,7 @@ def plan(model: ModelSpec, q: Question) -> dict[str, Any]:
     """
     rows = [evaluate(model, q, c) for c in _candidates(model, q)]
     best = next((r for r in rows if r["meets"]), None)
-    return {"model": model.as_dict(), "bandwidth_gbps": q.bandwidth_gbps, "target": q.target,
+    return {"model": asdict(model), "bandwidth_gbps": q.bandwidth_gbps, "target": q.target,
             "workers": q.workers, "latency_ms": q.latency_ms, "transport": q.transport,
             "worker_speeds": None if q.speeds is None else list(q.speeds), "best": best,
             "runner_up": runner_up(rows, best), "by_format": by_format(rows), "candidates": rows}
@@ -204,13 +193,13 @@ def format_plan(report: dict[str, Any]) -> str:
     body = [[r["format"], f"{r['bits_per_value']:.3g}",
              describe(r) if r["meets"] else f"none (best: {describe(r)})", f"{r['cu']:.4f}"]
             for r in report["by_format"]]
-    lines += _table(head, body, right=(1, 3))
+    lines.append(text_table(head, body, right=(1, 3)))
     lines.append("")
     head = ["rank", "method", "H", "P", "tau", "codec", "topk", "bits/value", "CU", "meets"]
     body = [[str(i + 1), r["family"], str(r["inner_steps"]), str(r["fragments"]), str(r["tau"]), r["codec"],
              "-" if r["topk"] is None else f"{r['topk']}/{r['topk_chunk']}", f"{r['bits_per_value']:.3g}",
              f"{r['cu']:.4f}", "yes" if r["meets"] else ""] for i, r in enumerate(report["candidates"])]
-    lines += _table(head, body, right=(0, 2, 3, 4, 6, 7, 8))
+    lines.append(text_table(head, body, right=(0, 2, 3, 4, 6, 7, 8)))
     return "\n".join(lines)
 
 
@@ -232,19 +221,8 @@ def format_summary(reports: list[dict[str, Any]]) -> str:
         body.append([rep["model"]["name"], cheapest(rows),
                      cheapest([r for r in rows if r["topk"] is None]),
                      cheapest([r for r in rows if r["topk"] is not None])])
-    lines += _table(["model", "cheapest", "cheapest dense", "cheapest sparse"], body, right=())
+    lines.append(text_table(["model", "cheapest", "cheapest dense", "cheapest sparse"], body, right=()))
     return "\n".join(lines)
-
-
-def _table(head: list[str], body: list[list[str]], right: tuple[int, ...]) -> list[str]:
-    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-    lines = []
-    for n, x in enumerate([head, *body]):
-        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(x, widths, strict=True))).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return lines
 
 
 def describe(r: dict[str, Any]) -> str:

@@ -13,13 +13,8 @@ from eagerloco.extras import require
 PLOT_NEEDS = "eagerloco simulate --plot"
 
 
-def plot_cu(
-    path: Path,
-    title: str,
-    grid: np.ndarray,
-    curves: Sequence[tuple[str, np.ndarray]],
-    targets: Sequence[float] = (),
-) -> Path:
+def plot_cu(path: Path, title: str, grid: np.ndarray, curves: Sequence[tuple[str, np.ndarray]],
+            targets: Sequence[float] = ()) -> Path:
     """Draw one line per method (log x axis) with the targets as dotted guides; returns the path."""
     agg = require("matplotlib.backends.backend_agg", PLOT_NEEDS)
     fig = require("matplotlib.figure", PLOT_NEEDS).Figure(figsize=(8, 5), dpi=100)

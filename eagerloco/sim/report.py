@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 from typing import Any
 
 from eagerloco.sim.search import meets
@@ -27,12 +28,15 @@ def _fmt_count(x: float) -> str:
     return f"{x:.4g}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+def text_table(head: list[str], body: list[list[str]], right: Container[int] | None = None) -> str:
+    """Columns as wide as their widest cell under a rule; the columns in ``right`` (default: all but the first)
+    right-aligned."""
+    right = range(1, len(head)) if right is None else right
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     lines = []
-    for n, r in enumerate([header, *rows]):
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells).rstrip())
+    for n, x in enumerate([head, *body]):
+        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(x, widths, strict=True))).rstrip())
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -45,7 +49,7 @@ def _per_worker_tables(rows: list[dict[str, Any]], speeds: list[float]) -> list[
         header = [f"CU per worker at {key} Gbit/s"] + [f"w{m} ({v:g})" for m, v in enumerate(speeds)]
         lines = [[f"{r['label']}, {mode}"] + [f"{c:.4f}" for c in cus[key]]
                  for r in rows for mode, cus in r["cu_per_worker"].items()]
-        tables.append(_table(header, lines))
+        tables.append(text_table(header, lines))
     return tables
 
 
@@ -65,50 +69,28 @@ def format_text(report: dict[str, Any]) -> str:
     parts = []
     for m in report["models"]:
         mod = m["model"]
-        parts.append(
-            f"model {mod['name']}: {_fmt_count(mod['params'])} params, {mod['layers']} layers, "
-            f"step {mod['step_time']:.3g} s; M={st['workers']}, H={st['inner_steps']}, "
-            f"P={fragments_text(m['fragment_layer_counts'])}, "
-            f"latency {st['latency_ms']:g} ms, {st['transport']} exchange"
-        )
+        parts.append(f"model {mod['name']}: {_fmt_count(mod['params'])} params, {mod['layers']} layers, "
+                     f"step {mod['step_time']:.3g} s; M={st['workers']}, H={st['inner_steps']}, "
+                     f"P={fragments_text(m['fragment_layer_counts'])}, "
+                     f"latency {st['latency_ms']:g} ms, {st['transport']} exchange")
         if st["targets"]:
             header = ["Gbit/s to reach CU"] + [f"{100 * t:g}%" for t in st["targets"]]
-            rows = [
-                [r["label"]]
-                + [
-                    _fmt_bw(
-                        r["least_bandwidth_gbps"][cell_key(t)], r["cu_at_infinite_bandwidth"], t, g["max_gbps"]
-                    )
-                    for t in st["targets"]
-                ]
-                for r in m["rows"]
-            ]
-            parts.append(_table(header, rows))
+            rows = []
+            for r in m["rows"]:
+                inf = r["cu_at_infinite_bandwidth"]
+                rows.append([r["label"], *(_fmt_bw(r["least_bandwidth_gbps"][cell_key(t)], inf, t, g["max_gbps"])
+                                           for t in st["targets"])])
+            parts.append(text_table(header, rows))
         if st["bandwidths_gbps"]:
             header = ["CU at Gbit/s"] + [f"{b:g}" for b in st["bandwidths_gbps"]]
             rows = [[r["label"]] + [f"{c:.4f}" for c in r["cu_at_bandwidth"].values()] for r in m["rows"]]
-            parts.append(_table(header, rows))
+            parts.append(text_table(header, rows))
         if st.get("worker_speeds"):
             parts.extend(_per_worker_tables(m["rows"], st["worker_speeds"]))
-        header = [
-            "bytes per worker",
-            "per token",
-            "dp / this",
-            "peak transfer",
-            f"at {st['tokens']:.3g} tokens",
-        ]
-        rows = [
-            [
-                r["label"],
-                f"{r['bytes_per_token']:.4g}",
-                "-" if r["dp_ratio"] is None else f"{r['dp_ratio']:.1f}x",
-                fmt_bytes(r["peak_transfer_bytes"], ".3g"),
-                fmt_bytes(r["total_bytes"], ".3g"),
-            ]
-            for r in m["rows"]
-        ]
-        parts.append(_table(header, rows))
-        parts.append("")
+        header = ["bytes per worker", "per token", "dp / this", "peak transfer", f"at {st['tokens']:.3g} tokens"]
+        rows = [[r["label"], f"{r['bytes_per_token']:.4g}", "-" if r["dp_ratio"] is None else f"{r['dp_ratio']:.1f}x",
+                 fmt_bytes(r["peak_transfer_bytes"], ".3g"), fmt_bytes(r["total_bytes"], ".3g")] for r in m["rows"]]
+        parts += [text_table(header, rows), ""]
     parts.append(
         f"grid {g['min_gbps']:g}..{g['max_gbps']:g} Gbit/s, {g['per_decade']:.4g} points per decade; "
         + (

@@ -31,11 +31,3 @@ def least_bandwidth(grid: np.ndarray, cu: np.ndarray, target: float) -> float | 
         return None
     return float(grid[int(np.argmax(ok))])
 
-
-def last_below(grid: np.ndarray, cu: np.ndarray, target: float) -> float | None:
-    """The grid value just below the least one meeting the target (the first, if it does), or None: the papers'
-    reading (:mod:`eagerloco.sim.paper`)."""
-    ok = meets(cu, target)
-    if not ok.any():
-        return None
-    return float(grid[max(int(np.argmax(ok)) - 1, 0)])
