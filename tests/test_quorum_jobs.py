@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from jobs import popen
 from test_hooks_jobs import coordinators, job_env, wait_all
 
+from eagerloco.comm.quorum import GRACE_MAX, GRACE_MIN, GRACE_WINDOW
 from eagerloco.comm.quorum_jobs import QUORUM_PREFIX
 
 pytestmark = pytest.mark.processes
@@ -136,9 +138,10 @@ def test_q_equal_m_across_jobs_is_today_s_run(tmp_path: Path, method: str) -> No
         assert sa["final_eval_loss"] == sb["final_eval_loss"]
 
 
-def _wait_for(store: dist.Store, key: str, value: bytes, jobs: list[Any], timeout: float = 120) -> None:
+def _wait_for(store: dist.Store, key: str, value: bytes | None, jobs: list[Any], timeout: float = 120) -> None:
+    """Until ``key`` holds ``value`` (None: any) while every job in ``jobs`` runs."""
     deadline = time.monotonic() + timeout
-    while not (store.check([key]) and store.get(key) == value):
+    while not (store.check([key]) and value in (None, store.get(key))):
         assert time.monotonic() < deadline and all(j.poll() is None for j in jobs), f"no {key} = {value!r}"
         time.sleep(0.02)
 
@@ -209,5 +212,50 @@ def test_under_elastic_a_killed_worker_leaves_after_the_timeout_and_rejoins_a_st
     missed, late, dropped = _counters(_summary(tmp_path / "w2"))
     assert missed >= len(stalled) and late == missed and dropped == 0, (missed, late, dropped)
     assert decisions[steps]["members"] == [0, 1, 2]
+    outers = [_outer(tmp_path / f"w{w}", w, steps) for w in range(3)]
+    assert all(torch.equal(a, b) for o in outers[1:] for a, b in zip(outers[0], o, strict=True))
+
+
+
+@pytest.mark.slow
+def test_an_auto_grace_window_across_jobs_follows_the_spreads_its_decisions_carry(tmp_path: Path) -> None:
+    port, steps = coordinators(1)[0], 96
+    store = _client(port)
+    args = ["--method", "diloco", "--quorum", "2", "--grace", "auto", "--max-late-rounds", "16", "--steps", str(steps),
+            "--checkpoint-every", str(steps)]
+    jobs = [_job(port, w, 3, tmp_path / f"w{w}", *args) for w in range(3)]
+    measured = (GRACE_WINDOW + 1) * H  # the first exchange with a grace window: 8 measured before it
+    try:
+        _wait_for(store, f"{QUORUM_PREFIX}0/{measured}/decided", None, jobs)
+        time.sleep(0.05)
+        os.kill(jobs[2].pid, signal.SIGSTOP)  # in its next window's inner steps
+        stopped = time.time()
+        time.sleep(2.0)
+        os.kill(jobs[2].pid, signal.SIGCONT)
+        done = wait_all(jobs, 300)
+    finally:
+        for j in jobs:
+            if j.poll() is None:
+                os.kill(j.pid, signal.SIGCONT)
+                j.kill()
+    for w, d in enumerate(done):
+        assert d.returncode == 0, f"worker {w}:\n{d.stdout[-3000:]}"
+    decisions = [json.loads(store.get(f"{QUORUM_PREFIX}0/{s}/decided")) for s in range(H, steps + 1, H)]
+    # The first 8 exchanges measure and wait for every worker (12.2); each later one closes g after its Q-th arrival,
+    # g = clamp(2 median(the last 8 spreads, its own among them), T / 100, T / 4), the spreads carried from decision to
+    # decision whichever worker took it.
+    assert all(d["grace"] is None and d["members"] == [0, 1, 2] for d in decisions[:GRACE_WINDOW])
+    for before, d in zip(decisions[GRACE_WINDOW - 1:], decisions[GRACE_WINDOW:], strict=False):
+        assert d["spreads"][:-1] == before["spreads"][-GRACE_WINDOW + 1:] and len(d["spreads"]) == GRACE_WINDOW
+        order = sorted(d["arrivals_at"].values())
+        assert d["spreads"][-1] == order[1] - order[0]
+        t = d["round_compute"]
+        assert t > 0 and d["grace"] == min(max(2 * statistics.median(d["spreads"]), GRACE_MIN * t), GRACE_MAX * t)
+    bypassed = [d for d in decisions if d["decided_at"] > stopped and 2 not in d["members"]]
+    assert bypassed, [(d["members"], d["grace"], round(d["decided_at"] - stopped, 2)) for d in decisions]
+    for d in bypassed:  # the others waited g past the quorum's last arrival (plus the coordinator's round trips)
+        assert d["decided_at"] - sorted(d["arrivals_at"].values())[1] < d["grace"] + 1.0, d
+    merged = [tuple(c) for d in decisions for c in d["merged"]]
+    assert len(merged) == len(set(merged)), merged
     outers = [_outer(tmp_path / f"w{w}", w, steps) for w in range(3)]
     assert all(torch.equal(a, b) for o in outers[1:] for a, b in zip(outers[0], o, strict=True))

@@ -16,7 +16,7 @@ from eagerloco.comm.base import Contribution, Handle, QuorumResult, ReadyHandle,
 from eagerloco.comm.emulated_link import EmulatedLink
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import gloo_group
-from eagerloco.comm.quorum import LateWindow
+from eagerloco.comm.quorum import GRACE_WINDOW, GraceWindow, LateWindow
 from eagerloco.comm.rendezvous import poll, prefixed
 
 #: Where the exchanges' arrivals, decisions and means live in the coordinator's store, and their groups' keys.
@@ -38,6 +38,9 @@ class QuorumJobs:
         #: By membership epoch and member set: all present forms nothing new; a restarted worker, a new group.
         self.groups: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
         self.held: dict[int, list[LateWindow]] = {}  # this worker's windows that missed, by fragment
+        #: The auto grace window's spreads and T (12.2), as the last decision read carries them on.
+        self.grace, self.round_compute = GraceWindow(), 0.0
+        self.computed: dict[int, float] = {}  # this worker's compute seconds at its last launch, by fragment
 
     def live(self) -> list[int]:
         """L_e: the workers this exchange waits for."""
@@ -51,12 +54,16 @@ class QuorumJobs:
         held = self.held.pop(window.fragment, [])
         key = f"{window.fragment}/{window.step}"
         t0 = time.perf_counter()
+        compute_s, last = comm.stats.compute_s, self.computed.get(window.fragment)
+        self.computed[window.fragment] = compute_s
         arrival = {"t": time.time(), "steps": window.steps, "held": [[c.contribution.step, c.contribution.steps]
                                                                      for c in held],
-                   "tick_s": comm.stats.compute_s / max(1, window.step)}
+                   "tick_s": compute_s / max(1, window.step), "span": None if last is None else compute_s - last}
         self.store.set(f"{key}/arrived/{me}", json.dumps(arrival))
         decision = self._decide(key, window)
         start = time.time()
+        self.grace.load_state_dict({"spreads": decision["spreads"]})
+        self.round_compute = decision["round_compute"]
         members, live, left = decision["members"], decision["live"], decision["left"]
         if me not in live:
             raise PeerError(f"worker {me} left the run at the exchange of fragment {window.fragment} at step "
@@ -142,8 +149,15 @@ class QuorumJobs:
             live = [m for m in every if m not in left]
             times = sorted(a["t"] for a in arrivals.values())
             q = min(rule.quorum, len(live))
-            closes = times[-1] if len(times) == len(live) else \
-                times[q - 1] + (rule.grace or 0.0) if len(times) >= q else None
+            if len(times) < q:
+                return [m for m in live if m not in arrivals]
+            # 12.2: T the least compute between two launches of those arrived, for the longest window.
+            most = max(a["steps"] for a in arrivals.values())
+            round_compute = min((a["span"] * most / a["steps"] for a in arrivals.values() if a["span"] and a["steps"]),
+                                default=self.round_compute)
+            spread = GraceWindow.spread(times, q)
+            grace = self.grace.grace(rule, round_compute, spread)
+            closes = times[-1] if len(times) == len(live) else None if grace is None else times[q - 1] + grace
             if closes is not None and closes <= time.time():
                 members = sorted(arrivals)
                 plain = len(members) == len(every) and sum(a["steps"] for a in arrivals.values()) == window.total \
@@ -153,6 +167,8 @@ class QuorumJobs:
                                 key=lambda c: (c[1], c[0]))
                 decision = {"members": members, "live": live, "left": left, "plain": plain, "merged": merged,
                             "epoch": 0 if membership is None else membership.epoch, "closes_at": closes,
+                            "grace": grace, "spreads": [*self.grace.spreads, spread][-GRACE_WINDOW:],
+                            "round_compute": round_compute,
                             "decided_at": time.time(), "tick_s": min(a["tick_s"] for a in arrivals.values()),
                             "arrivals_at": {str(m): a["t"] for m, a in arrivals.items()}}
                 self.store.compare_set(f"{key}/decided", "", json.dumps(decision))

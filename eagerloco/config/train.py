@@ -180,7 +180,6 @@ class TrainConfig:
             why = ("runs in-process or across jobs at a coordinator (--outer-addr), not under a launcher"
                    if kind != "job" else "across jobs runs with --method diloco or eager only for now"
                    if o.method not in ("diloco", "eager")
-                   else "across jobs needs --grace in seconds (auto is in-process only)" if o.grace_seconds() is None
                    else "across jobs sends fp32 payloads only: drop --codec and --topk" if o.codec != "fp32" or o.topk
                    else "")
             if why:
