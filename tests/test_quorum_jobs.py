@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -64,6 +65,9 @@ def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and
     port = coordinators(1)[0]
     store = _client(port)
     quorum = ["--method", method, "--quorum", "2", "--grace", str(GRACE), "--max-late-rounds", str(max_late)]
+    resumed = method == "diloco" and max_late == 16  # then resumed mid-schedule too: a checkpoint every exchange
+    if resumed:
+        quorum += ["--checkpoint-every", str(H), "--keep-checkpoints", str(STEPS // H)]
     jobs = [_job(port, w, 3, tmp_path / f"w{w}", *quorum) for w in range(3)]
     try:
         deadline = time.monotonic() + 240
@@ -115,10 +119,41 @@ def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and
     # each worker's own share in flight is in its own only).
     outers = [_outer(tmp_path / f"w{w}", w) for w in range(3)]
     assert method == "eager" or all(torch.equal(a, b) for o in outers[1:] for a, b in zip(outers[0], o, strict=True))
+    if resumed:
+        _resumed_mid_schedule_ends_as_the_uninterrupted_run(tmp_path, decisions, quorum)
     waits = [decisions[s]["decided_at"] - min(decisions[s]["arrivals_at"].values()) for s in bypassed]
     print(f"bypassed {len(bypassed)} of {len(decisions)} exchanges; the others waited at most {max(waits):.2f} s "
           f"per bypassed exchange (grace {GRACE} s) while worker 2 was stopped {resumed - stopped:.1f} s; worker 2 "
           f"missed {missed}, merged late {late}, dropped {dropped}")
+
+
+def _resumed_mid_schedule_ends_as_the_uninterrupted_run(tmp_path: Path, decisions: dict[int, Any],
+                                                        args: list[str]) -> None:
+    """Every job resumed from its checkpoint of the last exchange that left a worker out (which holds its window
+    there, to merge it at the next one), at a fresh coordinator that replays the run's decisions from there on:
+    the outer parameters of the run that never stopped, bit for bit."""
+    c = max(s for s, d in decisions.items() if len(d["members"]) < 3)
+    assert c < STEPS, "no exchange left after the last one that left a worker out"
+    out = [w for w in range(3) if w not in decisions[c]["members"]]
+    ckpt = f"checkpoints/step_{c:08d}"
+    for w in out:  # its checkpoint holds the window it holds
+        state = torch.load(tmp_path / f"w{w}" / ckpt / f"worker_{w}.pt", weights_only=False)
+        assert [h[:2] for h in state["sync"]["quorum_held"]["held"]["0"]][-1] == [w, c], state["sync"]
+    port = coordinators(1)[0]
+    store = _client(port)
+    for s, d in decisions.items():
+        if s > c:
+            store.set(f"{QUORUM_PREFIX}0/{s}/decided", json.dumps(d))
+    for w in range(3):
+        shutil.copytree(tmp_path / f"w{w}", tmp_path / "resumed" / f"w{w}")
+        for later in (tmp_path / "resumed" / f"w{w}" / "checkpoints").glob("step_*"):
+            if int(later.name.removeprefix("step_")) > c:
+                shutil.rmtree(later)
+    jobs = [_job(port, w, 3, tmp_path / "resumed" / f"w{w}", *args, "--resume") for w in range(3)]
+    for w, d in enumerate(wait_all(jobs, 300)):
+        assert d.returncode == 0, f"resumed worker {w}:\n{d.stdout[-3000:]}"
+        again, first = _outer(tmp_path / "resumed" / f"w{w}", w), _outer(tmp_path / f"w{w}", w)
+        assert all(torch.equal(a, b) for a, b in zip(again, first, strict=True)), w
 
 
 @pytest.mark.parametrize("method", ["diloco", "eager"])

@@ -126,6 +126,22 @@ class QuorumJobs:
         device = tensors[0].device if tensors else mean.device  # whose windows the mean holds: in result, as in-process
         return ReadyHandle(comm, unflatten(mean.to(device), tensors), own, flat.numel() * 4, None, None, result)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The windows this worker holds and the auto grace's measurements, for its checkpoint (12.3, 12.10)."""
+        return {"held": {str(f): [[w.contribution.worker, w.contribution.step, w.contribution.steps, w.arrival,
+                                   w.weight, w.age, w.values] for w in held] for f, held in self.held.items()},
+                "spreads": list(self.grace.spreads), "round_compute": self.round_compute}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (of this worker: a joiner handed a peer's state holds none of its
+        windows, 12.6)."""
+        held = {int(f): [LateWindow(Contribution(int(m), int(s), int(n)), float(t), float(w), v.float(), int(a))
+                         for m, s, n, t, w, a, v in windows if m == self.comm.rank]
+                for f, windows in state["held"].items()}
+        self.held = {f: windows for f, windows in held.items() if windows}
+        self.grace.load_state_dict({"spreads": state["spreads"]})
+        self.round_compute = float(state["round_compute"])
+
     def _decide(self, key: str, window: Window) -> dict[str, Any]:
         """The exchange's decision: read if taken, else taken here once every worker has arrived, or Q have and
         the grace window has passed since the Q-th (the first worker to see it wins the compare_set)."""
