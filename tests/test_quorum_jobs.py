@@ -59,14 +59,15 @@ def _counters(summary: dict[str, Any]) -> tuple[int, int, int]:
     return w["quorum_missed"], w["late_merged"], w["late_dropped"]
 
 
-@pytest.mark.parametrize(("method", "max_late"), [("diloco", 16), ("eager", 16), ("diloco", 1)])
+@pytest.mark.parametrize(("method", "max_late"), [("diloco", 16), ("eager", 16), ("diloco", 1),
+                                                  pytest.param("streaming", 16, marks=pytest.mark.slow)])
 def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and_its_window_is_merged_once(
         tmp_path: Path, method: str, max_late: int) -> None:
     port = coordinators(1)[0]
     store = _client(port)
     # Rounds of at least 0.2 s (the emulated link's latency): the stop ends before the others' run does.
     quorum = ["--method", method, "--quorum", "2", "--grace", str(GRACE), "--max-late-rounds", str(max_late),
-              "--latency-ms", "200"]
+              "--latency-ms", "200", *(["--fragments", "2", "--overlap-steps", "1"] if method == "streaming" else [])]
     resume_too = method == "diloco" and max_late == 16  # then resumed mid-schedule too: a checkpoint every exchange
     if resume_too:
         quorum += ["--checkpoint-every", str(H), "--keep-checkpoints", str(STEPS // H)]
@@ -117,8 +118,9 @@ def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and
         assert len(decisions) - len(landed) == dropped
         lines = [line for line in done[2].stdout.splitlines() if "quorum: dropped worker 2's window" in line]
         assert len(lines) == dropped, done[2].stdout[-3000:]
-    # DiLoCo: every worker applies every mean, the late one too: the outer parameters stay identical (under eager
-    # each worker's own share in flight is in its own only).
+    # DiLoCo and Streaming (fragment 0's exchanges above; fragment 1's alike, its own windows held for its own):
+    # every worker applies every mean, the late one too: the outer parameters stay identical (under eager each
+    # worker's own share in flight is in its own only).
     outers = [_outer(tmp_path / f"w{w}", w) for w in range(3)]
     assert method == "eager" or all(torch.equal(a, b) for o in outers[1:] for a, b in zip(outers[0], o, strict=True))
     if resume_too:
