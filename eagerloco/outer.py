@@ -422,7 +422,8 @@ class OuterSync:
                 "generator": self.generator.get_state(),
                 "error_feedback": None if self.feedback is None else self.feedback.state(),
                 "adaptive": None if self.adaptive is None else self.adaptive.state_dict(),
-                **({} if self.own_windows is None else {"own_windows": self.own_windows.state_dict()})}
+                **({} if self.own_windows is None else {"own_windows": self.own_windows.state_dict(),
+                                                        "quorum_held": self.comm.quorum_state()})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict` (model and inner optimizer are restored separately). Raises
@@ -447,6 +448,7 @@ class OuterSync:
         load_rounds(self.adaptive, state["adaptive"])
         if self.own_windows is not None:
             self.own_windows.load_state_dict(state.get("own_windows", []))
+            self.comm.load_quorum_state(state.get("quorum_held"))
         self.in_flight = load_in_flight(state["in_flight"], self.comm)
 
 

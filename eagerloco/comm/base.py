@@ -276,6 +276,14 @@ class Communicator(ABC):
         Failures of the exchange itself surface at :meth:`Handle.wait`.
         """
 
+    def quorum_state(self) -> dict[str, Any] | None:
+        """What this worker's transport holds of its quorum exchanges, for its checkpoint (across jobs, 12.10: the
+        windows it holds); None where the party that forms the means holds it all."""
+        return None
+
+    def load_quorum_state(self, state: dict[str, Any] | None) -> None:  # noqa: B027 - nothing held by default
+        """Continue from :meth:`quorum_state`."""
+
     def clock(self) -> float:
         """Seconds on this worker's clock: real wall time here, simulated time in-process."""
         return time.perf_counter()

@@ -239,6 +239,13 @@ class TorchDistCommunicator(Communicator):
         self.exchanges.put(op)
         return handle
 
+    def quorum_state(self) -> dict[str, Any] | None:
+        return None if self.quorum_jobs is None else self.quorum_jobs.state_dict()
+
+    def load_quorum_state(self, state: dict[str, Any] | None) -> None:
+        if self.quorum_jobs is not None and state is not None:
+            self.quorum_jobs.load_state_dict(state)
+
     def agree(self, schedule: bytes, describe: str = "") -> bool:
         """Agree once on the schedule, so exchanges launched with ``agreed=True`` skip the per-exchange header round
         trip (one latency each). False, without talking, in elastic mode (changes rerun exchanges by their sequence)

@@ -29,13 +29,25 @@ class GraceWindow:
         """The close of an exchange whose contributions arrive at these times (one per live worker)."""
         order = sorted(arrivals)
         q = min(rule.quorum, len(order))
-        measured = len(self.spreads) == GRACE_WINDOW
-        self.spreads.append(order[q - 1] - order[math.ceil(q / 2) - 1])
-        if rule.grace is None and not measured:
-            return order[-1]
-        grace = rule.grace if rule.grace is not None else min(
-            max(2.0 * statistics.median(self.spreads), GRACE_MIN * round_compute), GRACE_MAX * round_compute)
-        return min(order[-1], order[q - 1] + grace)
+        spread = self.spread(order, q)
+        grace = self.grace(rule, round_compute, spread)
+        self.spreads.append(spread)
+        return order[-1] if grace is None else min(order[-1], order[q - 1] + grace)
+
+    @staticmethod
+    def spread(order: Sequence[float], q: int) -> float:
+        """s_e: how far the q-th of these arrivals (sorted, at least q) trailed the median of the first q."""
+        return order[q - 1] - order[math.ceil(q / 2) - 1]
+
+    def grace(self, rule: QuorumRule, round_compute: float, spread: float) -> float | None:
+        """g of an exchange of this ``spread``: the fixed one, or auto's over the spreads before it and this one;
+        None while auto still measures (the first exchanges wait for every worker)."""
+        if rule.grace is not None:
+            return rule.grace
+        if len(self.spreads) < GRACE_WINDOW:
+            return None
+        recent = [*self.spreads, spread][-GRACE_WINDOW:]
+        return min(max(2.0 * statistics.median(recent), GRACE_MIN * round_compute), GRACE_MAX * round_compute)
 
     def state_dict(self) -> dict[str, Any]:
         return {"spreads": list(self.spreads)}

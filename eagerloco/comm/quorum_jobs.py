@@ -16,7 +16,7 @@ from eagerloco.comm.base import Contribution, Handle, QuorumResult, ReadyHandle,
 from eagerloco.comm.emulated_link import EmulatedLink
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import gloo_group
-from eagerloco.comm.quorum import LateWindow
+from eagerloco.comm.quorum import GRACE_WINDOW, GraceWindow, LateWindow
 from eagerloco.comm.rendezvous import poll, prefixed
 
 #: Where the exchanges' arrivals, decisions and means live in the coordinator's store, and their groups' keys.
@@ -38,6 +38,9 @@ class QuorumJobs:
         #: By membership epoch and member set: all present forms nothing new; a restarted worker, a new group.
         self.groups: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
         self.held: dict[int, list[LateWindow]] = {}  # this worker's windows that missed, by fragment
+        #: The auto grace window's spreads and T (12.2), as the last decision read carries them on.
+        self.grace, self.round_compute = GraceWindow(), 0.0
+        self.computed: dict[int, float] = {}  # this worker's compute seconds at its last launch, by fragment
 
     def live(self) -> list[int]:
         """L_e: the workers this exchange waits for."""
@@ -51,38 +54,58 @@ class QuorumJobs:
         held = self.held.pop(window.fragment, [])
         key = f"{window.fragment}/{window.step}"
         t0 = time.perf_counter()
+        compute_s, last = comm.stats.compute_s, self.computed.get(window.fragment)
+        self.computed[window.fragment] = compute_s
         arrival = {"t": time.time(), "steps": window.steps, "held": [[c.contribution.step, c.contribution.steps]
                                                                      for c in held],
-                   "tick_s": comm.stats.compute_s / max(1, window.step)}
+                   "tick_s": compute_s / max(1, window.step), "span": None if last is None else compute_s - last}
         self.store.set(f"{key}/arrived/{me}", json.dumps(arrival))
         decision = self._decide(key, window)
         start = time.time()
+        self.grace.load_state_dict({"spreads": decision["spreads"]})
+        self.round_compute = decision["round_compute"]
         members, live, left = decision["members"], decision["live"], decision["left"]
         if me not in live:
             raise PeerError(f"worker {me} left the run at the exchange of fragment {window.fragment} at step "
                             f"{window.step}: it was silent longer than --dist-timeout {self.timeout_s:g} s, and the "
                             "windows it holds leave with it; start it again with the same command to rejoin", [me])
-        merged = [Contribution(*c) for c in decision["merged"]]
-        plain = decision["plain"]
+        readers = len(live) - len(members)  # the left-out workers, who read the mean from the coordinator
         dropped: list[Contribution] = []
         if me in members:
-            if plain:
-                send = flat.clone()
+            for attempt in range(1, len(members) + 1):
+                plain = decision["plain"]
+                if plain:
+                    send = flat.clone()
+                else:
+                    send = flat * weight
+                    for late in held:
+                        send.add_(late.values, alpha=late.weight)
+                try:
+                    dist.all_reduce(send, group=self._group(decision["epoch"], tuple(members), f"{key}/{attempt}"))
+                    break
+                except RuntimeError:
+                    if self.membership is None or len(members) == 1:
+                        raise
+                # Under --elastic a member died inside the exchange: decided again among the members left (12.6),
+                # on the quorum rule, and the dead one is bypassed until the membership's timeout removes it.
+                self.close(lambda e, failed=tuple(members): e[1] == failed)
+                self.store.set(f"{key}/{attempt}/arrived/{me}", json.dumps(arrival))
+                decision = self._decide(f"{key}/{attempt}", window, among=members)
+                members, left = decision["members"], left + decision["left"]
             else:
-                send = flat * weight
-                for late in held:
-                    send.add_(late.values, alpha=late.weight)
-            group = self._group(decision["epoch"], tuple(members))
-            dist.all_reduce(send, group=group)
+                raise PeerError(f"worker {me}: the exchange of fragment {window.fragment} at step {window.step} "
+                                "failed with every member set left; resume from the last checkpoint", [])
+            merged = [Contribution(*c) for c in decision["merged"]]
             mean = send.div_(len(members) if plain else max(1, sum(c.steps for c in merged)))
             wire = 2 * (len(members) - 1) * send.numel() * 4 // len(members)  # a ring all-reduce's bytes each way
-            if len(members) < len(live) and members[0] == me:  # the left-out workers read it here
+            if readers and members[0] == me:  # the left-out workers read it here
                 self.store.set(f"{key}/mean", mean.numpy().tobytes())
                 wire += mean.numel() * 4
         else:
             self.store.wait([f"{key}/mean"])
             mean = torch.frombuffer(bytearray(self.store.get(f"{key}/mean")), dtype=torch.float32)
-            if self.store.add(f"{key}/read", 1) == len(live) - len(members):
+            merged, plain = [Contribution(*c) for c in decision["merged"]], decision["plain"]
+            if self.store.add(f"{key}/read", 1) == readers:
                 self.store.delete_key(f"{key}/mean")
             wire = mean.numel() * 4
             for late in held:
@@ -119,9 +142,26 @@ class QuorumJobs:
         device = tensors[0].device if tensors else mean.device  # whose windows the mean holds: in result, as in-process
         return ReadyHandle(comm, unflatten(mean.to(device), tensors), own, flat.numel() * 4, None, None, result)
 
-    def _decide(self, key: str, window: Window) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
+        """The windows this worker holds and the auto grace's measurements, for its checkpoint (12.3, 12.10)."""
+        return {"held": {str(f): [[w.contribution.worker, w.contribution.step, w.contribution.steps, w.arrival,
+                                   w.weight, w.age, w.values] for w in held] for f, held in self.held.items()},
+                "spreads": list(self.grace.spreads), "round_compute": self.round_compute}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (of this worker: a joiner handed a peer's state holds none of its
+        windows, 12.6)."""
+        held = {int(f): [LateWindow(Contribution(int(m), int(s), int(n)), float(t), float(w), v.float(), int(a))
+                         for m, s, n, t, w, a, v in windows if m == self.comm.rank]
+                for f, windows in state["held"].items()}
+        self.held = {f: windows for f, windows in held.items() if windows}
+        self.grace.load_state_dict({"spreads": state["spreads"]})
+        self.round_compute = float(state["round_compute"])
+
+    def _decide(self, key: str, window: Window, among: list[int] | None = None) -> dict[str, Any]:
         """The exchange's decision: read if taken, else taken here once every worker has arrived, or Q have and
-        the grace window has passed since the Q-th (the first worker to see it wins the compare_set)."""
+        the grace window has passed since the Q-th (the first worker to see it wins the compare_set). ``among``:
+        the members of a decision whose all-reduce failed, deciding again."""
         rule, membership = window.rule, self.membership
         decided: list[dict[str, Any]] = []
         arrived: list[int] = []
@@ -132,7 +172,7 @@ class QuorumJobs:
                 return []
             if membership is not None and membership.changing():  # another member saw one leave: follow it
                 membership.recover()
-            every = self.live()
+            every = self.live() if among is None else [m for m in among if m in self.live()]
             arrivals = {m: json.loads(self.store.get(f"{key}/arrived/{m}")) for m in every
                         if self.store.check([f"{key}/arrived/{m}"])}
             arrived[:] = list(arrivals)
@@ -142,17 +182,27 @@ class QuorumJobs:
             live = [m for m in every if m not in left]
             times = sorted(a["t"] for a in arrivals.values())
             q = min(rule.quorum, len(live))
-            closes = times[-1] if len(times) == len(live) else \
-                times[q - 1] + (rule.grace or 0.0) if len(times) >= q else None
+            if len(times) < q:
+                return [m for m in live if m not in arrivals]
+            # 12.2: T the least compute between two launches of those arrived, for the longest window.
+            most = max(a["steps"] for a in arrivals.values())
+            round_compute = min((a["span"] * most / a["steps"] for a in arrivals.values() if a["span"] and a["steps"]),
+                                default=self.round_compute)
+            spread = GraceWindow.spread(times, q)
+            grace = self.grace.grace(rule, round_compute, spread)
+            closes = times[-1] if len(times) == len(live) else None if grace is None else times[q - 1] + grace
             if closes is not None and closes <= time.time():
                 members = sorted(arrivals)
-                plain = len(members) == len(every) and sum(a["steps"] for a in arrivals.values()) == window.total \
-                    and not any(a["held"] for a in arrivals.values())
+                plain = len(members) == len(self.live()) and not any(a["held"] for a in arrivals.values()) \
+                    and sum(a["steps"] for a in arrivals.values()) == window.total
                 merged = sorted([[m, window.step, a["steps"]] for m, a in arrivals.items()]
                                 + [[m, step, n] for m, a in arrivals.items() for step, n in a["held"]],
                                 key=lambda c: (c[1], c[0]))
                 decision = {"members": members, "live": live, "left": left, "plain": plain, "merged": merged,
                             "epoch": 0 if membership is None else membership.epoch, "closes_at": closes,
+                            "grace": grace, "spreads": [*self.grace.spreads, spread][-GRACE_WINDOW:] if among is None
+                            else list(self.grace.spreads),  # a decision taken again measures nothing new
+                            "round_compute": round_compute,
                             "decided_at": time.time(), "tick_s": min(a["tick_s"] for a in arrivals.values()),
                             "arrivals_at": {str(m): a["t"] for m, a in arrivals.items()}}
                 self.store.compare_set(f"{key}/decided", "", json.dumps(decision))
@@ -171,20 +221,21 @@ class QuorumJobs:
                             f"{self.timeout_s:g} s (--dist-timeout); the others are gone: restart them", [])
         return decided[0]
 
-    def _group(self, epoch: int, members: tuple[int, ...]) -> dist.ProcessGroup:
-        """The gloo group of exactly these workers in this membership epoch, formed over the coordinator the first
-        time they meet (the groups of earlier epochs are shut down: a worker of them may have restarted since)."""
+    def _group(self, epoch: int, members: tuple[int, ...], exchange: str) -> dist.ProcessGroup:
+        """The gloo group of exactly these workers in this membership epoch, formed over the coordinator (under the
+        ``exchange`` that first needs it) the first time they meet; the groups of earlier epochs are shut down (a
+        worker of them may have restarted since)."""
         group = self.groups.get((epoch, members))
         if group is None:
-            self.close(lambda e: e < epoch)
-            store = dist.PrefixStore(f"{QUORUM_PG_PREFIX}ep{epoch}/{'-'.join(map(str, members))}/", self.client)
+            self.close(lambda key: key[0] < epoch)
+            store = dist.PrefixStore(f"{QUORUM_PG_PREFIX}{exchange}/{'-'.join(map(str, members))}/", self.client)
             group = self.groups[(epoch, members)] = gloo_group(store, members.index(self.comm.rank), len(members),
                                                                self.timeout_s)
         return group
 
-    def close(self, which: Callable[[int], bool] = lambda _: True) -> None:
-        """Shut down the member sets' groups (of the epochs ``which`` picks)."""
-        for key in [k for k in self.groups if which(k[0])]:
+    def close(self, which: Callable[[tuple[int, tuple[int, ...]]], bool] = lambda _: True) -> None:
+        """Shut down the member sets' groups (those whose (epoch, members) ``which`` picks)."""
+        for key in [k for k in self.groups if which(k)]:
             try:
                 self.groups.pop(key).shutdown()
             except RuntimeError:  # a member is gone: nothing more to release
