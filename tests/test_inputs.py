@@ -7,11 +7,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from eagerloco.cli import main
+from eagerloco.config.schema import train_config_from_tables
 from eagerloco.train.rundir import LOCK_NAME
 
 FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress",
@@ -267,3 +269,10 @@ def test_a_run_shorter_than_one_round_says_the_outer_parameters_stay_the_initial
                  str(tmp_path / "short")]) == 0
     out = capsys.readouterr().out
     assert "eagerloco: warning: 3 inner step(s) is less than one round (--inner-steps 4)" in out
+
+
+def test_a_number_of_grace_seconds_in_a_config_file_reads_as_the_flag_does(tmp_path: Path) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[outer]\ngrace = 30\n")
+    outer = train_config_from_tables(tomllib.loads(cfg.read_text()), str(cfg)).outer
+    assert outer.grace == "30" and outer.grace_seconds() == 30.0  # the same settings digest as --grace 30

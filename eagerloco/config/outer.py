@@ -118,12 +118,16 @@ class OuterConfig:
     (or when every worker has); a window that missed its exchange is merged, token-weighted, into its fragment's
     next one (docs/algorithms.md, 12). In-process, and across jobs at a coordinator (--outer-addr, --elastic too)
     for diloco, streaming and eager."""
-    grace: str = setting("auto", metavar="SECONDS|auto", group="faults")
+    grace: str | float = setting("auto", metavar="SECONDS|auto", group="faults")
     """With --quorum: seconds an exchange waits after its Q-th contribution for the others, or auto (twice the
     recent lag of the Q-th behind the median arrival, within 1% to 25% of a round's compute)."""
     max_late_rounds: int = setting(1, metavar="S", group="faults")
     """With --quorum: a window that missed its exchange may join one of the next S exchanges of its fragment;
     a staler one is dropped, with a log line (0: dropped at once)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.grace, (int, float)) and not isinstance(self.grace, bool):
+            self.grace = str(self.grace)  # ``grace = 30`` in a TOML file is the flag's text "30"
 
     def validate(self, num_blocks: int | None = None) -> OuterConfig:
         """Raise ConfigError on the first invalid setting (P against ``num_blocks`` when known); returns self."""
