@@ -41,9 +41,11 @@ typecheck: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir site
 
-# Tests run on 2 pytest-xdist workers, a whole file each at a time (a file's runs are shared by its
-# tests), longest files first (tests/conftest.py): the tests that wait overlap the ones that compute.
-XDIST := -n 2 --dist loadfile --no-loadscope-reorder
+# Tests run on 2 pytest-xdist workers (WORKERS=N to try another count), a whole file each at a time (a
+# file's runs are shared by its tests), longest files first (tests/conftest.py): the tests that wait
+# overlap the ones that compute.
+WORKERS ?= 2
+XDIST := -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The whole suite (what CI runs), its 15 slowest tests listed at the end. The checks run beside the tests
 # (make -j): the suite leaves a quarter of 2 cores idle while its processes wait, which a cold mypy
