@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint typecheck docs data clean
+.PHONY: demo test test-fast suite suite-fast lint typecheck docs data clean
 
 # Bytecode: pip compiles every file it installs, about 40 s of the bootstrap on 2 cores for files most of which
 # no run imports (--no-compile). Python writes the bytecode of what a run imports the first time instead,
@@ -41,17 +41,28 @@ typecheck: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir site
 
-# Tests run on 2 pytest-xdist workers, a whole file each at a time (a file's runs are shared by its
-# tests), longest files first (tests/conftest.py): the tests that wait overlap the ones that compute.
-XDIST := -n 2 --dist loadfile --no-loadscope-reorder
+# Tests run on 2 pytest-xdist workers (WORKERS=N to try another count), a whole file each at a time (a
+# file's runs are shared by its tests), longest files first (tests/conftest.py): the tests that wait
+# overlap the ones that compute.
+WORKERS ?= 2
+XDIST := -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
-# The whole suite (what CI runs), its 15 slowest tests listed at the end.
-test: $(STAMP) lint typecheck docs
+# The whole suite (what CI runs), its 15 slowest tests listed at the end. The checks run beside the tests
+# (make -j): the suite leaves a quarter of 2 cores idle while its processes wait, which a cold mypy
+# (15-30 s) and the site (about 10 s) fill. A failing check fails the target once the tests are done.
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j4 lint typecheck docs suite
+
+suite: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) --durations=15
 
 # Lint, types and the tests that start no process, need no root, download nothing and are not slow: under a
-# minute on 2 cores, from any home folder (tests/conftest.py gives the session a data cache and a matplotlib folder).
-test-fast: $(STAMP) lint typecheck
+# minute on 2 cores, from any home folder (tests/conftest.py gives the session a data cache and a matplotlib
+# folder). The checks run beside the tests, as in `make test`.
+test-fast: $(STAMP)
+	$(MAKE) --no-print-directory -j3 lint typecheck suite-fast
+
+suite-fast: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "not processes and not root and not slow and not network"
 
 clean:

@@ -161,27 +161,29 @@ def test_a_rendezvous_port_in_use_is_named_with_the_fix(capsys: pytest.CaptureFi
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("elastic", [False, True])
-def test_an_evaluation_longer_than_the_dist_timeout_loses_nothing(tmp_path: Path, elastic: bool) -> None:
+def test_an_evaluation_longer_than_the_dist_timeout_loses_nothing(tmp_path: Path) -> None:
     """Rank 0 (the elastic leader) evaluates, mid-run and final, for longer than --dist-timeout: the
     others wait for it outside the collective timeout, and the run ends with its summary and every
-    eval line (elastic: with nobody declared dead)."""
-    out, tag = tmp_path / "run", uuid.uuid4().hex
-    cmd = [sys.executable, "-m", "eagerloco", "launch", "--workers", "2", *(["--elastic"] if elastic else []), "--",
-           *BASE, "--steps", "8", "--method", "diloco", "--inner-steps", "2", "--eval-every", "4",
-           "--dist-timeout", "4", "--out", str(out)]
-    env = {**_env(tag), "EAGERLOCO_FAULT_EVAL_DELAY": "9"}
-    p = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    text, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, text[-6000:]
-    assert "Traceback" not in text
-    s = json.loads((out / "summary.json").read_text())
-    assert s["steps"] == 8 and s["final_eval_loss"] == s["final_eval_loss"]  # written, and a number
-    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [ln["step"] for ln in lines] == [2, 4, 6, 8] and "eval_loss" in lines[1]
-    if elastic:
-        assert s["faults"] == [] and s["members"] == [0, 1], s["faults"]
-    assert tagged(tag) == []
+    eval line (elastic: with nobody declared dead). A plain and an elastic run at once: both mostly wait."""
+    runs = {}
+    for elastic in (False, True):
+        out, tag = tmp_path / f"run-{elastic}", uuid.uuid4().hex
+        cmd = [sys.executable, "-m", "eagerloco", "launch", "--workers", "2", *(["--elastic"] if elastic else []),
+               "--", *BASE, "--steps", "8", "--method", "diloco", "--inner-steps", "2", "--eval-every", "4",
+               "--dist-timeout", "4", "--out", str(out)]
+        env = {**_env(tag), "EAGERLOCO_FAULT_EVAL_DELAY": "9"}
+        runs[elastic] = (out, tag, popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    for elastic, (out, tag, p) in runs.items():
+        text, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, f"(elastic: {elastic})\n{text[-6000:]}"
+        assert "Traceback" not in text
+        s = json.loads((out / "summary.json").read_text())
+        assert s["steps"] == 8 and s["final_eval_loss"] == s["final_eval_loss"]  # written, and a number
+        lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [ln["step"] for ln in lines] == [2, 4, 6, 8] and "eval_loss" in lines[1]
+        if elastic:
+            assert s["faults"] == [] and s["members"] == [0, 1], s["faults"]
+        assert tagged(tag) == []
 
 
 def _pid_of_rank(tag: str, rank: int) -> int | None:
@@ -198,28 +200,31 @@ def _pid_of_rank(tag: str, rank: int) -> int | None:
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
-def test_a_dead_or_frozen_inner_rank_is_named_by_its_global_rank(tmp_path: Path, sig: signal.Signals) -> None:
+def test_a_dead_or_frozen_inner_rank_is_named_by_its_global_rank(tmp_path: Path) -> None:
     """2 workers x 2 ranks, checkpoints every step: global rank 1 (worker 0's second rank, no link
-    of its own) is killed or frozen. Its worker's first rank names it, nobody prints a traceback,
-    every process ends, and the newest checkpoint is intact."""
-    out, tag = tmp_path / "run", uuid.uuid4().hex
-    # --spawn-ranks: the victim is found by its environment in /proc, which a forked rank shares with its server.
-    cmd = [sys.executable, "-m", "eagerloco", "launch", "--spawn-ranks", "--workers", "2", "--ranks-per-worker", "2",
-           "--grace-s", "60", "--", *BASE, "--ranks-per-worker", "2", "--checkpoint-every", "1", "--steps", "400",
-           "--dist-timeout", "15", "--out", str(out)]
-    log = tmp_path / "run.log"
-    p = _start(cmd, tag, log)
-    _wait_for_checkpoint(p, out, 2, log)
-    pid = _pid_of_rank(tag, 1)
-    assert pid is not None
-    os.kill(pid, sig)
-    text = _stopped(p, log, timeout=240)
-    assert p.returncode != 0
-    assert "global rank 1 (worker 0)" in text and ("killed by signal 9" in text or "frozen" in text), text[-4000:]
-    assert "global rank 0 " not in text.replace("global rank 0 stopped", ""), text[-4000:]  # no misattribution
-    deadline = time.monotonic() + 30
-    while tagged(tag) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert tagged(tag) == []
-    ckpt.verify(ckpt.list_checkpoints(ckpt.checkpoint_root(out))[-1])
+    of its own) is frozen in one run and killed in another. Its worker's first rank names it, nobody
+    prints a traceback, every process ends, and the newest checkpoint is intact. The second run trains
+    while the first waits out its --dist-timeout."""
+    runs = {}
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        out, tag, log = tmp_path / sig.name, uuid.uuid4().hex, tmp_path / f"{sig.name}.log"
+        # --spawn-ranks: the victim is found by its environment in /proc, which a forked rank shares with its server.
+        cmd = [sys.executable, "-m", "eagerloco", "launch", "--spawn-ranks", "--workers", "2", "--ranks-per-worker",
+               "2", "--grace-s", "60", "--", *BASE, "--ranks-per-worker", "2", "--checkpoint-every", "1", "--steps",
+               "400", "--dist-timeout", "15", "--out", str(out)]
+        p = _start(cmd, tag, log)
+        _wait_for_checkpoint(p, out, 2, log)
+        pid = _pid_of_rank(tag, 1)
+        assert pid is not None
+        os.kill(pid, sig)
+        runs[sig] = (out, tag, log, p)
+    for sig, (out, tag, log, p) in runs.items():
+        text = _stopped(p, log, timeout=240)
+        assert p.returncode != 0, sig.name
+        assert "global rank 1 (worker 0)" in text and ("killed by signal 9" in text or "frozen" in text), text[-4000:]
+        assert "global rank 0 " not in text.replace("global rank 0 stopped", ""), text[-4000:]  # no misattribution
+        deadline = time.monotonic() + 30
+        while tagged(tag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert tagged(tag) == [], sig.name
+        ckpt.verify(ckpt.list_checkpoints(ckpt.checkpoint_root(out))[-1])

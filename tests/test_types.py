@@ -39,7 +39,9 @@ def test_a_type_checker_sees_the_top_level_signatures(tmp_path: Path) -> None:
     user = tmp_path / "user.py"
     user.write_text("import eagerloco\nreveal_type(eagerloco.outer_loop)\nreveal_type(eagerloco.connect)\n"
                     "eagerloco.outer_loop(1, 2, method='eager')\n")
-    done = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(user)], cwd=REPO,
+    # A cache of its own: `make test` may run `make typecheck` (the repository's cache) at the same time.
+    cache = tmp_path / "mypy_cache"
+    done = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(cache), str(user)], cwd=REPO,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "MYPYPATH": str(REPO)})
     out = done.stdout
     assert "Revealed type is \"def (model: torch.nn.modules.module.Module, inner_optimizer: Any, config:" in out, out
