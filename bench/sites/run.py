@@ -152,7 +152,9 @@ def run(method: str, faults: bool, out: Path, steps: int = STEPS) -> dict[str, A
                     ckpt.load_worker_state(c, int(f["file"].split("_")[1].split(".")[0]))
             except Exception as e:  # recorded, not raised: the table says which
                 unloadable.append(f"{c}: {e}")
-    left = subprocess.run(["pgrep", "-f", f"127.0.0.1:{port}"], capture_output=True, text=True).stdout.split()
+    # Any process of this run: a worker (its --outer-addr) or a coordinator (its --port).
+    left = subprocess.run(["pgrep", "-f", f"(127\\.0\\.0\\.1:|--port ){port}( |$)"], capture_output=True,
+                          text=True).stdout.split()
     return {"method": method, "faults": faults, "steps": steps, "exit": {k: p.p.returncode for k, p in jobs.items()},
             "events": events, "joins": {k: v[1] for k, v in joins.items() if v},
             "worker_steps": worker_steps(membership(w1.lines), WORKERS, 0, steps),
