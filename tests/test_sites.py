@@ -20,11 +20,12 @@ from test_hooks_jobs import coordinators, free_ports, job_env, wait_all
 
 pytestmark = pytest.mark.processes
 ROOT = Path(__file__).resolve().parents[1]
-# DiLoCo rounds of 4 steps, each blocked 0.25 s by the emulated link: a run of 96 steps lasts long enough for a
+# DiLoCo rounds of 4 steps of at least 0.1 s each (--sim-step-time pads a step to it, so a worker left alone does not
+# race to the end while another one starts) and 0.1 s on the emulated link: a run of 64 steps lasts long enough for a
 # restarted worker to come back before the end, on a loaded machine too.
 ARGS = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress",
-        "--log-every", "8", "--method", "diloco", "--inner-steps", "4", "--latency-ms", "250", "--steps", "96",
-        "--checkpoint-every", "8", "--elastic", "--dist-timeout", "20"]
+        "--log-every", "8", "--method", "diloco", "--inner-steps", "4", "--latency-ms", "100", "--sim-step-time",
+        "0.1", "--steps", "64", "--checkpoint-every", "8", "--elastic", "--dist-timeout", "20"]
 
 
 def _job(port: int, w: int, out: Path, *extra: str, env: dict[str, str] | None = None) -> Any:
@@ -39,8 +40,8 @@ def _outer(out: Path, w: int, step: int) -> list[torch.Tensor]:
     return list(state["sync"]["outer"][0])
 
 
-def _same_final_outer(tmp_path: Path) -> None:
-    a, b = (_outer(tmp_path / f"w{w}", w, 96) for w in range(2))
+def _same_final_outer(tmp_path: Path, steps: int = 64) -> None:
+    a, b = (_outer(tmp_path / f"w{w}", w, steps) for w in range(2))
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     s0, s1 = (json.loads((tmp_path / f"w{w}" / "summary.json").read_text()) for w in range(2))
     assert s0["final_eval_loss"] == s1["final_eval_loss"]
@@ -52,13 +53,16 @@ def test_worker_0_killed_the_other_goes_on_and_worker_0_rejoins_with_the_same_ou
     other = _job(port, 1, tmp_path / "w1")
     killed = wait_all([first], 240)[0]
     assert killed.returncode == -9, killed.stdout[-3000:]
-    # A joiner with another setting is refused with one line, before it asks to join.
-    wrong = wait_all([_job(port, 0, tmp_path / "w0-wrong", "--outer-lr", "0.5")], 120)[0]
+    # A joiner with another setting is refused with one line, before it asks to join; the one with the run's settings,
+    # started beside it, joins.
+    refused = _job(port, 0, tmp_path / "w0-wrong", "--outer-lr", "0.5")
+    back = _job(port, 0, tmp_path / "w0", "--resume")
+    wrong = wait_all([refused], 120)[0]
     assert wrong.returncode == 2, wrong.stdout[-3000:]
     last = wrong.stdout.strip().splitlines()[-1]
     assert last.startswith("eagerloco: error: the workers disagree on settings that must match: --outer-lr (worker 0: "
                            "0.5, the run: 0.7). Start worker 0 with the run's settings to join it"), wrong.stdout
-    back, survivor = wait_all([_job(port, 0, tmp_path / "w0", "--resume"), other], 300)
+    back, survivor = wait_all([back, other], 300)
     assert survivor.returncode == 0, survivor.stdout[-3000:]
     assert back.returncode == 0, back.stdout[-3000:]
     assert "worker 1: lost 0; continuing with workers [1]" in survivor.stdout, survivor.stdout[-3000:]
@@ -83,7 +87,7 @@ def test_the_coordinator_killed_and_restarted_mid_run_the_run_goes_on(tmp_path: 
         raise AssertionError("the coordinator did not listen")
 
     c = coordinator()
-    jobs = [_job(port, w, tmp_path / f"w{w}") for w in range(2)]
+    jobs = [_job(port, w, tmp_path / f"w{w}", "--steps", "48") for w in range(2)]
     try:
         ckpt = tmp_path / "w0" / "checkpoints" / "step_00000016"
         deadline = time.monotonic() + 200
@@ -99,7 +103,7 @@ def test_the_coordinator_killed_and_restarted_mid_run_the_run_goes_on(tmp_path: 
     finally:
         c.terminate()
         c.wait(30)
-    _same_final_outer(tmp_path)
+    _same_final_outer(tmp_path, 48)
 
 
 class _Cut:
@@ -179,9 +183,9 @@ def _wait_for(path: Path, text: str, timeout: float) -> None:
 
 def test_a_third_worker_joins_a_running_two_worker_run(tmp_path: Path) -> None:
     port = coordinators(1)[0]
-    jobs = [_job(port, w, tmp_path / f"w{w}", "--steps", "160") for w in range(2)]
+    jobs = [_job(port, w, tmp_path / f"w{w}") for w in range(2)]
     _wait_for(tmp_path / "w0" / "metrics.jsonl", '"step": 8', 200)
-    third = popen([sys.executable, "-m", "eagerloco", "train", *ARGS, "--steps", "160", "--outer-addr",
+    third = popen([sys.executable, "-m", "eagerloco", "train", *ARGS, "--outer-addr",
                    f"127.0.0.1:{port}", "--worker-id", "2", "--workers", "2", "--out", str(tmp_path / "w2")],
                   env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     done = wait_all([*jobs, third], 300)
@@ -189,7 +193,7 @@ def test_a_third_worker_joins_a_running_two_worker_run(tmp_path: Path) -> None:
         assert d.returncode == 0, f"worker {w}:\n{d.stdout[-3000:]}"
     assert "worker 0: workers [2] joined at step" in done[0].stdout, done[0].stdout[-3000:]
     assert "members [0, 1, 2]" in done[2].stdout, done[2].stdout[-3000:]
-    outer = [_outer(tmp_path / f"w{w}", w, 160) for w in range(3)]
+    outer = [_outer(tmp_path / f"w{w}", w, 64) for w in range(3)]
     for other in outer[1:]:
         assert all(torch.equal(x, y) for x, y in zip(outer[0], other, strict=True))
 
@@ -197,7 +201,7 @@ def test_a_third_worker_joins_a_running_two_worker_run(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_worker_leaves_and_rejoins_three_times(tmp_path: Path) -> None:
     port = coordinators(1)[0]
-    args = ("--steps", "480", "--latency-ms", "600")
+    args = ("--steps", "128")
     w0 = _job(port, 0, tmp_path / "w0", *args)
     first = _job(port, 1, tmp_path / "w1", *args, env={"EAGERLOCO_FAULT_KILL": "1:10"})
     assert wait_all([first], 240)[0].returncode == -9
@@ -218,5 +222,5 @@ def test_a_worker_leaves_and_rejoins_three_times(tmp_path: Path) -> None:
     assert survivor.returncode == 0, survivor.stdout[-3000:]
     assert survivor.stdout.count("worker 0: lost 1; continuing with workers [0]") == 3, survivor.stdout[-4000:]
     assert survivor.stdout.count("worker 0: workers [1] joined at step") == 3, survivor.stdout[-4000:]
-    a, b = (_outer(tmp_path / f"w{w}", w, 480) for w in range(2))
+    a, b = (_outer(tmp_path / f"w{w}", w, 128) for w in range(2))
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
