@@ -1,7 +1,7 @@
 """Quorum exchanges across separate `eagerloco train --outer-addr` jobs at a coordinator (docs/algorithms.md,
 12.10): a worker stopped by SIGSTOP does not hold the others beyond the grace window, and after SIGCONT it
-catches up and its late window is merged once; Q = M is today's run; under --elastic a killed worker leaves
-after the timeout (the others going on meanwhile) and rejoins, while a stopped one stays a member (12.6)."""
+catches up and its late window is merged once (or dropped past --max-late-rounds); a resume mid-schedule
+ends as the run that never stopped. Who is a member of each exchange: tests/test_quorum_jobs_members.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -23,38 +22,37 @@ import torch.distributed as dist
 from jobs import popen
 from test_hooks_jobs import coordinators, job_env, wait_all
 
-from eagerloco.comm.quorum import GRACE_MAX, GRACE_MIN, GRACE_WINDOW
 from eagerloco.comm.quorum_jobs import QUORUM_PREFIX
 
 pytestmark = pytest.mark.processes
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, H, GRACE = 64, 4, 0.3
+STEPS, H, GRACE = 48, 4, 0.3
 ARGS = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress",
         "--log-every", "16", "--inner-steps", str(H), "--steps", str(STEPS),
         "--checkpoint-every", str(STEPS), "--dist-timeout", "60"]
 
 
-def _job(port: int, w: int, workers: int, out: Path, *extra: str, env: dict[str, str] | None = None) -> Any:
+def job(port: int, w: int, workers: int, out: Path, *extra: str, env: dict[str, str] | None = None) -> Any:
     return popen([sys.executable, "-m", "eagerloco", "train", *ARGS, *extra, "--outer-addr", f"127.0.0.1:{port}",
                   "--worker-id", str(w), "--workers", str(workers), "--out", str(out)],
                  env={**job_env(), **(env or {})}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                  text=True)
 
 
-def _client(port: int) -> dist.Store:
+def client(port: int) -> dist.Store:
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False)
 
 
-def _outer(out: Path, w: int, steps: int = STEPS) -> list[torch.Tensor]:
+def outer(out: Path, w: int, steps: int = STEPS) -> list[torch.Tensor]:
     state = torch.load(out / "checkpoints" / f"step_{steps:08d}" / f"worker_{w}.pt", weights_only=False)
     return list(state["sync"]["outer"][0])
 
 
-def _summary(out: Path) -> dict[str, Any]:
+def summary(out: Path) -> dict[str, Any]:
     return json.loads((out / "summary.json").read_text())
 
 
-def _counters(summary: dict[str, Any]) -> tuple[int, int, int]:
+def counters(summary: dict[str, Any]) -> tuple[int, int, int]:
     w = summary["per_worker"][0]
     return w["quorum_missed"], w["late_merged"], w["late_dropped"]
 
@@ -64,17 +62,17 @@ def _counters(summary: dict[str, Any]) -> tuple[int, int, int]:
 def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and_its_window_is_merged_once(
         tmp_path: Path, method: str, max_late: int) -> None:
     port = coordinators(1)[0]
-    store = _client(port)
+    store = client(port)
     # Rounds of at least 0.2 s (the emulated link's latency): the stop ends before the others' run does.
     quorum = ["--method", method, "--quorum", "2", "--grace", str(GRACE), "--max-late-rounds", str(max_late),
               "--latency-ms", "200", *(["--fragments", "2", "--overlap-steps", "1"] if method == "streaming" else [])]
     resume_too = method == "diloco" and max_late == 16  # then resumed mid-schedule too: a checkpoint every exchange
     if resume_too:
         quorum += ["--checkpoint-every", str(H), "--keep-checkpoints", str(STEPS // H)]
-    jobs = [_job(port, w, 3, tmp_path / f"w{w}", *quorum) for w in range(3)]
+    jobs = [job(port, w, 3, tmp_path / f"w{w}", *quorum) for w in range(3)]
     try:
         deadline = time.monotonic() + 240
-        while not store.check([f"{QUORUM_PREFIX}0/{4 * H}/decided"]) and time.monotonic() < deadline:
+        while not store.check([f"{QUORUM_PREFIX}0/{2 * H}/decided"]) and time.monotonic() < deadline:
             if any(j.poll() is not None for j in jobs):  # one ended early: its output says why
                 out = wait_all(jobs, 60)
                 raise AssertionError("\n".join(o.stdout[-2000:] for o in out))
@@ -107,8 +105,8 @@ def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and
     # Every window of worker 2's is in exactly one mean: the ones that missed are merged late, once each.
     merged = [tuple(c) for d in decisions.values() for c in d["merged"]]
     assert len(merged) == len(set(merged)), merged
-    missed, late, dropped = _counters(_summary(tmp_path / "w2"))
-    assert all(_counters(_summary(tmp_path / f"w{w}")) == (0, 0, 0) for w in range(2))
+    missed, late, dropped = counters(summary(tmp_path / "w2"))
+    assert all(counters(summary(tmp_path / f"w{w}")) == (0, 0, 0) for w in range(2))
     landed = sorted(s for s in decisions if any(c[0] == 2 and c[1] == s for c in merged))
     if max_late == 16:  # held while it caught up, every one merged
         assert missed >= 1 and late == missed and dropped == 0, (missed, late, dropped)
@@ -121,7 +119,7 @@ def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and
     # DiLoCo and Streaming (fragment 0's exchanges above; fragment 1's alike, its own windows held for its own):
     # every worker applies every mean, the late one too: the outer parameters stay identical (under eager each
     # worker's own share in flight is in its own only).
-    outers = [_outer(tmp_path / f"w{w}", w) for w in range(3)]
+    outers = [outer(tmp_path / f"w{w}", w) for w in range(3)]
     assert method == "eager" or all(torch.equal(a, b) for o in outers[1:] for a, b in zip(outers[0], o, strict=True))
     if resume_too:
         _resumed_mid_schedule_ends_as_the_uninterrupted_run(tmp_path, decisions, quorum)
@@ -144,7 +142,7 @@ def _resumed_mid_schedule_ends_as_the_uninterrupted_run(tmp_path: Path, decision
         state = torch.load(tmp_path / f"w{w}" / ckpt / f"worker_{w}.pt", weights_only=False)
         assert [h[:2] for h in state["sync"]["quorum_held"]["held"]["0"]][-1] == [w, c], state["sync"]
     port = coordinators(1)[0]
-    store = _client(port)
+    store = client(port)
     for s, d in decisions.items():
         if s > c:
             store.set(f"{QUORUM_PREFIX}0/{s}/decided", json.dumps(d))
@@ -153,166 +151,8 @@ def _resumed_mid_schedule_ends_as_the_uninterrupted_run(tmp_path: Path, decision
         for later in (tmp_path / "resumed" / f"w{w}" / "checkpoints").glob("step_*"):
             if int(later.name.removeprefix("step_")) > c:
                 shutil.rmtree(later)
-    jobs = [_job(port, w, 3, tmp_path / "resumed" / f"w{w}", *args, "--resume") for w in range(3)]
+    jobs = [job(port, w, 3, tmp_path / "resumed" / f"w{w}", *args, "--resume") for w in range(3)]
     for w, d in enumerate(wait_all(jobs, 300)):
         assert d.returncode == 0, f"resumed worker {w}:\n{d.stdout[-3000:]}"
-        again, first = _outer(tmp_path / "resumed" / f"w{w}", w), _outer(tmp_path / f"w{w}", w)
+        again, first = outer(tmp_path / "resumed" / f"w{w}", w), outer(tmp_path / f"w{w}", w)
         assert all(torch.equal(a, b) for a, b in zip(again, first, strict=True)), w
-
-
-@pytest.mark.parametrize("method", ["diloco", "eager"])
-def test_q_equal_m_across_jobs_is_today_s_run(tmp_path: Path, method: str) -> None:
-    ports = coordinators(2)
-    runs = {}
-    for name, port, extra in [("plain", ports[0], ["--method", method]),
-                              ("quorum", ports[1], ["--method", method, "--quorum", "2", "--grace", "0.5"])]:
-        for w, d in enumerate(wait_all([_job(port, w, 2, tmp_path / name / f"w{w}", *extra) for w in range(2)], 300)):
-            assert d.returncode == 0, f"{name} worker {w}:\n{d.stdout[-3000:]}"
-        runs[name] = [(_outer(tmp_path / name / f"w{w}", w), _summary(tmp_path / name / f"w{w}")) for w in range(2)]
-    store = dist.TCPStore("127.0.0.1", ports[1], is_master=False, timeout=timedelta(seconds=60),
-                          wait_for_workers=False)
-    assert not store.check([f"{QUORUM_PREFIX}0/{H}/arrived/0"])  # no exchange went through the coordinator
-    for (a, sa), (b, sb) in zip(runs["plain"], runs["quorum"], strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-        assert sa["final_eval_loss"] == sb["final_eval_loss"]
-
-
-def _wait_for(store: dist.Store, key: str, value: bytes | None, jobs: list[Any], timeout: float = 120) -> None:
-    """Until ``key`` holds ``value`` (None: any) while every job in ``jobs`` runs."""
-    deadline = time.monotonic() + timeout
-    while not (store.check([key]) and value in (None, store.get(key))):
-        assert time.monotonic() < deadline and all(j.poll() is None for j in jobs), f"no {key} = {value!r}"
-        time.sleep(0.02)
-
-
-@pytest.mark.slow
-def test_under_elastic_a_killed_worker_leaves_after_the_timeout_and_rejoins_a_stopped_one_stays_a_member(
-        tmp_path: Path) -> None:
-    port, steps = coordinators(1)[0], 144
-    store = _client(port)
-    # Rounds of at least 0.1 s (the emulated link's latency), so that the run outlasts the timeout and the restart.
-    args = ["--method", "diloco", "--quorum", "2", "--grace", str(GRACE), "--max-late-rounds", "16", "--steps",
-            str(steps), "--checkpoint-every", str(steps), "--elastic", "--dist-timeout", "5", "--latency-ms", "100"]
-    jobs = [_job(port, w, 3, tmp_path / f"w{w}", *args) for w in range(3)]
-    members = "eagerloco/elastic/members"
-    try:
-        # Worker 1 killed inside an exchange: arrived, so a member of its all-reduce, which fails; its members decide
-        # again without it, and the exchanges after it bypass it until the timeout removes it.
-        killed_at = 2 * H  # the group of the three formed at the first exchange, as the run's first act
-        while True:  # stopped once arrived, before the decision (which then holds it), then killed
-            _wait_for(store, f"{QUORUM_PREFIX}0/{killed_at}/arrived/1", None, jobs)
-            os.kill(jobs[1].pid, signal.SIGSTOP)
-            if not store.check([f"{QUORUM_PREFIX}0/{killed_at}/decided"]):
-                break
-            os.kill(jobs[1].pid, signal.SIGCONT)
-            killed_at += H
-        jobs[1].kill()
-        assert wait_all([jobs[1]], 60)[0].returncode == -9
-        _wait_for(store, members, b"0,2", [jobs[0], jobs[2]])
-        left_at = time.time()
-        jobs[1] = _job(port, 1, 3, tmp_path / "w1", *args)  # the same command again
-        _wait_for(store, members, b"0,1,2", jobs)
-        # Worker 2 stopped past the grace window, for less than the timeout, once worker 1 is back in the exchanges:
-        # between two exchanges (the others arrived at the next one, it not yet), not inside one's all-reduce.
-        s = next(s for s in range(steps, 0, -H) if store.check([f"{QUORUM_PREFIX}0/{s}/decided"]))
-        while True:
-            _wait_for(store, f"{QUORUM_PREFIX}0/{s}/decided", None, jobs)
-            back = json.loads(store.get(f"{QUORUM_PREFIX}0/{s}/decided"))["members"] == [0, 1, 2]
-            s += H
-            if back:
-                for w in (0, 1):
-                    _wait_for(store, f"{QUORUM_PREFIX}0/{s}/arrived/{w}", None, jobs)
-                os.kill(jobs[2].pid, signal.SIGSTOP)
-                if not store.check([f"{QUORUM_PREFIX}0/{s}/arrived/2"]):
-                    break
-                os.kill(jobs[2].pid, signal.SIGCONT)
-        stopped = time.time()
-        time.sleep(2.5)
-        os.kill(jobs[2].pid, signal.SIGCONT)
-        done = wait_all(jobs, 300)
-    finally:
-        for j in jobs:
-            if j.poll() is None:
-                os.kill(j.pid, signal.SIGCONT)
-                j.kill()
-    for w, d in enumerate(done):
-        assert d.returncode == 0, f"worker {w}:\n{d.stdout[-3000:]}"
-    decisions = {s: json.loads(store.get(f"{QUORUM_PREFIX}0/{s}/decided")) for s in range(H, steps + 1, H)}
-    assert 1 in decisions[killed_at]["members"]  # it had arrived: its all-reduce failed and was decided again
-    decisions[killed_at] = json.loads(store.get(f"{QUORUM_PREFIX}0/{killed_at}/1/decided"))
-    assert decisions[killed_at]["members"] == [0, 2] and not decisions[killed_at]["left"]
-
-    def bypassed(w: int, since: float, until: float) -> list[int]:
-        return [s for s, d in decisions.items() if since < d["decided_at"] < until and w not in d["members"]]
-
-    # While worker 1 was dead and still a member, and while worker 2 was stopped, the others closed their exchanges
-    # without it after the grace window.
-    dead, stalled = bypassed(1, 0, left_at), bypassed(2, stopped, stopped + 2.5)
-    assert killed_at in dead
-    assert dead and stalled, [(s, d["members"], d["left"], round(d["decided_at"] - stopped, 2))
-                              for s, d in decisions.items()]
-    for s in dead + stalled:
-        d = decisions[s]
-        quorum_at = sorted(d["arrivals_at"].values())[1]
-        assert d["decided_at"] - quorum_at < GRACE + 1.0, (s, d)
-    # Worker 1 left the membership at one exchange, after the timeout, and rejoined at a round boundary; worker 2,
-    # bypassed, stayed a member: each of its late windows merged once, and it caught up.
-    assert [d["left"] for d in decisions.values() if d["left"]] == [[1]]
-    for w in (0, 2):
-        assert f"worker {w}: lost 1; continuing with workers [0, 2]" in done[w].stdout, done[w].stdout[-3000:]
-        assert f"worker {w}: workers [1] joined at step" in done[w].stdout, done[w].stdout[-3000:]
-    assert "worker 1: joined at step" in done[1].stdout and "checked); members [0, 1, 2]" in done[1].stdout, \
-        done[1].stdout[-3000:]
-    assert all("lost 2" not in d.stdout for d in done)
-    merged = [tuple(c) for d in decisions.values() for c in d["merged"]]
-    assert len(merged) == len(set(merged)), merged
-    missed, late, dropped = _counters(_summary(tmp_path / "w2"))
-    assert missed >= len(stalled) and late == missed and dropped == 0, (missed, late, dropped)
-    assert decisions[steps]["members"] == [0, 1, 2]
-    outers = [_outer(tmp_path / f"w{w}", w, steps) for w in range(3)]
-    assert all(torch.equal(a, b) for o in outers[1:] for a, b in zip(outers[0], o, strict=True))
-
-
-
-@pytest.mark.slow
-def test_an_auto_grace_window_across_jobs_follows_the_spreads_its_decisions_carry(tmp_path: Path) -> None:
-    port, steps = coordinators(1)[0], 96
-    store = _client(port)
-    args = ["--method", "diloco", "--quorum", "2", "--grace", "auto", "--max-late-rounds", "16", "--steps", str(steps),
-            "--checkpoint-every", str(steps)]
-    jobs = [_job(port, w, 3, tmp_path / f"w{w}", *args) for w in range(3)]
-    measured = (GRACE_WINDOW + 1) * H  # the first exchange with a grace window: 8 measured before it
-    try:
-        _wait_for(store, f"{QUORUM_PREFIX}0/{measured}/decided", None, jobs)
-        time.sleep(0.05)
-        os.kill(jobs[2].pid, signal.SIGSTOP)  # in its next window's inner steps
-        stopped = time.time()
-        time.sleep(2.0)
-        os.kill(jobs[2].pid, signal.SIGCONT)
-        done = wait_all(jobs, 300)
-    finally:
-        for j in jobs:
-            if j.poll() is None:
-                os.kill(j.pid, signal.SIGCONT)
-                j.kill()
-    for w, d in enumerate(done):
-        assert d.returncode == 0, f"worker {w}:\n{d.stdout[-3000:]}"
-    decisions = [json.loads(store.get(f"{QUORUM_PREFIX}0/{s}/decided")) for s in range(H, steps + 1, H)]
-    # The first 8 exchanges measure and wait for every worker (12.2); each later one closes g after its Q-th arrival,
-    # g = clamp(2 median(the last 8 spreads, its own among them), T / 100, T / 4), the spreads carried from decision to
-    # decision whichever worker took it.
-    assert all(d["grace"] is None and d["members"] == [0, 1, 2] for d in decisions[:GRACE_WINDOW])
-    for before, d in zip(decisions[GRACE_WINDOW - 1:], decisions[GRACE_WINDOW:], strict=False):
-        assert d["spreads"][:-1] == before["spreads"][-GRACE_WINDOW + 1:] and len(d["spreads"]) == GRACE_WINDOW
-        order = sorted(d["arrivals_at"].values())
-        assert d["spreads"][-1] == order[1] - order[0]
-        t = d["round_compute"]
-        assert t > 0 and d["grace"] == min(max(2 * statistics.median(d["spreads"]), GRACE_MIN * t), GRACE_MAX * t)
-    bypassed = [d for d in decisions if d["decided_at"] > stopped and 2 not in d["members"]]
-    assert bypassed, [(d["members"], d["grace"], round(d["decided_at"] - stopped, 2)) for d in decisions]
-    for d in bypassed:  # the others waited g past the quorum's last arrival (plus the coordinator's round trips)
-        assert d["decided_at"] - sorted(d["arrivals_at"].values())[1] < d["grace"] + 1.0, d
-    merged = [tuple(c) for d in decisions for c in d["merged"]]
-    assert len(merged) == len(set(merged)), merged
-    outers = [_outer(tmp_path / f"w{w}", w, steps) for w in range(3)]
-    assert all(torch.equal(a, b) for o in outers[1:] for a, b in zip(outers[0], o, strict=True))

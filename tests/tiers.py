@@ -70,9 +70,10 @@ def pytest_configure(config: pytest.Config) -> None:
 # the other worker has nothing left to do. The order within a file is kept; a run without xdist keeps
 # the usual order.
 LONGEST_FIRST = ("test_sites.py", "test_dist_train.py", "test_signals.py", "test_quorum_jobs.py",
-                 "test_sites_entrypoints.py", "test_dist_ranks.py", "test_faults.py", "test_hooks_jobs.py",
-                 "test_netshape.py", "test_integrations_lightning.py", "test_integrations_hf.py",
-                 "test_distributed.py", "test_checkpoint.py", "test_integrations_kill.py", "test_nothing_lost.py")
+                 "test_sites_entrypoints.py", "test_dist_ranks.py", "test_quorum_jobs_members.py", "test_faults.py",
+                 "test_hooks_jobs.py", "test_netshape.py", "test_integrations_lightning.py",
+                 "test_integrations_hf.py", "test_distributed.py", "test_checkpoint.py", "test_integrations_kill.py",
+                 "test_nothing_lost.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
