@@ -5,6 +5,7 @@ worker's state (its digest checked) and ends with the other's outer parameters."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -22,7 +23,12 @@ from eagerloco.comm.rendezvous import STARTED_KEY
 from eagerloco.config import ConfigError
 
 HERE = Path(__file__).resolve().parent
-STEPS = 120
+STEPS = 60  # a kill at step 10, the survivor alone until the restarted worker is back (0.2 s a step), the rest fast
+
+
+def _needs(framework: str) -> pytest.MarkDecorator:
+    """Skipped without the framework: only the jobs import it (Lightning's import alone takes seconds)."""
+    return pytest.mark.skipif(importlib.util.find_spec(framework) is None, reason=f"{framework} is not installed")
 
 
 def _job(entry: str, out: Path, port: int, w: int, env: dict[str, str] | None = None, *extra: str) -> Any:
@@ -72,15 +78,15 @@ def test_torchft_port_a_killed_worker_restarted_rejoins_with_the_others_outer_pa
 
 @pytest.mark.processes
 @pytest.mark.slow
+@_needs("transformers")
 def test_hf_callback_a_killed_worker_restarted_rejoins_with_the_others_outer_parameters(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
     _killed_and_back("hf", tmp_path)
 
 
 @pytest.mark.processes
 @pytest.mark.slow
+@_needs("pytorch_lightning")
 def test_lightning_callback_a_killed_worker_restarted_rejoins_with_the_others_outer_parameters(tmp_path: Path) -> None:
-    pytest.importorskip("pytorch_lightning")
     _killed_and_back("lightning", tmp_path)
 
 
