@@ -21,6 +21,7 @@ from tiers import (  # noqa: F401 - pytest hooks, found by name in this module
     pytest_runtest_teardown,
 )
 from torch import nn
+from toy import Toy
 
 from eagerloco.comm.inprocess import InProcessGroup
 from eagerloco.config import LinkConfig, OuterConfig
@@ -50,22 +51,6 @@ os.environ.update(fault_environment({"PYTHONPATH": os.environ.get("PYTHONPATH", 
 # workers inherit them).
 if "PYTEST_XDIST_WORKER" not in os.environ:
     session_folders()
-
-
-class Toy(nn.Module):
-    """Blocks of one linear layer each, plus embedding-like and head parameters outside them."""
-
-    def __init__(self, num_blocks: int = 4, width: int = 3) -> None:
-        super().__init__()
-        self.embed = nn.Parameter(torch.randn(width))
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(num_blocks))
-        self.head = nn.Parameter(torch.randn(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.embed
-        for b in self.blocks:
-            h = torch.tanh(b(h))
-        return (h * self.head).sum(-1)
 
 
 GradFn = Callable[[int, int, str, torch.Tensor], torch.Tensor]

@@ -25,8 +25,8 @@ import zlib
 from pathlib import Path
 
 import torch
-from conftest import Toy
 from test_hooks import METHODS
+from toy import Toy
 
 import eagerloco
 from eagerloco.comm.connect import connect

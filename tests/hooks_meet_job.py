@@ -30,7 +30,7 @@ import zlib
 from pathlib import Path
 
 import torch
-from conftest import Toy
+from toy import Toy
 
 import eagerloco
 from eagerloco.comm.connect import connect

@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import Toy, seeded_grads
+from conftest import seeded_grads
 from runs import stop_after_checkpoint
 from torch import nn
+from toy import Toy
 
 from eagerloco.adaptive import SpeedMeter
 from eagerloco.comm.base import Communicator

@@ -6,9 +6,9 @@ import copy
 import math
 
 import torch
-from conftest import Toy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from toy import Toy
 
 from eagerloco.codecs import CODEC_NAMES
 from eagerloco.comm.inprocess import InProcessGroup

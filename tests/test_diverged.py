@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Toy, run_inprocess, seeded_grads
+from conftest import run_inprocess, seeded_grads
 from runs import launch_here, train_here
+from toy import Toy
 
 from eagerloco.comm.scripted import ScriptedCommunicator
 from eagerloco.config import OuterConfig

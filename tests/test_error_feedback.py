@@ -9,7 +9,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import Toy, plain_sgd_outer, run_inprocess, seeded_grads
+from conftest import plain_sgd_outer, run_inprocess, seeded_grads
+from toy import Toy
 
 from eagerloco.codecs import get_codec
 from eagerloco.comm.scripted import ScriptedCommunicator

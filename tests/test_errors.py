@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Toy
+from toy import Toy
 
 import eagerloco
 from eagerloco.cli import main

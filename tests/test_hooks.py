@@ -12,8 +12,8 @@ import zlib
 
 import pytest
 import torch
-from conftest import Toy
 from torch import nn
+from toy import Toy
 
 import eagerloco
 from eagerloco.comm.connect import connect

@@ -68,7 +68,7 @@ def test_eager_workers_end_with_one_model(tmp_path: Path) -> None:
 def test_a_step_the_grad_scaler_skips_still_counts_so_the_schedule_stays() -> None:
     """One worker's GradScaler skips a step (an inf): that step counts (the parameters unchanged), so the
     worker launches the same exchanges as one that skipped nothing."""
-    from conftest import Toy
+    from toy import Toy
 
     from eagerloco.comm.scripted import ScriptedCommunicator
 
@@ -95,7 +95,7 @@ def test_a_step_the_grad_scaler_skips_still_counts_so_the_schedule_stays() -> No
 
 
 def test_a_grad_scaler_with_dp_is_refused_with_the_reason() -> None:
-    from conftest import Toy
+    from toy import Toy
 
     model = Toy(num_blocks=2, width=4)
     with pytest.raises(eagerloco.ConfigError, match="with method dp: the gradient mean"):
@@ -154,7 +154,7 @@ def test_workers_resumed_from_the_same_checkpoint_train_on_with_one_model(tmp_pa
 def test_the_outer_optimizer_compared_is_the_one_that_steps_each_fragment() -> None:
     """Its class and settings, whether the settings built it or the caller passed it (torchft's way); the
     fragments' apart only where they differ; nothing that changes no number (foreach)."""
-    from conftest import Toy
+    from toy import Toy
 
     from eagerloco.comm.scripted import ScriptedCommunicator
     from eagerloco.hooks.start import outer_optimizer_settings, outer_state_digest

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import Toy
 from gloo_threads import context, run_ranks
+from toy import Toy
 
 from eagerloco.comm.worker import communicator_for
 from eagerloco.config import ConfigError, OuterConfig

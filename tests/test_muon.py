@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Toy
+from toy import Toy
 
 from eagerloco import checkpoint as ckpt
 from eagerloco.comm.scripted import ScriptedCommunicator

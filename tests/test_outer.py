@@ -7,7 +7,8 @@ import math
 
 import pytest
 import torch
-from conftest import Toy, constant_grads, plain_sgd_outer, run_inprocess, seeded_grads
+from conftest import constant_grads, plain_sgd_outer, run_inprocess, seeded_grads
+from toy import Toy
 
 from eagerloco.codecs import get_codec
 from eagerloco.comm.base import ReadyHandle

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Toy
 from packaging.requirements import Requirement
 from packaging.version import Version
+from toy import Toy
 
 import eagerloco
 from eagerloco.comm.inprocess import InProcessGroup

@@ -14,8 +14,9 @@ import json
 
 import pytest
 import torch
-from conftest import Toy, plain_sgd_outer, seeded_grads
+from conftest import plain_sgd_outer, seeded_grads
 from torch import nn
+from toy import Toy
 
 from eagerloco.comm.base import Contribution, QuorumRule, Window
 from eagerloco.comm.inprocess import InProcessGroup

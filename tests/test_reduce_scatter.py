@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import Toy, plain_sgd_outer, run_inprocess, seeded_grads
+from conftest import plain_sgd_outer, run_inprocess, seeded_grads
 from gloo_threads import group, run_ranks
+from toy import Toy
 
 from eagerloco.cli import main
 from eagerloco.codec_sizes import CODEC_NAMES, packed_nbytes, reduce_scatter_wire_bytes, shard_align

@@ -6,7 +6,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import Toy
+from toy import Toy
 
 import eagerloco
 from eagerloco.config import ConfigError, OuterConfig
