@@ -22,10 +22,13 @@ def test_goodput_counts_merged_compute_over_the_time_the_schedule_left_the_worke
     step_s, h = bench.STEP_S, bench.H
     run = {
         "events": [{"kind": "stall", "worker": 2, "t": 10.0}, {"kind": "stall ends", "worker": 2, "t": 40.0},
-                   {"kind": "kill", "worker": 3, "t": 42.0}],
+                   {"kind": "kill", "worker": 3, "t": 42.0},
+                   {"kind": "slow", "worker": 1, "t": 20.0, "extra_s": 2 * step_s},
+                   {"kind": "slow ends", "worker": 1, "t": 40.0}],
         "records": {
             "0": [[0.0, {"step": 2, "compute_s": 0.6}], [100.0, {"step": 336, "compute_s": 90.0}]],
-            "1": [[0.0, {"step": 2, "compute_s": 0.6}], [99.0, {"step": 336, "compute_s": 90.0}]],
+            "1": [[0.0, {"step": 2, "compute_s": 0.6}], [20.0, {"step": 60, "compute_s": 18.0}],  # at a third
+                  [40.0, {"step": 80, "compute_s": 24.0}], [99.0, {"step": 336, "compute_s": 90.0}]],  # of the speed
             "2": [[0.0, {"step": 2, "compute_s": 0.6}], [100.0, {"step": 336, "compute_s": 120.0}]],  # 30 s stopped
             # killed at step 130 (2 steps into a window), back at 50 s, counting its compute from 0 again
             "3": [[0.0, {"step": 2, "compute_s": 0.6}], [41.0, {"step": 130, "compute_s": 39.0}],
@@ -33,17 +36,23 @@ def test_goodput_counts_merged_compute_over_the_time_the_schedule_left_the_worke
         },
         "summaries": {str(w): {"per_worker": [{"late_dropped": int(w == 0), "late_merged": 2, "quorum_missed": 3}]}
                       for w in range(3)},
-        "drop_lines": {"0": ["eagerloco: quorum: dropped worker 0's window ..."], "1": [], "2": [], "3": []},
+        "drop_lines": {"0": ["eagerloco: quorum: dropped worker 0's window of fragment 0 launched at step 24 (3 steps, "
+                             "outer gradient norm 1.2): it missed 1 exchange(s) of its fragment"],
+                       "1": ["eagerloco: quorum: worker 1's window of fragment 0 launched at step 328 missed its "
+                             "exchange, and the run ended before a later one merged it: dropped"], "2": [], "3": []},
     }
     g = bench.goodput(run)
-    useful = 90 + 90 + (120 - 30) + 39 + 45 - (130 % h + h) * step_s  # the killed job's 2 steps, one dropped window
+    slowed = (24 - 18) / step_s * 2 * step_s  # the slowed site's steps took three step times
+    # less the killed job's 2 steps since its last exchange, and the dropped windows' 3 and (unnamed) H steps
+    useful = 90 + 90 + slowed + (120 - 30) + 39 + 45 - (130 % h + 3 + h) * step_s
     available = 4 * 100 - 30 - (50 - 42)
     assert g["useful_s"] == pytest.approx(useful, abs=0.05)
     assert g["available_s"] == pytest.approx(available)
     assert g["goodput"] == pytest.approx(useful / available, abs=5e-4)
     assert g["goodput_wall"] == pytest.approx(useful / 400, abs=5e-4)
-    counts = (g["lost_steps"], g["late_dropped"], g["late_merged"], g["quorum_missed"], g["drop_lines"])
-    assert counts == (2, 1, 6, 9, 1)
+    counts = (g["lost_steps"], g["late_dropped"], g["dropped_steps"], g["late_merged"], g["quorum_missed"],
+              g["drop_lines"])
+    assert counts == (2, 1, 3 + h, 6, 9, 2)
 
 
 def test_a_slowed_site_sleeps_while_its_file_is_there(tmp_path: Path) -> None:

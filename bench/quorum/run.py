@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import sys
@@ -33,11 +34,11 @@ from bench.sites.run import Proc, free_port  # noqa: E402
 from testing import faults  # noqa: E402
 
 PY = sys.executable
-STEP_S, H, STEPS, WORKERS = 0.3, 8, 336, 4
+STEP_S, H, STEPS, WORKERS = 0.4, 8, 256, 4
 QUORUM, GRACE_S = 3, 0.5
-EVAL_EVERY = 84
+EVAL_EVERY = 64
 COMMON = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "4", "--no-progress",
-          "--log-every", "2", "--inner-steps", str(H), "--steps", str(STEPS), "--sim-step-time", str(STEP_S),
+          "--log-every", str(H // 2), "--inner-steps", str(H), "--steps", str(STEPS), "--sim-step-time", str(STEP_S),
           "--eval-every", str(EVAL_EVERY), "--dist-timeout", "60",
           "--workers", str(WORKERS)]
 #: t-quantile of a two-sided 90% interval with n - 1 degrees of freedom (paired over n seeds).
@@ -57,7 +58,7 @@ class Fault:
 
 
 #: A 30 s stall; a kill and restart; a site at a third of the speed for 20 s (two more step times per step); a
-#: slow uplink for one site for 20 s (its payload leaves 1.8 s late each round of 2.4 s of compute).
+#: slow uplink for one site for 20 s (its payload leaves 2.4 s late each round of 3.2 s of compute).
 SCHEDULE = (
     Fault("stall", 2, 8.0, 30.0),
     Fault("kill", 3, 42.0),
@@ -208,6 +209,16 @@ def thin(records: list[tuple[float, dict[str, Any]]], t0: float) -> list[list[An
     return keep
 
 
+def compute_at(records: list[dict[str, Any]], t: float) -> float:
+    """A job's compute seconds at time ``t``, interpolated between the records around it."""
+    before = [x for x in records if x["seen"] <= t]
+    after = [x for x in records if x["seen"] > t]
+    if not before or not after:
+        return float((before or after)[-1 if before else 0]["compute_s"])
+    a, b = before[-1], after[0]
+    return a["compute_s"] + (b["compute_s"] - a["compute_s"]) * (t - a["seen"]) / (b["seen"] - a["seen"])
+
+
 def goodput(r: dict[str, Any]) -> dict[str, Any]:
     """Goodput of one run (bench/quorum/README.md): compute seconds of steps whose outer gradients were merged,
     over the seconds the workers were available (M x the wall clock from the first logged step to the last, less
@@ -232,16 +243,25 @@ def goodput(r: dict[str, Any]) -> dict[str, Any]:
             if e["kind"] == "kill" and e["worker"] == w and len(incarnations) > 1:
                 dead += incarnations[1][0]["seen"] - e["t"]
         computed += sum(float(inc[-1]["compute_s"]) for inc in incarnations)
+        for e in r["events"]:  # the slowed site computes its steps at a third of the speed: compute time too
+            if e["kind"] == "slow" and e["worker"] == w:
+                end = next(x["t"] for x in r["events"] if x["kind"] == "slow ends" and x["worker"] == w)
+                steps = (compute_at(incarnations[-1], end) - compute_at(incarnations[-1], e["t"])) / STEP_S
+                computed += steps * e["extra_s"]
     pw = [s["per_worker"][0] for s in r["summaries"].values() if s.get("per_worker")]
     dropped = sum(int(x.get("late_dropped", 0)) for x in pw)
+    # Each drop's line names its window's steps; the one at the run's end does not (counted as H).
+    dropped_steps = sum(int(m.group(1)) if (m := re.search(r"\((\d+) steps", ln)) else H
+                        for lines in r["drop_lines"].values() for ln in lines)
     lost = max([int(s.get("lost_inner_steps", 0)) for s in r["summaries"].values()] + [killed_steps])
-    useful = computed - stalled - (lost + dropped * H) * STEP_S
+    useful = computed - stalled - (lost + dropped_steps) * STEP_S
     available = WORKERS * wall - stalled - dead
     return {"wall_s": round(wall, 1), "available_s": round(available, 1), "useful_s": round(useful, 1),
             "goodput": round(useful / available, 3), "goodput_wall": round(useful / (WORKERS * wall), 3),
             "stalled_s": round(stalled, 1), "dead_s": round(dead, 1), "lost_steps": lost,
             "quorum_missed": sum(int(x.get("quorum_missed", 0)) for x in pw),
             "late_merged": sum(int(x.get("late_merged", 0)) for x in pw), "late_dropped": dropped,
+            "dropped_steps": dropped_steps,
             "drop_lines": sum(len(v) for v in r["drop_lines"].values()),
             "slow_steps": sum(int(x.get("slow_steps", 0)) for x in pw)}
 
@@ -273,6 +293,8 @@ def interval(deltas: list[float]) -> str:
 
 def report(results: list[dict[str, Any]]) -> str:
     """bench/results/quorum.md: per run, then per method the quorum runs against the all-or-nothing ones."""
+    for r in results:  # counted again from the records, as this file counts them now
+        r["goodput"], r["loss"] = goodput(r), losses(r)
     sched = "; ".join(f"{f.kind} of worker {f.worker} at {f.at_s:g} s" + (f" for {f.length_s:g} s" if f.length_s
                                                                             else "") for f in SCHEDULE)
     lines = ["# Goodput under chaos: quorum exchanges against all-or-nothing rounds, measured", "",
@@ -297,8 +319,9 @@ def report(results: list[dict[str, Any]]) -> str:
               "tokens), 90% | quorum's final - all-or-nothing's at the quorum run's wall clock | seeds |",
               "|---|---|---|---|---|---|"]
     for method in sorted({r["method"] for r in results}):
-        pairs = [(q, a) for q in results for a in results if q["method"] == a["method"] == method
-                 and q["seed"] == a["seed"] and q["quorum"] and not a["quorum"] and not q["clean"] and not a["clean"]]
+        chaos = [r for r in results if r["method"] == method and r["schedule"]]
+        pairs = [(q, a) for q in chaos for a in chaos if q["seed"] == a["seed"] and q["quorum"] and not a["quorum"]
+                 and q["schedule"] == a["schedule"]]
         if not pairs:
             continue
         gq = [q["goodput"]["goodput"] for q, _ in pairs]
@@ -309,20 +332,38 @@ def report(results: list[dict[str, Any]]) -> str:
         lines.append(f"| {method} | {statistics.fmean(gq):.3f} ({min(gq):.3f}-{max(gq):.3f}) | "
                      f"{statistics.fmean(ga):.3f} ({min(ga):.3f}-{max(ga):.3f}) | {interval(tokens)} | "
                      f"{interval(walls) if walls else 'n/a'} | {len(pairs)} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + simulated()) + "\n"
+
+
+def simulated() -> list[str]:
+    """The simulated goodput from 8 to 10,000 workers (bench/results/quorum_sim.json), DiLoCo's and eager's rows."""
+    path = ROOT / "bench" / "results" / "quorum_sim.json"
+    if not path.exists():
+        return []
+    lines = ["", "## Beside it: goodput simulated from 8 to 10,000 workers", "",
+             "From `bench/results/quorum_sim.md` (`eagerloco simulate --goodput`, docs/algorithms.md 12.9: a 10b "
+             "model, H = 100, restart 600 s, Q = ceil(0.9 M), over M x the wall clock), all-or-nothing / quorum:", "",
+             "| scenario | M | DiLoCo | eager |", "|---|---|---|---|"]
+    for name, sc in json.loads(path.read_text()).items():
+        rows = {(r["workers"], r["method"]): r for g in sc["goodput"] for r in g["rows"]}
+        for m in sorted({w for w, _ in rows}):
+            cells = [f"{rows[m, k]['all_or_nothing']['goodput']:.3f} / {rows[m, k]['quorum_exchange']['goodput']:.3f}"
+                     if (m, k) in rows else "" for k in ("diloco", "eager")]
+            lines.append(f"| {name}: {sc['about']} | {m} | {cells[0]} | {cells[1]} |")
+    return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--methods", default="diloco,eager")
-    ap.add_argument("--quorum-without", default="", help="fault kinds left out of the quorum runs' schedule "
-                    "(comma list), where the quorum transport does not run them yet")
+    ap.add_argument("--without", default="", help="fault kinds left out of both modes' schedule (comma list): "
+                    "a kill and restart under quorum needs quorum exchanges that compose with --elastic")
     ap.add_argument("--clean", action="store_true", help="no faults: the machine's ceiling for each mode")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quorum.json"))
     ap.add_argument("--report", action="store_true", help="only write the Markdown beside --out from its runs")
     args = ap.parse_args()
-    skip = {k for k in args.quorum_without.split(",") if k}
+    skip = {k for k in args.without.split(",") if k}
     out_path = Path(args.out)
     results = json.loads(out_path.read_text()) if out_path.exists() else []
     if args.report:
@@ -331,18 +372,18 @@ def main() -> None:
     for seed in [int(x) for x in args.seeds.split(",")]:
         for method in args.methods.split(","):
             for quorum in (False, True):
-                schedule = () if args.clean else tuple(f for f in SCHEDULE if not (quorum and f.kind in skip))
+                schedule = () if args.clean else tuple(f for f in SCHEDULE if f.kind not in skip)
                 with tempfile.TemporaryDirectory() as tmp:
                     t = time.time()
                     r = run(method, quorum, seed, schedule, Path(tmp))
-                r["run_s"], r["clean"] = round(time.time() - t, 1), args.clean
+                r["run_s"], r["schedule"] = round(time.time() - t, 1), [f.kind for f in schedule]
                 r["load"] = os.getloadavg()
                 r["goodput"] = goodput(r)
                 r["loss"] = losses(r)
                 print(json.dumps({k: r[k] for k in ("method", "quorum", "seed", "exit", "goodput", "run_s")}
                                  | {"final": r["loss"]["final_eval_loss"]}), flush=True)
-                key = (method, quorum, seed, args.clean)
-                results = [x for x in results if (x["method"], x["quorum"], x["seed"], x.get("clean")) != key]
+                key = (method, quorum, seed, r["schedule"])
+                results = [x for x in results if (x["method"], x["quorum"], x["seed"], x.get("schedule")) != key]
                 results.append(r)
                 out_path.write_text(json.dumps(results, indent=1) + "\n")
 
