@@ -136,6 +136,11 @@ class OwnWindows:
             for e, t in zip(self.feedback.buffers[fragment], payload, strict=True):
                 e.add_(t)
 
+    def forget(self) -> None:
+        """A worker joining with a peer's state: no window of its own missed yet, its tick times to be measured."""
+        self.launches.clear()
+        self.catch_up, self.recent, self.compute_mark = 0, [], None
+
     def state_dict(self) -> dict[str, Any]:
         return {"ran": list(self.ran), "scheduled": list(self.scheduled), "catch_up": self.catch_up,
                 "skipped": self.skipped, "ticks": self.ticks, "recent": list(self.recent),

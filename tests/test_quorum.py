@@ -215,7 +215,6 @@ def test_train_refuses_a_quorum_where_processes_do_not_close_on_one_and_above_th
     job = RuntimeConfig(outer_addr="127.0.0.1:29500", worker_id=0)
     elastic = RuntimeConfig(outer_addr="127.0.0.1:29500", worker_id=0, elastic=True)
     for outer, runtime, says in [(OuterConfig(quorum=2), job, "across jobs needs --grace in seconds"),
-                                 (OuterConfig(quorum=2, grace="1"), elastic, "does not run with --elastic"),
                                  (OuterConfig(quorum=2, grace="1", method="streaming", fragments=2), job,
                                   "diloco or eager only"),
                                  (OuterConfig(quorum=2, grace="1", codec="fp8"), job, "fp32 payloads only"),
@@ -226,6 +225,8 @@ def test_train_refuses_a_quorum_where_processes_do_not_close_on_one_and_above_th
         assert "\n" not in str(info.value)
     TrainConfig(model="micro", batch_size=2, seq_len=16, workers=3, outer=OuterConfig(quorum=3),
                 runtime=job).validate(Environment.read())  # Q = M: today's exchanges, on any runtime
+    TrainConfig(model="micro", batch_size=2, seq_len=16, workers=3, outer=OuterConfig(quorum=2, grace="1"),
+                runtime=elastic).validate(Environment.read())  # with --elastic: L_e the membership's (12.6)
 
 
 def test_a_runtime_that_needs_every_worker_refuses_a_quorum() -> None:

@@ -363,35 +363,29 @@ class TorchDistCommunicator(Communicator):
         if self.staging.on_device and home.type == "cpu":
             buf = buf.to(self.staging.device)
         out = torch.empty(self.num_workers * buf.numel(), dtype=torch.uint8, device=buf.device)
-        self._in_collective_since = time.monotonic()
-        try:
-            _all_gather(out, buf, group=self.peers.group)
-        except Exception as e:
-            raise TransportError(str(e)) from e
-        self._in_collective_since = None
+        self._collective(_all_gather, out, buf)
         return out.view(self.num_workers, buf.numel()).to(home)
 
     def _scatter(self, rows: torch.Tensor) -> torch.Tensor:
         """All-to-all of equal-size uint8 rows: row j goes to group position j; returns the rows received,
         in group order (gloo sends the M-1 others' rows and copies this worker's own)."""
         out = torch.empty_like(rows)
-        self._in_collective_since = time.monotonic()
-        try:
-            dist.all_to_all_single(out, rows, group=self.peers.group)
-        except Exception as e:
-            raise TransportError(str(e)) from e
-        self._in_collective_since = None
+        self._collective(dist.all_to_all_single, out, rows)
         return out
 
     def _sum(self, buf: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) an FP32 buffer in place: half the bytes of an all-gather beyond M = 2."""
+        self._collective(dist.all_reduce, buf, op=dist.ReduceOp.SUM)
+        return buf
+
+    def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """One collective on the current group, timed for :meth:`_await`; a failure is a TransportError."""
         self._in_collective_since = time.monotonic()
         try:
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.peers.group)
+            fn(*args, group=self.peers.group, **kwargs)
         except Exception as e:
             raise TransportError(str(e)) from e
         self._in_collective_since = None
-        return buf
 
     def _execute(self, op: Op) -> torch.Tensor | None:
         """Run one operation on this thread; returns the flat FP32 mean (None for a barrier or agreement).

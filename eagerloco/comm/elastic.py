@@ -260,7 +260,16 @@ class Membership:
             return _ids(self.kv.compare_set(key, "", alive).decode())
         return _ids(self.kv.get(key).decode())
 
-    def _gone(self, w: int) -> bool:
+    def changing(self) -> bool:
+        """Whether a member started a change away from this epoch (this worker follows it: :meth:`recover`)."""
+        return self.kv.check([f"ep{self.epoch + 1}/recovering"])
+
+    def departed(self, w: int, silent_s: float) -> bool:
+        """Whether member w left the run: its process ended or closed, a new process of it asks to join, or its
+        heartbeat is older than ``silent_s`` (the membership's timeout: a quorum's exchanges go on meanwhile)."""
+        return self.kv.check([f"join/req/{w}"]) or self._gone(w, silent_s)
+
+    def _gone(self, w: int, stale_s: float = _STALE_S) -> bool:
         """Strong evidence only: the launcher saw it exit, or its heartbeat is stale or says closed."""
         try:
             if self.hb.check([f"exited/{w}"]):
@@ -270,7 +279,7 @@ class Membership:
             parts = self.hb.get(f"hb/{w}").decode().split()
         except Exception:
             return False
-        return parts[2] in ("closed", "failed") or time.time() - float(parts[0]) > _STALE_S
+        return parts[2] in ("closed", "failed") or time.time() - float(parts[0]) > stale_s
 
     def _last_seen_step(self, w: int) -> int | None:
         """Inner steps worker w had completed at its last heartbeat."""
@@ -426,6 +435,9 @@ class Membership:
             # Its own speed too (adaptive steps), measured afresh: the source's steps were not its own.
             if trainer.sync.adaptive is not None:
                 trainer.sync.adaptive.forget_speed()
+            # Its own quorum windows too: none missed yet, its tick times its own (docs/algorithms.md, 12.6).
+            if trainer.sync.own_windows is not None:
+                trainer.sync.own_windows.forget()
             trainer.last_loss = state["last_loss"]
             comm.adopt_sequence(int(state["launched"]))
         self.barrier()

@@ -148,24 +148,20 @@ class ExchangeQueue:
         assert self._parked.is_set()
         ops = [] if self._parked_op is None else [self._parked_op]
         self._parked_op = None
-        while True:
-            try:
-                op = self._ops.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(op, Op):
-                ops.append(op)
+        ops += [op for op in self._drain() if isinstance(op, Op)]
         return sorted(ops, key=lambda j: j.seq)
+
+    def _drain(self) -> list[Op | object | None]:
+        """Take everything queued now, in order."""
+        taken = []
+        while not self._ops.empty():
+            taken.append(self._ops.get_nowait())
+        return taken
 
     def resume(self, ops: list[Op]) -> None:
         """Run the given ops first, in order, then those launched while parked; unpark."""
         assert self._parked.is_set(), "pause() first"
-        later = []
-        while True:  # launches made while parked queue up behind the reruns
-            try:
-                later.append(self._ops.get_nowait())
-            except queue.Empty:
-                break
+        later = self._drain()  # launches made while parked queue up behind the reruns
         for op in ops:
             self._ops.put(op)
         for op in later:

@@ -4,14 +4,16 @@ are comm/quorum.py's; only the transport is here."""
 from __future__ import annotations
 
 import json
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from eagerloco.comm.base import Contribution, Handle, QuorumResult, ReadyHandle, Window, flatten, unflatten
+from eagerloco.comm.emulated_link import EmulatedLink
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import gloo_group
 from eagerloco.comm.quorum import LateWindow
@@ -24,19 +26,28 @@ _POLL_S = 0.02
 
 
 class QuorumJobs:
-    """One worker's quorum exchanges over the coordinator (M workers, every one live; no --elastic)."""
+    """One worker's quorum exchanges over the coordinator. L_e: the M workers, or under --elastic the members
+    ``membership`` (comm/elastic.py's, which imports this module) holds: a worker silent longer than its timeout
+    leaves it, a bypassed one stays (12.6)."""
 
-    def __init__(self, comm: Any, client: dist.Store, workers: int, timeout_s: float) -> None:
+    def __init__(self, comm: Any, client: dist.Store, workers: int, timeout_s: float,
+                 membership: Any = None) -> None:
         self.comm, self.client, self.workers, self.timeout_s = comm, client, workers, timeout_s
+        self.membership = membership
         self.store = prefixed(QUORUM_PREFIX, client)
-        self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # by member set: all present forms nothing new
+        #: By membership epoch and member set: all present forms nothing new; a restarted worker, a new group.
+        self.groups: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
         self.held: dict[int, list[LateWindow]] = {}  # this worker's windows that missed, by fragment
+
+    def live(self) -> list[int]:
+        """L_e: the workers this exchange waits for."""
+        return list(self.membership.members) if self.membership is not None else list(range(self.workers))
 
     def exchange(self, tensors: list[torch.Tensor], window: Window, keep_own: bool) -> Handle:
         """The exchange of ``window``, run now: its mean and what it merged (FP32 payloads, sent unencoded)."""
         me, comm = self.comm.rank, self.comm
         flat = flatten(tensors).float().cpu()  # gloo
-        weight = window.total / self.workers  # N / M: the payload (M n / N) X times this is n X
+        weight = window.total / comm.num_workers  # N / M: the payload (M n / N) X times this is n X
         held = self.held.pop(window.fragment, [])
         key = f"{window.fragment}/{window.step}"
         t0 = time.perf_counter()
@@ -45,7 +56,12 @@ class QuorumJobs:
                    "tick_s": comm.stats.compute_s / max(1, window.step)}
         self.store.set(f"{key}/arrived/{me}", json.dumps(arrival))
         decision = self._decide(key, window)
-        members = decision["members"]
+        start = time.time()
+        members, live, left = decision["members"], decision["live"], decision["left"]
+        if me not in live:
+            raise PeerError(f"worker {me} left the run at the exchange of fragment {window.fragment} at step "
+                            f"{window.step}: it was silent longer than --dist-timeout {self.timeout_s:g} s, and the "
+                            "windows it holds leave with it; start it again with the same command to rejoin", [me])
         merged = [Contribution(*c) for c in decision["merged"]]
         plain = decision["plain"]
         dropped: list[Contribution] = []
@@ -56,17 +72,17 @@ class QuorumJobs:
                 send = flat * weight
                 for late in held:
                     send.add_(late.values, alpha=late.weight)
-            group = self._group(tuple(members))
+            group = self._group(decision["epoch"], tuple(members))
             dist.all_reduce(send, group=group)
             mean = send.div_(len(members) if plain else max(1, sum(c.steps for c in merged)))
             wire = 2 * (len(members) - 1) * send.numel() * 4 // len(members)  # a ring all-reduce's bytes each way
-            if len(members) < self.workers and members[0] == me:  # the left-out workers read it here
+            if len(members) < len(live) and members[0] == me:  # the left-out workers read it here
                 self.store.set(f"{key}/mean", mean.numpy().tobytes())
                 wire += mean.numel() * 4
         else:
             self.store.wait([f"{key}/mean"])
             mean = torch.frombuffer(bytearray(self.store.get(f"{key}/mean")), dtype=torch.float32)
-            if self.store.add(f"{key}/read", 1) == self.workers - len(members):
+            if self.store.add(f"{key}/read", 1) == len(live) - len(members):
                 self.store.delete_key(f"{key}/mean")
             wire = mean.numel() * 4
             for late in held:
@@ -82,6 +98,7 @@ class QuorumJobs:
                 mine.report_drop(window)
             if keep:
                 self.held[window.fragment] = keep
+        EmulatedLink.sleep_until(comm.link.schedule(start, wire))  # the emulated link's time for what it moved
         comm.stats.bytes_sent += wire
         comm.stats.bytes_received += wire
         comm.stats.peak_sync_bytes = max(comm.stats.peak_sync_bytes, flat.numel() * 4)
@@ -92,6 +109,12 @@ class QuorumJobs:
             # The close on this worker's clock (perf_counter), so that a late one knows how far behind it is.
             closes_at = decision["closes_at"] - time.time() + time.perf_counter()
             result = QuorumResult(window.step, merged, dropped, closes_at, decision["tick_s"] or None)
+        if left and self.membership is not None and any(w in self.membership.members for w in left):
+            print(f"eagerloco: quorum: worker {me}: worker(s) {', '.join(map(str, left))} left the run at the exchange "
+                  f"of fragment {window.fragment} at step {window.step} (silent longer than --dist-timeout "
+                  f"{self.timeout_s:g} s, or started again): the windows they held leave with them, never applied",
+                  file=sys.stderr, flush=True)
+            self.membership.recover(cause=f"worker(s) {left} left the quorum's exchanges")
         own = unflatten(flat, tensors) if keep_own else []
         device = tensors[0].device if tensors else mean.device  # whose windows the mean holds: in result, as in-process
         return ReadyHandle(comm, unflatten(mean.to(device), tensors), own, flat.numel() * 4, None, None, result)
@@ -99,8 +122,7 @@ class QuorumJobs:
     def _decide(self, key: str, window: Window) -> dict[str, Any]:
         """The exchange's decision: read if taken, else taken here once every worker has arrived, or Q have and
         the grace window has passed since the Q-th (the first worker to see it wins the compare_set)."""
-        rule = window.rule
-        names = [f"{key}/arrived/{m}" for m in range(self.workers)]
+        rule, membership = window.rule, self.membership
         decided: list[dict[str, Any]] = []
         arrived: list[int] = []
 
@@ -108,55 +130,72 @@ class QuorumJobs:
             if self.store.check([f"{key}/decided"]):
                 decided.append(json.loads(self.store.get(f"{key}/decided")))
                 return []
-            arrivals = {m: json.loads(self.store.get(n)) for m, n in enumerate(names) if self.store.check([n])}
+            if membership is not None and membership.changing():  # another member saw one leave: follow it
+                membership.recover()
+            every = self.live()
+            arrivals = {m: json.loads(self.store.get(f"{key}/arrived/{m}")) for m in every
+                        if self.store.check([f"{key}/arrived/{m}"])}
             arrived[:] = list(arrivals)
+            # Out of L_e from this exchange on: a member the membership's timeout declares gone (12.6).
+            left = [] if membership is None else \
+                [m for m in every if m not in arrivals and membership.departed(m, self.timeout_s)]
+            live = [m for m in every if m not in left]
             times = sorted(a["t"] for a in arrivals.values())
-            q = rule.quorum
-            closes = times[-1] if len(times) == self.workers else \
+            q = min(rule.quorum, len(live))
+            closes = times[-1] if len(times) == len(live) else \
                 times[q - 1] + (rule.grace or 0.0) if len(times) >= q else None
             if closes is not None and closes <= time.time():
                 members = sorted(arrivals)
-                plain = len(members) == self.workers and sum(a["steps"] for a in arrivals.values()) == window.total \
+                plain = len(members) == len(every) and sum(a["steps"] for a in arrivals.values()) == window.total \
                     and not any(a["held"] for a in arrivals.values())
                 merged = sorted([[m, window.step, a["steps"]] for m, a in arrivals.items()]
                                 + [[m, step, n] for m, a in arrivals.items() for step, n in a["held"]],
                                 key=lambda c: (c[1], c[0]))
-                decision = {"members": members, "merged": merged, "plain": plain, "closes_at": closes,
+                decision = {"members": members, "live": live, "left": left, "plain": plain, "merged": merged,
+                            "epoch": 0 if membership is None else membership.epoch, "closes_at": closes,
                             "decided_at": time.time(), "tick_s": min(a["tick_s"] for a in arrivals.values()),
                             "arrivals_at": {str(m): a["t"] for m, a in arrivals.items()}}
                 self.store.compare_set(f"{key}/decided", "", json.dumps(decision))
                 return undecided()  # whoever won, everyone reads the same decision
-            return [m for m in range(self.workers) if m not in arrivals]
+            return [m for m in live if m not in arrivals]
 
         def waiting(missing: Sequence[int]) -> str:
             return (f"worker {self.comm.rank}: the exchange of fragment {window.fragment} at step {window.step} "
                     f"waits for worker(s) {', '.join(map(str, missing))} (quorum {rule.quorum})")
 
-        if poll(undecided, self.timeout_s + (rule.grace or 0.0), waiting, interval_s=_POLL_S):
+        # Under --elastic a silent member leaves after the timeout, and the others decide without it then.
+        patience = (self.timeout_s if membership is None else 2 * self.timeout_s) + (rule.grace or 0.0)
+        if poll(undecided, patience, waiting, interval_s=_POLL_S):
             raise PeerError(f"worker {self.comm.rank}: the exchange of fragment {window.fragment} at step "
                             f"{window.step} had {len(arrived)} of the {rule.quorum} workers its quorum needs after "
                             f"{self.timeout_s:g} s (--dist-timeout); the others are gone: restart them", [])
         return decided[0]
 
-    def _group(self, members: tuple[int, ...]) -> dist.ProcessGroup:
-        """The gloo group of exactly these workers, formed over the coordinator the first time they meet."""
-        group = self.groups.get(members)
+    def _group(self, epoch: int, members: tuple[int, ...]) -> dist.ProcessGroup:
+        """The gloo group of exactly these workers in this membership epoch, formed over the coordinator the first
+        time they meet (the groups of earlier epochs are shut down: a worker of them may have restarted since)."""
+        group = self.groups.get((epoch, members))
         if group is None:
-            store = dist.PrefixStore(f"{QUORUM_PG_PREFIX}{'-'.join(map(str, members))}/", self.client)
-            group = self.groups[members] = gloo_group(store, members.index(self.comm.rank), len(members),
-                                                      self.timeout_s)
+            self.close(lambda e: e < epoch)
+            store = dist.PrefixStore(f"{QUORUM_PG_PREFIX}ep{epoch}/{'-'.join(map(str, members))}/", self.client)
+            group = self.groups[(epoch, members)] = gloo_group(store, members.index(self.comm.rank), len(members),
+                                                               self.timeout_s)
         return group
 
-    def close(self) -> None:
-        """Shut down the member sets' groups."""
-        for group in self.groups.values():
-            group.shutdown()
-        self.groups.clear()
+    def close(self, which: Callable[[int], bool] = lambda _: True) -> None:
+        """Shut down the member sets' groups (of the epochs ``which`` picks)."""
+        for key in [k for k in self.groups if which(k[0])]:
+            try:
+                self.groups.pop(key).shutdown()
+            except RuntimeError:  # a member is gone: nothing more to release
+                pass
 
 
-def join_quorum(comm: Any, client: dist.Store, workers: int, timeout_s: float) -> None:
-    """Let ``comm`` (a TorchDistCommunicator of a job at a coordinator) close its outer exchanges on a quorum."""
-    comm.quorum_jobs = QuorumJobs(comm, client, workers, timeout_s)
+def join_quorum(comm: Any, client: dist.Store, workers: int, timeout_s: float,
+                membership: Any = None) -> None:
+    """Let ``comm`` (a TorchDistCommunicator of a job at a coordinator) close its outer exchanges on a quorum; under
+    --elastic over the members ``membership`` holds."""
+    comm.quorum_jobs = QuorumJobs(comm, client, workers, timeout_s, membership)
     comm.closes_on_quorum = True
 
 

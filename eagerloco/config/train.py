@@ -178,8 +178,7 @@ class TrainConfig:
         if quorum is not None and quorum < self.workers and kind != "inprocess":
             o = self.outer
             why = ("runs in-process or across jobs at a coordinator (--outer-addr), not under a launcher"
-                   if kind != "job" else "across jobs does not run with --elastic yet" if self.runtime.elastic
-                   else "across jobs runs with --method diloco or eager only for now"
+                   if kind != "job" else "across jobs runs with --method diloco or eager only for now"
                    if o.method not in ("diloco", "eager")
                    else "across jobs needs --grace in seconds (auto is in-process only)" if o.grace_seconds() is None
                    else "across jobs sends fp32 payloads only: drop --codec and --topk" if o.codec != "fp32" or o.topk

@@ -5,9 +5,10 @@ from __future__ import annotations
 import errno
 import hashlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeVar
 
 from filelock import FileLock
 
@@ -18,6 +19,8 @@ from eagerloco.environment import Environment
 # downloading, and a damaged file is rebuilt from the cached package instead of downloading it again.
 MANIFEST_VERSION = 1
 
+
+T = TypeVar("T")
 
 #: Errors of a cache that cannot be written: a read-only mount, or a directory of another user.
 READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -43,6 +46,32 @@ def file_sha256(path: Path) -> str:
     """Hex sha256 of a file, read in chunks."""
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """A cached file's manifest entry: its size and sha256."""
+    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
+
+
+def matches(path: Path, entry: Mapping[str, Any]) -> bool:
+    """Whether a cached file has the size and sha256 its manifest entry records."""
+    return bool(path.stat().st_size == entry["size"] and file_sha256(path) == entry["sha256"])
+
+
+def built_once(directory: Path, what: str, read: Callable[[], T | None], build: Callable[[], None]) -> T:
+    """What ``read`` finds in the cache (None: nothing intact), built when missing by one of the processes
+    sharing the cache, under the lock of ``directory``, then read back."""
+    found = read()
+    if found is not None:
+        return found
+    with locked(directory, what):
+        found = read()  # another process built it while this one waited
+        if found is None:
+            build()
+            found = read()
+    if found is None:  # pragma: no cover - only if the disk changes under us
+        raise DataError(f"{directory}: {what} could not be read back after writing")
+    return found
 
 
 @contextmanager

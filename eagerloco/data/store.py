@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from eagerloco.atomic import atomic_write
-from eagerloco.data.cache import MANIFEST_VERSION, DataError, locked
+from eagerloco.data.cache import MANIFEST_VERSION, built_once
 
 
 @dataclass
@@ -61,19 +61,8 @@ def _write_store(directory: Path, source: str, docs: list[Doc], extra: dict[str,
 def stored(source: str, root: Path, build: Callable[[Path], tuple[list[Doc], dict[str, Any]]]) -> list[Doc]:
     """The verified documents of ``source`` under root/source, built (once, under a lock) when missing."""
     directory = root / source
-    docs = _read_store(directory, source)
-    if docs is not None:
-        return docs
-    with locked(directory, f"the documents of {source}"):
-        docs = _read_store(directory, source)  # another process finished while we waited
-        if docs is not None:
-            return docs
-        built, extra = build(directory)
-        _write_store(directory, source, built, extra)
-    docs = _read_store(directory, source)
-    if docs is None:  # pragma: no cover - only if the disk changes under us
-        raise DataError(f"{directory}: documents could not be read back after writing them")
-    return docs
+    return built_once(directory, f"the documents of {source}", lambda: _read_store(directory, source),
+                      lambda: _write_store(directory, source, *build(directory)))
 
 
 def unzip_docs(docs: list[Doc]) -> tuple[list[str], list[str], list[str]]:

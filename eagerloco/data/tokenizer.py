@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from eagerloco.atomic import atomic_write
-from eagerloco.data.cache import DataError, default_data_dir, file_sha256, locked, note
+from eagerloco.data.cache import DataError, built_once, default_data_dir, file_entry, matches, note
 from eagerloco.extras import require
 
 if TYPE_CHECKING:
@@ -151,9 +151,7 @@ def _cached_bpe(path: Path, meta_path: Path) -> BPETokenizer | None:
     """The cached tokenizer when its file matches the checksum written beside it, else None."""
     try:
         meta = json.loads(meta_path.read_text())
-        if path.stat().st_size != meta["size"] or file_sha256(path) != meta["sha256"]:
-            return None
-        return BPETokenizer.from_file(path, name=meta["name"])
+        return BPETokenizer.from_file(path, name=meta["name"]) if matches(path, meta) else None
     except Exception:  # any damage (missing, truncated, edited, unparsable) means: train again
         return None
 
@@ -168,24 +166,17 @@ def load_or_train_bpe(corpus: Corpus, vocab_size: int, data_dir: str | Path | No
     name = f"bpe:{vocab_size}"
     path = root / f"bpe-{vocab_size}-{key[:24]}.json"
     meta_path = path.with_suffix(".meta.json")
-    cached = _cached_bpe(path, meta_path)
-    if cached is not None:
-        return cached
-    with locked(root, f"the {name} tokenizer of {corpus.name} ({path.name})"):
-        cached = _cached_bpe(path, meta_path)  # another process may have trained it meanwhile
-        if cached is not None:
-            return cached
+
+    def train() -> None:
         t0 = time.perf_counter()
         note(f"training a {vocab_size}-token BPE on the training split of {corpus.name} (once; cached in {root})")
         tok = train_bpe(corpus.train_docs, vocab_size)
         seconds = time.perf_counter() - t0
-        blob = tok.to_str().encode()
-        atomic_write(path, blob)
+        atomic_write(path, tok.to_str().encode())
         meta = {
             "name": name,
             "key": key,
-            "size": len(blob),
-            "sha256": hashlib.sha256(blob).hexdigest(),
+            **file_entry(path),
             "vocab_size": tok.get_vocab_size(),
             "requested_vocab_size": vocab_size,
             "corpus": corpus.name,
@@ -195,7 +186,9 @@ def load_or_train_bpe(corpus: Corpus, vocab_size: int, data_dir: str | Path | No
             "settings": BPE_SETTINGS,
         }
         atomic_write(meta_path, (json.dumps(meta, indent=1) + "\n").encode())
-    return BPETokenizer(tok, name=name)
+
+    return built_once(root, f"the {name} tokenizer of {corpus.name} ({path.name})",
+                      lambda: _cached_bpe(path, meta_path), train)
 
 
 def get_tokenizer(

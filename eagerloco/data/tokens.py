@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from eagerloco.atomic import atomic_file, atomic_write
-from eagerloco.data.cache import DataError, ReadOnlyCacheError, default_data_dir, file_sha256, locked, note
+from eagerloco.data.cache import ReadOnlyCacheError, built_once, default_data_dir, file_entry, matches, note
 from eagerloco.data.corpus import Corpus
 from eagerloco.data.tokenizer import ByteTokenizer, Tokenizer
 
@@ -94,7 +94,7 @@ def _save_npy(path: Path, array: np.ndarray) -> dict[str, Any]:
     """Atomically write ``array`` as .npy (under the cache's lock); returns its size and sha256 for the manifest."""
     with atomic_file(path) as f:
         np.save(f, np.ascontiguousarray(array), allow_pickle=False)
-    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    return file_entry(path)
 
 
 _TOKEN_FILES = ("train_tokens", "train_offsets", "eval_tokens", "eval_offsets", "separator")
@@ -116,8 +116,8 @@ def _read_token_cache(directory: Path) -> tuple[EncodedDocs, EncodedDocs] | None
             return None
         arrays = {}
         for name in _TOKEN_FILES:
-            meta, path = manifest["files"][name], directory / f"{name}.npy"
-            if path.stat().st_size != meta["size"] or file_sha256(path) != meta["sha256"]:
+            path = directory / f"{name}.npy"
+            if not matches(path, manifest["files"][name]):
                 return None
             arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -135,22 +135,12 @@ def encode_corpus(corpus: Corpus, tokenizer: Tokenizer) -> tuple[EncodedDocs, En
     if corpus.data_dir is None or isinstance(tokenizer, ByteTokenizer):
         return EncodedDocs.encode(corpus.train_docs, tokenizer), EncodedDocs.encode(corpus.eval_docs, tokenizer)
     directory = token_cache_dir(corpus, tokenizer)
-    cached = _read_token_cache(directory)
-    if cached is not None:
-        return cached
     try:
-        with locked(directory, "these token ids"):
-            cached = _read_token_cache(directory)
-            if cached is not None:
-                return cached
-            _write_token_cache(directory, corpus, tokenizer)
+        return built_once(directory, "these token ids", lambda: _read_token_cache(directory),
+                          lambda: _write_token_cache(directory, corpus, tokenizer))
     except ReadOnlyCacheError:  # token ids are only a cache: a read-only one costs an encoding in memory
         note(f"the token cache {directory.parent} cannot be written: encoding {corpus.name} in memory")
         return EncodedDocs.encode(corpus.train_docs, tokenizer), EncodedDocs.encode(corpus.eval_docs, tokenizer)
-    cached = _read_token_cache(directory)
-    if cached is None:  # pragma: no cover - only if the disk changes under us
-        raise DataError(f"token cache {directory} could not be read back after writing it")
-    return cached
 
 
 def _write_token_cache(directory: Path, corpus: Corpus, tokenizer: Tokenizer) -> None:

@@ -13,18 +13,16 @@ from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.jsonfiles import finite_json
 
 #: Settings that may change between a run and its resumption without changing its numbers (the runtime's
-#: layout is checked on its own: check_resume_layout; elastic and rejoin: where they were before [runtime]).
-#: data_dir is where the cache of the named data lives, not which data: --data and --tokenizer decide those.
+#: layout is checked on its own: check_resume_layout). data_dir is where the cache of the named data lives,
+#: not which data: --data and --tokenizer decide those.
 RESUMABLE_CHANGES = {"progress", "resume", "overwrite", "out", "checkpoint_every", "keep_checkpoints", "eval_every",
-                     "log_every", "runtime", "elastic", "rejoin", "slow_workers", "eval_tasks", "eval_limit",
-                     "tensorboard", "device", "peak_tflops", "data_dir"}
+                     "log_every", "runtime", "slow_workers", "eval_tasks", "eval_limit", "tensorboard", "device",
+                     "peak_tflops", "data_dir"}
 
 
 def check_resume_config(saved: dict[str, Any], cfg: TrainConfig) -> None:
     """Refuse (ConfigError, naming each setting old and new) a checkpoint of settings that change the numbers."""
     now = finite_json(asdict(cfg))
-    # A setting added since the checkpoint was made had its default then.
-    saved = {**finite_json(asdict(TrainConfig())), **saved}
     diffs = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
     if diffs:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diffs)

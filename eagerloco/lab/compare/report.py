@@ -297,8 +297,7 @@ def plot_curves(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) 
             if ev:
                 loss = r.get("final_eval_loss")
                 label = f"{r['label']} ({fmt_loss(loss)})"
-                ax.plot([p[col] for p in ev], [p[3] for p in ev], label=label, color=st["color"],
-                        linestyle=st["linestyle"], marker=st["marker"], markersize=3.5, linewidth=1.6)
+                ax.plot([p[col] for p in ev], [p[3] for p in ev], label=label, **st, markersize=3.5, linewidth=1.6)
             if tr:
                 ax2.plot([p[col] for p in tr], _ema([p[3] for p in tr]), color=st["color"],
                          linestyle=st["linestyle"], linewidth=1.2)
@@ -350,6 +349,14 @@ def zoom_y(ax: Any, values: list[float]) -> int:
     return sum(v > top for v in vals)
 
 
+def log_h_axis(ax: Any, hs: list[int]) -> None:
+    """A log axis of inner steps per round, ticked at each H shown."""
+    ax.set_xscale("log")
+    ax.set_xticks(hs)
+    ax.set_xticklabels([str(h) for h in hs])
+    ax.minorticks_off()
+
+
 def plot_sweep(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> Path:
     """Final eval loss (top) and compute utilization on the link (bottom) against H, per method."""
     plt = pyplot()
@@ -359,16 +366,12 @@ def plot_sweep(results: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -
     hs = sorted({r["inner_steps"] for r in results})
     for name in dict.fromkeys(r["name"] for r in results):
         rows = sorted((r for r in results if r["name"] == name), key=lambda r: r["inner_steps"])
-        st = styles[name]
-        kw = {"color": st["color"], "linestyle": st["linestyle"], "marker": st["marker"]}
         ax.plot([r["inner_steps"] for r in rows], [as_number(r.get("final_eval_loss")) for r in rows],
-                label=rows[0]["label"], **kw)
-        ax2.plot([r["inner_steps"] for r in rows], [as_number(r.get("compute_utilization")) for r in rows], **kw)
+                label=rows[0]["label"], **styles[name])
+        ax2.plot([r["inner_steps"] for r in rows], [as_number(r.get("compute_utilization")) for r in rows],
+                 **styles[name])
     for a in (ax, ax2):
-        a.set_xscale("log")
-        a.set_xticks(hs)
-        a.set_xticklabels([str(h) for h in hs])
-        a.minorticks_off()
+        log_h_axis(a, hs)
         a.grid(True, alpha=0.3)
     ax.set_ylabel("final eval loss (nats/token)")
     ax2.set_ylabel("compute utilization\non the link")

@@ -15,6 +15,7 @@ from eagerloco.lab.compare.report import (
     fmt_cu,
     line_styles,
     load_curves,
+    log_h_axis,
     markdown_table,
     pyplot,
     save,
@@ -181,8 +182,7 @@ def _band(ax: Any, xs: list[float], runs: list[list[float]], style: dict[str, An
         means.append(iv.mean if iv else float("nan"))
         los.append(iv.lo if iv else float("nan"))
         his.append(iv.hi if iv else float("nan"))
-    ax.plot(xs, means, label=label, color=style["color"], linestyle=style["linestyle"], marker=style["marker"],
-            markersize=3.5, linewidth=1.6)
+    ax.plot(xs, means, label=label, **style, markersize=3.5, linewidth=1.6)
     ax.fill_between(xs, los, his, color=style["color"], alpha=0.18, linewidth=0)
 
 
@@ -248,7 +248,7 @@ def plot_tune(tune_results: list[dict[str, Any]], out: Path, key: str, subtitle:
         rs = sorted((r for r in tune_results if r["unit"] == u), key=lambda r: r["setting"][key])
         xs, ys = [r["setting"][key] for r in rs], [_loss(r) for r in rs]
         st = styles[u]
-        ax.plot(xs, ys, label=rs[0]["label"], color=st["color"], linestyle=st["linestyle"], marker=st["marker"])
+        ax.plot(xs, ys, label=rs[0]["label"], **st)
         for r, x, y in zip(rs, xs, ys, strict=True):
             if r.get("chosen"):
                 ax.plot([x], [y], "o", markersize=11, markerfacecolor="none", color=st["color"])
@@ -277,15 +277,10 @@ def plot_sweep_bands(rows: list[dict[str, Any]], out: Path, subtitle: str) -> Pa
             continue
         xs = [r["inner_steps"] for r in rs]
         st = styles[n]
-        ax.plot(xs, [r["loss"]["mean"] for r in rs], label=rs[0]["label"], color=st["color"],
-                linestyle=st["linestyle"], marker=st["marker"])
+        ax.plot(xs, [r["loss"]["mean"] for r in rs], label=rs[0]["label"], **st)
         ax.fill_between(xs, [r["loss"]["lo"] for r in rs], [r["loss"]["hi"] for r in rs], color=st["color"],
                         alpha=0.18, linewidth=0)
-    ax.set_xscale("log")
-    hs = sorted({r["inner_steps"] for r in rows})
-    ax.set_xticks(hs)
-    ax.set_xticklabels([str(h) for h in hs])
-    ax.minorticks_off()
+    log_h_axis(ax, sorted({r["inner_steps"] for r in rows}))
     ax.grid(True, alpha=0.3)
     ax.set_xlabel("inner steps per round H (log scale)")
     ax.set_ylabel("final eval loss (nats/token)")
