@@ -39,7 +39,7 @@ QUORUM, GRACE_S = 3, 0.5
 EVAL_EVERY = 64
 COMMON = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "4", "--no-progress",
           "--log-every", str(H // 2), "--inner-steps", str(H), "--steps", str(STEPS), "--sim-step-time", str(STEP_S),
-          "--eval-every", str(EVAL_EVERY), "--dist-timeout", "60",
+          "--eval-every", str(EVAL_EVERY), "--dist-timeout", "60", "--bandwidth-gbps", "1", "--latency-ms", "20",
           "--workers", str(WORKERS)]
 #: t-quantile of a two-sided 90% interval with n - 1 degrees of freedom (paired over n seeds).
 T90 = {2: 6.314, 3: 2.920, 4: 2.353, 5: 2.132}
@@ -304,16 +304,17 @@ def report(results: list[dict[str, Any]]) -> str:
              f"step): {sched}. Goodput as bench/quorum/README.md defines it; loss: final eval loss (mean over the "
              "jobs), at equal tokens the end of both runs (same steps), at equal wall clock the all-or-nothing run's "
              "last evaluation within the quorum run's wall clock.", "",
-             "| method | rounds | seed | goodput | goodput (M x wall) | wall s | final loss | tokens | "
-             "missed / merged late / dropped (log lines) | faults run | exit | load |", "|---" * 12 + "|"]
+             "| method | rounds | seed | goodput | goodput (M x wall) | wall s | final loss | "
+             "missed / merged late / dropped (log lines, steps) | faults run | exit (processes left) | load |",
+             "|---" * 11 + "|"]
     for r in sorted(results, key=lambda r: (r["method"], r["quorum"], r["seed"])):
         g = r["goodput"]
         kinds = sorted({e["kind"] for e in r["events"] if not e["kind"].endswith("ends")})
         lines.append(f"| {r['method']} | {'quorum' if r['quorum'] else 'all-or-nothing'} | {r['seed']} | "
                      f"{g['goodput']:.3f} | {g['goodput_wall']:.3f} | {g['wall_s']:.0f} | "
-                     f"{r['loss']['final_eval_loss']:.4f} | {r['loss']['tokens']} | {g['quorum_missed']} / "
-                     f"{g['late_merged']} / {g['late_dropped']} ({g['drop_lines']}) | {', '.join(kinds)} | "
-                     f"{r['exit']} | {r['load'][0]:.1f} |")
+                     f"{r['loss']['final_eval_loss']:.4f} | {g['quorum_missed']} / {g['late_merged']} / "
+                     f"{g['late_dropped']} ({g['drop_lines']}, {g['dropped_steps']}) | {', '.join(kinds) or 'none'} | "
+                     f"{exits(r)} ({r['orphans']}) | {r['load'][0]:.1f} |")
     lines += ["", "## Quorum against all-or-nothing, paired by seed", "",
               "| method | goodput quorum | goodput all-or-nothing | final loss, quorum - all-or-nothing (equal "
               "tokens), 90% | quorum's final - all-or-nothing's at the quorum run's wall clock | seeds |",
@@ -333,6 +334,11 @@ def report(results: list[dict[str, Any]]) -> str:
                      f"{statistics.fmean(ga):.3f} ({min(ga):.3f}-{max(ga):.3f}) | {interval(tokens)} | "
                      f"{interval(walls) if walls else 'n/a'} | {len(pairs)} |")
     return "\n".join(lines + simulated()) + "\n"
+
+
+def exits(r: dict[str, Any]) -> str:
+    """Each job's exit statuses (a killed and restarted job's two), compact."""
+    return " ".join(f"{w}:{'/'.join(map(str, rcs))}" for w, rcs in r["exit"].items())
 
 
 def simulated() -> list[str]:
