@@ -39,7 +39,7 @@ QUORUM, GRACE_S = 3, 0.5
 EVAL_EVERY = 48
 COMMON = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "4", "--no-progress",
           "--log-every", str(H // 2), "--inner-steps", str(H), "--steps", str(STEPS), "--sim-step-time", str(STEP_S),
-          "--eval-every", str(EVAL_EVERY), "--dist-timeout", "60", "--bandwidth-gbps", "1", "--latency-ms", "20",
+          "--dist-timeout", "60", "--bandwidth-gbps", "1", "--latency-ms", "20",
           "--workers", str(WORKERS)]
 #: t-quantile of a two-sided 90% interval with n - 1 degrees of freedom (paired over n seeds).
 T90 = {2: 6.314, 3: 2.920, 4: 2.353, 5: 2.132}
@@ -120,7 +120,10 @@ def run(method: str, quorum: bool, seed: int, schedule: tuple[Fault, ...], out: 
                                        "--port", str(port)], env)
     time.sleep(2)
     elastic = not quorum or any(f.kind == "kill" for f in schedule)
-    mode = ["--quorum", str(QUORUM), "--grace", str(GRACE_S)] if quorum else []
+    # Every job waits at an evaluation point until every member has evaluated there, a stalled one too, so the
+    # quorum runs evaluate only at the end; the all-or-nothing runs, which wait for every worker anyway, every
+    # EVAL_EVERY steps (their losses at the quorum runs' wall clock).
+    mode = ["--quorum", str(QUORUM), "--grace", str(GRACE_S)] if quorum else ["--eval-every", str(EVAL_EVERY)]
     slow_files = {w: out / f"slow{w}" for w in range(WORKERS)}
 
     def job(w: int, *extra: str) -> Proc:
@@ -367,6 +370,7 @@ def main() -> None:
     ap.add_argument("--methods", default="diloco,eager")
     ap.add_argument("--without", default="", help="fault kinds left out of both modes' schedule (comma list): "
                     "a kill and restart under quorum needs quorum exchanges that compose with --elastic")
+    ap.add_argument("--modes", default="all-or-nothing,quorum")
     ap.add_argument("--clean", action="store_true", help="no faults: the machine's ceiling for each mode")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quorum.json"))
     ap.add_argument("--report", action="store_true", help="only write the Markdown beside --out from its runs")
@@ -379,7 +383,7 @@ def main() -> None:
         return
     for seed in [int(x) for x in args.seeds.split(",")]:
         for method in args.methods.split(","):
-            for quorum in (False, True):
+            for quorum in [m == "quorum" for m in args.modes.split(",")]:
                 schedule = () if args.clean else tuple(f for f in SCHEDULE if f.kind not in skip)
                 with tempfile.TemporaryDirectory() as tmp:
                     t = time.time()
