@@ -111,7 +111,7 @@ def test_command_without_faults_reports_the_utilization(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--grace", "soon"], "--grace takes a number of seconds >= 0 or auto"),
+    (["--grace", "soon"], "--grace takes seconds from 0 to 3600 or auto"),
     (["--quorum-share", "0"], "--quorum-share must be in (0, 1]"),
     (["--goodput-workers", "8,0"], "--goodput-workers values must be integers >= 1"),
     (["--plan", "--bandwidth-gbps", "1", "--target-cu", "0.9"], "--goodput is a report of its own"),

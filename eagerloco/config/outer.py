@@ -28,6 +28,8 @@ MAX_OUTER_LR = 10.0
 MAX_SPEED_RATIO = 1000.0
 #: One-way latency beyond a minute describes no link (around the Earth is about 0.1 s).
 MAX_LATENCY_MS = 60_000.0
+#: The longest --grace: an hour, past which a stalled site is a site that left (--dist-timeout), not a late one.
+MAX_GRACE_S = 3600.0
 
 
 def check_topk(topk: int | None, chunk: int) -> None:
@@ -227,8 +229,9 @@ class OuterConfig:
             seconds = float(self.grace)
         except (TypeError, ValueError):
             seconds = math.nan
-        if not math.isfinite(seconds) or seconds < 0 or isinstance(self.grace, bool):
-            raise ConfigError(f"{flag_name('grace')} takes a number of seconds >= 0 or auto, got {self.grace!r}")
+        if not 0 <= seconds <= MAX_GRACE_S or isinstance(self.grace, bool):
+            raise ConfigError(f"{flag_name('grace')} takes seconds from 0 to {MAX_GRACE_S:g} or auto, "
+                              f"got {self.grace!r}")
         return seconds
 
     def speed_factors(self, workers: int) -> list[float]:
