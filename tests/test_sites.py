@@ -5,6 +5,7 @@ off from the coordinator stops while the others go on."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -69,6 +70,13 @@ def test_worker_0_killed_the_other_goes_on_and_worker_0_rejoins_with_the_same_ou
     assert "worker 1: workers [0] joined at step" in survivor.stdout, survivor.stdout[-3000:]
     assert "worker 0: joined at step" in back.stdout and "checked); members [0, 1]" in back.stdout, back.stdout
     _same_final_outer(tmp_path)
+    # Tokens are the members' inner steps: two workers to the loss, one to the join, two to the end.
+    lost = int(re.search(r"continuing with workers \[1\] \(epoch 1, step (\d+)", survivor.stdout)[1])
+    joined = int(re.search(r"workers \[0\] joined at step (\d+)", survivor.stdout)[1])
+    steps = 2 * lost + (joined - lost) + 2 * (64 - joined)
+    for w in range(2):
+        summary = json.loads((tmp_path / f"w{w}" / "summary.json").read_text())
+        assert (summary["worker_steps"], summary["tokens"]) == (steps, steps * 2 * 32), (w, lost, joined)
 
 
 def test_the_coordinator_killed_and_restarted_mid_run_the_run_goes_on(tmp_path: Path) -> None:

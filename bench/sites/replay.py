@@ -66,10 +66,14 @@ def replay(method: str, schedule: dict[int, list[tuple[str, int]]]) -> dict[str,
                 continue
             src = workers[min(workers)]
             joiner = Worker(copy.deepcopy(base), src.comm, streams.pop(w, None) or stream(w), cfg)
-            joiner.model.load_state_dict(src.model.state_dict())
-            joiner.opt.load_state_dict(src.opt.state_dict())
-            joiner.sched.load_state_dict(src.sched.state_dict())
-            joiner.sync.load_state_dict(copy.deepcopy(src.sync.state_dict()))
+            # Copies, as the bytes comm/elastic.py sends are: Optimizer.load_state_dict keeps the tensors it is
+            # given, and a joiner sharing its source's AdamW moments and step counts would update them twice a step.
+            state = copy.deepcopy({"model": src.model.state_dict(), "opt": src.opt.state_dict(),
+                                   "sched": src.sched.state_dict(), "sync": src.sync.state_dict()})
+            joiner.model.load_state_dict(state["model"])
+            joiner.opt.load_state_dict(state["opt"])
+            joiner.sched.load_state_dict(state["sched"])
+            joiner.sync.load_state_dict(state["sync"])
             workers[w] = joiner
         if schedule.get(step):
             epoch += 1

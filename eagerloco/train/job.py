@@ -21,6 +21,8 @@ from eagerloco.comm.quorum_jobs import join_quorum
 from eagerloco.comm.rendezvous import Meeting, OuterRendezvous, shapes_digest
 from eagerloco.device import resolve_device
 from eagerloco.train.agree import agreed_settings
+from eagerloco.train.elastic import worker_steps
+from eagerloco.train.outputs import add_throughput
 from eagerloco.train.resume import own_last_state
 from eagerloco.train.runtime import Found, Runtime, num_params
 from eagerloco.train.worker import Worker
@@ -120,6 +122,12 @@ class JobRuntime(Runtime):
             self.membership.finish()
         members = self.membership.members if self.membership is not None else list(range(self.cfg.workers))
         summary.update(runtime="job", worker=self.rdzv.worker, members=members)
+        if self.membership is not None and files[self.rdzv.worker].sync.adaptive is None:
+            # The members' inner steps, not steps x --workers: the run's membership changes say who trained when.
+            cfg = self.cfg
+            done = worker_steps(self.membership.events(), cfg.workers, 0, cfg.steps)
+            summary.update(worker_steps=done, tokens=done * cfg.batch_size * cfg.seq_len)
+            add_throughput(summary, self.devices)
         return summary
 
 
