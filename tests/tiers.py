@@ -65,7 +65,7 @@ def pytest_configure(config: pytest.Config) -> None:
         _WATCH.wrap(os, name, lambda path, argv, *a, **k: _command(argv))
 
 
-# Scheduling: `make test` runs whole files on 2 pytest-xdist workers, in collection order. There the
+# Scheduling: `make test` runs whole files on 3 pytest-xdist workers, in collection order. There the
 # files that take longest (on 2 cores) are collected first, so that none of them starts last while
 # the other worker has nothing left to do. The order within a file is kept; a run without xdist keeps
 # the usual order.
