@@ -67,7 +67,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # Scheduling: `make test` runs whole files on 3 pytest-xdist workers, in collection order. There the
 # files that take longest (on 2 cores) are collected first, so that none of them starts last while
-# the other worker has nothing left to do. The order within a file is kept; a run without xdist keeps
+# the other workers have nothing left to do. The order within a file is kept; a run without xdist keeps
 # the usual order.
 LONGEST_FIRST = ("test_sites.py", "test_dist_train.py", "test_signals.py", "test_quorum_jobs.py",
                  "test_sites_entrypoints.py", "test_dist_ranks.py", "test_quorum_jobs_members.py", "test_faults.py",
