@@ -57,6 +57,14 @@ def counters(summary: dict[str, Any]) -> tuple[int, int, int]:
     return w["quorum_missed"], w["late_merged"], w["late_dropped"]
 
 
+def end_all(jobs: list[Any]) -> None:
+    """Kill the jobs a failed test left running, a stopped one woken first."""
+    for j in jobs:
+        if j.poll() is None:
+            os.kill(j.pid, signal.SIGCONT)
+            j.kill()
+
+
 @pytest.mark.parametrize(("method", "max_late"), [("diloco", 16), ("eager", 16), ("diloco", 1),
                                                   pytest.param("streaming", 16, marks=pytest.mark.slow)])
 def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and_its_window_is_merged_once(
@@ -87,10 +95,7 @@ def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and
         resumed = time.time()
         done = wait_all(jobs, 300)
     finally:
-        for j in jobs:
-            if j.poll() is None:
-                os.kill(j.pid, signal.SIGCONT)
-                j.kill()
+        end_all(jobs)
     for w, d in enumerate(done):
         assert d.returncode == 0, f"worker {w}:\n{d.stdout[-3000:]}"
     decisions = {s: json.loads(store.get(f"{QUORUM_PREFIX}0/{s}/decided")) for s in range(H, STEPS + 1, H)}

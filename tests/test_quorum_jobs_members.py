@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_hooks_jobs import coordinators, wait_all
-from test_quorum_jobs import GRACE, H, client, counters, job, outer, summary
+from test_quorum_jobs import GRACE, H, client, counters, end_all, job, outer, summary
 
 from eagerloco.comm.quorum import GRACE_MAX, GRACE_MIN, GRACE_WINDOW
 from eagerloco.comm.quorum_jobs import QUORUM_PREFIX
@@ -100,10 +100,7 @@ def test_under_elastic_a_killed_worker_leaves_after_the_timeout_and_rejoins_a_st
         os.kill(jobs[2].pid, signal.SIGCONT)
         done = wait_all(jobs, 300)
     finally:
-        for j in jobs:
-            if j.poll() is None:
-                os.kill(j.pid, signal.SIGCONT)
-                j.kill()
+        end_all(jobs)
     for w, d in enumerate(done):
         assert d.returncode == 0, f"worker {w}:\n{d.stdout[-3000:]}"
     decisions = {s: json.loads(store.get(f"{QUORUM_PREFIX}0/{s}/decided")) for s in range(H, steps + 1, H)}
@@ -160,10 +157,7 @@ def test_an_auto_grace_window_across_jobs_follows_the_spreads_its_decisions_carr
         os.kill(jobs[2].pid, signal.SIGCONT)
         done = wait_all(jobs, 300)
     finally:
-        for j in jobs:
-            if j.poll() is None:
-                os.kill(j.pid, signal.SIGCONT)
-                j.kill()
+        end_all(jobs)
     for w, d in enumerate(done):
         assert d.returncode == 0, f"worker {w}:\n{d.stdout[-3000:]}"
     decisions = [json.loads(store.get(f"{QUORUM_PREFIX}0/{s}/decided")) for s in range(H, steps + 1, H)]
