@@ -26,7 +26,7 @@ from eagerloco.comm.quorum_jobs import QUORUM_PREFIX
 
 pytestmark = pytest.mark.processes
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, H, GRACE = 48, 4, 0.3
+STEPS, H, GRACE = 64, 4, 0.3
 ARGS = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress",
         "--log-every", "16", "--inner-steps", str(H), "--steps", str(STEPS),
         "--checkpoint-every", str(STEPS), "--dist-timeout", "60"]
