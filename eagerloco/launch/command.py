@@ -292,14 +292,14 @@ class _ExitBoard:
 
 
 def _supervise(procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
-               exits: _ExitBoard | None = None) -> int:
+               exits: _ExitBoard) -> int:
     """Wait for all processes; after the first failure, give the rest grace_s, then stop them."""
     first: tuple[int, int] | None = None
     deadline = None
     while True:
         codes = [p.poll() for p in procs]
         for rank, rc in enumerate(codes):
-            if rc is not None and exits is not None:
+            if rc is not None:
                 exits.record(rank, procs[rank].pid, rc)
             if rc not in (None, 0) and first is None:
                 first = (rank, rc)
