@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eagerloco.config import ConfigError
 from eagerloco.environment import quiet_torch_cpp_warnings
 from eagerloco.flags import add_train_flags
 
@@ -85,20 +84,12 @@ def _exit_code(e: BaseException) -> int | None:
     that never loads torch does not load it to name the errors it cannot raise.
     """
     from eagerloco.checkpoint import CheckpointError
-    from eagerloco.comm.errors import MISMATCH_EXIT_CODE, PEER_EXIT_CODE, PeerError, ScheduleMismatchError
     from eagerloco.data import DataError
-    from eagerloco.errors import DIVERGED_EXIT_CODE, DivergedError
-    from eagerloco.extras import MissingExtraError
+    from eagerloco.hooks.settings import EXIT_STATUS  # the hook API's errors, as exit_on_errors ends a script
 
-    if isinstance(e, (ConfigError, FileNotFoundError, DataError, CheckpointError, MissingExtraError)):
+    if isinstance(e, (FileNotFoundError, DataError, CheckpointError)):
         return 2
-    if isinstance(e, PeerError):
-        return PEER_EXIT_CODE
-    if isinstance(e, ScheduleMismatchError):
-        return MISMATCH_EXIT_CODE
-    if isinstance(e, DivergedError):
-        return DIVERGED_EXIT_CODE
-    return None
+    return next((code for cls, code in EXIT_STATUS if isinstance(e, cls)), None)
 
 
 def is_launched_training(argv: list[str] | None = None) -> bool:

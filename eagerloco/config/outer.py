@@ -281,11 +281,6 @@ class OuterConfig:
         return self.method == "dp"
 
     @property
-    def round_steps(self) -> int:
-        """Inner steps between two exchanges of the same parameters: 1 for dp, else H."""
-        return 1 if self.per_step else self.inner_steps
-
-    @property
     def apply_delay(self) -> int:
         """Inner steps between launching an exchange and applying its mean (0: blocking)."""
         return apply_delay(self.method, self.inner_steps, self.overlap_steps, self.eager_rounds)

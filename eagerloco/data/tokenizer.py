@@ -8,8 +8,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
-
 from eagerloco.atomic import atomic_write
 from eagerloco.data.cache import DataError, built_once, default_data_dir, file_entry, matches, note
 from eagerloco.extras import require
@@ -61,10 +59,6 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
-
-    def encode_tensor(self, text: str) -> torch.Tensor:
-        """Fast path for megabytes of text: a Python list of ints would cost ~50x the memory."""
-        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
 
 
 class BPETokenizer:

@@ -83,10 +83,6 @@ class EncodedDocs:
 def encode_docs(docs: Sequence[str], tokenizer: Tokenizer) -> torch.Tensor:
     """Documents separated by a blank line, as one 1-D tensor in the smallest dtype the vocabulary allows (for
     bytes, the encoding of the joined text; a BPE encodes each document alone)."""
-    fast = getattr(tokenizer, "encode_tensor", None)
-    if fast is not None:
-        encoded: torch.Tensor = fast(DOC_SEPARATOR.join(docs))
-        return encoded
     return EncodedDocs.encode(docs, tokenizer).join()
 
 

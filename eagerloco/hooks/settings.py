@@ -15,6 +15,10 @@ from eagerloco.config import ConfigError
 from eagerloco.errors import DIVERGED_EXIT_CODE, DivergedError
 from eagerloco.extras import MissingExtraError
 
+#: The errors a script ends on with one line, and the status: the `eagerloco` command's for the same error.
+EXIT_STATUS = ((PeerError, PEER_EXIT_CODE), (ScheduleMismatchError, MISMATCH_EXIT_CODE),
+               (DivergedError, DIVERGED_EXIT_CODE), (ConfigError, 2), (MissingExtraError, 2))
+
 
 def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer under a framework's wrapper (accelerate's, Lightning's): the one whose
@@ -35,11 +39,9 @@ def exit_on_errors() -> Iterator[None]:
     diverged run. Other errors pass through."""
     try:
         yield
-    except (PeerError, ConfigError, MissingExtraError, ScheduleMismatchError, DivergedError) as e:
-        code = (PEER_EXIT_CODE if isinstance(e, PeerError) else MISMATCH_EXIT_CODE
-                if isinstance(e, ScheduleMismatchError) else DIVERGED_EXIT_CODE if isinstance(e, DivergedError) else 2)
+    except tuple(cls for cls, _ in EXIT_STATUS) as e:
         print(f"eagerloco: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(code) from None
+        raise SystemExit(next(code for cls, code in EXIT_STATUS if isinstance(e, cls))) from None
 
 
-__all__ = ["exit_on_errors", "innermost_optimizer"]
+__all__ = ["EXIT_STATUS", "exit_on_errors", "innermost_optimizer"]

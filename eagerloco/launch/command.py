@@ -46,10 +46,6 @@ class LinkShaping(Protocol):
         """The link of worker ``worker_id`` of ``workers``, each its own job, meeting at ``port``."""
 
 
-def _default_command() -> list[str]:
-    return [sys.executable, "-m", "eagerloco", "train"]
-
-
 def launch(
     argv_for_train: Sequence[str],
     workers: int,
@@ -190,7 +186,7 @@ def _launch(argv_for_train: list[str], workers: int, ranks_per_worker: int, mast
     port = store.port
     out = out or sys.stdout
     lock = threading.Lock()
-    cmd = list(command or _default_command()) + list(argv_for_train)
+    cmd = list(command or [sys.executable, "-m", "eagerloco", "train"]) + list(argv_for_train)
     threads_each = max(1, (os.cpu_count() or 1) // nproc)
     procs: list[RankProcess] = []
     readers: list[threading.Thread] = []
@@ -292,14 +288,14 @@ class _ExitBoard:
 
 
 def _supervise(procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
-               exits: _ExitBoard | None = None) -> int:
+               exits: _ExitBoard) -> int:
     """Wait for all processes; after the first failure, give the rest grace_s, then stop them."""
     first: tuple[int, int] | None = None
     deadline = None
     while True:
         codes = [p.poll() for p in procs]
         for rank, rc in enumerate(codes):
-            if rc is not None and exits is not None:
+            if rc is not None:
                 exits.record(rank, procs[rank].pid, rc)
             if rc not in (None, 0) and first is None:
                 first = (rank, rc)

@@ -18,7 +18,6 @@ class SimResult:
 
     cu: np.ndarray  # compute time / wall time
     wall_per_step: np.ndarray  # seconds of wall clock per inner step
-    measured_steps: int
 
 
 @dataclass(frozen=True)
@@ -157,12 +156,11 @@ def simulate(model: ModelSpec, variant: Variant, traffic: Traffic, bandwidths: n
         total, mark = (warm + rounds) * H, warm * H
     schedule = exchanges(variant, traffic, H, total)
     at_mark, end = run_schedule(graph, traffic, schedule, bw, latency_s, total, mark)
-    measured = total - mark
-    wall = (end - at_mark) / measured
+    wall = (end - at_mark) / (total - mark)
     if cold_rounds is None or variant.method == "dp":
         # The link carries every byte of a period whatever the schedule, so no steady state is faster
         # than its busy time: the exact long-run rate once a backlog grows without bound, which a
         # finite window approaches only slowly (k rounds of slack take many rounds to use up).
         busy = sum(seconds(b, bw) + latency_s for b in traffic.transfers) / traffic.period_steps
         wall = np.maximum(wall, busy)
-    return SimResult(model.step_time / wall, wall, measured)
+    return SimResult(model.step_time / wall, wall)
