@@ -72,8 +72,10 @@ def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and
     port = coordinators(1)[0]
     store = client(port)
     # Rounds of at least 0.2 s (the emulated link's latency): the stop ends before the others' run does.
+    # An evaluation point inside the stop (step 2H + 1): under a quorum nobody waits there for worker 2 (12.10).
     quorum = ["--method", method, "--quorum", "2", "--grace", str(GRACE), "--max-late-rounds", str(max_late),
-              "--latency-ms", "200", *(["--fragments", "2", "--overlap-steps", "1"] if method == "streaming" else [])]
+              "--latency-ms", "200", "--eval-every", str(2 * H + 1),
+              *(["--fragments", "2", "--overlap-steps", "1"] if method == "streaming" else [])]
     resume_too = method == "diloco" and max_late == 16  # then resumed mid-schedule too: a checkpoint every exchange
     if resume_too:
         quorum += ["--checkpoint-every", str(H), "--keep-checkpoints", str(STEPS // H)]
@@ -103,6 +105,10 @@ def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and
     # Worker 2 was stopped for 2 s: the others closed exchanges without it, each within the grace window of its
     # quorum's last arrival (plus the coordinator's round trips), and none waited for its SIGCONT.
     assert bypassed, [(s, d["members"], round(d["decided_at"] - stopped, 2)) for s, d in decisions.items()]
+    # The others evaluated at step 2H + 1 and went on while worker 2 was stopped (all-or-nothing, they would wait
+    # there for it).
+    assert any(d["decided_at"] < resumed for s, d in decisions.items() if s > 2 * H + 1), \
+        [(s, round(d["decided_at"] - resumed, 2)) for s, d in decisions.items()]
     for s in bypassed:
         d = decisions[s]
         quorum_at = sorted(d["arrivals_at"][str(m)] for m in d["members"])[1]
