@@ -105,6 +105,7 @@ def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and
     # Worker 2 was stopped for 2 s: the others closed exchanges without it, each within the grace window of its
     # quorum's last arrival (plus the coordinator's round trips), and none waited for its SIGCONT.
     assert bypassed, [(s, d["members"], round(d["decided_at"] - stopped, 2)) for s, d in decisions.items()]
+    assert decisions[STEPS]["members"] == [0, 1, 2], decisions[STEPS]  # the run's last exchange waits for all (12.4)
     # The others evaluated at step 2H + 1 and went on while worker 2 was stopped (all-or-nothing, they would wait
     # there for it).
     assert any(d["decided_at"] < resumed for s, d in decisions.items() if s > 2 * H + 1), \
