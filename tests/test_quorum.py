@@ -390,15 +390,18 @@ def test_a_stalled_worker_does_not_hold_the_others_and_catches_up(name: str) -> 
     assert all(bool(t.isfinite().all()) for t in _bits(syncs, models))
 
 
-@pytest.mark.parametrize(("name", "missed", "dropped"), [("diloco", 2, 0), ("streaming", 3, 0), ("eager", 3, 1)])
-def test_a_stall_longer_than_a_round_keeps_the_held_window_through_the_catch_up(name: str, missed: int,
-                                                                                dropped: int) -> None:
-    """Worker 2 stalls 7 s in its third step (rounds of 4 s), S = 1: its catch-up skips ticks across the next
-    exchange, whose window of no steps misses too; that pass does not age the held window (12.4), which is merged
-    at the first exchange worker 2 reaches in time (before the rule, it was dropped there). Eager learns a round
-    later, so its window launched before it knew has steps and misses: that miss ages the held one, dropped."""
+@pytest.mark.parametrize(("name", "max_late", "missed", "dropped"),
+                         [("diloco", 1, 2, 0), ("streaming", 1, 3, 0), ("eager", 1, 3, 1), ("eager", 2, 3, 0)])
+def test_a_stall_longer_than_a_round_keeps_the_held_window_through_the_catch_up(name: str, max_late: int,
+                                                                                missed: int, dropped: int) -> None:
+    """Worker 2 stalls 7 s in its third step (rounds of 4 s): its catch-up skips ticks across the next exchange,
+    whose window of no steps misses too; that pass does not age the held window (12.4), which is merged at the
+    first exchange worker 2 reaches in time (before the rule, with S = 1, it was dropped there). Eager learns a
+    round later (12.5), so its window launched before it knew has steps and misses: under S = 1 that miss ages
+    the held one, dropped; S = 2 keeps it."""
     base = {"inner_steps": 4, **METHODS[name], **plain_sgd_outer(0.7)}
-    models, syncs, group = _inprocess(OuterConfig(**base, quorum=2, grace="0.5"), steps=24, stall={2: 7.0})
+    models, syncs, group = _inprocess(OuterConfig(**base, quorum=2, grace="0.5", max_late_rounds=max_late), steps=24,
+                                      stall={2: 7.0})
     stats = group.communicators[2].stats
     assert (stats.quorum_missed, stats.late_merged, stats.late_dropped) == (missed, missed - dropped, dropped)
     assert syncs[2].own_windows is not None and syncs[2].own_windows.skipped >= 6  # it skipped across an exchange
