@@ -173,6 +173,7 @@ def test_a_window_held_across_catch_up_passes_is_merged_once_with_its_weight(cap
         mean, result = party.close(Window(0, step, 4, 12, rule), close, [x0, x1, zero], [step, step, 13.0], [4, 4, 0])
         assert mean is not None and torch.equal(mean, (x0 + x1) / 2)
         assert result is not None and result.dropped == [] and len(party.held[0]) == step // 4
+        assert party.held[0][-1].values.numel() == 0  # a window of no steps keeps no payload (it is zero)
     mean, result = party.close(Window(0, 16, 4, 12, rule), 16.0, [x0, x1, x2 * 3 / 4], [16.0, 16.0, 14.0], [4, 4, 3])
     assert mean is not None and torch.equal(mean, (4 * x0 + 4 * x1 + 3 * x2 + 4 * w) / 15)
     assert result is not None and result.dropped == [] and party.held == {}

@@ -105,8 +105,10 @@ class LateWindows:
                 late.age += 1  # that worker catches up (a window of no steps)
             (dropped if late.age >= rule.max_late else keep).append(late)
         for m in range(workers):
-            if arrivals[m] > closes_at:  # missed: held (its payload's memory may serve another exchange: a copy)
-                late = LateWindow(Contribution(m, window.step, steps[m]), arrivals[m], weight, values[m].clone())
+            if arrivals[m] > closes_at:  # missed: held (its payload's memory may serve another exchange: a copy;
+                # none of no steps, a catch-up pass: its payload M n / N X is zero)
+                kept = values[m].clone() if steps[m] else values[m].new_zeros(0)
+                late = LateWindow(Contribution(m, window.step, steps[m]), arrivals[m], weight, kept)
                 (keep if rule.max_late > 0 else dropped).append(late)
         if keep:
             self.held[window.fragment] = keep
@@ -121,9 +123,10 @@ class LateWindows:
                               closes_at, tick_s)
         if plain:
             return None, result
-        total = torch.zeros_like(merged[0].values)
+        total = torch.zeros_like(values[0])
         for w in merged:  # sum_c n_c X_c, then over sum_c n_c: the token-weighted mean (12.3)
-            total.add_(w.values, alpha=w.weight)
+            if w.values.numel():
+                total.add_(w.values, alpha=w.weight)
         return total.div_(max(1, sum(w.contribution.steps for w in merged))), result  # no steps: zeros
 
     def state_dict(self) -> dict[str, Any]:

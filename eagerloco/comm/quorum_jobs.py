@@ -79,7 +79,8 @@ class QuorumJobs:
                 else:
                     send = flat * weight
                     for late in held:
-                        send.add_(late.values, alpha=late.weight)
+                        if late.values.numel():  # a catch-up pass's window holds none (its payload is zero)
+                            send.add_(late.values, alpha=late.weight)
                 try:
                     dist.all_reduce(send, group=self._group(decision["epoch"], tuple(members), f"{key}/{attempt}"))
                     break
@@ -115,7 +116,8 @@ class QuorumJobs:
                 if late.age >= window.rule.max_late:
                     dropped.append(late.contribution)
                     late.report_drop(window)
-            mine = LateWindow(Contribution(me, window.step, window.steps), time.time(), weight, flat.clone())
+            payload = flat.clone() if window.steps else flat.new_zeros(0)  # no steps: zero, not kept (12.4)
+            mine = LateWindow(Contribution(me, window.step, window.steps), time.time(), weight, payload)
             (keep if window.rule.max_late > 0 else dropped).append(mine)
             if window.rule.max_late == 0:
                 mine.report_drop(window)
