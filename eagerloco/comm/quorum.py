@@ -106,8 +106,8 @@ class LateWindows:
             (dropped if late.age >= rule.max_late else keep).append(late)
         for m in range(workers):
             if arrivals[m] > closes_at:  # missed: held (its payload's memory may serve another exchange: a copy;
-                # none of no steps, a catch-up pass: its payload M n / N X is zero)
-                kept = values[m].clone() if steps[m] else values[m].new_zeros(0)
+                # none of a catch-up pass's, no steps: its payload M n / N X is zero)
+                kept = values[m].clone() if steps[m] or values[m].any() else values[m].new_zeros(0)
                 late = LateWindow(Contribution(m, window.step, steps[m]), arrivals[m], weight, kept)
                 (keep if rule.max_late > 0 else dropped).append(late)
         if keep:

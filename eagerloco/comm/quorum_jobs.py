@@ -116,7 +116,7 @@ class QuorumJobs:
                 if late.age >= window.rule.max_late:
                     dropped.append(late.contribution)
                     late.report_drop(window)
-            payload = flat.clone() if window.steps else flat.new_zeros(0)  # no steps: zero, not kept (12.4)
+            payload = flat.clone() if window.steps or flat.any() else flat.new_zeros(0)  # a catch-up pass's: zero
             mine = LateWindow(Contribution(me, window.step, window.steps), time.time(), weight, payload)
             (keep if window.rule.max_late > 0 else dropped).append(mine)
             if window.rule.max_late == 0:
