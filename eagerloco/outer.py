@@ -108,7 +108,13 @@ class OuterSync:
         if cfg.adaptive_steps:
             self.adaptive = AdaptiveSteps(cfg, comm)
         if self.quorum is not None:
-            self.own_windows = OwnWindows(comm.rank, self.quorum, len(self.outer), self.feedback)
+            self.own_windows = OwnWindows(comm.rank, self.quorum, len(self.outer), self.feedback, cfg.inner_steps)
+
+    def ends_at(self, step: int) -> None:
+        """The run ends after inner step ``step``: under a quorum each fragment's last exchange waits for every live
+        worker, so that no window is left unmerged (docs/algorithms.md, 12.4)."""
+        if self.own_windows is not None:
+            self.own_windows.end = step
 
     @torch.no_grad()
     def restart_from_model(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 import sys
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,8 +43,12 @@ class OwnWindows:
     feedback each window's payload is kept until a mean merges it, and put back into the buffer if dropped.
     """
 
-    def __init__(self, rank: int, rule: QuorumRule, fragments: int, feedback: ErrorFeedback | None) -> None:
-        self.rank, self.rule, self.feedback = rank, rule, feedback
+    def __init__(self, rank: int, rule: QuorumRule, fragments: int, feedback: ErrorFeedback | None,
+                 period: int) -> None:
+        self.rank, self.rule, self.feedback, self.period = rank, rule, feedback, period
+        #: The run's last inner step (0: unknown): each fragment's exchange after which none is due there closes
+        #: on every live worker, so that it merges every window still held (12.4).
+        self.end = 0
         self.ran = [0] * fragments  # inner steps since each fragment's last launch
         self.scheduled = [0] * fragments  # those the schedule gave it (more where it skipped ticks)
         self.catch_up = 0  # ticks still to skip
@@ -84,7 +89,9 @@ class OwnWindows:
         total = scheduled * workers if weight is None else sum(weight.window)
         if steps != scheduled:  # fewer after a catch-up (12.5): weighted by the steps it ran
             scale = workers * steps / total
-        return Window(fragment, step, steps, total, self.rule), scale
+        last = bool(self.end) and step + self.period > self.end  # the fragment's last exchange: a quorum of all
+        rule = replace(self.rule, quorum=max(self.rule.quorum, workers)) if last else self.rule
+        return Window(fragment, step, steps, total, rule), scale
 
     def launched(self, fragment: int, step: int, clock: float, payload: list[torch.Tensor] | None) -> None:
         """This worker's window of ``fragment`` left at ``step``, at ``clock``, with this payload."""
@@ -119,8 +126,9 @@ class OwnWindows:
 
     @torch.no_grad()
     def drain(self, stats: WorkerStats) -> None:
-        """The run's end, every mean landed: a window that missed and that no later exchange merged is dropped,
-        with a log line (and, under error feedback, back into the buffer)."""
+        """The run's end, every mean landed: a window that missed and that no later exchange merged (the run's end
+        was not known, or its worker left) is dropped, with a log line (and, under error feedback, back into the
+        buffer)."""
         for (fragment, step), (_, _, payload) in sorted(self.launches.items()):
             stats.late_dropped += 1
             print(f"eagerloco: quorum: worker {self.rank}'s window of fragment {fragment} launched at step {step} "

@@ -165,7 +165,9 @@ def test_an_auto_grace_window_across_jobs_follows_the_spreads_its_decisions_carr
     # g = clamp(2 median(the last 8 spreads, its own among them), T / 100, T / 4), the spreads carried from decision to
     # decision whichever worker took it.
     assert all(d["grace"] is None and d["members"] == [0, 1, 2] for d in decisions[:GRACE_WINDOW])
-    for before, d in zip(decisions[GRACE_WINDOW - 1:], decisions[GRACE_WINDOW:], strict=False):
+    # The run's last exchange closes on every worker (12.4), its spread measured over all three: left out here.
+    assert decisions[-1]["members"] == [0, 1, 2]
+    for before, d in zip(decisions[GRACE_WINDOW - 1:-1], decisions[GRACE_WINDOW:-1], strict=False):
         assert d["spreads"][:-1] == before["spreads"][-GRACE_WINDOW + 1:] and len(d["spreads"]) == GRACE_WINDOW
         order = sorted(d["arrivals_at"].values())
         assert d["spreads"][-1] == order[1] - order[0]

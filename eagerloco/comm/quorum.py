@@ -64,7 +64,7 @@ class LateWindow:
     arrival: float  # when its payload reached the party
     weight: float  # N / M of its exchange: its payload (M n / N) X times this is n X
     values: torch.Tensor  # its payload as decoded, flat FP32
-    age: int = 0  # exchanges of its fragment closed since its own
+    age: int = 0  # exchanges of its fragment since its own that its worker missed with a window of steps (12.4)
 
     def report_drop(self, window: Window) -> None:
         """The log line of its drop at the exchange of ``window`` (12.4)."""
@@ -97,11 +97,18 @@ class LateWindows:
         dropped: list[LateWindow] = []
         keep: list[LateWindow] = []
         for late in self.held.pop(window.fragment, []):
-            late.age += 1
-            (merged if late.arrival <= closes_at else dropped if late.age >= rule.max_late else keep).append(late)
+            m = late.contribution.worker
+            if late.arrival <= closes_at:
+                merged.append(late)
+                continue
+            if steps[m] and arrivals[m] > closes_at:  # 12.4: it ages where its worker misses with steps, not while
+                late.age += 1  # that worker catches up (a window of no steps)
+            (dropped if late.age >= rule.max_late else keep).append(late)
         for m in range(workers):
-            if arrivals[m] > closes_at:  # missed: held (its payload's memory may serve another exchange: a copy)
-                late = LateWindow(Contribution(m, window.step, steps[m]), arrivals[m], weight, values[m].clone())
+            if arrivals[m] > closes_at:  # missed: held (its payload's memory may serve another exchange: a copy;
+                # none of a catch-up pass's, no steps: its payload M n / N X is zero)
+                kept = values[m].clone() if steps[m] or values[m].any() else values[m].new_zeros(0)
+                late = LateWindow(Contribution(m, window.step, steps[m]), arrivals[m], weight, kept)
                 (keep if rule.max_late > 0 else dropped).append(late)
         if keep:
             self.held[window.fragment] = keep
@@ -116,9 +123,10 @@ class LateWindows:
                               closes_at, tick_s)
         if plain:
             return None, result
-        total = torch.zeros_like(merged[0].values)
+        total = torch.zeros_like(values[0])
         for w in merged:  # sum_c n_c X_c, then over sum_c n_c: the token-weighted mean (12.3)
-            total.add_(w.values, alpha=w.weight)
+            if w.values.numel():
+                total.add_(w.values, alpha=w.weight)
         return total.div_(max(1, sum(w.contribution.steps for w in merged))), result  # no steps: zeros
 
     def state_dict(self) -> dict[str, Any]:

@@ -79,7 +79,8 @@ class QuorumJobs:
                 else:
                     send = flat * weight
                     for late in held:
-                        send.add_(late.values, alpha=late.weight)
+                        if late.values.numel():  # a catch-up pass's window holds none (its payload is zero)
+                            send.add_(late.values, alpha=late.weight)
                 try:
                     dist.all_reduce(send, group=self._group(decision["epoch"], tuple(members), f"{key}/{attempt}"))
                     break
@@ -108,14 +109,15 @@ class QuorumJobs:
             if self.store.add(f"{key}/read", 1) == readers:
                 self.store.delete_key(f"{key}/mean")
             wire = mean.numel() * 4
-            for late in held:
+            for late in held if window.steps else []:  # 12.4: a catch-up pass (no steps) ages none of them
                 late.age += 1
             keep = [w for w in held if w.age < window.rule.max_late]
             for late in held:
                 if late.age >= window.rule.max_late:
                     dropped.append(late.contribution)
                     late.report_drop(window)
-            mine = LateWindow(Contribution(me, window.step, window.steps), time.time(), weight, flat.clone())
+            payload = flat.clone() if window.steps or flat.any() else flat.new_zeros(0)  # a catch-up pass's: zero
+            mine = LateWindow(Contribution(me, window.step, window.steps), time.time(), weight, payload)
             (keep if window.rule.max_late > 0 else dropped).append(mine)
             if window.rule.max_late == 0:
                 mine.report_drop(window)

@@ -111,7 +111,7 @@ class ScriptedCommunicator(Communicator):
         self.contributors = dict(contributors or {})
         self.late = dict(late or {})
         #: The party forming the quorum means, and each fragment's exchanges closed (its clock: exchange n closes
-        #: at n, a window late by L arrives at n + L - 1/2).
+        #: at n, or with a quorum of every worker at the last arrival; a window late by L arrives at n + L - 1/2).
         self.late_windows = LateWindows()
         self.closed: dict[int, int] = {}
         self.stats = WorkerStats()
@@ -179,7 +179,12 @@ class ScriptedCommunicator(Communicator):
         self.closed[window.fragment] = n + 1
         lateness = self.late.get(i, {})
         arrivals = [n + lateness[m] - 0.5 if lateness.get(m) else float(n) for m in range(len(values))]
-        mean, result = self.late_windows.close(window, float(n), values, arrivals, [window.steps] * len(values))
+        if window.rule.quorum >= len(values):  # a quorum of every worker waits for all, the windows held too
+            held = [w.arrival for w in self.late_windows.held.get(window.fragment, [])]
+            close = max(n, *arrivals, *held)
+        else:
+            close = n
+        mean, result = self.late_windows.close(window, float(close), values, arrivals, [window.steps] * len(values))
         if mean is not None:
             call.mean = [t.clone() for t in unflatten(mean, like)]
         return None if result is None else replace(result, closes_at=None, tick_s=None)  # on the script's clock

@@ -95,12 +95,16 @@ class JobRuntime(Runtime):
 
     def after_eval(self, step: int) -> None:
         # Every job evaluates its own outer model, for as long as that takes: the others wait for it
-        # here, outside any collective timeout, for as long as its heartbeat is fresh.
+        # here, outside any collective timeout, for as long as its heartbeat is fresh. Under a quorum
+        # nobody waits before the run's end: an evaluating worker is a late one, bypassed like any
+        # (docs/algorithms.md, 12.10).
         assert self.peers is not None and self.peers.ctx is not None
         store, me = self.peers.ctx.store, self.rdzv.worker
         if store is None:
             return
         store.set(f"evaluated/{step}/{me}", "1")
+        if self.comm.closes_on_quorum and step < self.cfg.steps:
+            return
         members = self.membership.members if self.membership is not None else range(self.cfg.workers)
         for w in members:
             if w == me:

@@ -76,6 +76,7 @@ class Worker:
         self.opt = build_inner_optimizer(model, cfg, self.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps, cfg.steps))
         self.sync = OuterSync(model, self.opt, comm, cfg.outer, seed=cfg.seed)
+        self.sync.ends_at(cfg.steps)
         self._loss: torch.Tensor | float = float("nan")
         self.slowdown = cfg.slowdown(comm.rank)  # --slow-worker: an emulated straggler
         self._step_real = 0.0  # real compute of the current step so far (fixed step time on a real clock)
