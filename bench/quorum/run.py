@@ -124,11 +124,10 @@ def run(method: str, quorum: bool, seed: int, schedule: tuple[Fault, ...], out: 
                                        "--port", str(port)], env)
     time.sleep(2)
     elastic = not quorum or any(f.kind == "kill" for f in schedule)
-    # Every job waits at an evaluation point until every member has evaluated there, a stalled one too, so the
-    # quorum runs evaluate only at the end; the all-or-nothing runs, which wait for every worker anyway, every
-    # EVAL_EVERY steps (their losses at the quorum runs' wall clock).
-    mode = ["--quorum", str(QUORUM), "--grace", grace, "--max-late-rounds", str(MAX_LATE)] if quorum \
-        else ["--eval-every", str(EVAL_EVERY)]
+    # Both modes evaluate every EVAL_EVERY steps: under a quorum an evaluating job is a late worker, bypassed like
+    # any (12.10); all-or-nothing rounds wait for it. The evaluations give each run's loss by wall clock.
+    mode = ["--eval-every", str(EVAL_EVERY)] + (
+        ["--quorum", str(QUORUM), "--grace", grace, "--max-late-rounds", str(MAX_LATE)] if quorum else [])
     slow_files = {w: out / f"slow{w}" for w in range(WORKERS)}
 
     def job(w: int, *extra: str) -> Proc:
