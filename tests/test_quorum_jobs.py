@@ -120,17 +120,14 @@ def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and
     missed, late, dropped = counters(summary(tmp_path / "w2"))
     assert all(counters(summary(tmp_path / f"w{w}")) == (0, 0, 0) for w in range(2))
     landed = sorted(s for s in decisions if any(c[0] == 2 and c[1] == s for c in merged))
-    # Held while it caught up (its passes of no steps age nothing, 12.4), merged; with --max-late-rounds 1 one that
-    # a second window of steps missed after it (a catch-up short of the others on a loaded machine) is dropped,
-    # with its line, and in no mean.
-    assert missed >= 1 and late + dropped == missed, (missed, late, dropped)
-    assert len(decisions) - len(landed) == dropped
-    lines = [line for line in done[2].stdout.splitlines() if "quorum: dropped worker 2's window" in line]
-    assert len(lines) == dropped, done[2].stdout[-3000:]
-    assert max_late == 1 or dropped == 0
-    steps = {s: json.loads(store.get(f"{QUORUM_PREFIX}0/{s}/arrived/2"))["steps"] for s in bypassed}
-    for s in set(bypassed) - set(landed):  # dropped: aged by a later miss of a window of steps, not by a catch-up pass
-        assert any(steps[t] for t in bypassed if t > s), (s, steps)
+    if max_late == 16:  # held while it caught up, every one merged
+        assert missed >= 1 and late == missed and dropped == 0, (missed, late, dropped)
+        assert landed == list(decisions)
+    else:  # more than one exchange late: dropped, each with its line, and in no mean
+        assert dropped >= 1 and late + dropped == missed, (missed, late, dropped)
+        assert len(decisions) - len(landed) == dropped
+        lines = [line for line in done[2].stdout.splitlines() if "quorum: dropped worker 2's window" in line]
+        assert len(lines) == dropped, done[2].stdout[-3000:]
     # DiLoCo and Streaming (fragment 0's exchanges above; fragment 1's alike, its own windows held for its own):
     # every worker applies every mean, the late one too: the outer parameters stay identical (under eager each
     # worker's own share in flight is in its own only).

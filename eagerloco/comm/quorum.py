@@ -64,7 +64,7 @@ class LateWindow:
     arrival: float  # when its payload reached the party
     weight: float  # N / M of its exchange: its payload (M n / N) X times this is n X
     values: torch.Tensor  # its payload as decoded, flat FP32
-    age: int = 0  # exchanges of its fragment since its own that its worker missed with a window of steps (12.4)
+    age: int = 0  # exchanges of its fragment closed since its own
 
     def report_drop(self, window: Window) -> None:
         """The log line of its drop at the exchange of ``window`` (12.4)."""
@@ -97,13 +97,8 @@ class LateWindows:
         dropped: list[LateWindow] = []
         keep: list[LateWindow] = []
         for late in self.held.pop(window.fragment, []):
-            m = late.contribution.worker
-            if late.arrival <= closes_at:
-                merged.append(late)
-                continue
-            if steps[m] and arrivals[m] > closes_at:  # 12.4: it ages where its worker misses with steps, not while
-                late.age += 1  # that worker catches up (a window of no steps)
-            (dropped if late.age >= rule.max_late else keep).append(late)
+            late.age += 1
+            (merged if late.arrival <= closes_at else dropped if late.age >= rule.max_late else keep).append(late)
         for m in range(workers):
             if arrivals[m] > closes_at:  # missed: held (its payload's memory may serve another exchange: a copy;
                 # none of a catch-up pass's, no steps: its payload M n / N X is zero)

@@ -109,7 +109,7 @@ class QuorumJobs:
             if self.store.add(f"{key}/read", 1) == readers:
                 self.store.delete_key(f"{key}/mean")
             wire = mean.numel() * 4
-            for late in held if window.steps else []:  # 12.4: a catch-up pass (no steps) ages none of them
+            for late in held:
                 late.age += 1
             keep = [w for w in held if w.age < window.rule.max_late]
             for late in held:
