@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -118,12 +119,16 @@ class Membership:
         """Shut the current group down now: its sockets close, so members still blocked in one of its
         collectives fail at once instead of at the timeout."""
         group, self.group = self.group, None
-        if group is not None:
-            try:
-                group.shutdown()
-            except Exception:  # already broken: nothing more to release
-                pass
-        gc.collect()  # free the groups held only by reference cycles: that is what closes the sockets
+        if group is None:
+            return
+        try:
+            group.shutdown()  # gloo's leaves the sockets open: freeing the group is what closes them
+        except Exception:  # already broken: nothing more to release
+            pass
+        held = weakref.ref(group)
+        del group
+        if held() is not None:  # kept by reference cycles (a failed collective's): a full collection frees it
+            gc.collect()  # 0.3-0.6 s with torch loaded, so only then
 
     def form(self, epoch: int, members: list[int]) -> dist.ProcessGroup:
         """Tear down the current group and build epoch's: a gloo group of its own over the coordinator's store
@@ -486,6 +491,11 @@ class Membership:
              wait_s: float, **kwargs: Any) -> tuple[Membership, dist.ProcessGroup, int, int] | None:
         """A returning worker: ask to join, wait to be admitted (at most wait_s), build the groups. Returns
         (membership, outer group, step, source worker), or None when the run ended first."""
+        # The members wait for this worker from its admission to the handover, while it builds its trainer: the
+        # compiler stack that torch.optim's first optimizer imports (seconds on a cold start) is imported before it
+        # asks, as the rank server preloads it (cli.preload_train).
+        import torch._dynamo  # noqa: F401
+
         m = cls(client, worker, workers, timeout_s, **kwargs)
         if poll(lambda: [] if m._gone(worker) or not m.hb.check([f"hb/{worker}"]) else [worker], 3 * _STALE_S,
                 lambda _: f"worker {worker}: waiting for the heartbeat of an earlier worker {worker} to stop",
