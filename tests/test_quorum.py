@@ -264,9 +264,9 @@ def test_settings_are_refused_with_one_line() -> None:
 def test_train_refuses_a_quorum_where_processes_do_not_close_on_one_and_above_the_workers() -> None:
     job = RuntimeConfig(outer_addr="127.0.0.1:29500", worker_id=0)
     elastic = RuntimeConfig(outer_addr="127.0.0.1:29500", worker_id=0, elastic=True)
-    for outer, runtime, says in [(OuterConfig(quorum=2, grace="1", method="delayed"), job,
-                                  "diloco, streaming or eager only"),
-                                 (OuterConfig(quorum=2, grace="1", codec="fp8"), job, "fp32 payloads only"),
+    for outer, runtime, says in [(OuterConfig(quorum=2, grace="1", codec="fp8"), job, "fp32 payloads only"),
+                                 (OuterConfig(quorum=2, grace="1", method="delayed", codec="fp8"), job,
+                                  "fp32 payloads only"),
                                  (OuterConfig(quorum=4), RuntimeConfig(), "more than the 3")]:
         cfg = TrainConfig(model="micro", batch_size=2, seq_len=16, workers=3, outer=outer, runtime=runtime)
         with pytest.raises(ConfigError, match=says) as info:
@@ -276,6 +276,9 @@ def test_train_refuses_a_quorum_where_processes_do_not_close_on_one_and_above_th
                 runtime=job).validate(Environment.read())  # Q = M: today's exchanges, on any runtime
     TrainConfig(model="micro", batch_size=2, seq_len=16, workers=3, outer=OuterConfig(quorum=2, grace="1"),
                 runtime=elastic).validate(Environment.read())  # with --elastic: L_e the membership's (12.6)
+    for method in ("diloco", "streaming", "delayed", "eager"):  # every method with an outer exchange (12.10)
+        TrainConfig(model="micro", batch_size=2, seq_len=16, workers=3, outer=OuterConfig(quorum=2, grace="1",
+                    method=method), runtime=job).validate(Environment.read())
     TrainConfig(model="micro", batch_size=2, seq_len=16, workers=3, outer=OuterConfig(quorum=2),
                 runtime=job).validate(Environment.read())  # --grace auto across jobs: 12.2 at the coordinator
 

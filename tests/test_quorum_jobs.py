@@ -65,7 +65,7 @@ def end_all(jobs: list[Any]) -> None:
             j.kill()
 
 
-@pytest.mark.parametrize(("method", "max_late"), [("diloco", 16), ("eager", 16), ("diloco", 1),
+@pytest.mark.parametrize(("method", "max_late"), [("diloco", 16), ("eager", 16), ("delayed", 16), ("diloco", 1),
                                                   pytest.param("streaming", 16, marks=pytest.mark.slow)])
 def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and_its_window_is_merged_once(
         tmp_path: Path, method: str, max_late: int) -> None:
@@ -128,9 +128,9 @@ def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and
         assert len(decisions) - len(landed) == dropped
         lines = [line for line in done[2].stdout.splitlines() if "quorum: dropped worker 2's window" in line]
         assert len(lines) == dropped, done[2].stdout[-3000:]
-    # DiLoCo and Streaming (fragment 0's exchanges above; fragment 1's alike, its own windows held for its own):
-    # every worker applies every mean, the late one too: the outer parameters stay identical (under eager each
-    # worker's own share in flight is in its own only).
+    # DiLoCo, Streaming (fragment 0's exchanges above; fragment 1's alike, its own windows held for its own) and
+    # delayed (each mean one round after its launch): every worker applies every mean, the late one too, so the
+    # outer parameters stay identical (under eager each worker's own share in flight is in its own only).
     outers = [outer(tmp_path / f"w{w}", w) for w in range(3)]
     assert method == "eager" or all(torch.equal(a, b) for o in outers[1:] for a, b in zip(outers[0], o, strict=True))
     if resume_too:

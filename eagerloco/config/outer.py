@@ -119,7 +119,7 @@ class OuterConfig:
     """Quorum exchanges: an exchange closes once Q workers have contributed and the --grace window has passed
     (or when every worker has); a window that missed its exchange is merged, token-weighted, into its fragment's
     next one (docs/algorithms.md, 12). In-process, and across jobs at a coordinator (--outer-addr, --elastic too)
-    for diloco, streaming and eager."""
+    with fp32 payloads."""
     grace: str | float = setting("auto", metavar="SECONDS|auto", group="faults")
     """With --quorum: seconds an exchange waits after its Q-th contribution for the others, or auto (twice the
     recent lag of the Q-th behind the median arrival, within 1% to 25% of a round's compute)."""

@@ -179,8 +179,7 @@ class TrainConfig:
         if quorum is not None and quorum < self.workers and kind != "inprocess":
             o = self.outer
             why = ("runs in-process or across jobs at a coordinator (--outer-addr), not under a launcher"
-                   if kind != "job" else "across jobs runs with --method diloco, streaming or eager only for now"
-                   if o.method not in ("diloco", "eager", "streaming")
+                   if kind != "job"
                    else "across jobs sends fp32 payloads only: drop --codec and --topk" if o.codec != "fp32" or o.topk
                    else "")
             if why:
