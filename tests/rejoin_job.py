@@ -58,17 +58,22 @@ def _report(out: Path, entry: str, worker: int, outer: Any) -> None:
         "digest": outer_digest(outer.outer_parameters())}))
 
 
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, outer: Any, worker: int, steps: int) -> None:
+    """The inner steps a hook-API loop runs, from the run's step on (a worker that joined goes on from there)."""
+    for step in range(outer.ticks + 1, steps + 1):
+        x, y = _batch(worker, step)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        _pace(outer)
+
+
 def hooks(out: Path, worker: int, workers: int, port: int, steps: int) -> None:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     peers = connect(f"127.0.0.1:{port}", worker, workers, timeout_s=TIMEOUT_S, elastic=True)
     with eagerloco.outer_loop(model, opt, OuterConfig(**CONFIG), peers=peers) as outer:
-        for step in range(outer.ticks + 1, steps + 1):  # a worker that joined goes on from the run's step
-            x, y = _batch(worker, step)
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            _pace(outer)
+        _train(model, opt, outer, worker, steps)
         _report(out, "hooks", worker, outer)
 
 
@@ -80,12 +85,7 @@ def torchft(out: Path, worker: int, workers: int, port: int, steps: int) -> None
     outer_opt = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     manager = Manager(f"127.0.0.1:{port}", worker, workers, timeout_s=TIMEOUT_S, elastic=True)
     with DiLoCo(manager, [model], inner, outer_opt, 2) as outer:
-        for step in range(outer.ticks + 1, steps + 1):
-            x, y = _batch(worker, step)
-            ((model(x) - y) ** 2).mean().backward()
-            inner.step()
-            inner.zero_grad()
-            _pace(outer)
+        _train(model, inner, outer, worker, steps)
         _report(out, "torchft", worker, outer)
 
 

@@ -94,12 +94,17 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[subprocess.C
     return done
 
 
+def assert_exited_0(done: list[subprocess.CompletedProcess]) -> None:
+    """Every job exited 0; else the first that did not, with its output's tail."""
+    for w, d in enumerate(done):
+        assert d.returncode == 0, f"worker {w}:\n{d.stdout[-4000:]}"
+
+
 @pytest.fixture(scope="module")
 def methods(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("hooks_jobs")
     done = run_jobs("methods", out, coordinators(2 * len(METHODS) + 1))
-    for w, d in enumerate(done):
-        assert d.returncode == 0, f"worker {w}:\n{d.stdout[-4000:]}"
+    assert_exited_0(done)
     return [torch.load(out / f"methods_{w}.pt") for w in range(2)]
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_hooks_jobs import coordinators, wait_all
+from test_hooks_jobs import assert_exited_0, coordinators, wait_all
 from test_quorum_jobs import GRACE, H, client, counters, end_all, job, outer, summary
 
 from eagerloco.comm.quorum import GRACE_MAX, GRACE_MIN, GRACE_WINDOW
@@ -101,8 +101,7 @@ def test_under_elastic_a_killed_worker_leaves_after_the_timeout_and_rejoins_a_st
         done = wait_all(jobs, 300)
     finally:
         end_all(jobs)
-    for w, d in enumerate(done):
-        assert d.returncode == 0, f"worker {w}:\n{d.stdout[-3000:]}"
+    assert_exited_0(done)
     decisions = {s: json.loads(store.get(f"{QUORUM_PREFIX}0/{s}/decided")) for s in range(H, steps + 1, H)}
     assert 1 in decisions[killed_at]["members"]  # it had arrived: its all-reduce failed and was decided again
     decisions[killed_at] = json.loads(store.get(f"{QUORUM_PREFIX}0/{killed_at}/1/decided"))
@@ -158,8 +157,7 @@ def test_an_auto_grace_window_across_jobs_follows_the_spreads_its_decisions_carr
         done = wait_all(jobs, 300)
     finally:
         end_all(jobs)
-    for w, d in enumerate(done):
-        assert d.returncode == 0, f"worker {w}:\n{d.stdout[-3000:]}"
+    assert_exited_0(done)
     decisions = [json.loads(store.get(f"{QUORUM_PREFIX}0/{s}/decided")) for s in range(H, steps + 1, H)]
     # The first 8 exchanges measure and wait for every worker (12.2); each later one closes g after its Q-th arrival,
     # g = clamp(2 median(the last 8 spreads, its own among them), T / 100, T / 4), the spreads carried from decision to

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from jobs import popen
-from test_hooks_jobs import coordinators, free_ports, job_env, wait_all
+from test_hooks_jobs import assert_exited_0, coordinators, free_ports, job_env, wait_all
 
 pytestmark = pytest.mark.processes
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,8 +197,7 @@ def test_a_third_worker_joins_a_running_two_worker_run(tmp_path: Path) -> None:
                    f"127.0.0.1:{port}", "--worker-id", "2", "--workers", "2", "--out", str(tmp_path / "w2")],
                   env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     done = wait_all([*jobs, third], 300)
-    for w, d in enumerate(done):
-        assert d.returncode == 0, f"worker {w}:\n{d.stdout[-3000:]}"
+    assert_exited_0(done)
     assert "worker 0: workers [2] joined at step" in done[0].stdout, done[0].stdout[-3000:]
     assert "members [0, 1, 2]" in done[2].stdout, done[2].stdout[-3000:]
     outer = [_outer(tmp_path / f"w{w}", w, 64) for w in range(3)]

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from jobs import popen
-from test_hooks_jobs import coordinators, job_env, wait_all
+from test_hooks_jobs import assert_exited_0, coordinators, job_env, wait_all
 
 from eagerloco.comm.connect import connect
 from eagerloco.comm.rendezvous import STARTED_KEY
@@ -99,8 +99,7 @@ def test_hook_api_a_third_worker_joins_a_running_two_worker_run(tmp_path: Path) 
     dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120)).wait([STARTED_KEY])
     third = _job("hooks", tmp_path, port, 2, None, "0.7", "3")
     done = wait_all([*first, third], 180)
-    for w, d in enumerate(done):
-        assert d.returncode == 0, f"worker {w}:\n{d.stdout[-3000:]}"
+    assert_exited_0(done)
     assert "worker 0: workers [2] joined at step" in done[0].stdout, done[0].stdout[-3000:]
     assert "checked); members [0, 1, 2]" in done[2].stdout, done[2].stdout[-3000:]
     ends = [json.loads((tmp_path / f"hooks_{w}.json").read_text()) for w in range(3)]
