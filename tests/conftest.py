@@ -113,3 +113,39 @@ def plain_sgd_outer(lr: float = 1.0) -> dict[str, object]:
 def toy() -> Toy:
     torch.manual_seed(0)
     return Toy()
+
+
+class StalledGroup:
+    """Workers on seeded gradients, each inner step step_s simulated seconds, stall: worker -> extra seconds in
+    each of the steps ``at`` (a preemption, a filesystem hiccup); models and gradients on ``device``."""
+
+    def __init__(self, cfg: OuterConfig, workers: int = 3, stall: dict[int, float] | None = None,
+                 at: tuple[int, ...] = (3,), step_s: float = 1.0, device: str = "cpu") -> None:
+        torch.manual_seed(0)
+        init = Toy().to(device)
+        self.models = [copy.deepcopy(init) for _ in range(workers)]
+        self.group = InProcessGroup(workers, count_overhead=False)
+        self.opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in self.models]
+        self.syncs = [OuterSync(m, o, self.group.communicator(i), cfg)
+                      for i, (m, o) in enumerate(zip(self.models, self.opts, strict=True))]
+        self.stall, self.at, self.step_s, self.step, self.device = stall or {}, at, step_s, 0, device
+
+    def run(self, steps: int) -> StalledGroup:
+        grads = seeded_grads()
+        for step in range(self.step + 1, self.step + steps + 1):
+            for i, m in enumerate(self.models):
+                for _ in range(self.syncs[i].inner_steps_due()):
+                    for name, p in m.named_parameters():
+                        p.grad = grads(i, step, name, p.detach()).to(self.device)
+                    self.opts[i].step()
+                    stall = self.stall.get(i, 0.0) if step in self.at else 0.0
+                    self.group.communicator(i).add_compute(self.step_s + stall)
+            before_inner_step_all(self.syncs)
+            after_inner_step_all(self.syncs)
+        self.step += steps
+        return self
+
+    def finish(self) -> tuple[list[nn.Module], list[OuterSync], InProcessGroup]:
+        for s in self.syncs:
+            s.drain(apply=True)
+        return self.models, self.syncs, self.group

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import StalledGroup, plain_sgd_outer
 
 from eagerloco.codecs import get_codec
 from eagerloco.comm.base import encode, flatten, mean_of_payloads
@@ -309,6 +310,27 @@ def test_a_cuda_worker_with_muon_and_the_sparse_exchange_keeps_its_error_feedbac
     buffers = [t for frag in w.sync.feedback.buffers for t in frag]
     assert all(t.is_cuda and t.dtype == torch.float32 for t in buffers)
     assert any(bool(t.abs().sum() > 0) for t in buffers)  # what the top 4 of 64 left out is kept
+
+
+@cuda
+@pytest.mark.parametrize("method", ["diloco", "streaming", "eager"])
+def test_a_quorum_exchange_on_cuda_merges_a_late_window_as_the_cpu_does(method: str) -> None:
+    """Worker 2 stalls 3 s in its third step (1 s steps, H = 4) under Q = 2: its window misses an exchange, is held
+    in device memory by the party and merged into the fragment's next one (docs/algorithms.md 12.4); every worker
+    ends with the CPU run's parameters and counters."""
+    extra = {"fragments": 2} if method == "streaming" else {}
+    cfg = OuterConfig(method=method, inner_steps=4, quorum=2, grace="0.5", **extra, **plain_sgd_outer(0.7))
+    cpu, gpu = (StalledGroup(cfg, stall={2: 3.0}, device=d).run(16).finish() for d in ("cpu", "cuda"))
+    straggler = gpu[2].communicators[2].stats
+    assert straggler.quorum_missed == straggler.late_merged > 0 and straggler.late_dropped == 0
+    counts = [[{k: v for k, v in c.stats.as_dict().items() if k != "overhead_s"} for c in run[2].communicators]
+              for run in (cpu, gpu)]  # overhead_s: measured wall time
+    assert counts[0] == counts[1]
+    for a, b in zip(cpu[1], gpu[1], strict=True):
+        assert all(t.is_cuda for f in b.outer for t in f)
+        for f, g in zip(a.outer, b.outer, strict=True):
+            for x, y in zip(f, g, strict=True):
+                torch.testing.assert_close(y.cpu(), x, rtol=1e-5, atol=1e-6)
 
 
 def test_ranks_that_would_share_a_gpu_are_named_before_nccl_refuses_them() -> None:

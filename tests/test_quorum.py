@@ -14,16 +14,15 @@ import json
 
 import pytest
 import torch
-from conftest import plain_sgd_outer, seeded_grads
+from conftest import StalledGroup, plain_sgd_outer
 from torch import nn
-from toy import Toy
 
 from eagerloco.comm.base import Contribution, QuorumRule, Window
 from eagerloco.comm.inprocess import InProcessGroup
 from eagerloco.comm.quorum import LateWindows
 from eagerloco.comm.scripted import ScriptedCommunicator
 from eagerloco.config import ConfigError, Environment, OuterConfig, RuntimeConfig, TrainConfig
-from eagerloco.outer import OuterSync, after_inner_step_all, before_inner_step_all
+from eagerloco.outer import OuterSync
 
 H, ETA = 2, 0.5
 G = torch.tensor([3.0, 6.0, 12.0])
@@ -295,45 +294,9 @@ def test_a_runtime_that_needs_every_worker_refuses_a_quorum() -> None:
 # ---------------------------------------------------------------- in-process
 
 
-class _Group:
-    """Workers on seeded gradients, each inner step step_s simulated seconds, stall: worker -> extra seconds in
-    each of the steps ``at`` (a preemption, a filesystem hiccup)."""
-
-    def __init__(self, cfg: OuterConfig, workers: int = 3, stall: dict[int, float] | None = None,
-                 at: tuple[int, ...] = (3,), step_s: float = 1.0) -> None:
-        torch.manual_seed(0)
-        init = Toy()
-        self.models = [copy.deepcopy(init) for _ in range(workers)]
-        self.group = InProcessGroup(workers, count_overhead=False)
-        self.opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in self.models]
-        self.syncs = [OuterSync(m, o, self.group.communicator(i), cfg)
-                      for i, (m, o) in enumerate(zip(self.models, self.opts, strict=True))]
-        self.stall, self.at, self.step_s, self.step = stall or {}, at, step_s, 0
-
-    def run(self, steps: int) -> _Group:
-        grads = seeded_grads()
-        for step in range(self.step + 1, self.step + steps + 1):
-            for i, m in enumerate(self.models):
-                for _ in range(self.syncs[i].inner_steps_due()):
-                    for name, p in m.named_parameters():
-                        p.grad = grads(i, step, name, p.detach())
-                    self.opts[i].step()
-                    stall = self.stall.get(i, 0.0) if step in self.at else 0.0
-                    self.group.communicator(i).add_compute(self.step_s + stall)
-            before_inner_step_all(self.syncs)
-            after_inner_step_all(self.syncs)
-        self.step += steps
-        return self
-
-    def finish(self) -> tuple[list[nn.Module], list[OuterSync], InProcessGroup]:
-        for s in self.syncs:
-            s.drain(apply=True)
-        return self.models, self.syncs, self.group
-
-
 def _inprocess(cfg: OuterConfig, steps: int, stall: dict[int, float] | None = None,
                at: tuple[int, ...] = (3,)) -> tuple[list[nn.Module], list[OuterSync], InProcessGroup]:
-    return _Group(cfg, stall=stall, at=at).run(steps).finish()
+    return StalledGroup(cfg, stall=stall, at=at).run(steps).finish()
 
 
 def _bits(syncs: list[OuterSync], models: list[nn.Module]) -> list[torch.Tensor]:
@@ -407,7 +370,7 @@ def test_a_stall_in_the_last_round_is_waited_for_where_the_run_s_end_is_known(na
     base = {"inner_steps": 4, **METHODS[name], **plain_sgd_outer(0.7)}
     counts = []
     for known in (False, True):
-        run = _Group(OuterConfig(**base, quorum=2, grace="0.5"), stall={2: 3.0}, at=(15,))
+        run = StalledGroup(OuterConfig(**base, quorum=2, grace="0.5"), stall={2: 3.0}, at=(15,))
         for sync in run.syncs if known else ():
             sync.ends_at(16)
         models, syncs, group = run.run(16).finish()
@@ -439,13 +402,13 @@ def test_a_run_resumed_mid_catch_up_gives_the_uninterrupted_numbers(name: str) -
     if name == "error-feedback":
         base.update(error_feedback=0.9, topk=2, topk_chunk=8, codec="bf16")
     cfg = OuterConfig(**base, quorum=2, grace="0.5")
-    whole = _Group(cfg, stall={2: 3.0}).run(16).finish()
-    first = _Group(cfg, stall={2: 3.0}).run(5)
+    whole = StalledGroup(cfg, stall={2: 3.0}).run(16).finish()
+    first = StalledGroup(cfg, stall={2: 3.0}).run(5)
     saved = ([s.state_dict() for s in first.syncs], json.loads(json.dumps(first.group.state_dict())),
              [copy.deepcopy(m.state_dict()) for m in first.models], [c.clock() for c in first.group.communicators],
              [copy.deepcopy(c.stats) for c in first.group.communicators])
     assert saved[1]["late"] or name == "streaming"  # the late window is held across the checkpoint
-    resumed = _Group(cfg, stall={2: 3.0})
+    resumed = StalledGroup(cfg, stall={2: 3.0})
     resumed.group.load_state_dict(saved[1])
     states, _, weights_, clocks, stats_ = saved
     for sync, model, comm, state, weights, clock, stats in zip(resumed.syncs, resumed.models,
