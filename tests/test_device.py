@@ -312,6 +312,31 @@ def test_a_cuda_worker_with_muon_and_the_sparse_exchange_keeps_its_error_feedbac
     assert any(bool(t.abs().sum() > 0) for t in buffers)  # what the top 4 of 64 left out is kept
 
 
+def _flat_exchange(device: str, codec: str, transport: str) -> tuple[list[torch.Tensor], list[int]]:
+    """Three in-process workers' means of one exchange through a transport whose bytes stay flat in M, and the bytes
+    each sent."""
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(5000, generator=g) * (1 + m) for m in range(3)]  # a partial last chunk and shard
+    c = get_codec(codec, topk=32, chunk=1024, shared=True).for_step(3) if transport == "shared-support" else \
+        get_codec(codec)
+    grp = InProcessGroup(3)
+    handles = [grp.communicator(m).allreduce_mean([x.to(device)], c, transport=transport)
+               for m, x in enumerate(inputs)]
+    return [h.wait()[0] for h in handles], [cm.stats.bytes_sent for cm in grp.communicators]
+
+
+@cuda
+@pytest.mark.parametrize(("codec", "transport"),
+                         [("e2m1", "reduce-scatter"), ("int8", "reduce-scatter"), ("2bit", "shared-support")])
+def test_the_flat_transports_on_cuda_give_the_cpus_mean_and_bytes(codec: str, transport: str) -> None:
+    """The reduce-scatter of a dense codec and the shared support (docs/algorithms.md section 7) from device memory:
+    every worker's mean is the CPU run's, bit for bit, on the GPU, and each worker sends the same bytes."""
+    (cpu, cpu_bytes), (gpu, gpu_bytes) = (_flat_exchange(d, codec, transport) for d in ("cpu", "cuda"))
+    assert all(m.is_cuda for m in gpu)
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu, strict=True))
+    assert cpu_bytes == gpu_bytes and min(cpu_bytes) > 0
+
+
 @cuda
 @pytest.mark.parametrize("method", ["diloco", "streaming", "eager"])
 def test_a_quorum_exchange_on_cuda_merges_a_late_window_as_the_cpu_does(method: str) -> None:
