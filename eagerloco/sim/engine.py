@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -79,7 +80,15 @@ def run_schedule(graph: StepGraph, traffic: Traffic, schedule: list[Exchange], b
     so one numpy lane per bandwidth runs them all; steps with no launch or gate are skipped in bulk."""
     L, u = graph.layers, graph.unit
     t = graph.step_time
-    share = [seconds(b / len(ls), bandwidths) for b, ls in zip(traffic.transfers, traffic.layers, strict=True)]
+    # One lane (a plan's candidates, one bandwidth each) runs on Python floats: numpy's per-call cost on a
+    # one-element array is tens of times a float operation's, and the loops below run once per block share (tens
+    # of thousands for a large model's schedule). The arithmetic is the same IEEE doubles either way.
+    one = bandwidths.size == 1
+    mx = max if one else np.maximum
+    share: list[Any] = [seconds(b / len(ls), bandwidths)
+                        for b, ls in zip(traffic.transfers, traffic.layers, strict=True)]
+    if one:
+        share = [float(d[0]) for d in share]
     first_share = [d + latency_s for d in share]  # an exchange's first block share carries its latency
     grad_done = [graph.weight_grad_done(layer) for layer in range(L)]
     backward = graph.backward_time
@@ -89,47 +98,41 @@ def run_schedule(graph: StepGraph, traffic: Traffic, schedule: list[Exchange], b
         launch_at[ex.launch_step].append(n)
         if ex.apply_step + 1 <= total_steps:  # the forward of the step after the apply step waits
             gate_at[ex.apply_step + 1].append(n)
-    now = np.zeros_like(bandwidths, dtype=float)  # end of the last simulated step
-    link_free = np.zeros_like(now)
+    now: Any = 0.0 if one else np.zeros_like(bandwidths, dtype=float)  # end of the last simulated step
+    link_free: Any = now
     at_mark = now
-    finish: dict[tuple[int, int], np.ndarray] = {}
+    finish: dict[tuple[int, int], Any] = {}
     prev = 0
-    # The loops below run once per block share (tens of thousands for a large model's schedule): each
-    # operation writes into the array it has just made (out=, +=), the same arithmetic with fewer copies.
     for s in sorted(set(launch_at) | set(gate_at) | {mark_step, total_steps}):
         if s < 1 or s > total_steps:
             continue
         now = now + (s - prev - 1) * t  # plain steps prev+1 .. s-1
-        gates: dict[int, np.ndarray] = {}
+        gates: dict[int, Any] = {}
         for n in gate_at.get(s, ()):
             for layer in traffic.layers[schedule[n].index]:
                 done = finish.pop((n, layer))
-                gates[layer] = np.maximum(gates[layer], done) if layer in gates else done
+                gates[layer] = mx(gates[layer], done) if layer in gates else done
         cursor, last = now, -1  # cursor: end of the forward node of block `last`
         for layer in sorted(gates):
-            nxt = cursor + (layer - last - 1) * u
-            np.maximum(nxt, gates[layer], out=nxt)
-            nxt += u
-            cursor, last = nxt, layer
+            cursor = mx(cursor + (layer - last - 1) * u, gates[layer]) + u
+            last = layer
         forward_end = cursor + (L - 1 - last) * u
         # In the order their weight gradients finish: the last block first, exchanges in launch order.
         started: set[int] = set()
         order = sorted((-layer, m) for m in launch_at.get(s, ()) for layer in traffic.layers[schedule[m].index])
         for neg_layer, n in order:
             index = schedule[n].index
-            free = forward_end + grad_done[-neg_layer]
-            np.maximum(free, link_free, out=free)
             if n in started:
-                free += share[index]
+                extra = share[index]
             else:
-                free += first_share[index]
+                extra = first_share[index]
                 started.add(n)
-            link_free = finish[(n, -neg_layer)] = free
+            link_free = finish[(n, -neg_layer)] = mx(forward_end + grad_done[-neg_layer], link_free) + extra
         now = forward_end + backward
         if s == mark_step:
             at_mark = now
         prev = s
-    return at_mark, now
+    return np.full_like(bandwidths, at_mark, dtype=float), np.full_like(bandwidths, now, dtype=float)
 
 
 def simulate(model: ModelSpec, variant: Variant, traffic: Traffic, bandwidths: np.ndarray | float,
