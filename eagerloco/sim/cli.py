@@ -17,7 +17,7 @@ from typing import Any
 from eagerloco.config import ConfigError
 from eagerloco.extras import MissingExtraError, check
 from eagerloco.flags import add_dataclass_flags
-from eagerloco.jsonfiles import finite_json
+from eagerloco.jsonfiles import finite_json, write_json_atomic
 from eagerloco.sim import paper
 from eagerloco.sim.config import GROUPS, Settings, SimConfig
 from eagerloco.sim.goodput import GoodputConfig, format_goodput, goodput_report
@@ -135,9 +135,8 @@ def write_json(path: str | None, report: dict[str, Any]) -> None:
     """Write the report as strict JSON to path ('-': stdout); nothing when path is None."""
     if path is None:
         return
-    data = json.dumps(finite_json(report), indent=2, allow_nan=False)
     if path == "-":
-        print(data)
+        print(json.dumps(finite_json(report), indent=2, allow_nan=False))
     else:
-        Path(path).write_text(data + "\n")  # its directory was checked before simulating
+        write_json_atomic(Path(path), report)  # its directory was checked before simulating
 
