@@ -52,7 +52,7 @@ class Membership:
     ids stay stable (they name data shards, seeds and checkpoints); a worker's rank is its position among the
     sorted member ids. One worker per process.
 
-    A worker dies: each survivor's communicator parks (:mod:`eagerloco.comm.regroup`) and the survivor runs
+    A worker dies: each survivor's communicator parks (:meth:`TorchDistCommunicator.pause`) and the survivor runs
     :meth:`recover`: it flags ``ep<E+1>/recovering``, announces itself alive, and once every member has announced
     or is known gone (exited, stale heartbeat) or at the timeout, the first to decide writes the member list with
     compare-and-set, which all adopt. An exchange that completed on any survivor counts in full (passed to those
@@ -214,15 +214,14 @@ class Membership:
         t0 = time.perf_counter()
         try:
             comm.pause(self.timeout_s + 10.0)
-            ops = comm.take_ops()
+            ops = comm.exchanges.take_ops()
             cause = cause or comm.failure or "a peer's collective failed"
-            comm.detach_group()
             self.teardown()  # peers still inside a collective of the old group fail now, not at the timeout
             t_pause = time.perf_counter()
             e = self.epoch + 1
             old = list(self.members)
             self.kv.set(f"ep{e}/recovering", str(self.worker))
-            self.kv.set(f"ep{e}/alive/{self.worker}", str(comm.done_upto))
+            self.kv.set(f"ep{e}/alive/{self.worker}", str(comm.exchanges.done_upto))
             members = self._decide(e, old)
             t_decide = time.perf_counter()
             if self.worker not in members:
@@ -299,7 +298,7 @@ class Membership:
         ops (the rest run again). Returns the launch step of the last exchange completed."""
         comm = self.comm
         assert comm is not None
-        every = self.gather_progress(comm.done_upto, comm.done_upto_step())
+        every = self.gather_progress(comm.exchanges.done_upto, comm.exchanges.done_upto_step())
         dones = [d for d, _ in every]
         for seq in range(min(dones) + 1, max(dones) + 1):
             holders = [i for i, d in enumerate(dones) if d >= seq]
@@ -371,8 +370,7 @@ class Membership:
         self._busy = True
         try:
             comm.pause(self.timeout_s + 10.0)
-            comm.detach_group()
-            if comm.take_ops():
+            if comm.exchanges.take_ops():
                 raise PeerError("exchanges still queued at a membership change (a bug); "
                                 "resume from the last checkpoint")
             src = self.leader
@@ -415,7 +413,7 @@ class Membership:
             torch.save({
                 "model": trainer.model.state_dict(), "opt": trainer.opt.state_dict(),
                 "sched": trainer.sched.state_dict(), "sync": trainer.sync.state_dict(),
-                "last_loss": trainer.last_loss, "launched": comm.launched,
+                "last_loss": trainer.last_loss, "launched": comm.exchanges.launched,
             }, buf)
             data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
             for r in receivers:
@@ -444,7 +442,7 @@ class Membership:
             if trainer.sync.own_windows is not None:
                 trainer.sync.own_windows.forget()
             trainer.last_loss = state["last_loss"]
-            comm.adopt_sequence(int(state["launched"]))
+            comm.exchanges.adopt_sequence(int(state["launched"]))
         self.barrier()
 
     # The group is not a subgroup of WORLD, so torch.distributed's point-to-point calls refuse it: its own methods.

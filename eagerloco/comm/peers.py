@@ -1,5 +1,5 @@
 """Who a worker exchanges with: the current outer group, its members, their names, the link to them; it changes
-only at an elastic membership change (:mod:`eagerloco.comm.regroup`), while the exchange thread is parked."""
+only at an elastic membership change (:mod:`eagerloco.comm.elastic`), while the exchange thread is parked."""
 
 from __future__ import annotations
 
