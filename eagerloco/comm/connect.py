@@ -48,7 +48,6 @@ class Connection:
     owns_world: bool = False  # this process initialized torch.distributed's WORLD
     joined: bool = False  # the outer group was formed across jobs (join_outer_group)
     meeting: Meeting | None = None
-    source: int = -1  # a worker that joined a run under way: the member whose state it receives (take_state)
     late: Opening | None = None  # arrived at an elastic run under way: how it opens once admitted (settle)
 
     @property
@@ -98,7 +97,10 @@ class Connection:
         ctx, rdzv = self.ctx, how.rdzv
         assert ctx is not None
         if self.late is not None:
-            self.membership, self.source = join_run(ctx, rdzv, self.timeout_s)
+            self.membership = Membership.join(ctx.outer_store, rdzv.worker, rdzv.workers, self.timeout_s)
+            if self.membership is None:
+                raise PeerError(f"worker {rdzv.worker}: the run at {rdzv.where} finished before this worker could "
+                                "join", [])
             ctx.outer_group = self.membership.group
         elif how.elastic:
             self.membership = Membership(ctx.outer_store, rdzv.worker, rdzv.workers, self.timeout_s,
@@ -137,11 +139,15 @@ class Connection:
         if self.opened is None:
             self.open(self.late)
 
+    @property
+    def joining(self) -> bool:
+        """Whether this worker arrived at an elastic run under way (it takes a live member's state)."""
+        return self.late is not None
+
     def take_state(self) -> None:
         """A worker that joined a run under way: receive the outer state from a live member and check its digest."""
-        if self.membership is not None and self.source >= 0:
-            self.comm.reset_link(self.membership.epoch)  # type: ignore[attr-defined]  # restarted there at this epoch
-            self.membership.joined(self.source)
+        if self.membership is not None and self.joining:
+            self.membership.joined()
 
     @property
     def is_reporting_rank(self) -> bool:
@@ -189,19 +195,6 @@ class Opening:
     link: LinkConfig | None
     elastic: bool
     device: torch.device | None
-
-
-def join_run(ctx: DistContext, rdzv: OuterRendezvous, timeout_s: float) -> tuple[Membership, int]:
-    """A worker that arrives after the run started (its settings checked): ask to join, and wait to be admitted at a
-    round boundary. Returns the membership and the member whose state it receives."""
-    store = ctx.outer_store
-    assert store is not None
-    wait_s = max(4 * timeout_s, 600.0)
-    joined = Membership.join(store, rdzv.worker, rdzv.workers, timeout_s, wait_s=wait_s, group=None)
-    if joined is None:
-        raise PeerError(f"worker {rdzv.worker}: the run at {rdzv.where} finished before this worker could join", [])
-    membership, _, _, src = joined
-    return membership, src
 
 
 def outer_meeting(ctx: DistContext, where: str = "") -> Meeting | None:
@@ -257,4 +250,4 @@ def connect(outer_addr: str | None = None, worker_id: int | None = None, workers
                       init_sync=init_sync)
 
 
-__all__ = ["SETTINGS_KEY", "Connection", "Opening", "connect", "join_run", "outer_meeting"]
+__all__ = ["SETTINGS_KEY", "Connection", "Opening", "connect", "outer_meeting"]

@@ -95,6 +95,7 @@ class Membership:
         self.trainer: Any = None  # the eagerloco.train.Worker of this process
         self.names: dict[int, str] = {w: f"worker {w}" for w in range(workers)}
         self.recovery_s = 0.0  # wall time spent re-forming groups
+        self.source = -1  # a worker admitted into the run under way: the member whose state it receives
         self._busy = False
 
     # ------------------------------------------------------------------ roles
@@ -466,10 +467,12 @@ class Membership:
         _gather(rows, torch.frombuffer(bytearray.fromhex(mine), dtype=torch.uint8), group=self.group)
         return [bytes(r).hex() for r in rows.view(-1, 32).tolist()]
 
-    def joined(self, src: int) -> None:
-        """The joiner's half of :meth:`_admit` (same collectives, same order): receive the state."""
-        trainer = self.trainer
-        assert trainer is not None
+    def joined(self) -> None:
+        """The joiner's half of :meth:`_admit` (same collectives, same order): receive the state of the member
+        :meth:`join` named, on a link restarted at this epoch as the members' was."""
+        trainer, comm, src = self.trainer, self.comm, self.source
+        assert trainer is not None and comm is not None
+        comm.reset_link(self.epoch)
         t0 = time.perf_counter()
         try:
             self.handover(src, [self.worker])
@@ -485,16 +488,17 @@ class Membership:
               f"members {self.members} (epoch {self.epoch})", flush=True)
 
     @classmethod
-    def join(cls, client: dist.Store, worker: int, workers: int, timeout_s: float,
-             wait_s: float, **kwargs: Any) -> tuple[Membership, dist.ProcessGroup, int, int] | None:
-        """A returning worker: ask to join, wait to be admitted (at most wait_s), build the groups. Returns
-        (membership, outer group, step, source worker), or None when the run ended first."""
+    def join(cls, client: dist.Store, worker: int, workers: int, timeout_s: float, **kwargs: Any) -> Membership | None:
+        """A returning worker: ask to join, wait to be admitted (at most 4 timeouts, 10 minutes or more), build the
+        group. Returns the membership at the step it joins, with the member it takes its state from (:meth:`joined`),
+        or None when the run ended first."""
         # The members wait for this worker from its admission to the handover, while it builds its trainer: the
         # compiler stack that torch.optim's first optimizer imports (seconds on a cold start) is imported before it
         # asks, as the rank server preloads it (cli.preload_train).
         import torch._dynamo  # noqa: F401
 
         m = cls(client, worker, workers, timeout_s, **kwargs)
+        wait_s = max(4 * timeout_s, 600.0)
         if poll(lambda: [] if m._gone(worker) or not m.hb.check([f"hb/{worker}"]) else [worker], 3 * _STALE_S,
                 lambda _: f"worker {worker}: waiting for the heartbeat of an earlier worker {worker} to stop",
                 interval_s=_POLL_S):
@@ -529,9 +533,9 @@ class Membership:
         e, step, members, src = m.kv.get(key).decode().split()
         m.kv.delete_key(key)
         m.kv.delete_key(f"join/req/{worker}")
-        outer = m.form(int(e), _ids(members))
-        m.step = int(step)
-        return m, outer, int(step), int(src)
+        m.form(int(e), _ids(members))
+        m.step, m.source = int(step), int(src)
+        return m
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> None:

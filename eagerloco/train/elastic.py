@@ -93,13 +93,12 @@ class ElasticRuntime(Runtime):
         # A returning worker keeps its own data position (its newest checkpoint's); read it before asking
         # to join, so that the members do not wait on it during the handover.
         self.own = own_last_state(self.root, me) if self.joining else None
-        self.src, self.start_step = -1, 0
         if self.joining:
-            joined = Membership.join(self.client, me, cfg.workers, timeout_s, wait_s=max(4 * timeout_s, 600.0), **kw)
-            if joined is None:
+            self.membership = Membership.join(self.client, me, cfg.workers, timeout_s, **kw)
+            if self.membership is None:
                 print(f"eagerloco: worker {me}: the run finished before this worker could rejoin", flush=True)
                 return {}
-            self.membership, outer, self.start_step, self.src = joined
+            outer = self.membership.group
         else:  # epoch 0: a gloo group over the launcher's store, as every later epoch's (no WORLD)
             self.membership = Membership(self.client, me, cfg.workers, timeout_s, **kw)
             outer = self.membership.form(0, list(range(cfg.workers)))
@@ -115,12 +114,11 @@ class ElasticRuntime(Runtime):
 
     def load(self, files: dict[int, Worker], found: Found | None) -> tuple[int, float]:
         me, worker, membership = self.me, files[self.me], self.membership
-        start_step, real_elapsed = self.start_step, 0.0
+        start_step, real_elapsed = membership.step, 0.0
         if self.joining:
-            self.comm.reset_link(membership.epoch)  # the members restarted theirs at this epoch
             if self.own is not None:  # its own data position; everything else comes from a live peer
                 worker.stream.load_state_dict(self.own["stream"])
-            membership.joined(self.src)
+            membership.joined()
         elif found is not None:
             path, meta = found
             have = has_worker(meta, me)

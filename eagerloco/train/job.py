@@ -58,7 +58,7 @@ class JobRuntime(Runtime):
         self.comm, self.membership = self.peers.comm, self.peers.membership
         if cfg.outer.quorum is not None and cfg.outer.quorum < cfg.workers and self.peers.ctx is not None:
             join_quorum(self.comm, self.peers.ctx.outer_store, cfg.workers, timeout_s, self.membership)
-        self.joining = self.peers.source >= 0
+        self.joining = self.peers.joining
         worker = Worker(model, self.comm, stream, cfg)
         self.peers.attach(cfg.outer, worker, steps=cfg.steps)
         return {me: worker}
