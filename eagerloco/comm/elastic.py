@@ -28,10 +28,6 @@ _REJOIN_FIX = ("Are the other workers running with --elastic? Otherwise restart 
                "with --resume")
 
 
-def comm_failure(comm: TorchDistCommunicator | None) -> str:
-    return (comm.failure if comm is not None else "") or "collective failed"
-
-
 def _ids(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x != ""]
 
@@ -206,11 +202,11 @@ class Membership:
     # ------------------------------------------------------------------ a worker is gone
     def recover(self, cause: str = "") -> None:
         """Re-form the group among the survivors and resolve the exchanges in flight (see module doc)."""
-        if self._busy:
-            raise PeerError(f"worker {self.worker}: another failure during a membership change "
-                            f"({cause or comm_failure(self.comm)}); resume from the last checkpoint")
         comm = self.comm
         assert comm is not None
+        if self._busy:
+            raise PeerError(f"worker {self.worker}: another failure during a membership change "
+                            f"({cause or comm.failure or 'collective failed'}); resume from the last checkpoint")
         self._busy = True
         t0 = time.perf_counter()
         try:
@@ -320,11 +316,15 @@ class Membership:
                 ops.remove(op)
         return max(s for d, s in every if d == max(dones))
 
+    def gather(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every member's ``mine`` (one row each, all of one size), in member order, over the current group."""
+        rows = mine.new_zeros(len(self.members), mine.numel())
+        _gather(rows.view(-1), mine, group=self.group)
+        return rows
+
     def gather_progress(self, done: int, step: int) -> list[tuple[int, int]]:
         """Every member's (last exchange completed, its launch step), in member order (the new group)."""
-        rows = torch.zeros(len(self.members) * 2, dtype=torch.int64)
-        _gather(rows, torch.tensor([done, step], dtype=torch.int64), group=self.group)
-        return [(int(a), int(b)) for a, b in rows.view(-1, 2).tolist()]
+        return [(int(a), int(b)) for a, b in self.gather(torch.tensor([done, step], dtype=torch.int64)).tolist()]
 
     def share(self, buf: torch.Tensor, src: int) -> None:
         """Broadcast buf from the member at position src of the new group, in place."""
@@ -463,9 +463,8 @@ class Membership:
 
     def gather_digests(self, mine: str) -> list[str]:
         """Every member's outer-parameter digest (SHA-256, hex), in member order."""
-        rows = torch.zeros(len(self.members) * 32, dtype=torch.uint8)
-        _gather(rows, torch.frombuffer(bytearray.fromhex(mine), dtype=torch.uint8), group=self.group)
-        return [bytes(r).hex() for r in rows.view(-1, 32).tolist()]
+        rows = self.gather(torch.frombuffer(bytearray.fromhex(mine), dtype=torch.uint8))
+        return [bytes(r).hex() for r in rows.tolist()]
 
     def joined(self) -> None:
         """The joiner's half of :meth:`_admit` (same collectives, same order): receive the state of the member

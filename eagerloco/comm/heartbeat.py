@@ -179,9 +179,9 @@ class Heartbeat:
             if state == "failed":  # a fellow survivor that already gave up: named only where nothing else is
                 gave_up.append((w, f"{name} gave up on this exchange first (its own line says why)"))
                 continue
-            exit_note = self._exit_note(w)
-            if exit_note:  # the launcher saw its process end: no need to wait for a stale heartbeat
-                strong.append((w, f"{name} is gone: {exit_note} (after exchange #{last})"))
+            ended = exit_note(self.store, w)
+            if ended:  # the launcher saw its process end: no need to wait for a stale heartbeat
+                strong.append((w, f"{name} is gone: {ended} (after exchange #{last})"))
             elif state == "closed":
                 strong.append((w, f"{name} closed its communicator after exchange #{last} (done or quit)"))
             elif age > self.stale_s:
@@ -190,11 +190,6 @@ class Heartbeat:
             elif last < seq:
                 weak.append((w, f"{name} has not reached exchange #{seq} (alive, last entered #{last})"))
         return strong, weak or gave_up
-
-    def _exit_note(self, w: int) -> str:
-        """How worker w's process ended, if ``eagerloco launch`` recorded it ('' if not)."""
-        assert self.store is not None
-        return exit_note(self.store, w)
 
 
 def exit_note(store: dist.Store, w: int) -> str:
