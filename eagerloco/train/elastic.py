@@ -14,9 +14,8 @@ from torch import nn
 from eagerloco import checkpoint as ckpt
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.elastic import Membership, outer_digest
-from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import heartbeat_store, set_worker_threads, store_client
-from eagerloco.comm.heartbeat import wait_for_key
+from eagerloco.comm.heartbeat import wait_for_evaluation
 from eagerloco.comm.rendezvous import Meeting
 from eagerloco.config import ConfigError
 from eagerloco.train.outputs import add_throughput, aggregate
@@ -160,17 +159,9 @@ class ElasticRuntime(Runtime):
         # The leader evaluates alone, for as long as it takes: the others wait here, outside any
         # collective timeout, while its heartbeat is fresh. A leader that dies meanwhile is left
         # to the membership change that follows (the next exchange fails without it).
-        if self.gate is None:
-            return
-        if self.membership.is_leader():
-            self.gate.set(f"evaluated/{step}", "1")
-            return
-        leader = self.membership.leader
-        try:
-            wait_for_key(self.gate, f"evaluated/{step}", leader, f"worker {leader} (the leader, evaluating)",
-                         self.cfg.runtime.dist_timeout)
-        except PeerError:
-            pass
+        if self.gate is not None:
+            wait_for_evaluation(self.gate, step, self.me, [self.membership.leader], self.cfg.runtime.dist_timeout,
+                                "the leader, evaluating", survive=True)
 
     def log_fields(self) -> dict[str, Any]:
         return {"members": len(self.membership.members)}
