@@ -161,11 +161,8 @@ class Connection:
     def attach(self, config: OuterConfig, trainer: Any = None, steps: int = 0) -> None:
         """Give the elastic membership (if any) the schedule its changes follow, and the trainer it hands
         state to: round boundaries (``config``), the run's last step (0: unknown)."""
-        m = self.membership
-        if m is None:
-            return
-        m.inner_steps, m.is_dp, m.delay, m.steps = config.inner_steps, config.per_step, config.apply_delay, steps
-        m.attach(self.comm, trainer)  # type: ignore[arg-type]
+        if self.membership is not None:
+            self.membership.attach(self.comm, trainer, config, steps)  # type: ignore[arg-type]
 
     def agree(self, mine: Mapping[str, Any], topic: str, fix: str, fixes: Sequence[tuple[str, str]] = ()) -> None:
         """Compare ``mine`` with every other worker's (:meth:`Meeting.agree`); nothing where there are none."""

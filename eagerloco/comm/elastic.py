@@ -19,6 +19,7 @@ from eagerloco.comm.errors import PeerError, describe_exception
 from eagerloco.comm.groups import HEARTBEAT_PREFIX, OUTER_PG_PREFIX, gloo_group
 from eagerloco.comm.ops import BARRIER
 from eagerloco.comm.rendezvous import poll, prefixed
+from eagerloco.config import OuterConfig
 
 T = TypeVar("T")
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -73,10 +74,6 @@ class Membership:
         *,
         members: list[int] | None = None,
         epoch: int = 0,
-        inner_steps: int = 1,
-        delay: int = 0,
-        steps: int = 0,
-        is_dp: bool = False,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         self.client, self.group = client, group
@@ -85,7 +82,9 @@ class Membership:
         self.worker, self.workers, self.timeout_s = worker, workers, float(timeout_s)
         self.members = list(members) if members is not None else list(range(workers))
         self.epoch = epoch
-        self.inner_steps, self.delay, self.steps, self.is_dp = inner_steps, delay, steps, is_dp
+        #: The schedule changes follow (:meth:`attach`): inner steps between round boundaries, the exchange delay
+        #: and the run's last step (0: unknown).
+        self.round, self.delay, self.steps = 1, 0, 0
         self.step = 0
         self.comm: TorchDistCommunicator | None = None
         self.trainer: Any = None  # the eagerloco.train.Worker of this process
@@ -106,9 +105,12 @@ class Membership:
     def pos(self) -> int:
         return self.members.index(self.worker)
 
-    def attach(self, comm: TorchDistCommunicator, trainer: Any) -> None:
-        """Wire the communicator (its failures call recover()) and the trainer (state handover)."""
+    def attach(self, comm: TorchDistCommunicator, trainer: Any, outer: OuterConfig, steps: int = 0) -> None:
+        """Wire the communicator (its failures call recover()), the trainer (state handover) and the schedule changes
+        follow: round boundaries (``outer``), the run's last step (0: unknown)."""
         self.comm, self.trainer = comm, trainer
+        self.round = 1 if outer.per_step else outer.inner_steps
+        self.delay, self.steps = outer.apply_delay, steps
         comm.recover_hook = self.recover
 
     # ------------------------------------------------------------------ groups
@@ -156,7 +158,7 @@ class Membership:
         assert comm is not None
         comm.step_hint = step + 1  # the step now under way: what it launches belongs to it
         comm.heartbeat.announce()  # heartbeat now: a lost worker's last step is known to the step
-        boundary = self.is_dp or step % self.inner_steps == 0
+        boundary = step % self.round == 0
         if comm.broken or (boundary and self.kv.check([f"ep{self.epoch + 1}/recovering"])):
             self.recover()
         if boundary:
@@ -331,10 +333,6 @@ class Membership:
         dist.broadcast(buf, group=self.group, group_src=src)
 
     # ------------------------------------------------------------------ a worker comes back
-    def _margin(self) -> int:
-        h = 1 if self.is_dp else self.inner_steps
-        return self.delay + 2 * h
-
     def boundary(self, step: int) -> None:
         """At a round boundary: schedule the admission of joiners (the leader), admit them at the step scheduled."""
         if self.trainer is None:  # nothing to hand over: it admits nobody
@@ -345,8 +343,8 @@ class Membership:
             absent = sorted(w for w in asked | set(range(self.workers)) if w not in self.members)
             joiners = [w for w in absent if self.kv.check([f"join/req/{w}"])]
             if joiners:
-                h = 1 if self.is_dp else self.inner_steps
-                b = -(-(step + self._margin()) // h) * h
+                h = self.round  # at the boundary after the exchange delay and two rounds
+                b = -(-(step + self.delay + 2 * h) // h) * h
                 if not self.steps or b < self.steps:  # a change at the last step would only cost a handover
                     self.kv.compare_set(key, "", f"{b} {','.join(map(str, joiners))}")
         if not self.kv.check([key]):

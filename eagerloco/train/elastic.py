@@ -86,20 +86,18 @@ class ElasticRuntime(Runtime):
         from eagerloco.data import worker_streams
 
         cfg, me, timeout_s = self.cfg, self.me, self.cfg.runtime.dist_timeout
-        oc = cfg.outer
-        kw = {"inner_steps": oc.inner_steps, "steps": cfg.steps, "is_dp": oc.per_step, "delay": oc.apply_delay}
         stream = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed, iid=cfg.iid)[me]
         # A returning worker keeps its own data position (its newest checkpoint's); read it before asking
         # to join, so that the members do not wait on it during the handover.
         self.own = own_last_state(self.root, me) if self.joining else None
         if self.joining:
-            self.membership = Membership.join(self.client, me, cfg.workers, timeout_s, **kw)
+            self.membership = Membership.join(self.client, me, cfg.workers, timeout_s)
             if self.membership is None:
                 print(f"eagerloco: worker {me}: the run finished before this worker could rejoin", flush=True)
                 return {}
             outer = self.membership.group
         else:  # epoch 0: a gloo group over the launcher's store, as every later epoch's (no WORLD)
-            self.membership = Membership(self.client, me, cfg.workers, timeout_s, **kw)
+            self.membership = Membership(self.client, me, cfg.workers, timeout_s)
             outer = self.membership.form(0, list(range(cfg.workers)))
         link = self.checked_link(num_params(base))
         self.comm = TorchDistCommunicator(outer, link, timeout_s, self.membership.names,
@@ -107,7 +105,7 @@ class ElasticRuntime(Runtime):
                                           members=self.membership.members)
         # From here the communicator holds the group alone: a membership change must free it.
         worker = Worker(base, self.comm, stream, cfg)
-        self.membership.attach(self.comm, worker)
+        self.membership.attach(self.comm, worker, cfg.outer, cfg.steps)
         self.gate = heartbeat_store(timeout_s)
         return {me: worker}
 
