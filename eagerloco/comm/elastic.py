@@ -159,7 +159,7 @@ class Membership:
         comm.step_hint = step + 1  # the step now under way: what it launches belongs to it
         comm.heartbeat.announce()  # heartbeat now: a lost worker's last step is known to the step
         boundary = step % self.round == 0
-        if comm.broken or (boundary and self.kv.check([f"ep{self.epoch + 1}/recovering"])):
+        if comm.broken or (boundary and self.changing()):
             self.recover()
         if boundary:
             self.boundary(step)
@@ -187,7 +187,7 @@ class Membership:
 
         def waiting() -> list[int]:
             missing = [w for w in self.members if not self.kv.check([f"{prefix}/{w}"]) and not self._gone(w)]
-            if missing and (comm.broken or self.kv.check([f"ep{self.epoch + 1}/recovering"])):
+            if missing and (comm.broken or self.changing()):
                 self.recover()
                 return [w for w in self.members if not self.kv.check([f"{prefix}/{w}"]) and not self._gone(w)]
             return missing
@@ -297,7 +297,9 @@ class Membership:
         ops (the rest run again). Returns the launch step of the last exchange completed."""
         comm = self.comm
         assert comm is not None
-        every = self.gather_progress(comm.exchanges.done_upto, comm.exchanges.done_upto_step())
+        # Every member's (last exchange completed, its launch step), in member order (the new group).
+        mine = torch.tensor([comm.exchanges.done_upto, comm.exchanges.done_upto_step()], dtype=torch.int64)
+        every = [(int(a), int(b)) for a, b in self.gather(mine).tolist()]
         dones = [d for d, _ in every]
         for seq in range(min(dones) + 1, max(dones) + 1):
             holders = [i for i, d in enumerate(dones) if d >= seq]
@@ -323,10 +325,6 @@ class Membership:
         rows = mine.new_zeros(len(self.members), mine.numel())
         _gather(rows.view(-1), mine, group=self.group)
         return rows
-
-    def gather_progress(self, done: int, step: int) -> list[tuple[int, int]]:
-        """Every member's (last exchange completed, its launch step), in member order (the new group)."""
-        return [(int(a), int(b)) for a, b in self.gather(torch.tensor([done, step], dtype=torch.int64)).tolist()]
 
     def share(self, buf: torch.Tensor, src: int) -> None:
         """Broadcast buf from the member at position src of the new group, in place."""
