@@ -498,12 +498,6 @@ class TorchDistCommunicator(Communicator):
                             "restart the run from the last checkpoint")
         return result
 
-    def complete_from_peer(self, op: Op, mean: torch.Tensor | None) -> None:
-        """Finish an exchange with the result another survivor saw complete: its mean holds every worker of the
-        group it ran in, the one not re-formed yet."""
-        op.handle.contributors = list(self.peers.members)
-        self.exchanges.land_from_peer(op, mean)
-
     def resume(self, group: dist.ProcessGroup | None, members: list[int], ops: list[Op], epoch: int,
                names: Mapping[int, str] | None = None) -> None:
         """Continue on a new group: rerun the given exchanges there, in order, then the later ones (counted again; the

@@ -316,7 +316,8 @@ class Membership:
                 self.share(buf, holders[0])
             if self.pos not in holders:
                 assert op is not None
-                comm.complete_from_peer(op, buf)
+                op.handle.contributors = comm.members  # its mean holds the group it ran in, not re-formed yet
+                comm.exchanges.land_from_peer(op, buf)
                 ops.remove(op)
         return max(s for d, s in every if d == max(dones))
 
