@@ -498,12 +498,11 @@ class TorchDistCommunicator(Communicator):
                             "restart the run from the last checkpoint")
         return result
 
-    def resume(self, group: dist.ProcessGroup | None, members: list[int], ops: list[Op], epoch: int,
-               names: Mapping[int, str] | None = None) -> None:
+    def resume(self, group: dist.ProcessGroup | None, members: list[int], ops: list[Op], epoch: int) -> None:
         """Continue on a new group: rerun the given exchanges there, in order, then the later ones (counted again; the
         emulated link restarts with the same seed and epoch on every member)."""
         assert self.exchanges.parked, "pause() first"
-        self.peers.regroup(group, members, names)
+        self.peers.regroup(group, members)
         self.peers.reset_link(epoch)
         for op in ops:
             if op.codec is not None and op.payload is not None:

@@ -88,7 +88,6 @@ class Membership:
         self.step = 0
         self.comm: TorchDistCommunicator | None = None
         self.trainer: Any = None  # the eagerloco.train.Worker of this process
-        self.names: dict[int, str] = {w: f"worker {w}" for w in range(workers)}
         self.recovery_s = 0.0  # wall time spent re-forming groups
         self.source = -1  # a worker admitted into the run under way: the member whose state it receives
         self._busy = False
@@ -231,7 +230,7 @@ class Membership:
             lost = [w for w in old if w not in members]
             outer = self.form(e, members)
             last = self._settle(ops)
-            comm.resume(outer, members, ops, e, self.names)
+            comm.resume(outer, members, ops, e)
             t_end = time.perf_counter()
             phases = {"pause_s": round(t_pause - t0, 3), "decide_s": round(t_decide - t_pause, 3),
                       "regroup_s": round(t_end - t_decide, 3)}
@@ -379,7 +378,7 @@ class Membership:
                     self.kv.set(f"join/admit/{j}", f"{e0 + 1} {step} {','.join(map(str, members))} {src}")
             outer = self.form(e0 + 1, members)
             self.handover(src, joiners)
-            comm.resume(outer, members, [], self.epoch, self.names)
+            comm.resume(outer, members, [], self.epoch)
             digests = self.gather_digests(outer_digest(trainer.sync.outer_parameters()))
             if self.worker == src:
                 self.event({"event": "joined", "workers": joiners, "members": members, "source": src,

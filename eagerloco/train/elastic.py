@@ -100,9 +100,8 @@ class ElasticRuntime(Runtime):
             self.membership = Membership(self.client, me, cfg.workers, timeout_s)
             outer = self.membership.form(0, list(range(cfg.workers)))
         link = self.checked_link(num_params(base))
-        self.comm = TorchDistCommunicator(outer, link, timeout_s, self.membership.names,
-                                          store=heartbeat_store(timeout_s), seed=cfg.seed, elastic=True,
-                                          members=self.membership.members)
+        self.comm = TorchDistCommunicator(outer, link, timeout_s, store=heartbeat_store(timeout_s), seed=cfg.seed,
+                                          elastic=True, members=self.membership.members)
         # From here the communicator holds the group alone: a membership change must free it.
         worker = Worker(base, self.comm, stream, cfg)
         self.membership.attach(self.comm, worker, cfg.outer, cfg.steps)
