@@ -35,7 +35,7 @@ from eagerloco.comm.base import (
 from eagerloco.comm.emulated_link import EmulatedLink
 from eagerloco.comm.errors import PeerError, TransportError, describe_exception
 from eagerloco.comm.exchange_queue import ExchangeQueue, Result
-from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext, outer_rank
+from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext
 from eagerloco.comm.heartbeat import HEARTBEAT_S, Heartbeat
 from eagerloco.comm.ops import AGREE, BARRIER, Op, check_headers, check_schedules, header
 from eagerloco.comm.peers import Peers
@@ -131,7 +131,8 @@ class TorchDistCommunicator(Communicator):
         if group is dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError("this rank is not in the outer group: only the first rank of each worker "
                              "exchanges with the other workers")
-        pos, size = outer_rank(group)  # a subgroup of WORLD, or a group across jobs (join_outer_group)
+        # A subgroup of WORLD, or a group across jobs (join_outer_group), whose rank dist.get_rank() refuses.
+        pos, size = (dist.get_rank(), dist.get_world_size()) if group is None else (group.rank(), group.size())
         members = list(members) if members is not None else list(range(size))
         if len(members) != size:
             raise ValueError(f"members {members} do not match the group's size {size}")
