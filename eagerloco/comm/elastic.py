@@ -403,8 +403,9 @@ class Membership:
 
     def handover(self, src: int, receivers: list[int]) -> None:
         """src sends its complete training state to each receiver (point to point, default group)."""
-        trainer, comm = self.trainer, self.comm
-        assert trainer is not None and comm is not None
+        trainer, comm, group = self.trainer, self.comm, self.group
+        assert trainer is not None and comm is not None and group is not None
+        # The group is not a subgroup of WORLD, so torch.distributed's point-to-point calls refuse it: its own.
         if self.worker == src:
             buf = io.BytesIO()
             torch.save({
@@ -414,14 +415,13 @@ class Membership:
             }, buf)
             data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
             for r in receivers:
-                dst = self.members.index(r)
-                self.send(torch.tensor([data.numel()], dtype=torch.int64), dst)
-                self.send(data, dst)
+                for t in (torch.tensor([data.numel()], dtype=torch.int64), data):
+                    group.send([t], self.members.index(r), 0).wait()
         elif self.worker in receivers:
             n = torch.zeros(1, dtype=torch.int64)
-            self.recv(n, self.members.index(src))
+            group.recv([n], self.members.index(src), 0).wait()
             data = torch.empty(int(n.item()), dtype=torch.uint8)
-            self.recv(data, self.members.index(src))
+            group.recv([data], self.members.index(src), 0).wait()
             state = torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=False)
             trainer.model.load_state_dict(state["model"])
             trainer.opt.load_state_dict(state["opt"])
@@ -442,18 +442,8 @@ class Membership:
             comm.exchanges.adopt_sequence(int(state["launched"]))
         self.barrier()
 
-    # The group is not a subgroup of WORLD, so torch.distributed's point-to-point calls refuse it: its own methods.
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        """Send t to the member at position dst of the current group."""
-        assert self.group is not None
-        self.group.send([t], dst, 0).wait()
-
-    def recv(self, t: torch.Tensor, src: int) -> None:
-        """Receive t from the member at position src of the current group."""
-        assert self.group is not None
-        self.group.recv([t], src, 0).wait()
-
     def barrier(self) -> None:
+        """Wait for every member, in the current group."""
         assert self.group is not None
         self.group.barrier().wait()
 
