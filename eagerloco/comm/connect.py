@@ -4,8 +4,9 @@ through :mod:`eagerloco.comm.rendezvous` and return a :class:`Connection`."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -48,8 +49,7 @@ class Connection:
     owns_world: bool = False  # this process initialized torch.distributed's WORLD
     joined: bool = False  # the outer group was formed across jobs (join_outer_group)
     meeting: Meeting | None = None
-    source: int = -1  # a worker that joined a run under way: the member whose state it receives (take_state)
-    late: Opening | None = None  # arrived at an elastic run under way: how it opens once admitted (settle)
+    late: Callable[[], None] | None = None  # arrived at an elastic run under way: how it opens once admitted (settle)
 
     @property
     def comm(self) -> Communicator:
@@ -74,13 +74,14 @@ class Connection:
         ``settings``: what a worker joining later must match; a joiner without them waits for :meth:`settle`.
         """
         ctx = join_outer_group(rdzv, timeout_s)
-        self = cls(None, ctx, timeout_s=timeout_s, seed=seed, init_sync=init_sync, joined=True,
-                   late=Opening(rdzv, link, elastic, device) if ctx.joining else None)
+        self = cls(None, ctx, timeout_s=timeout_s, seed=seed, init_sync=init_sync, joined=True)
         try:
             if not ctx.joining:
                 self.meeting = outer_meeting(ctx, rdzv.where)
-                self.open(Opening(rdzv, link, elastic, device))
-            elif not elastic:
+                self.open(rdzv, link, elastic, device)
+            elif elastic:
+                self.late = partial(self.open, rdzv, link, elastic, device)
+            else:
                 raise ConfigError(f"worker {rdzv.worker}: the run at {rdzv.where} is under way, and only an elastic "
                                   "run (--elastic, elastic=True) admits a worker that arrives late; restart every "
                                   "worker from the last checkpoint, or start a fresh coordinator for a new run")
@@ -91,21 +92,25 @@ class Connection:
             raise
         return self
 
-    def open(self, how: Opening) -> None:
-        """Open the communicator over the outer group (the membership's, under elastic)."""
+    def open(self, rdzv: OuterRendezvous, link: LinkConfig | None, elastic: bool, device: torch.device | None) -> None:
+        """Open the communicator over the outer group (the membership's, under elastic; a worker that arrived late
+        waits here to be admitted)."""
         from eagerloco.comm.worker import communicator_for
 
-        ctx, rdzv = self.ctx, how.rdzv
+        ctx = self.ctx
         assert ctx is not None
-        if self.late is not None:
-            self.membership, self.source = join_run(ctx, rdzv, self.timeout_s)
+        if ctx.joining:
+            self.membership = Membership.join(ctx.outer_store, rdzv.worker, rdzv.workers, self.timeout_s)
+            if self.membership is None:
+                raise PeerError(f"worker {rdzv.worker}: the run at {rdzv.where} finished before this worker could "
+                                "join", [])
             ctx.outer_group = self.membership.group
-        elif how.elastic:
+        elif elastic:
             self.membership = Membership(ctx.outer_store, rdzv.worker, rdzv.workers, self.timeout_s,
                                          group=ctx.outer_group)
         members = {} if self.membership is None else {"members": self.membership.members}
-        self.opened = communicator_for(ctx, how.link, seed=self.seed, timeout_s=self.timeout_s, device=how.device,
-                                       elastic=how.elastic, **members)
+        self.opened = communicator_for(ctx, link, seed=self.seed, timeout_s=self.timeout_s, device=device,
+                                       elastic=elastic, **members)
         if self.membership is not None:
             ctx.outer_group = None  # the membership owns it (and its successors) from here
 
@@ -121,27 +126,32 @@ class Connection:
         """Across jobs, ``mine`` on ``topic`` as the run's at the coordinator: the workers that start it keep theirs
         there; a worker that arrives later checks its own against them (ConfigError) and, once its settings pass,
         waits to be admitted at a round boundary (its communicator opens then)."""
-        store = None if self.ctx is None else self.ctx.outer_store
-        if store is None:  # a torchrun WORLD, a given communicator, or alone
+        ctx = self.ctx
+        if ctx is None or ctx.outer_store is None:  # a torchrun WORLD, a given communicator, or alone
             return
+        store = ctx.outer_store
         key = SETTINGS_KEY if topic == "settings" else f"{SETTINGS_KEY}/{topic}"
         if self.late is None:
             store.keep(key, json.dumps(mine, sort_keys=True, default=str))
             return
-        me = f"worker {self.late.rdzv.worker}"
+        me = f"worker {ctx.worker}"
         if store.check([key]):
             theirs = json.loads(store.get(key).decode())
             check_agreement({0: json.loads(json.dumps(mine, default=str)), -1: theirs},
                             lambda i: "the run" if i < 0 else me, f"Start {me} with the run's settings to join it",
                             fixes)
         if self.opened is None:
-            self.open(self.late)
+            self.late()
+
+    @property
+    def joining(self) -> bool:
+        """Whether this worker arrived at an elastic run under way (it takes a live member's state)."""
+        return self.late is not None
 
     def take_state(self) -> None:
         """A worker that joined a run under way: receive the outer state from a live member and check its digest."""
-        if self.membership is not None and self.source >= 0:
-            self.comm.reset_link(self.membership.epoch)  # type: ignore[attr-defined]  # restarted there at this epoch
-            self.membership.joined(self.source)
+        if self.membership is not None and self.joining:
+            self.membership.joined()
 
     @property
     def is_reporting_rank(self) -> bool:
@@ -151,11 +161,8 @@ class Connection:
     def attach(self, config: OuterConfig, trainer: Any = None, steps: int = 0) -> None:
         """Give the elastic membership (if any) the schedule its changes follow, and the trainer it hands
         state to: round boundaries (``config``), the run's last step (0: unknown)."""
-        m = self.membership
-        if m is None:
-            return
-        m.inner_steps, m.is_dp, m.delay, m.steps = config.inner_steps, config.per_step, config.apply_delay, steps
-        m.attach(self.comm, trainer)  # type: ignore[arg-type]
+        if self.membership is not None:
+            self.membership.attach(self.comm, trainer, config, steps)  # type: ignore[arg-type]
 
     def agree(self, mine: Mapping[str, Any], topic: str, fix: str, fixes: Sequence[tuple[str, str]] = ()) -> None:
         """Compare ``mine`` with every other worker's (:meth:`Meeting.agree`); nothing where there are none."""
@@ -178,30 +185,6 @@ class Connection:
 
 #: What a worker joining a run under way must match, in the coordinator's store.
 SETTINGS_KEY = "eagerloco/settings"
-
-
-@dataclass(frozen=True)
-class Opening:
-    """How a worker across jobs opens its communicator: its rendezvous, the emulated link, elastic or not, and the
-    device means are handed back on."""
-
-    rdzv: OuterRendezvous
-    link: LinkConfig | None
-    elastic: bool
-    device: torch.device | None
-
-
-def join_run(ctx: DistContext, rdzv: OuterRendezvous, timeout_s: float) -> tuple[Membership, int]:
-    """A worker that arrives after the run started (its settings checked): ask to join, and wait to be admitted at a
-    round boundary. Returns the membership and the member whose state it receives."""
-    store = ctx.outer_store
-    assert store is not None
-    wait_s = max(4 * timeout_s, 600.0)
-    joined = Membership.join(store, rdzv.worker, rdzv.workers, timeout_s, wait_s=wait_s, group=None)
-    if joined is None:
-        raise PeerError(f"worker {rdzv.worker}: the run at {rdzv.where} finished before this worker could join", [])
-    membership, _, _, src = joined
-    return membership, src
 
 
 def outer_meeting(ctx: DistContext, where: str = "") -> Meeting | None:
@@ -257,4 +240,4 @@ def connect(outer_addr: str | None = None, worker_id: int | None = None, workers
                       init_sync=init_sync)
 
 
-__all__ = ["SETTINGS_KEY", "Connection", "Opening", "connect", "join_run", "outer_meeting"]
+__all__ = ["SETTINGS_KEY", "Connection", "connect", "outer_meeting"]

@@ -3,8 +3,8 @@
 Only the outer ranks (:mod:`eagerloco.comm.groups`) own a :class:`TorchDistCommunicator`; the others share
 its results through :class:`~eagerloco.comm.worker.WorkerCommunicator`. It composes the queue
 (:mod:`~eagerloco.comm.exchange_queue`), the group (:mod:`~eagerloco.comm.peers`), the header checks
-(:mod:`~eagerloco.comm.ops`), the heartbeat (:mod:`~eagerloco.comm.heartbeat`) and the elastic change
-(:mod:`~eagerloco.comm.regroup`).
+(:mod:`~eagerloco.comm.ops`) and the heartbeat (:mod:`~eagerloco.comm.heartbeat`), and parks for an elastic
+membership change (:mod:`~eagerloco.comm.elastic`).
 """
 
 from __future__ import annotations
@@ -35,13 +35,12 @@ from eagerloco.comm.base import (
 from eagerloco.comm.emulated_link import EmulatedLink
 from eagerloco.comm.errors import PeerError, TransportError, describe_exception
 from eagerloco.comm.exchange_queue import ExchangeQueue, Result
-from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext, outer_rank
+from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext
 from eagerloco.comm.heartbeat import HEARTBEAT_S, Heartbeat
 from eagerloco.comm.ops import AGREE, BARRIER, Op, check_headers, check_schedules, header
 from eagerloco.comm.peers import Peers
 from eagerloco.comm.quorum_jobs import QuorumJobs
 from eagerloco.comm.reduce_scatter import Shards, uses_reduce_scatter
-from eagerloco.comm.regroup import Regroup
 from eagerloco.comm.staging import Staging
 from eagerloco.config import LinkConfig
 
@@ -132,7 +131,8 @@ class TorchDistCommunicator(Communicator):
         if group is dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError("this rank is not in the outer group: only the first rank of each worker "
                              "exchanges with the other workers")
-        pos, size = outer_rank(group)  # a subgroup of WORLD, or a group across jobs (join_outer_group)
+        # A subgroup of WORLD, or a group across jobs (join_outer_group), whose rank dist.get_rank() refuses.
+        pos, size = (dist.get_rank(), dist.get_world_size()) if group is None else (group.rank(), group.size())
         members = list(members) if members is not None else list(range(size))
         if len(members) != size:
             raise ValueError(f"members {members} do not match the group's size {size}")
@@ -153,8 +153,6 @@ class TorchDistCommunicator(Communicator):
         #: The operations in launch order, and the thread that runs them (:meth:`_run_op`).
         self.exchanges = ExchangeQueue(self._run_op, keep_means=elastic, on_start=self.staging.enter_thread,
                                        name=f"eagerloco-outer-w{self.rank}")
-        #: The elastic side: what a membership change does to the queue and the group.
-        self.regroup = Regroup(self.exchanges, self.peers, self.stats)
         self.quorum_jobs: QuorumJobs | None = None  # set by join_quorum: --quorum below M across jobs
         self._agreed = False  # agree() succeeded: exchanges launched with agreed=True skip the header
         self._unwaited: set[int] = set()  # launched exchanges nobody waited on (yet)
@@ -464,21 +462,9 @@ class TorchDistCommunicator(Communicator):
         self.exchanges.fail_pending(self._error)
         self.heartbeat.announce("failed")  # so that the other survivors do not blame this worker
 
-    # -- the elastic side (see :mod:`eagerloco.comm.regroup`), what Membership calls -----------------
-
-    @property
-    def launched(self) -> int:
-        """How many operations this worker launched (the exchange numbering a joiner continues)."""
-        return self.exchanges.launched
-
-    @property
-    def done_upto(self) -> int:
-        """The last exchange completed here (exchanges complete in launch order)."""
-        return self.exchanges.done_upto
-
-    def done_upto_step(self) -> int:
-        """The training step at which the last exchange completed here was launched (0 if unknown)."""
-        return self.exchanges.done_upto_step()
+    # -- the elastic side: a membership change (:mod:`eagerloco.comm.elastic`), on the caller's thread -----
+    # A failed collective does not fail the handles: the exchange thread parks with it, and the membership
+    # re-forms the group and hands the unfinished exchanges back (``exchanges.take_ops``, :meth:`resume`).
 
     @property
     def broken(self) -> bool:
@@ -497,38 +483,38 @@ class TorchDistCommunicator(Communicator):
         return list(self.peers.members)
 
     def pause(self, timeout_s: float) -> None:
-        """Park the exchange thread between exchanges (:meth:`Regroup.pause`)."""
+        """Park the exchange thread between exchanges and drop the reference to the current group, so destroying it
+        closes its sockets and survivors blocked in it fail at once; PeerError past timeout_s."""
         self._check_open()
-        self.regroup.pause(timeout_s)
-
-    def detach_group(self) -> None:
-        """Drop the reference to the current group (:meth:`Regroup.detach_group`)."""
-        self.regroup.detach_group()
-
-    def take_ops(self) -> list[Op]:
-        """The exchanges not completed here, in launch order (:meth:`Regroup.take_ops`)."""
-        return self.regroup.take_ops()
+        if not self.exchanges.pause(timeout_s):
+            raise PeerError(f"{self.peers.name(self.rank)}: the outer communication thread did not stop within "
+                            f"{timeout_s:g} s for a membership change. Restart the run from the last checkpoint.")
+        self.peers.group = None
 
     def recent_result(self, seq: int) -> Result:
-        """(numel, flat mean, launch step) of a recently completed exchange (:meth:`Regroup.recent_result`)."""
-        return self.regroup.recent_result(seq)
+        """(numel, flat mean, launch step) of a recently completed exchange, for survivors that did not complete it."""
+        result = self.exchanges.recent(seq)
+        if result is None:
+            raise PeerError(f"{self.peers.name(self.rank)} no longer holds the result of exchange #{seq}; "
+                            "restart the run from the last checkpoint")
+        return result
 
-    def complete_from_peer(self, op: Op, mean: torch.Tensor | None) -> None:
-        """Finish an exchange with a survivor's result (:meth:`Regroup.complete_from_peer`)."""
-        self.regroup.complete_from_peer(op, mean)
-
-    def resume(self, group: dist.ProcessGroup | None, members: list[int], ops: list[Op], epoch: int,
-               names: Mapping[int, str] | None = None) -> None:
-        """Continue on a new group, rerunning the given exchanges first (:meth:`Regroup.resume`)."""
-        self.regroup.resume(group, members, ops, epoch, names)
+    def resume(self, group: dist.ProcessGroup | None, members: list[int], ops: list[Op], epoch: int) -> None:
+        """Continue on a new group: rerun the given exchanges there, in order, then the later ones (counted again; the
+        emulated link restarts with the same seed and epoch on every member)."""
+        assert self.exchanges.parked, "pause() first"
+        self.peers.regroup(group, members)
+        self.peers.reset_link(epoch)
+        for op in ops:
+            if op.codec is not None and op.payload is not None:
+                op.wire = wire_bytes(op.payload.numel(), self.peers.size, op.codec.summable)
+                self.stats.bytes_sent += op.wire
+                self.stats.bytes_received += op.wire
+        self.exchanges.resume(ops)
 
     def reset_link(self, epoch: int) -> None:
         """A fresh emulated link for a membership epoch (same seed and epoch on every member)."""
         self.peers.reset_link(epoch)
-
-    def adopt_sequence(self, launched: int) -> None:
-        """A worker that joins continues the members' exchange numbering."""
-        self.regroup.adopt_sequence(launched)
 
 
 __all__ = ["TorchDistCommunicator", "TorchDistHandle"]

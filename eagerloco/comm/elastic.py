@@ -19,6 +19,7 @@ from eagerloco.comm.errors import PeerError, describe_exception
 from eagerloco.comm.groups import HEARTBEAT_PREFIX, OUTER_PG_PREFIX, gloo_group
 from eagerloco.comm.ops import BARRIER
 from eagerloco.comm.rendezvous import poll, prefixed
+from eagerloco.config import OuterConfig
 
 T = TypeVar("T")
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -26,10 +27,6 @@ _POLL_S = 0.05
 _STALE_S = 4.0  # a heartbeat older than this marks its worker gone (they are written every second)
 _REJOIN_FIX = ("Are the other workers running with --elastic? Otherwise restart the run from the last checkpoint "
                "with --resume")
-
-
-def comm_failure(comm: TorchDistCommunicator | None) -> str:
-    return (comm.failure if comm is not None else "") or "collective failed"
 
 
 def _ids(text: str) -> list[int]:
@@ -52,7 +49,7 @@ class Membership:
     ids stay stable (they name data shards, seeds and checkpoints); a worker's rank is its position among the
     sorted member ids. One worker per process.
 
-    A worker dies: each survivor's communicator parks (:mod:`eagerloco.comm.regroup`) and the survivor runs
+    A worker dies: each survivor's communicator parks (:meth:`TorchDistCommunicator.pause`) and the survivor runs
     :meth:`recover`: it flags ``ep<E+1>/recovering``, announces itself alive, and once every member has announced
     or is known gone (exited, stale heartbeat) or at the timeout, the first to decide writes the member list with
     compare-and-set, which all adopt. An exchange that completed on any survivor counts in full (passed to those
@@ -77,10 +74,6 @@ class Membership:
         *,
         members: list[int] | None = None,
         epoch: int = 0,
-        inner_steps: int = 1,
-        delay: int = 0,
-        steps: int = 0,
-        is_dp: bool = False,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         self.client, self.group = client, group
@@ -89,12 +82,14 @@ class Membership:
         self.worker, self.workers, self.timeout_s = worker, workers, float(timeout_s)
         self.members = list(members) if members is not None else list(range(workers))
         self.epoch = epoch
-        self.inner_steps, self.delay, self.steps, self.is_dp = inner_steps, delay, steps, is_dp
+        #: The schedule changes follow (:meth:`attach`): inner steps between round boundaries, the exchange delay
+        #: and the run's last step (0: unknown).
+        self.round, self.delay, self.steps = 1, 0, 0
         self.step = 0
         self.comm: TorchDistCommunicator | None = None
         self.trainer: Any = None  # the eagerloco.train.Worker of this process
-        self.names: dict[int, str] = {w: f"worker {w}" for w in range(workers)}
         self.recovery_s = 0.0  # wall time spent re-forming groups
+        self.source = -1  # a worker admitted into the run under way: the member whose state it receives
         self._busy = False
 
     # ------------------------------------------------------------------ roles
@@ -109,9 +104,12 @@ class Membership:
     def pos(self) -> int:
         return self.members.index(self.worker)
 
-    def attach(self, comm: TorchDistCommunicator, trainer: Any) -> None:
-        """Wire the communicator (its failures call recover()) and the trainer (state handover)."""
+    def attach(self, comm: TorchDistCommunicator, trainer: Any, outer: OuterConfig, steps: int = 0) -> None:
+        """Wire the communicator (its failures call recover()), the trainer (state handover) and the schedule changes
+        follow: round boundaries (``outer``), the run's last step (0: unknown)."""
         self.comm, self.trainer = comm, trainer
+        self.round = 1 if outer.per_step else outer.inner_steps
+        self.delay, self.steps = outer.apply_delay, steps
         comm.recover_hook = self.recover
 
     # ------------------------------------------------------------------ groups
@@ -159,8 +157,8 @@ class Membership:
         assert comm is not None
         comm.step_hint = step + 1  # the step now under way: what it launches belongs to it
         comm.heartbeat.announce()  # heartbeat now: a lost worker's last step is known to the step
-        boundary = self.is_dp or step % self.inner_steps == 0
-        if comm.broken or (boundary and self.kv.check([f"ep{self.epoch + 1}/recovering"])):
+        boundary = step % self.round == 0
+        if comm.broken or (boundary and self.changing()):
             self.recover()
         if boundary:
             self.boundary(step)
@@ -188,7 +186,7 @@ class Membership:
 
         def waiting() -> list[int]:
             missing = [w for w in self.members if not self.kv.check([f"{prefix}/{w}"]) and not self._gone(w)]
-            if missing and (comm.broken or self.kv.check([f"ep{self.epoch + 1}/recovering"])):
+            if missing and (comm.broken or self.changing()):
                 self.recover()
                 return [w for w in self.members if not self.kv.check([f"{prefix}/{w}"]) and not self._gone(w)]
             return missing
@@ -205,24 +203,23 @@ class Membership:
     # ------------------------------------------------------------------ a worker is gone
     def recover(self, cause: str = "") -> None:
         """Re-form the group among the survivors and resolve the exchanges in flight (see module doc)."""
-        if self._busy:
-            raise PeerError(f"worker {self.worker}: another failure during a membership change "
-                            f"({cause or comm_failure(self.comm)}); resume from the last checkpoint")
         comm = self.comm
         assert comm is not None
+        if self._busy:
+            raise PeerError(f"worker {self.worker}: another failure during a membership change "
+                            f"({cause or comm.failure or 'collective failed'}); resume from the last checkpoint")
         self._busy = True
         t0 = time.perf_counter()
         try:
             comm.pause(self.timeout_s + 10.0)
-            ops = comm.take_ops()
+            ops = comm.exchanges.take_ops()
             cause = cause or comm.failure or "a peer's collective failed"
-            comm.detach_group()
             self.teardown()  # peers still inside a collective of the old group fail now, not at the timeout
             t_pause = time.perf_counter()
             e = self.epoch + 1
             old = list(self.members)
             self.kv.set(f"ep{e}/recovering", str(self.worker))
-            self.kv.set(f"ep{e}/alive/{self.worker}", str(comm.done_upto))
+            self.kv.set(f"ep{e}/alive/{self.worker}", str(comm.exchanges.done_upto))
             members = self._decide(e, old)
             t_decide = time.perf_counter()
             if self.worker not in members:
@@ -233,7 +230,7 @@ class Membership:
             lost = [w for w in old if w not in members]
             outer = self.form(e, members)
             last = self._settle(ops)
-            comm.resume(outer, members, ops, e, self.names)
+            comm.resume(outer, members, ops, e)
             t_end = time.perf_counter()
             phases = {"pause_s": round(t_pause - t0, 3), "decide_s": round(t_decide - t_pause, 3),
                       "regroup_s": round(t_end - t_decide, 3)}
@@ -299,7 +296,9 @@ class Membership:
         ops (the rest run again). Returns the launch step of the last exchange completed."""
         comm = self.comm
         assert comm is not None
-        every = self.gather_progress(comm.done_upto, comm.done_upto_step())
+        # Every member's (last exchange completed, its launch step), in member order (the new group).
+        mine = torch.tensor([comm.exchanges.done_upto, comm.exchanges.done_upto_step()], dtype=torch.int64)
+        every = [(int(a), int(b)) for a, b in self.gather(mine).tolist()]
         dones = [d for d, _ in every]
         for seq in range(min(dones) + 1, max(dones) + 1):
             holders = [i for i, d in enumerate(dones) if d >= seq]
@@ -316,25 +315,22 @@ class Membership:
                 self.share(buf, holders[0])
             if self.pos not in holders:
                 assert op is not None
-                comm.complete_from_peer(op, buf)
+                op.handle.contributors = comm.members  # its mean holds the group it ran in, not re-formed yet
+                comm.exchanges.land_from_peer(op, buf)
                 ops.remove(op)
         return max(s for d, s in every if d == max(dones))
 
-    def gather_progress(self, done: int, step: int) -> list[tuple[int, int]]:
-        """Every member's (last exchange completed, its launch step), in member order (the new group)."""
-        rows = torch.zeros(len(self.members) * 2, dtype=torch.int64)
-        _gather(rows, torch.tensor([done, step], dtype=torch.int64), group=self.group)
-        return [(int(a), int(b)) for a, b in rows.view(-1, 2).tolist()]
+    def gather(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every member's ``mine`` (one row each, all of one size), in member order, over the current group."""
+        rows = mine.new_zeros(len(self.members), mine.numel())
+        _gather(rows.view(-1), mine, group=self.group)
+        return rows
 
     def share(self, buf: torch.Tensor, src: int) -> None:
         """Broadcast buf from the member at position src of the new group, in place."""
         dist.broadcast(buf, group=self.group, group_src=src)
 
     # ------------------------------------------------------------------ a worker comes back
-    def _margin(self) -> int:
-        h = 1 if self.is_dp else self.inner_steps
-        return self.delay + 2 * h
-
     def boundary(self, step: int) -> None:
         """At a round boundary: schedule the admission of joiners (the leader), admit them at the step scheduled."""
         if self.trainer is None:  # nothing to hand over: it admits nobody
@@ -345,8 +341,8 @@ class Membership:
             absent = sorted(w for w in asked | set(range(self.workers)) if w not in self.members)
             joiners = [w for w in absent if self.kv.check([f"join/req/{w}"])]
             if joiners:
-                h = 1 if self.is_dp else self.inner_steps
-                b = -(-(step + self._margin()) // h) * h
+                h = self.round  # at the boundary after the exchange delay and two rounds
+                b = -(-(step + self.delay + 2 * h) // h) * h
                 if not self.steps or b < self.steps:  # a change at the last step would only cost a handover
                     self.kv.compare_set(key, "", f"{b} {','.join(map(str, joiners))}")
         if not self.kv.check([key]):
@@ -371,8 +367,7 @@ class Membership:
         self._busy = True
         try:
             comm.pause(self.timeout_s + 10.0)
-            comm.detach_group()
-            if comm.take_ops():
+            if comm.exchanges.take_ops():
                 raise PeerError("exchanges still queued at a membership change (a bug); "
                                 "resume from the last checkpoint")
             src = self.leader
@@ -383,7 +378,7 @@ class Membership:
                     self.kv.set(f"join/admit/{j}", f"{e0 + 1} {step} {','.join(map(str, members))} {src}")
             outer = self.form(e0 + 1, members)
             self.handover(src, joiners)
-            comm.resume(outer, members, [], self.epoch, self.names)
+            comm.resume(outer, members, [], self.epoch)
             digests = self.gather_digests(outer_digest(trainer.sync.outer_parameters()))
             if self.worker == src:
                 self.event({"event": "joined", "workers": joiners, "members": members, "source": src,
@@ -408,25 +403,25 @@ class Membership:
 
     def handover(self, src: int, receivers: list[int]) -> None:
         """src sends its complete training state to each receiver (point to point, default group)."""
-        trainer, comm = self.trainer, self.comm
-        assert trainer is not None and comm is not None
+        trainer, comm, group = self.trainer, self.comm, self.group
+        assert trainer is not None and comm is not None and group is not None
+        # The group is not a subgroup of WORLD, so torch.distributed's point-to-point calls refuse it: its own.
         if self.worker == src:
             buf = io.BytesIO()
             torch.save({
                 "model": trainer.model.state_dict(), "opt": trainer.opt.state_dict(),
                 "sched": trainer.sched.state_dict(), "sync": trainer.sync.state_dict(),
-                "last_loss": trainer.last_loss, "launched": comm.launched,
+                "last_loss": trainer.last_loss, "launched": comm.exchanges.launched,
             }, buf)
             data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
             for r in receivers:
-                dst = self.members.index(r)
-                self.send(torch.tensor([data.numel()], dtype=torch.int64), dst)
-                self.send(data, dst)
+                for t in (torch.tensor([data.numel()], dtype=torch.int64), data):
+                    group.send([t], self.members.index(r), 0).wait()
         elif self.worker in receivers:
             n = torch.zeros(1, dtype=torch.int64)
-            self.recv(n, self.members.index(src))
+            group.recv([n], self.members.index(src), 0).wait()
             data = torch.empty(int(n.item()), dtype=torch.uint8)
-            self.recv(data, self.members.index(src))
+            group.recv([data], self.members.index(src), 0).wait()
             state = torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=False)
             trainer.model.load_state_dict(state["model"])
             trainer.opt.load_state_dict(state["opt"])
@@ -444,34 +439,25 @@ class Membership:
             if trainer.sync.own_windows is not None:
                 trainer.sync.own_windows.forget()
             trainer.last_loss = state["last_loss"]
-            comm.adopt_sequence(int(state["launched"]))
+            comm.exchanges.adopt_sequence(int(state["launched"]))
         self.barrier()
 
-    # The group is not a subgroup of WORLD, so torch.distributed's point-to-point calls refuse it: its own methods.
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        """Send t to the member at position dst of the current group."""
-        assert self.group is not None
-        self.group.send([t], dst, 0).wait()
-
-    def recv(self, t: torch.Tensor, src: int) -> None:
-        """Receive t from the member at position src of the current group."""
-        assert self.group is not None
-        self.group.recv([t], src, 0).wait()
-
     def barrier(self) -> None:
+        """Wait for every member, in the current group."""
         assert self.group is not None
         self.group.barrier().wait()
 
     def gather_digests(self, mine: str) -> list[str]:
         """Every member's outer-parameter digest (SHA-256, hex), in member order."""
-        rows = torch.zeros(len(self.members) * 32, dtype=torch.uint8)
-        _gather(rows, torch.frombuffer(bytearray.fromhex(mine), dtype=torch.uint8), group=self.group)
-        return [bytes(r).hex() for r in rows.view(-1, 32).tolist()]
+        rows = self.gather(torch.frombuffer(bytearray.fromhex(mine), dtype=torch.uint8))
+        return [bytes(r).hex() for r in rows.tolist()]
 
-    def joined(self, src: int) -> None:
-        """The joiner's half of :meth:`_admit` (same collectives, same order): receive the state."""
-        trainer = self.trainer
-        assert trainer is not None
+    def joined(self) -> None:
+        """The joiner's half of :meth:`_admit` (same collectives, same order): receive the state of the member
+        :meth:`join` named, on a link restarted at this epoch as the members' was."""
+        trainer, comm, src = self.trainer, self.comm, self.source
+        assert trainer is not None and comm is not None
+        comm.reset_link(self.epoch)
         t0 = time.perf_counter()
         try:
             self.handover(src, [self.worker])
@@ -487,16 +473,17 @@ class Membership:
               f"members {self.members} (epoch {self.epoch})", flush=True)
 
     @classmethod
-    def join(cls, client: dist.Store, worker: int, workers: int, timeout_s: float,
-             wait_s: float, **kwargs: Any) -> tuple[Membership, dist.ProcessGroup, int, int] | None:
-        """A returning worker: ask to join, wait to be admitted (at most wait_s), build the groups. Returns
-        (membership, outer group, step, source worker), or None when the run ended first."""
+    def join(cls, client: dist.Store, worker: int, workers: int, timeout_s: float, **kwargs: Any) -> Membership | None:
+        """A returning worker: ask to join, wait to be admitted (at most 4 timeouts, 10 minutes or more), build the
+        group. Returns the membership at the step it joins, with the member it takes its state from (:meth:`joined`),
+        or None when the run ended first."""
         # The members wait for this worker from its admission to the handover, while it builds its trainer: the
         # compiler stack that torch.optim's first optimizer imports (seconds on a cold start) is imported before it
         # asks, as the rank server preloads it (cli.preload_train).
         import torch._dynamo  # noqa: F401
 
         m = cls(client, worker, workers, timeout_s, **kwargs)
+        wait_s = max(4 * timeout_s, 600.0)
         if poll(lambda: [] if m._gone(worker) or not m.hb.check([f"hb/{worker}"]) else [worker], 3 * _STALE_S,
                 lambda _: f"worker {worker}: waiting for the heartbeat of an earlier worker {worker} to stop",
                 interval_s=_POLL_S):
@@ -531,9 +518,9 @@ class Membership:
         e, step, members, src = m.kv.get(key).decode().split()
         m.kv.delete_key(key)
         m.kv.delete_key(f"join/req/{worker}")
-        outer = m.form(int(e), _ids(members))
-        m.step = int(step)
-        return m, outer, int(step), int(src)
+        m.form(int(e), _ids(members))
+        m.step, m.source = int(step), int(src)
+        return m
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> None:

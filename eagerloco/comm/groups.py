@@ -188,13 +188,6 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> dis
     return group
 
 
-def outer_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(rank, size) of this process in an outer group, whether a subgroup of WORLD or one across jobs."""
-    if group is None:
-        return dist.get_rank(), dist.get_world_size()
-    return group.rank(), group.size()
-
-
 def store_client(timeout_s: float) -> dist.TCPStore:
     """A client of this process's own to the run's store at MASTER_ADDR:MASTER_PORT."""
     env = Environment.read()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch.distributed as dist
 
@@ -179,9 +179,9 @@ class Heartbeat:
             if state == "failed":  # a fellow survivor that already gave up: named only where nothing else is
                 gave_up.append((w, f"{name} gave up on this exchange first (its own line says why)"))
                 continue
-            exit_note = self._exit_note(w)
-            if exit_note:  # the launcher saw its process end: no need to wait for a stale heartbeat
-                strong.append((w, f"{name} is gone: {exit_note} (after exchange #{last})"))
+            ended = exit_note(self.store, w)
+            if ended:  # the launcher saw its process end: no need to wait for a stale heartbeat
+                strong.append((w, f"{name} is gone: {ended} (after exchange #{last})"))
             elif state == "closed":
                 strong.append((w, f"{name} closed its communicator after exchange #{last} (done or quit)"))
             elif age > self.stale_s:
@@ -190,11 +190,6 @@ class Heartbeat:
             elif last < seq:
                 weak.append((w, f"{name} has not reached exchange #{seq} (alive, last entered #{last})"))
         return strong, weak or gave_up
-
-    def _exit_note(self, w: int) -> str:
-        """How worker w's process ended, if ``eagerloco launch`` recorded it ('' if not)."""
-        assert self.store is not None
-        return exit_note(self.store, w)
 
 
 def exit_note(store: dist.Store, w: int) -> str:
@@ -211,35 +206,40 @@ def exit_note(store: dist.Store, w: int) -> str:
     return f"its global rank {rank} {how}" if rank else f"its process {how}"
 
 
-def wait_for_key(store: dist.Store, key: str, worker: int, name: str, patience_s: float,
-                 poll_s: float = 0.2) -> float:
-    """Wait, with no deadline, for ``worker`` to set ``key`` while it shows signs of life; returns the seconds.
+def wait_for_evaluation(store: dist.Store, step: int, me: int, evaluators: Iterable[int], patience_s: float,
+                        role: str, *, wait: bool = True, survive: bool = False, poll_s: float = 0.2) -> None:
+    """Say that this worker evaluated at ``step`` (if it is one of ``evaluators``), then wait, with no deadline,
+    for each other evaluator to say so while it shows signs of life.
 
-    What one rank does alone (evaluation) may outlast the collective timeout, so the others wait here and give
-    up only when its process ended or its heartbeat is older than ``patience_s`` (PeerError names it).
+    Evaluating may outlast the collective timeout, so the others wait here and give up only when its process
+    ended or its heartbeat is older than ``patience_s``: PeerError names it (``survive``: left to the elastic
+    membership change that follows). ``role`` says what an evaluator is doing, in that error.
     """
-    t0 = time.monotonic()
-    hb = f"hb/{worker}"
-    while True:
+    evaluators = list(evaluators)
+    if me in evaluators:
+        store.set(f"evaluated/{step}/{me}", "1")
+    for worker in evaluators if wait else ():
+        key, hb, name = f"evaluated/{step}/{worker}", f"hb/{worker}", f"worker {worker} ({role})"
         try:
-            if store.check([key]):
-                return time.monotonic() - t0
-            gone = exit_note(store, worker)
-            if gone:
-                raise PeerError(f"{name} is gone while the others waited for it ({key}): {gone}. "
-                                "Check its log, then resume from the last checkpoint.", [worker])
-            age = time.time() - float(store.get(hb).decode().split()[0]) if store.check([hb]) else 0.0
+            while worker != me and not store.check([key]):
+                gone = exit_note(store, worker)
+                if gone:
+                    raise PeerError(f"{name} is gone while the others waited for it ({key}): {gone}. "
+                                    "Check its log, then resume from the last checkpoint.", [worker])
+                age = time.time() - float(store.get(hb).decode().split()[0]) if store.check([hb]) else 0.0
+                if age > patience_s:
+                    raise PeerError(f"{name} is frozen or gone while the others waited for it ({key}): its last "
+                                    f"heartbeat is {age:.1f} s old (--dist-timeout {patience_s:g} s). Check its log, "
+                                    "then resume from the last checkpoint.", [worker])
+                time.sleep(poll_s)
         except PeerError:
-            raise
+            if not survive:
+                raise
         except Exception as e:
-            raise PeerError(f"the run's store became unreachable while waiting for {name} ({key}: "
-                            f"{str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); is the launcher "
-                            "still running?", []) from e
-        if age > patience_s:
-            raise PeerError(f"{name} is frozen or gone while the others waited for it ({key}): its last heartbeat "
-                            f"is {age:.1f} s old (--dist-timeout {patience_s:g} s). Check its log, then resume "
-                            "from the last checkpoint.", [worker])
-        time.sleep(poll_s)
+            if not survive:
+                raise PeerError(f"the run's store became unreachable while waiting for {name} ({key}: "
+                                f"{str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); is the launcher "
+                                "still running?", []) from e
 
 
 def blame_ranks(store: dist.Store, me: int, world: int, ranks_per_worker: int, what: str,

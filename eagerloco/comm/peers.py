@@ -1,5 +1,5 @@
 """Who a worker exchanges with: the current outer group, its members, their names, the link to them; it changes
-only at an elastic membership change (:mod:`eagerloco.comm.regroup`), while the exchange thread is parked."""
+only at an elastic membership change (:mod:`eagerloco.comm.elastic`), while the exchange thread is parked."""
 
 from __future__ import annotations
 
@@ -35,14 +35,11 @@ class Peers:
         """How messages call worker w."""
         return self.names.get(w, f"worker {w}")
 
-    def regroup(self, group: dist.ProcessGroup | None, members: list[int],
-                names: Mapping[int, str] | None = None) -> None:
-        """A new group of these members (this worker among them); names: more or changed names."""
+    def regroup(self, group: dist.ProcessGroup | None, members: list[int]) -> None:
+        """A new group of these members (this worker among them)."""
         self.group = group
         self.members = list(members)
         self.pos = self.members.index(self.rank)
-        if names is not None:
-            self.names.update(names)
 
     def reset_link(self, epoch: int) -> None:
         """A fresh emulated link for a membership epoch (same seed and epoch on every member)."""

@@ -118,7 +118,41 @@ def store_unreachable(e: BaseException) -> bool:
         w in text for w in ("Broken pipe", "Connection reset", "Connection refused", "Failed to recv"))
 
 
-class CoordinatorClient(dist.Store):
+class StoreView(dist.Store):
+    """The keys under ``prefix`` of a store: torch's PrefixStore does not pass ``delete_key`` on to a store
+    written in Python (a :class:`CoordinatorClient`, which is a view of its TCPStore client), so ours go through
+    this one. Every call goes through :meth:`_call`."""
+
+    def __init__(self, prefix: str, store: dist.Store) -> None:
+        super().__init__()
+        self.prefix, self.store = prefix, store
+
+    def _call(self, fn: Callable[[dist.Store], T]) -> T:
+        return fn(self.store)
+
+    def set(self, key: str, value: Any) -> None:
+        self._call(lambda s: s.set(self.prefix + key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._call(lambda s: s.get(self.prefix + key))
+
+    def add(self, key: str, value: int) -> int:
+        return self._call(lambda s: s.add(self.prefix + key, value))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._call(lambda s: s.compare_set(self.prefix + key, expected, desired))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call(lambda s: s.check([self.prefix + k for k in keys]))
+
+    def delete_key(self, key: str) -> bool:
+        return self._call(lambda s: s.delete_key(self.prefix + key))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._call(lambda s: s.wait([self.prefix + k for k in keys], *([] if timeout is None else [timeout])))
+
+
+class CoordinatorClient(StoreView):
     """A client of the coordinator's store that outlives the coordinator's restarts.
 
     torch's TCPStore client does not reconnect, so this one opens a new client when a call fails and sets again
@@ -128,13 +162,12 @@ class CoordinatorClient(dist.Store):
     """
 
     def __init__(self, host: str, port: int, timeout_s: float, me: str) -> None:
-        super().__init__()
         self.host, self.port, self.timeout_s, self.me = host, port, timeout_s, me
+        super().__init__("", self._connect())
         self.kept: dict[str, str] = {}
         self.lost_since: float | None = None
         self.owner = threading.get_ident()  # the thread that waits for a coordinator that restarts
         self._lock = threading.Lock()
-        self._client = self._connect()
 
     def _connect(self) -> dist.TCPStore:
         return dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
@@ -149,19 +182,19 @@ class CoordinatorClient(dist.Store):
         self.kept[key] = value
         self.set(key, value)
 
-    def _call(self, fn: Callable[[dist.TCPStore], T]) -> T:
-        client = self._client
+    def _call(self, fn: Callable[[dist.Store], T]) -> T:
+        client = self.store
         try:
             return fn(client)
         except Exception as e:
             if not store_unreachable(e):
                 raise
         self._reconnect(client)
-        return fn(self._client)
+        return fn(self.store)
 
-    def _reconnect(self, failed: dist.TCPStore) -> None:
+    def _reconnect(self, failed: dist.Store) -> None:
         with self._lock:
-            if self._client is not failed:  # another thread reconnected meanwhile
+            if self.store is not failed:  # another thread reconnected meanwhile
                 return
             now = time.monotonic()
             self.lost_since = self.lost_since or now
@@ -172,9 +205,9 @@ class CoordinatorClient(dist.Store):
                     wait_for_listener(self.host, self.port, 0.0, waiting)
                 else:
                     wait_for_listener(self.host, self.port, left, waiting)
-                self._client = self._connect()
+                self.store = self._connect()
                 for key, value in self.kept.items():
-                    self._client.set(key, value)
+                    self.store.set(key, value)
             except Exception as e:
                 away = time.monotonic() - self.lost_since
                 if away < self.timeout_s:
@@ -185,63 +218,15 @@ class CoordinatorClient(dist.Store):
                                 f"({describe_exception(e)})", []) from None
             self.lost_since = None
 
-    def set(self, key: str, value: Any) -> None:
-        self._call(lambda c: c.set(key, value))
-
-    def get(self, key: str) -> bytes:
-        return self._call(lambda c: c.get(key))
-
-    def add(self, key: str, value: int) -> int:
-        return self._call(lambda c: c.add(key, value))
-
-    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        return self._call(lambda c: c.compare_set(key, expected, desired))
-
-    def check(self, keys: list[str]) -> bool:
-        return self._call(lambda c: c.check(keys))
-
     def delete_key(self, key: str) -> bool:
         self.kept.pop(key, None)
-        return self._call(lambda c: c.delete_key(key))
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._call(lambda c: c.wait(keys) if timeout is None else c.wait(keys, timeout))
+        return super().delete_key(key)
 
     def num_keys(self) -> int:
-        return self._call(lambda c: c.num_keys())
+        return self._call(lambda s: s.num_keys())
 
     def set_timeout(self, timeout: timedelta) -> None:
-        self._client.set_timeout(timeout)
-
-
-class StoreView(dist.Store):
-    """The keys under ``prefix`` of a store: torch's PrefixStore does not pass ``delete_key`` on to a store
-    written in Python (a :class:`CoordinatorClient`), so the membership's keys go through this one."""
-
-    def __init__(self, prefix: str, store: dist.Store) -> None:
-        super().__init__()
-        self.prefix, self.store = prefix, store
-
-    def set(self, key: str, value: Any) -> None:
-        self.store.set(self.prefix + key, value)
-
-    def get(self, key: str) -> bytes:
-        return self.store.get(self.prefix + key)
-
-    def add(self, key: str, value: int) -> int:
-        return self.store.add(self.prefix + key, value)
-
-    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        return self.store.compare_set(self.prefix + key, expected, desired)
-
-    def check(self, keys: list[str]) -> bool:
-        return self.store.check([self.prefix + k for k in keys])
-
-    def delete_key(self, key: str) -> bool:
-        return self.store.delete_key(self.prefix + key)
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self.store.wait([self.prefix + k for k in keys], *([] if timeout is None else [timeout]))
+        self.store.set_timeout(timeout)
 
 
 def prefixed(prefix: str, store: dist.Store) -> dist.Store:

@@ -98,7 +98,7 @@ class OuterLoop:
                                                          SimpleNamespace(seed=self.connection.seed)))
             self.connection.take_state()  # admitted into a run under way: a live member's state, its digest checked
             #: The tick at which this worker joined an elastic run under way (its loop continues from there), else None.
-            self.joined_at = self.sync.step if self.connection.source >= 0 else None
+            self.joined_at = self.sync.step if self.connection.joining else None
             if self.connection.ctx is not None:  # the one that steps: a factory's (torchft's) replaces the settings'
                 self.connection.enter(outer_optimizer_settings(self.sync), "outer optimizer", SETTINGS_FIX, FIXES)
         except BaseException:

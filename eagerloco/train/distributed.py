@@ -15,7 +15,7 @@ from torch import nn
 
 from eagerloco.comm.errors import describe_exception, is_transport_failure
 from eagerloco.comm.groups import heartbeat_store, set_worker_threads, shutdown
-from eagerloco.comm.heartbeat import Heartbeat, blame_ranks, wait_for_key
+from eagerloco.comm.heartbeat import Heartbeat, blame_ranks, wait_for_evaluation
 from eagerloco.comm.rendezvous import Meeting, init_process_groups
 from eagerloco.comm.worker import communicator_for
 from eagerloco.config import ConfigError
@@ -148,13 +148,9 @@ class DistributedRuntime(Runtime):
     def after_eval(self, step: int) -> None:
         # Rank 0 evaluates alone, for as long as it takes: the others wait here, outside any
         # collective timeout, for as long as its heartbeat says it is alive.
-        if self.gate is None:
-            return
-        key = f"evaluated/{step}"
-        if self.ctx.rank == 0:
-            self.gate.set(key, "1")
-        else:
-            wait_for_key(self.gate, key, 0, "worker 0 (global rank 0, which evaluates)", self.cfg.runtime.dist_timeout)
+        if self.gate is not None:
+            wait_for_evaluation(self.gate, step, self.ctx.rank, [0], self.cfg.runtime.dist_timeout,
+                                "global rank 0, which evaluates")
 
     def gather_checkpoint(self, step: int, entries: dict[int, Any], problem: str | None
                           ) -> tuple[dict[int, Any] | None, str | None]:

@@ -14,9 +14,8 @@ from torch import nn
 from eagerloco import checkpoint as ckpt
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.elastic import Membership, outer_digest
-from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import heartbeat_store, set_worker_threads, store_client
-from eagerloco.comm.heartbeat import wait_for_key
+from eagerloco.comm.heartbeat import wait_for_evaluation
 from eagerloco.comm.rendezvous import Meeting
 from eagerloco.config import ConfigError
 from eagerloco.train.outputs import add_throughput, aggregate
@@ -87,40 +86,35 @@ class ElasticRuntime(Runtime):
         from eagerloco.data import worker_streams
 
         cfg, me, timeout_s = self.cfg, self.me, self.cfg.runtime.dist_timeout
-        oc = cfg.outer
-        kw = {"inner_steps": oc.inner_steps, "steps": cfg.steps, "is_dp": oc.per_step, "delay": oc.apply_delay}
         stream = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed, iid=cfg.iid)[me]
         # A returning worker keeps its own data position (its newest checkpoint's); read it before asking
         # to join, so that the members do not wait on it during the handover.
         self.own = own_last_state(self.root, me) if self.joining else None
-        self.src, self.start_step = -1, 0
         if self.joining:
-            joined = Membership.join(self.client, me, cfg.workers, timeout_s, wait_s=max(4 * timeout_s, 600.0), **kw)
-            if joined is None:
+            self.membership = Membership.join(self.client, me, cfg.workers, timeout_s)
+            if self.membership is None:
                 print(f"eagerloco: worker {me}: the run finished before this worker could rejoin", flush=True)
                 return {}
-            self.membership, outer, self.start_step, self.src = joined
+            outer = self.membership.group
         else:  # epoch 0: a gloo group over the launcher's store, as every later epoch's (no WORLD)
-            self.membership = Membership(self.client, me, cfg.workers, timeout_s, **kw)
+            self.membership = Membership(self.client, me, cfg.workers, timeout_s)
             outer = self.membership.form(0, list(range(cfg.workers)))
         link = self.checked_link(num_params(base))
-        self.comm = TorchDistCommunicator(outer, link, timeout_s, self.membership.names,
-                                          store=heartbeat_store(timeout_s), seed=cfg.seed, elastic=True,
-                                          members=self.membership.members)
+        self.comm = TorchDistCommunicator(outer, link, timeout_s, store=heartbeat_store(timeout_s), seed=cfg.seed,
+                                          elastic=True, members=self.membership.members)
         # From here the communicator holds the group alone: a membership change must free it.
         worker = Worker(base, self.comm, stream, cfg)
-        self.membership.attach(self.comm, worker)
+        self.membership.attach(self.comm, worker, cfg.outer, cfg.steps)
         self.gate = heartbeat_store(timeout_s)
         return {me: worker}
 
     def load(self, files: dict[int, Worker], found: Found | None) -> tuple[int, float]:
         me, worker, membership = self.me, files[self.me], self.membership
-        start_step, real_elapsed = self.start_step, 0.0
+        start_step, real_elapsed = membership.step, 0.0
         if self.joining:
-            self.comm.reset_link(membership.epoch)  # the members restarted theirs at this epoch
             if self.own is not None:  # its own data position; everything else comes from a live peer
                 worker.stream.load_state_dict(self.own["stream"])
-            membership.joined(self.src)
+            membership.joined()
         elif found is not None:
             path, meta = found
             have = has_worker(meta, me)
@@ -162,17 +156,9 @@ class ElasticRuntime(Runtime):
         # The leader evaluates alone, for as long as it takes: the others wait here, outside any
         # collective timeout, while its heartbeat is fresh. A leader that dies meanwhile is left
         # to the membership change that follows (the next exchange fails without it).
-        if self.gate is None:
-            return
-        if self.membership.is_leader():
-            self.gate.set(f"evaluated/{step}", "1")
-            return
-        leader = self.membership.leader
-        try:
-            wait_for_key(self.gate, f"evaluated/{step}", leader, f"worker {leader} (the leader, evaluating)",
-                         self.cfg.runtime.dist_timeout)
-        except PeerError:
-            pass
+        if self.gate is not None:
+            wait_for_evaluation(self.gate, step, self.me, [self.membership.leader], self.cfg.runtime.dist_timeout,
+                                "the leader, evaluating", survive=True)
 
     def log_fields(self) -> dict[str, Any]:
         return {"members": len(self.membership.members)}

@@ -15,8 +15,7 @@ from torch import nn
 
 from eagerloco import checkpoint as ckpt
 from eagerloco.comm.connect import Connection
-from eagerloco.comm.errors import PeerError
-from eagerloco.comm.heartbeat import wait_for_key
+from eagerloco.comm.heartbeat import wait_for_evaluation
 from eagerloco.comm.quorum_jobs import join_quorum
 from eagerloco.comm.rendezvous import Meeting, OuterRendezvous, shapes_digest
 from eagerloco.device import resolve_device
@@ -58,7 +57,7 @@ class JobRuntime(Runtime):
         self.comm, self.membership = self.peers.comm, self.peers.membership
         if cfg.outer.quorum is not None and cfg.outer.quorum < cfg.workers and self.peers.ctx is not None:
             join_quorum(self.comm, self.peers.ctx.outer_store, cfg.workers, timeout_s, self.membership)
-        self.joining = self.peers.source >= 0
+        self.joining = self.peers.joining
         worker = Worker(model, self.comm, stream, cfg)
         self.peers.attach(cfg.outer, worker, steps=cfg.steps)
         return {me: worker}
@@ -97,25 +96,13 @@ class JobRuntime(Runtime):
         # Every job evaluates its own outer model, for as long as that takes: the others wait for it
         # here, outside any collective timeout, for as long as its heartbeat is fresh. Under a quorum
         # nobody waits before the run's end: an evaluating worker is a late one, bypassed like any
-        # (docs/algorithms.md, 12.10).
+        # (docs/algorithms.md, 12.10). Under --elastic a worker that died meanwhile is left to the change that follows.
         assert self.peers is not None and self.peers.ctx is not None
-        store, me = self.peers.ctx.store, self.rdzv.worker
-        if store is None:
-            return
-        store.set(f"evaluated/{step}/{me}", "1")
-        if self.comm.closes_on_quorum and step < self.cfg.steps:
-            return
-        members = self.membership.members if self.membership is not None else range(self.cfg.workers)
-        for w in members:
-            if w == me:
-                continue
-            try:
-                wait_for_key(store, f"evaluated/{step}/{w}", w, f"worker {w} (evaluating)",
-                             self.cfg.runtime.dist_timeout)
-            except PeerError:
-                if self.membership is None:
-                    raise
-                # elastic: a worker that died meanwhile is left to the membership change that follows
+        if self.peers.ctx.store is not None:
+            wait_for_evaluation(self.peers.ctx.store, step, self.rdzv.worker,
+                                self.membership.members if self.membership is not None else range(self.cfg.workers),
+                                self.cfg.runtime.dist_timeout, "evaluating", survive=self.membership is not None,
+                                wait=not (self.comm.closes_on_quorum and step < self.cfg.steps))
 
     def checkpoint_meta(self) -> dict[str, Any]:
         return {"runtime": "distributed", "ranks_per_worker": 1, "separate_jobs": True, "worker": self.rdzv.worker}
