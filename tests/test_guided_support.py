@@ -16,7 +16,8 @@ from eagerloco.codecs import SharedSupportCodec, get_codec
 from eagerloco.comm.base import flatten
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.inprocess import InProcessGroup
-from eagerloco.config import ConfigError, OuterConfig
+from eagerloco.config import ConfigError, OuterConfig, TrainConfig
+from eagerloco.train.agree import agreed_settings
 
 NUMEL = 5000  # a partial last chunk of 904 values
 CHUNK, K = 1024, 32
@@ -167,6 +168,9 @@ def test_other_methods_choose_alike_and_resume_with_their_guides(method: str, ex
 
 
 def test_settings() -> None:
+    """Bad shares and a share without the shared support are refused; jobs agree on F before the first exchange."""
+    assert agreed_settings(TrainConfig(outer=OuterConfig(codec="2bit", topk=64, transport="shared-support",
+                                                         support_guided=0.5)))["--support-guided"] == 0.5
     OuterConfig(codec="2bit", topk=64, transport="shared-support", support_guided=0.5).validate()
     for bad in (1.0, -0.1, float("nan"), True):
         with pytest.raises(ConfigError, match="--support-guided must be a share in"):
