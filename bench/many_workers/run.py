@@ -296,7 +296,12 @@ def loss_table(results: dict[str, Any]) -> list[str]:
              "and draws the rest.", "",
              "| row | seeds | final eval loss | minus DiLoCo fp32 (paired; each seed) | bytes per worker per run "
              "| fewer than DiLoCo fp32 |", "|---|---|---|---|---|---|"]
-    for name, rs in rows.items():
+    def order(name: str) -> tuple:  # by corpus and length, DiLoCo first, then by K, the eager rows last
+        prefix, _, row = name.rpartition(":")
+        k = row.rsplit("-", 1)[-1]
+        return prefix, row != "diloco-fp32", row.startswith("eager"), int(k) if k.isdigit() else 0, row
+
+    for name, rs in sorted(rows.items(), key=lambda item: order(item[0])):
         base = {r["seed"]: r["final_eval_loss"] for r in rows.get(base_of(name), [])}
         base_bytes = rows[base_of(name)][0]["bytes_sent_per_worker"] if base_of(name) in rows else None
         loss = statistics.mean(r["final_eval_loss"] for r in rs)
