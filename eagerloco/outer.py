@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from eagerloco.adaptive import AdaptiveSteps, load_rounds
-from eagerloco.codecs import get_codec
-from eagerloco.comm.base import Communicator, Handle
+from eagerloco.codecs import Codec, get_codec
+from eagerloco.comm.base import Communicator, Handle, flatten
 from eagerloco.config import OuterConfig
 from eagerloco.error_feedback import ErrorFeedback
 from eagerloco.errors import DivergedError
@@ -60,7 +60,8 @@ class OuterSync:
         cfg.validate(num_blocks=len(block_list))
         self.model, self.inner_optimizer, self.comm = model, inner_optimizer, comm
         self.codec = get_codec(cfg.codec, block_size=cfg.codec_block, stochastic=cfg.stochastic_rounding,
-                               topk=cfg.topk, chunk=cfg.topk_chunk, shared=cfg.transport == "shared-support")
+                               topk=cfg.topk, chunk=cfg.topk_chunk, shared=cfg.transport == "shared-support",
+                               guided=cfg.support_guided)
         # On the parameters' device: the codecs draw their rounding noise where they encode.
         first = next(iter(model.parameters()), None)
         where = local_shard(first).device if first is not None else torch.device("cpu")
@@ -82,6 +83,9 @@ class OuterSync:
         self.own_windows: OwnWindows | None = None
         #: What this worker's compressed exchanges have not sent yet (None: --error-feedback off, and dp).
         self.feedback: ErrorFeedback | None = None
+        #: A guided shared support (--support-guided): each fragment's last landed mean, flat on the CPU, which every
+        #: worker holds alike; None where none has landed yet, and no list without the setting.
+        self.guides: list[torch.Tensor | None] | None = None
         #: The model's parameters by fragment, and the tensors the algorithm reads and writes for
         #: them: the parameters themselves, or this rank's shards of sharded ones (same storage).
         self.params: list[list[nn.Parameter]]
@@ -103,6 +107,8 @@ class OuterSync:
         self.outer_opts = [factory(params) for params in self.outer]
         if cfg.error_feedback is not None:
             self.feedback = ErrorFeedback(self.outer, cfg.error_feedback)
+        if cfg.support_guided:
+            self.guides = [None] * len(self.outer)
         self.offsets = fragment_offsets(cfg.inner_steps, cfg.fragments)
         self.delay = apply_delay(cfg.method, cfg.inner_steps, cfg.overlap_steps, cfg.eager_rounds)
         if cfg.adaptive_steps:
@@ -202,7 +208,7 @@ class OuterSync:
                 sent = [t * scale for t in sent]
             # Only eager and error feedback read their own share back (handle.own); elsewhere the runtime may reuse it.
             launch = self._agreed() if window is None else {**self._agreed(), "window": window}
-            handle = self.comm.allreduce_mean(sent, self.codec.for_step(self.step), self.generator,
+            handle = self.comm.allreduce_mean(sent, self._codec_for(p), self.generator,
                                               keep_own=self.own_state or feedback is not None, **launch)
             payload = None
             if feedback is not None and scale:  # the buffer loses what it sent (unweighted)
@@ -268,9 +274,15 @@ class OuterSync:
                         f"at step {self.step} of {self.num_workers} workers")
             if self.quorum is not None:  # only with one, so that a run without keeps its schedule's digest
                 describe += f", {self.quorum}"
+            if self.guides is not None:  # the same: workers that choose positions differently must not meet
+                describe += f", support guided {cfg.support_guided}"
             self._agreement = self.comm.agree(describe.encode(), describe)
         launch = {} if self.config.transport == "allgather" else {"transport": self.config.transport}
         return {"agreed": True, **launch} if self._agreement else launch
+
+    def _codec_for(self, p: int) -> Codec:
+        """The codec of fragment p's exchange launched now (a guided shared support reads the fragment's last mean)."""
+        return self.codec.for_step(self.step, None if self.guides is None else self.guides[p])
 
     def _eager_update(self, p: int) -> float:
         """Delayed / eager outer step of fragment p at one of its sync steps; returns seconds waited."""
@@ -310,6 +322,8 @@ class OuterSync:
     def _land(self, item: InFlight) -> tuple[list[torch.Tensor], float]:
         """An outer exchange's mean (:meth:`_wait`), and where this worker's windows landed in a quorum's."""
         mean, waited = self._wait(item.handle, window=item.window)
+        if self.guides is not None:
+            self.guides[item.fragment] = flatten(mean).cpu()
         if self.own_windows is not None:
             self.own_windows.landed(item.fragment, item.launch_step, item.handle.quorum, self.comm.stats,
                                     self.comm.clock())
@@ -428,6 +442,8 @@ class OuterSync:
                 "generator": self.generator.get_state(),
                 "error_feedback": None if self.feedback is None else self.feedback.state(),
                 "adaptive": None if self.adaptive is None else self.adaptive.state_dict(),
+                **({} if self.guides is None else {"support_guides": [None if g is None else g.clone()
+                                                                      for g in self.guides]}),
                 **({} if self.own_windows is None else {"own_windows": self.own_windows.state_dict(),
                                                         "quorum_held": self.comm.quorum_state()})}
 
@@ -452,6 +468,8 @@ class OuterSync:
         if saved_feedback is not None and self.feedback is not None:
             self.feedback.load(saved_feedback)
         load_rounds(self.adaptive, state["adaptive"])
+        if self.guides is not None:
+            self.guides = list(state.get("support_guides", [None] * len(self.outer)))
         if self.own_windows is not None:
             self.own_windows.load_state_dict(state.get("own_windows", []))
             self.comm.load_quorum_state(state.get("quorum_held"))

@@ -8,13 +8,14 @@ from eagerloco.codecs.sparse import SharedSupportCodec, TopKCodec
 
 
 def get_codec(name: str, block_size: int = 32, stochastic: bool = False, *, topk: int | None = None,
-              chunk: int = 4096, shared: bool = False) -> Codec:
+              chunk: int = 4096, shared: bool = False, guided: float = 0.0) -> Codec:
     """The exchange's codec: the dense codec ``name``, or with ``topk`` the sparse exchange keeping that many values
-    of every chunk of ``chunk`` (``shared``: at positions drawn alike, :class:`SharedSupportCodec`), in that codec."""
+    of every chunk of ``chunk`` (``shared``: at positions chosen alike, :class:`SharedSupportCodec`, ``guided`` of
+    them from the last mean), in that codec."""
     dense = dense_codec(name, block_size, stochastic)
     if topk is None:
         return dense
-    return SharedSupportCodec(dense, chunk, topk) if shared else TopKCodec(dense, chunk, topk)
+    return SharedSupportCodec(dense, chunk, topk, guided=guided) if shared else TopKCodec(dense, chunk, topk)
 
 
 __all__ = ["CODEC_NAMES", "Codec", "Fp32Codec", "SharedSupportCodec", "TopKCodec", "dense_codec", "get_codec"]

@@ -91,8 +91,9 @@ class Codec(ABC):
     def packed_nbytes(self, numel: int) -> int:
         """Exact payload size in bytes for numel values (codes and scales)."""
 
-    def for_step(self, step: int) -> Codec:
-        """The codec of the exchange launched at this inner step: itself, unless its positions change per step."""
+    def for_step(self, step: int, guide: torch.Tensor | None = None) -> Codec:
+        """The codec of the exchange launched at this inner step: itself, unless its positions change per step
+        (``guide``: the flat mean every worker last received of this exchange, which a guided support reads)."""
         return self
 
     def _check_buf(self, buf: torch.Tensor, numel: int) -> None:

@@ -40,6 +40,22 @@ def _bits_uint(bits: torch.Tensor, width: int) -> torch.Tensor:
     return (bits.view(-1, width).to(torch.int64) << shifts).sum(1)
 
 
+def keep_largest(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """The mask of the k largest |x| in every row, ties to the lower index (the same mask on every machine)."""
+    mag = rows.abs()
+    threshold = torch.topk(mag, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+    keep = mag >= threshold
+    counts = keep.sum(dim=1)
+    tied = (counts != k).nonzero()[:, 0]  # rows with more than k at or above their k-th value
+    if tied.numel():  # rare with real data: settle those rows' ties by index, lower first
+        sub, thr = mag[tied], threshold[tied]
+        above = sub > thr
+        tie = sub == thr
+        room = k - above.sum(dim=1, keepdim=True)
+        keep[tied] = above | (tie & (tie.cumsum(dim=1) <= room))
+    return keep
+
+
 class _SparseCodec(Codec):
     """What the sparse exchanges share: k values of every chunk of ``chunk``, in the dense codec ``values``."""
 
@@ -78,21 +94,6 @@ class TopKCodec(_SparseCodec):
         k_last = min(self.k, last)
         return full, last, k_last, full * self.k + k_last
 
-    def _keep(self, rows: torch.Tensor, k: int) -> torch.Tensor:
-        """The mask of the k largest |x| in every row, ties to the lower index."""
-        mag = rows.abs()
-        threshold = torch.topk(mag, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
-        keep = mag >= threshold
-        counts = keep.sum(dim=1)
-        tied = (counts != k).nonzero()[:, 0]  # rows with more than k at or above their k-th value
-        if tied.numel():  # rare with real data: settle those rows' ties by index, lower first
-            sub, thr = mag[tied], threshold[tied]
-            above = sub > thr
-            tie = sub == thr
-            room = k - above.sum(dim=1, keepdim=True)
-            keep[tied] = above | (tie & (tie.cumsum(dim=1) <= room))
-        return keep
-
     def _position_bits(self, mask: torch.Tensor, k: int) -> torch.Tensor:
         """Rows of a keep-mask as their position bits (indices or the mask itself, per the rule)."""
         rows, length = mask.shape
@@ -121,7 +122,7 @@ class TopKCodec(_SparseCodec):
             parts.append((v[full * self.chunk :].view(1, last), k_last))
         kept, position_bits = [], []
         for rows, k in parts:  # the full chunks at once, then the partial one
-            mask = self._keep(rows, k)
+            mask = keep_largest(rows, k)
             kept.append(rows[mask])
             position_bits.append(self._position_bits(mask, k))
         empty = v.new_zeros(0)
@@ -146,30 +147,45 @@ class TopKCodec(_SparseCodec):
 
 
 class SharedSupportCodec(_SparseCodec):
-    """k values of every chunk at positions every worker draws alike from the exchange's step (:meth:`for_step`),
-    sent without positions, so the values can be summed on the way whatever M (docs/algorithms.md, 7)."""
+    """k values of every chunk at positions every worker chooses alike, sent without positions, so the values can
+    be summed on the way whatever M (docs/algorithms.md, 7). The positions are drawn from the exchange's step
+    (:meth:`for_step`); with ``guided`` above 0, that share of each chunk's k goes first to the largest entries of
+    ``guide``, the last mean every worker received alike, and the rest is drawn among the others."""
 
-    def __init__(self, values: Codec, chunk: int, k: int, seed: int = 0) -> None:
+    def __init__(self, values: Codec, chunk: int, k: int, seed: int = 0, guided: float = 0.0,
+                 guide: torch.Tensor | None = None) -> None:
         super().__init__(values, chunk, k, "shared")
-        self.seed = seed
+        self.seed, self.guided, self.guide = seed, guided, guide
         self._support: tuple[int, torch.Tensor] | None = None
 
     def __repr__(self) -> str:
-        return f"SharedSupportCodec({self.values!r}, chunk={self.chunk}, k={self.k}, seed={self.seed})"
+        return (f"SharedSupportCodec({self.values!r}, chunk={self.chunk}, k={self.k}, seed={self.seed}, "
+                f"guided={self.guided})")
 
-    def for_step(self, step: int) -> SharedSupportCodec:
-        return SharedSupportCodec(self.values, self.chunk, self.k, step)
+    def for_step(self, step: int, guide: torch.Tensor | None = None) -> SharedSupportCodec:
+        return SharedSupportCodec(self.values, self.chunk, self.k, step, self.guided,
+                                  guide if self.guided else None)
 
     def support(self, numel: int) -> torch.Tensor:
         """The kept positions of a vector of numel values, increasing (int64, on the CPU)."""
         if self._support is None or self._support[0] != numel:
             g = torch.Generator().manual_seed(self.seed)
+            guide = None if self.guide is None else self.guide.detach().reshape(-1).to("cpu", torch.float32)
+            if guide is not None and guide.numel() != numel:
+                raise ValueError(f"the support's guide holds {guide.numel()} values, the exchange {numel}")
             full, last = divmod(numel, self.chunk)
-            parts = [torch.rand(full, self.chunk, generator=g).topk(self.k, dim=1).indices.sort(dim=1).values
-                     + torch.arange(0, full * self.chunk, self.chunk)[:, None]] if full else []
-            if last:
-                parts.append(torch.rand(last, generator=g).topk(min(self.k, last)).indices.sort().values
-                             + full * self.chunk)
+            parts = []
+            for start, shape in ((0, (full, self.chunk)), (full * self.chunk, (last,))):
+                if not shape[0]:
+                    continue
+                score = torch.rand(*shape, generator=g).view(-1, shape[-1])
+                k = min(self.k, score.shape[1])
+                if guide is not None and int(self.guided * k):
+                    # The guide's largest nonzero entries outrank every draw (scores in [0, 1)).
+                    rows = guide[start:start + score.numel()].view_as(score)
+                    score += 2.0 * (keep_largest(rows, int(self.guided * k)) & (rows != 0))
+                parts.append(score.topk(k, dim=1).indices.sort(dim=1).values
+                             + torch.arange(start, start + score.numel(), score.shape[1])[:, None])
             self._support = numel, torch.cat([q.view(-1) for q in parts]) if parts else torch.zeros(0, dtype=torch.long)
         return self._support[1]
 
@@ -191,4 +207,4 @@ class SharedSupportCodec(_SparseCodec):
         return out
 
 
-__all__ = ["SharedSupportCodec", "TopKCodec", "pack_bits", "unpack_bits"]
+__all__ = ["SharedSupportCodec", "TopKCodec", "keep_largest", "pack_bits", "unpack_bits"]

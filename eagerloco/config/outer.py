@@ -82,8 +82,13 @@ class OuterConfig:
     FP32: M-1 payloads per worker) or reduce-scatter (each worker sums one shard in FP32 from the others'
     quantized shards, requantizes it to nearest and all-gathers it: about 2 payloads per worker whatever M).
     fp32 always uses a ring all-reduce. shared-support (with --topk): the K positions of every chunk are drawn
-    each round from a seed every worker shares instead of being the largest, and only the values travel,
+    each round from a seed every worker shares (or partly taken from the last mean: --support-guided) instead of
+    each worker's largest, and only the values travel,
     through the reduce-scatter (about 2 payloads of K values per chunk whatever M; error feedback keeps the rest)."""
+    support_guided: float = setting(0.0, metavar="F", group="compression", shown_default="0: every position drawn")
+    """With --transport shared-support: the share F in [0, 1) of each chunk's K positions taken from the largest
+    entries of the last mean every worker received of that fragment (the same on all, so no extra bytes), the
+    rest drawn at random among the others so that every position is sent in time (docs/algorithms.md, 7)."""
     topk: int | None = setting(None, metavar="K", group="compression", shown_default="off: every value is sent")
     """Sparse exchange: send only the K entries of largest magnitude of every chunk of --topk-chunk values
     (their positions packed beside them, the values in --codec, e.g. 2bit). SparseLoCo: 64 of 4096."""
@@ -180,6 +185,13 @@ class OuterConfig:
         if self.transport == "shared-support" and self.topk is None:
             raise ConfigError(f"{flag_name('transport')} shared-support sends K values of every chunk at positions the "
                               f"workers draw alike: give {flag_name('topk')} K (and {flag_name('topk_chunk')})")
+        guided = self.support_guided
+        if not is_finite(guided) or not 0.0 <= guided < 1.0:
+            raise ConfigError(f"{flag_name('support_guided')} must be a share in [0, 1) (below 1 so that every "
+                              f"position is drawn in time and error feedback sends it), got {guided!r}")
+        if guided and self.transport != "shared-support":
+            raise ConfigError(f"{flag_name('support_guided')} chooses the positions of {flag_name('transport')} "
+                              f"shared-support: add {flag_name('transport')} shared-support or drop it")
         if self.topk is not None and self.transport == "reduce-scatter":
             raise ConfigError(f"{flag_name('transport')} {self.transport} sums dense shards on the way; a "
                               f"{flag_name('topk')} payload keeps other positions on every worker and is all-gathered: "
