@@ -469,7 +469,7 @@ class OuterSync:
             self.feedback.load(saved_feedback)
         load_rounds(self.adaptive, state["adaptive"])
         if self.guides is not None:
-            self.guides = list(state.get("support_guides", [None] * len(self.outer)))
+            self.guides = list(state["support_guides"])
         if self.own_windows is not None:
             self.own_windows.load_state_dict(state.get("own_windows", []))
             self.comm.load_quorum_state(state.get("quorum_held"))
