@@ -34,6 +34,14 @@ class WorkerStats:
     late_merged: int = 0  # --quorum: its windows merged into a later exchange of their fragment
     late_dropped: int = 0  # --quorum: its windows dropped as staler than --max-late-rounds (each logged)
 
+    def exchanged(self, wire: int, payload: int) -> None:
+        """One exchange launched: ``wire`` bytes each way (a ring or a gather carries as many in as out), its
+        payload ``payload`` bytes."""
+        self.bytes_sent += wire
+        self.bytes_received += wire
+        self.peak_sync_bytes = max(self.peak_sync_bytes, payload)
+        self.num_syncs += 1
+
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
 

@@ -220,11 +220,7 @@ class TorchDistCommunicator(Communicator):
         nbytes = packed.numel()
         packed, ready = self.staging.send(packed)  # gloo: to (pinned) host memory, without waiting
         wire = wire_bytes(nbytes, self.num_workers, codec.summable) if shards is None else shards.wire_bytes
-        st = self.stats
-        st.bytes_sent += wire  # ring all-reduce / all-gather: as many bytes in as out
-        st.bytes_received += wire
-        st.peak_sync_bytes = max(st.peak_sync_bytes, nbytes)
-        st.num_syncs += 1
+        self.stats.exchanged(wire, nbytes)
         like = [torch.empty(t.shape, device="meta") for t in tensors]
         device = tensors[0].device if tensors else torch.device("cpu")
         handle = self._enqueue(numel, like, device, own=unflatten(own_flat, like) if keep_own else [], nbytes=nbytes)

@@ -226,11 +226,7 @@ class InProcessGroup:
         if window is not None:
             ex.window = window
             ex.steps[comm.rank], ex.computed[comm.rank] = window.steps, comm.stats.compute_s
-        st = comm.stats
-        st.bytes_sent += wire
-        st.bytes_received += wire
-        st.peak_sync_bytes = max(st.peak_sync_bytes, nbytes if wire else 0)  # a worker alone sends nothing
-        st.num_syncs += 1
+        comm.stats.exchanged(wire, nbytes if wire else 0)  # a worker alone sends nothing
         if ex.complete():
             del self._by_seq[idx]
             # The collective starts when the last worker joins and the link is free; a ring moves

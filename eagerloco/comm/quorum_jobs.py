@@ -124,10 +124,7 @@ class QuorumJobs:
             if keep:
                 self.held[window.fragment] = keep
         EmulatedLink.sleep_until(comm.link.schedule(start, wire))  # the emulated link's time for what it moved
-        comm.stats.bytes_sent += wire
-        comm.stats.bytes_received += wire
-        comm.stats.peak_sync_bytes = max(comm.stats.peak_sync_bytes, flat.numel() * 4)
-        comm.stats.num_syncs += 1
+        comm.stats.exchanged(wire, flat.numel() * 4)
         comm.stats.blocked_s += time.perf_counter() - t0
         result = None
         if not (plain and me in members):

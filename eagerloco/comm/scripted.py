@@ -160,10 +160,7 @@ class ScriptedCommunicator(Communicator):
                 quorum = self._close(i, window, own_flat, like, call)
         self.calls.append(call)
         wire = wire_bytes(call.payload_bytes, self.num_workers, codec.summable)
-        self.stats.bytes_sent += wire
-        self.stats.bytes_received += wire
-        self.stats.peak_sync_bytes = max(self.stats.peak_sync_bytes, call.payload_bytes)
-        self.stats.num_syncs += 1
+        self.stats.exchanged(wire, call.payload_bytes)
         handle = ScriptedHandle(self, call, own if keep_own else [], error)
         if i in self.contributors:
             handle.contributors = list(self.contributors[i])
