@@ -100,13 +100,16 @@ def kernel_profile(step: Any, steps: int, tokens: int, matmul_flops: float, trac
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
+    if gpu:
+        torch.cuda.synchronize()
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         for i in range(steps):
             step(i)
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        if gpu:
+            torch.cuda.synchronize()
         window = time.perf_counter() - t0
     trace.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace))
