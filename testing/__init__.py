@@ -1,1 +1,2 @@
-"""Tools for testing eagerloco itself (fault injection), beside the package in the checkout: never installed."""
+"""Tools for testing eagerloco itself (fault injection, a scripted communicator), beside the package in the
+checkout: never installed."""

@@ -21,9 +21,9 @@ from torch import nn
 
 from eagerloco import checkpoint as ckpt
 from eagerloco.adaptive import AdaptiveSteps
-from eagerloco.comm.scripted import ScriptedCommunicator
 from eagerloco.config import OuterConfig
 from eagerloco.outer import OuterSync
+from testing.scripted import ScriptedCommunicator
 
 ETA = 0.5
 START = torch.tensor([1.0, 2.0, 3.0])

@@ -24,10 +24,10 @@ from toy import Toy
 from eagerloco.adaptive import SpeedMeter
 from eagerloco.comm.base import Communicator
 from eagerloco.comm.inprocess import InProcessGroup
-from eagerloco.comm.scripted import ScriptedCommunicator
 from eagerloco.config import ConfigError, OuterConfig
 from eagerloco.outer import OuterSync, after_inner_step_all, before_inner_step_all
 from eagerloco.schedule import fragment_offsets, round_lengths, steps_by_tick
+from testing.scripted import ScriptedCommunicator
 
 ETA = 0.5
 START = torch.tensor([1.0, 2.0, 3.0])

@@ -14,8 +14,8 @@ from eagerloco.comm.base import Communicator, WorkerStats
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.groups import DistContext
 from eagerloco.comm.inprocess import InProcessCommunicator
-from eagerloco.comm.scripted import ScriptedCommunicator
 from eagerloco.comm.worker import WorkerCommunicator
+from testing.scripted import ScriptedCommunicator
 
 
 def test_every_communicator_closes_with_the_same_signature() -> None:

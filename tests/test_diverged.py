@@ -14,10 +14,10 @@ from conftest import run_inprocess, seeded_grads
 from runs import launch_here, train_here
 from toy import Toy
 
-from eagerloco.comm.scripted import ScriptedCommunicator
 from eagerloco.config import OuterConfig
 from eagerloco.errors import DIVERGED_EXIT_CODE, DivergedError
 from eagerloco.outer import OuterSync
+from testing.scripted import ScriptedCommunicator
 
 SPARSE = {"topk": 2, "topk_chunk": 8, "codec": "2bit"}
 

@@ -13,9 +13,9 @@ from conftest import plain_sgd_outer, run_inprocess, seeded_grads
 from toy import Toy
 
 from eagerloco.codecs import get_codec
-from eagerloco.comm.scripted import ScriptedCommunicator
 from eagerloco.config import ConfigError, OuterConfig
 from eagerloco.outer import OuterSync
+from testing.scripted import ScriptedCommunicator
 
 SPARSE = {"topk": 2, "topk_chunk": 8, "codec": "2bit"}
 

@@ -62,7 +62,7 @@ def test_a_peer_that_never_comes_through_the_hook_api_names_the_arguments() -> N
 
 
 def test_a_peer_error_in_the_hooks_names_the_arguments_and_keeps_the_worker_it_blames() -> None:
-    from eagerloco.comm.scripted import ScriptedCommunicator
+    from testing.scripted import ScriptedCommunicator
 
     frozen = eagerloco.PeerError("worker 1 is frozen or gone while the others waited for it: its last heartbeat is "
                                  "31.0 s old (--dist-timeout 30 s). Check its log", [1])

@@ -17,9 +17,9 @@ from toy import Toy
 
 import eagerloco
 from eagerloco.comm.connect import connect
-from eagerloco.comm.scripted import ScriptedCommunicator
 from eagerloco.config import ConfigError, OuterConfig
 from eagerloco.outer import OuterSync
+from testing.scripted import ScriptedCommunicator
 
 METHODS = {
     "dp": {"method": "dp"},

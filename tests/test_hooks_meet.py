@@ -70,7 +70,7 @@ def test_a_step_the_grad_scaler_skips_still_counts_so_the_schedule_stays() -> No
     worker launches the same exchanges as one that skipped nothing."""
     from toy import Toy
 
-    from eagerloco.comm.scripted import ScriptedCommunicator
+    from testing.scripted import ScriptedCommunicator
 
     def run(inf_at: int | None) -> tuple[int, int, list[torch.Tensor]]:
         torch.manual_seed(0)
@@ -156,9 +156,9 @@ def test_the_outer_optimizer_compared_is_the_one_that_steps_each_fragment() -> N
     fragments' apart only where they differ; nothing that changes no number (foreach)."""
     from toy import Toy
 
-    from eagerloco.comm.scripted import ScriptedCommunicator
     from eagerloco.hooks.start import outer_optimizer_settings, outer_state_digest
     from eagerloco.integrations.torchft import DiLoCo
+    from testing.scripted import ScriptedCommunicator
 
     def described(make_outer) -> dict:  # noqa: ANN001
         torch.manual_seed(0)

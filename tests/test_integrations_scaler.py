@@ -132,8 +132,8 @@ def test_hf_the_loop_gets_no_scaler_without_fp16_and_the_users_own_before_the_tr
                                                                                        case: str) -> None:
     from transformers import TrainerControl, TrainerState
 
-    from eagerloco.comm.scripted import ScriptedCommunicator
     from eagerloco.integrations.hf import OuterLoopCallback
+    from testing.scripted import ScriptedCommunicator
 
     model = Toy(num_blocks=2, width=4)
     own = torch.amp.GradScaler("cpu")

@@ -14,12 +14,12 @@ import torch
 from toy import Toy
 
 from eagerloco import checkpoint as ckpt
-from eagerloco.comm.scripted import ScriptedCommunicator
 from eagerloco.config import ConfigError, OuterConfig, TrainConfig
 from eagerloco.model import GPT, model_config
 from eagerloco.optim import CombinedOptimizer, muon_parameters, muon_with_adamw
 from eagerloco.outer import OuterSync
 from eagerloco.train.worker import lr_lambda
+from testing.scripted import ScriptedCommunicator
 
 ARGS = ["--model", "micro", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "2", "--no-progress",
         "--workers", "2", "--inner-steps", "5", "--log-every", "3", "--warmup-steps", "3", "--steps", "24",

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from eagerloco.comm.errors import PeerError
-from eagerloco.comm.scripted import ScriptedCommunicator
 from eagerloco.config import OuterConfig
 from eagerloco.outer import OuterSync
+from testing.scripted import ScriptedCommunicator
 
 H, ETA = 2, 0.5
 G = torch.tensor([3.0, 6.0, 12.0])  # the constant inner gradient

@@ -20,9 +20,9 @@ from torch import nn
 from eagerloco.comm.base import Contribution, QuorumRule, Window
 from eagerloco.comm.inprocess import InProcessGroup
 from eagerloco.comm.quorum import LateWindows
-from eagerloco.comm.scripted import ScriptedCommunicator
 from eagerloco.config import ConfigError, Environment, OuterConfig, RuntimeConfig, TrainConfig
 from eagerloco.outer import OuterSync
+from testing.scripted import ScriptedCommunicator
 
 H, ETA = 2, 0.5
 G = torch.tensor([3.0, 6.0, 12.0])
