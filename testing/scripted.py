@@ -123,7 +123,6 @@ class ScriptedCommunicator(Communicator):
             else {i: PeerError(f"scripted failure of exchange #{i}", []) for i in fail}
         )
         self.agree_result = agree_result
-        self.now = 0.0
         #: Every allreduce_mean call, in launch order.
         self.calls: list[ScriptedCall] = []
         #: The exchange index of every wait() call, in the order they were made.
@@ -213,27 +212,6 @@ class ScriptedCommunicator(Communicator):
 
     def close(self, cancel: bool = False) -> None:
         self.closes.append(cancel)
-
-    # -- the simulated clock -------------------------------------------------------------------------
-
-    def clock(self) -> float:
-        return self.now
-
-    def add_compute(self, seconds: float) -> None:
-        self.stats.compute_s += seconds
-        self.now += seconds
-
-    def add_overhead(self, seconds: float) -> None:
-        """Counted, but the clock only moves with compute and waits (so durations stay exact)."""
-        self.stats.overhead_s += seconds
-
-    def set_clock(self, t: float) -> None:
-        self.now = t
-
-    def wait_until(self, t: float) -> None:
-        if t > self.now:
-            self.stats.blocked_s += t - self.now
-            self.now = t
 
 
 __all__ = ["PeersFn", "ScriptedCall", "ScriptedCommunicator", "ScriptedHandle"]

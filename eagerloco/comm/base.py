@@ -292,23 +292,32 @@ class Communicator(ABC):
     def load_quorum_state(self, state: dict[str, Any] | None) -> None:  # noqa: B027 - nothing held by default
         """Continue from :meth:`quorum_state`."""
 
+    #: The time of a simulated clock, which compute, overhead (where the runtime counts it) and waits advance.
+    now: float = 0.0
+
     def clock(self) -> float:
-        """Seconds on this worker's clock: real wall time here, simulated time in-process."""
-        return time.perf_counter()
+        """Seconds on this worker's clock: real wall time, or the simulated time (in-process)."""
+        return self.now if self.simulated_clock else time.perf_counter()
 
     def add_compute(self, seconds: float) -> None:
         """Record inner-loop compute time (advances a simulated clock)."""
         self.stats.compute_s += seconds
+        if self.simulated_clock:
+            self.now += seconds
 
     def add_overhead(self, seconds: float) -> None:
-        """Record outer-machinery time spent outside the link (advances a simulated clock)."""
+        """Record outer-machinery time spent outside the link (a simulated clock counts it where it says)."""
         self.stats.overhead_s += seconds
 
-    def set_clock(self, t: float) -> None:  # noqa: B027 - a real clock cannot be set
-        """Set a simulated clock (restoring a checkpoint, rewinding the end-of-run drain)."""
+    def set_clock(self, t: float) -> None:
+        """Set a simulated clock (restoring a checkpoint, rewinding the end-of-run drain); a real one ignores it."""
+        self.now = t
 
-    def wait_until(self, t: float) -> None:  # noqa: B027 - only simulated clocks need it
+    def wait_until(self, t: float) -> None:
         """Block (on a simulated clock) until time t, counting the wait as blocked time."""
+        if self.simulated_clock and t > self.now:
+            self.stats.blocked_s += t - self.now
+            self.now = t
 
     def agree(self, schedule: bytes, describe: str = "") -> bool:
         """Check once that every worker runs the same exchange ``schedule`` (a digest; ``describe`` in words for the

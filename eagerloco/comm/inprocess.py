@@ -222,7 +222,7 @@ class InProcessGroup:
             nbytes = buf.numel()
             wire = wire_bytes(nbytes, self.num_workers, codec.summable)
         ex.payloads[comm.rank] = buf
-        ex.launch_times[comm.rank] = comm._clock
+        ex.launch_times[comm.rank] = comm.now
         if window is not None:
             ex.window = window
             ex.steps[comm.rank], ex.computed[comm.rank] = window.steps, comm.stats.compute_s
@@ -289,7 +289,6 @@ class InProcessCommunicator(Communicator):
         self.rank = rank
         self.num_workers = group.num_workers
         self.stats = WorkerStats()
-        self._clock = 0.0
         self._next = 0
 
     def allreduce_mean(
@@ -298,22 +297,7 @@ class InProcessCommunicator(Communicator):
     ) -> InProcessHandle:
         return self.group._launch(self, tensors, codec, generator, keep_own, transport, window)
 
-    def clock(self) -> float:
-        return self._clock
-
-    def add_compute(self, seconds: float) -> None:
-        self.stats.compute_s += seconds
-        self._clock += seconds
-
-    def set_clock(self, t: float) -> None:
-        self._clock = t
-
-    def wait_until(self, t: float) -> None:
-        if t > self._clock:
-            self.stats.blocked_s += t - self._clock
-            self._clock = t
-
     def add_overhead(self, seconds: float) -> None:
-        self.stats.overhead_s += seconds
+        super().add_overhead(seconds)
         if self.group.count_overhead:
-            self._clock += seconds
+            self.now += seconds
