@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from eagerloco.codec_sizes import CODEC_NAMES, SCALE_BYTES
+from eagerloco.codec_sizes import CODEC_NAMES, SCALE_BYTES, packed_nbytes
 
 _CHUNK = 1 << 15  # values encoded per pass of the block codecs
 _BF16_MAX_BITS = 0x7F7F0000  # largest finite bfloat16 as FP32 bits
@@ -87,9 +87,9 @@ class Codec(ABC):
     def unpack(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
         """Decode a payload of numel values into a new 1-D FP32 tensor."""
 
-    @abstractmethod
     def packed_nbytes(self, numel: int) -> int:
-        """Exact payload size in bytes for numel values (codes and scales)."""
+        """Exact payload size in bytes for numel values (codes and scales; :mod:`eagerloco.codec_sizes`)."""
+        return packed_nbytes(self.name, numel, self.block_size)
 
     def for_step(self, step: int, guide: torch.Tensor | None = None) -> Codec:
         """The codec of the exchange launched at this inner step: itself, unless its positions change per step
@@ -106,6 +106,25 @@ class Codec(ABC):
             raise ValueError(
                 f"{self.name} payload of {buf.numel()} bytes does not hold {numel} values (expected {expected} bytes)"
             )
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes of ``bits`` bits (1, 2, 4 or 8), 8 // bits a byte, the first in the lowest bits (zeros pad the
+    last byte); as the codes' dtype, to be stored as bytes."""
+    per = 8 // bits
+    if codes.numel() % per:
+        codes = torch.cat((codes, codes.new_zeros(-codes.numel() % per)))
+    packed = codes[0::per]
+    for j in range(1, per):
+        packed = packed | (codes[j::per] << (bits * j))
+    return packed
+
+
+def as_rows(v: torch.Tensor, length: int) -> list[torch.Tensor]:
+    """A vector as rows of ``length`` values, then its last, partial row as a row of its own (views, no padding)."""
+    full = v.numel() // length
+    rows = [v[: full * length].view(full, length)] if full else []
+    return rows + [v[full * length :].view(1, -1)] if v.numel() > full * length else rows
 
 
 def _bytes_as(buf: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Tensor:
@@ -137,9 +156,6 @@ class Fp32Codec(Codec):
             return buf.view(torch.float32)
         return _bytes_as(buf, torch.float32, numel)
 
-    def packed_nbytes(self, numel: int) -> int:
-        return 4 * numel
-
 
 class Bf16Codec(Codec):
     """Each value rounded to bfloat16 (no scale: FP32's exponent range); values beyond its largest finite saturate."""
@@ -161,9 +177,6 @@ class Bf16Codec(Codec):
     def unpack(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
         self._check_buf(buf, numel)
         return _bytes_as(buf, torch.bfloat16, numel).to(torch.float32)
-
-    def packed_nbytes(self, numel: int) -> int:
-        return 2 * numel
 
 
 class _BlockCodec(Codec):
@@ -208,9 +221,6 @@ class _BlockCodec(Codec):
     def num_blocks(self, numel: int) -> int:
         return -(-numel // self.block_size)
 
-    def packed_nbytes(self, numel: int) -> int:
-        return -(-numel * self.bits // 8) + self.num_blocks(numel) * SCALE_BYTES
-
     def _scales(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-block scales as (bf16 bit patterns as int16, the same scales as FP32), x blocked."""
         amax = x.abs().amax(dim=1)
@@ -246,12 +256,10 @@ class _BlockCodec(Codec):
         for b0 in range(0, nb, step):
             b1 = min(nb, b0 + step)
             i0, i1 = b0 * bs, min(n, b1 * bs)
-            chunk, full = v[i0:i1], (i1 - i0) // bs
+            full = (i1 - i0) // bs
             # The last block may be partial: it is encoded as a row of its own length, not padded to the
             # block size (a padded copy would cost a whole block's memory whatever the vector's length).
-            rows = [chunk[: full * bs].view(full, bs)] if full else []
-            if full * bs < i1 - i0:
-                rows.append(chunk[full * bs :].view(1, -1))
+            rows = as_rows(v[i0:i1], bs)
             u = torch.rand(i1 - i0, generator=generator, device=v.device) if self.stochastic else None
             parts, at = [], 0
             for j, blocks in enumerate(rows):
@@ -264,17 +272,9 @@ class _BlockCodec(Codec):
                 noise = None if u is None else u[at : at + q.numel()].view(q.shape)
                 parts.append(self._encode(q, noise).view(-1))
                 at += q.numel()
-            codes = parts[0] if len(parts) == 1 else torch.cat(parts)
-            per = self.per_byte
-            if per > 1:
-                if codes.numel() % per:  # only in the last chunk: its last byte is partly empty
-                    codes = torch.cat((codes, codes.new_zeros(-codes.numel() % per)))
-                packed = codes[0::per]
-                for j in range(1, per):
-                    packed = packed | (codes[j::per] << (self.bits * j))
-                code_out[i0 // per : i0 // per + packed.numel()] = packed
-            else:
-                code_out[i0:i1] = codes
+            # Only the last chunk may end in a partly empty byte.
+            packed = pack_codes(parts[0] if len(parts) == 1 else torch.cat(parts), self.bits)
+            code_out[i0 // self.per_byte : i0 // self.per_byte + packed.numel()] = packed
         return out
 
     def block_scales(self, buf: torch.Tensor, numel: int) -> torch.Tensor:

@@ -8,18 +8,14 @@ from __future__ import annotations
 import torch
 
 from eagerloco.codec_sizes import chunk_position_bits, sparse_counts, sparse_nbytes
-from eagerloco.codecs.dense import Codec, as_vector
+from eagerloco.codecs.dense import Codec, as_rows, as_vector, pack_codes
 
 _BYTE_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """A vector of 0/1 values as bytes, eight a byte, the first in the lowest bit (zeros pad the last)."""
-    pad = -bits.numel() % 8
-    if pad:
-        bits = torch.cat((bits, bits.new_zeros(pad)))
-    weights = _BYTE_WEIGHTS.to(bits.device)
-    return (bits.to(torch.uint8).view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+    return pack_codes(bits.to(torch.uint8), 1)
 
 
 def unpack_bits(buf: torch.Tensor, count: int) -> torch.Tensor:
@@ -116,12 +112,9 @@ class TopKCodec(_SparseCodec):
 
     def pack(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         v = as_vector(x)
-        full, last, k_last, _ = self._split(v.numel())
-        parts = [(v[: full * self.chunk].view(full, self.chunk), self.k)] if full else []
-        if last:
-            parts.append((v[full * self.chunk :].view(1, last), k_last))
         kept, position_bits = [], []
-        for rows, k in parts:  # the full chunks at once, then the partial one
+        for rows in as_rows(v, self.chunk):  # the full chunks at once, then the partial one
+            k = min(self.k, rows.shape[1])
             mask = keep_largest(rows, k)
             kept.append(rows[mask])
             position_bits.append(self._position_bits(mask, k))
