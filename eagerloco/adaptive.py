@@ -192,14 +192,4 @@ class AdaptiveSteps:
         self.trained = [int(n) for n in state["trained"]]
 
 
-def load_rounds(adaptive: AdaptiveSteps | None, saved: dict[str, Any] | None) -> None:
-    """Continue the rounds of a checkpoint (``saved``: None without adaptive steps)."""
-    if (saved is None) != (adaptive is None):
-        was, now = ("off" if x is None else "on" for x in (saved, adaptive))
-        raise ValueError(f"state was saved with --adaptive-steps {was} and this run has it {now}: resume with the "
-                         "same setting")
-    if saved is not None and adaptive is not None:
-        adaptive.load_state_dict(saved)
-
-
-__all__ = ["AdaptiveSteps", "SpeedMeter", "Weight", "load_rounds"]
+__all__ = ["AdaptiveSteps", "SpeedMeter", "Weight"]

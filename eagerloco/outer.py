@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagerloco.adaptive import AdaptiveSteps, load_rounds
+from eagerloco.adaptive import AdaptiveSteps
 from eagerloco.codecs import Codec, get_codec
 from eagerloco.comm.base import Communicator, Handle, flatten
 from eagerloco.config import OuterConfig
@@ -450,7 +450,7 @@ class OuterSync:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict` (model and inner optimizer are restored separately). Raises
         ValueError when the state lacks a part, is for another method or fragmenting, or differs in settings."""
-        check_state(state, self.config.method, self.outer)
+        check_state(state, self.config.method, self.outer, {"error_feedback": self.feedback, "adaptive": self.adaptive})
         self.step = int(state["step"])
         with torch.no_grad():
             for frag, saved in zip(self.outer, state["outer"], strict=True):
@@ -459,15 +459,10 @@ class OuterSync:
         for opt, s in zip(self.outer_opts, state["outer_opts"], strict=True):
             opt.load_state_dict(s)
         self.generator.set_state(state["generator"])
-        saved_feedback = state["error_feedback"]
-        if (saved_feedback is None) != (self.feedback is None):
-            raise ValueError(
-                f"state was saved with error feedback {'off' if saved_feedback is None else 'on'} and this run "
-                f"has it {'off' if self.feedback is None else 'on'}: resume with the same --error-feedback setting"
-            )
-        if saved_feedback is not None and self.feedback is not None:
-            self.feedback.load(saved_feedback)
-        load_rounds(self.adaptive, state["adaptive"])
+        if self.feedback is not None:
+            self.feedback.load(state["error_feedback"])
+        if self.adaptive is not None:
+            self.adaptive.load_state_dict(state["adaptive"])
         if self.guides is not None:
             self.guides = list(state["support_guides"])
         if self.own_windows is not None:

@@ -12,6 +12,8 @@ from eagerloco.comm.base import Communicator, Handle, QuorumResult, ReadyHandle
 
 #: What a state_dict holds, and each exchange in flight in it (check_state names what a state lacks).
 STATE_KEYS = ("method", "step", "outer", "outer_opts", "in_flight", "generator", "error_feedback", "adaptive")
+#: The parts of a state that a setting turns on (None in a state saved with it off), and the setting's flag.
+SETTING_PARTS = {"error_feedback": "--error-feedback", "adaptive": "--adaptive-steps"}
 IN_FLIGHT_KEYS = ("fragment", "launch_step", "apply_step", "mean", "own", "payload_bytes", "ready_at", "workers",
                   "others", "window", "contributors")
 
@@ -64,9 +66,10 @@ def load_in_flight(saved: list[dict[str, Any]], comm: Communicator) -> list[InFl
     ]
 
 
-def check_state(state: dict[str, Any], method: str, outer: list[list[torch.Tensor]]) -> None:
-    """Refuse (ValueError) a saved outer state that lacks a part, is for another method, or whose fragments do not
-    match this model and fragment setting."""
+def check_state(state: dict[str, Any], method: str, outer: list[list[torch.Tensor]], parts: dict[str, Any]) -> None:
+    """Refuse (ValueError) a saved outer state that lacks a part, is for another method, whose fragments do not
+    match this model and fragment setting, or that a setting of :data:`SETTING_PARTS` was off for where this run
+    has it on (``parts``: this run's, None where off), or the other way round."""
     missing = {k for k in STATE_KEYS if k not in state} | {k for x in state.get("in_flight", ()) for k in
                                                            IN_FLIGHT_KEYS if k not in x}
     if missing:
@@ -79,6 +82,12 @@ def check_state(state: dict[str, Any], method: str, outer: list[list[torch.Tenso
         for a, b in zip(state["outer"], outer, strict=True)
     ):
         raise ValueError("state's fragments do not match this model and --fragments setting")
+    for key, flag in SETTING_PARTS.items():
+        if (state[key] is None) != (parts[key] is None):
+            was, now = ("off" if x is None else "on" for x in (state[key], parts[key]))
+            raise ValueError(f"state was saved with {flag} {was} and this run has it {now}: resume with the same "
+                             f"{flag} setting")
 
 
-__all__ = ["IN_FLIGHT_KEYS", "InFlight", "STATE_KEYS", "check_state", "load_in_flight", "save_in_flight"]
+__all__ = ["IN_FLIGHT_KEYS", "InFlight", "SETTING_PARTS", "STATE_KEYS", "check_state", "load_in_flight",
+           "save_in_flight"]
