@@ -16,6 +16,7 @@ import torch
 
 from eagerloco.codec_sizes import shard_align, shard_numel
 from eagerloco.codecs import Codec, SharedSupportCodec, TopKCodec, dense_codec
+from eagerloco.comm.base import mean_of_payloads
 
 #: The ``transport`` that routes a quantized dense exchange through a reduce-scatter.
 REDUCE_SCATTER = "reduce-scatter"
@@ -67,11 +68,7 @@ class Shards:
     def reduce(self, received: list[torch.Tensor]) -> torch.Tensor:
         """A shard's requantized mean from every worker's packed copy of it (in worker order): dequantized,
         summed in FP32 in worker order, divided by M, packed once more."""
-        vals = (self.codec.unpack(r, self.length) for r in received)
-        total = next(vals).clone()
-        for v in vals:
-            total += v
-        return self.requantizer.pack(total.div_(len(received)))
+        return self.requantizer.pack(mean_of_payloads(self.codec, received, self.length))
 
     def unpack_rows(self, codec: Codec, rows: torch.Tensor) -> torch.Tensor:
         """The flat vector that (M, nbytes) packed shards hold (a shared support's spread to its positions)."""
