@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from eagerloco.schedule import apply_delay, sync_events
+from eagerloco.schedule import SyncEvent, apply_delay, sync_events
 from eagerloco.sim.model import ModelSpec, Traffic, Variant
 
 
@@ -43,33 +43,24 @@ class StepGraph:
         return nodes * self.unit
 
 
-@dataclass(frozen=True)
-class Exchange:
-    """One exchange of the schedule: transfer ``index`` of the period, launched and applied at these steps."""
-
-    index: int
-    launch_step: int
-    apply_step: int
-
-
 def seconds(nbytes: float, bandwidths: np.ndarray) -> np.ndarray:
     """Seconds to carry nbytes at each bandwidth (Gbit/s; inf carries in no time)."""
     with np.errstate(divide="ignore"):
         return np.where(np.isinf(bandwidths), 0.0, nbytes * 8.0 / (bandwidths * 1e9))
 
 
-def exchanges(variant: Variant, traffic: Traffic, inner_steps: int, total_steps: int) -> list[Exchange]:
-    """Every exchange of a run of total_steps inner steps, in launch order."""
+def exchanges(variant: Variant, traffic: Traffic, inner_steps: int, total_steps: int) -> list[SyncEvent]:
+    """Every exchange of a run of total_steps inner steps, in launch order; its ``fragment``: the transfer of the
+    period it carries (dp: a block's gradients, every step)."""
     if variant.method == "dp":
         n = len(traffic.transfers)
-        return [Exchange(i, s, s) for s in range(1, total_steps + 1) for i in range(n)]
-    events = sync_events(variant.method, inner_steps, len(traffic.transfers), variant.overlap_steps,
-                         variant.eager_rounds, total_steps)
-    return [Exchange(e.fragment, e.launch_step, e.apply_step) for e in events]
+        return [SyncEvent(i, s, s, s) for s in range(1, total_steps + 1) for i in range(n)]
+    return list(sync_events(variant.method, inner_steps, len(traffic.transfers), variant.overlap_steps,
+                            variant.eager_rounds, total_steps))
 
 
-def run_schedule(graph: StepGraph, traffic: Traffic, schedule: list[Exchange], bandwidths: np.ndarray, latency_s: float,
-                 total_steps: int, mark_step: int) -> tuple[np.ndarray, np.ndarray]:
+def run_schedule(graph: StepGraph, traffic: Traffic, schedule: list[SyncEvent], bandwidths: np.ndarray,
+                 latency_s: float, total_steps: int, mark_step: int) -> tuple[np.ndarray, np.ndarray]:
     """Simulate total_steps inner steps; returns the wall clock at the end of mark_step and of the last step.
 
     The graph of the Streaming DiLoCo paper (arXiv 2501.18512, section 3.1; docs/guides/simulator.md): per block a
@@ -109,7 +100,7 @@ def run_schedule(graph: StepGraph, traffic: Traffic, schedule: list[Exchange], b
         now = now + (s - prev - 1) * t  # plain steps prev+1 .. s-1
         gates: dict[int, Any] = {}
         for n in gate_at.get(s, ()):
-            for layer in traffic.layers[schedule[n].index]:
+            for layer in traffic.layers[schedule[n].fragment]:
                 done = finish.pop((n, layer))
                 gates[layer] = mx(gates[layer], done) if layer in gates else done
         cursor, last = now, -1  # cursor: end of the forward node of block `last`
@@ -119,9 +110,9 @@ def run_schedule(graph: StepGraph, traffic: Traffic, schedule: list[Exchange], b
         forward_end = cursor + (L - 1 - last) * u
         # In the order their weight gradients finish: the last block first, exchanges in launch order.
         started: set[int] = set()
-        order = sorted((-layer, m) for m in launch_at.get(s, ()) for layer in traffic.layers[schedule[m].index])
+        order = sorted((-layer, m) for m in launch_at.get(s, ()) for layer in traffic.layers[schedule[m].fragment])
         for neg_layer, n in order:
-            index = schedule[n].index
+            index = schedule[n].fragment
             if n in started:
                 extra = share[index]
             else:

@@ -117,8 +117,6 @@ def fragment_count(layers: int, fragment_layers: int) -> int:
     return max(1, math.ceil(layers / fragment_layers))
 
 
-
-
 def fragment_layers(layers: int, fragments: int, pattern: str = "strided") -> list[tuple[int, ...]]:
     """Blocks (0-based) of each fragment: "strided" (fragment p holds p, p+P, ...) or "sequential" (contiguous
     runs, the first fragments one block longer); P is capped at L."""
@@ -128,8 +126,7 @@ def fragment_layers(layers: int, fragments: int, pattern: str = "strided") -> li
 def fragment_layer_counts(layers: int, fragments: int) -> list[int]:
     """Blocks per fragment under the strided pattern; the largest holds ceil(layers / P), so more fragments never
     enlarge the peak."""
-    fragments = min(fragments, layers)
-    return [len(range(p, layers, fragments)) for p in range(fragments)]
+    return [len(g) for g in fragment_layers(layers, fragments)]
 
 
 def payload_bytes(numel: float, bits: int, block: int = 32, scale_bytes: int = SCALE_BYTES) -> float:
