@@ -10,10 +10,11 @@ import pytest
 
 from eagerloco.codec_sizes import CODEC_BITS, CODEC_NAMES, packed_nbytes, sparse_nbytes
 from eagerloco.sim import cli
+from eagerloco.sim.advice import format_decision
 from eagerloco.sim.config import SimConfig
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.model import PRESETS, ModelSpec, Variant, bits_per_value, fragment_count, traffic
-from eagerloco.sim.plan import SPARSE, Question, candidates, format_plan, format_summary, plan
+from eagerloco.sim.plan import SPARSE, Question, candidates, format_summary, plan
 
 ONE_B = PRESETS["1b"]
 #: One block, 1 s a step: the block's share goes on the link when the backward ends and gates the next
@@ -142,8 +143,8 @@ def test_plan_finds_a_sparse_setting_where_no_dense_one_reaches_the_target() -> 
     by_format = {r["format"]: r for r in report["by_format"]}
     assert list(by_format) == ["bf16", "fp8", "e2m1", "2bit top1024/4096", "2bit top256/4096", "2bit top64/4096"]
     assert [r["meets"] for r in by_format.values()] == [False, False, False, True, True, True]
-    text = format_plan(report)
-    assert "cheapest: eager H=30 P=2 k=1 2bit top64/4096 -> CU 1.0000" in text
+    text = format_decision(report, "given (--step-time)", None, verbose=True)
+    assert "recommended: eager H=30 P=2 k=1 2bit top64/4096 -> CU 1.000" in text
     assert "none (best: eager H=500 P=2 k=1 e2m1)  0.8889" in text
     order = [c.rank() for c in candidates(TEN_B_SMALL)]
     assert order == sorted(order)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eagerloco.config import flag_name
-from eagerloco.sim.plan import describe, format_plan
+from eagerloco.sim.plan import describe, plan_tables
 
 #: The error-feedback decay of a sparse exchange (SparseLoCo's).
 SPARSE_ERROR_FEEDBACK = 0.95
@@ -174,7 +174,7 @@ def format_decision(report: dict[str, Any], step_source: str, shifted: dict[floa
             lines.append(f"warning: the answer depends on the assumed step time ({at}); measure an inner step "
                          "and give it as --step-time")
     if verbose:
-        lines += format_plan(report).splitlines()[2:]  # its tables, after its own answer
+        lines += plan_tables(report)
     else:
         lines.append(f"(every format's cheapest and all {len(report['candidates'])} candidates: --verbose)")
     return "\n".join(lines)

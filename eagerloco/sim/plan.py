@@ -178,17 +178,9 @@ def by_format(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def format_plan(report: dict[str, Any]) -> str:
-    """The answer first, then the cheapest setting per exchange format, then every candidate with its CU."""
-    m, best = report["model"], report["best"]
-    lines = [f"plan for {m['name']} ({m['params']:.3g} params, {m['layers']} layers, step {m['step_time']:.3g} s) "
-             f"at {report['bandwidth_gbps']:g} Gbit/s, target CU {100 * report['target']:g}%"]
-    if best is None:
-        top = max(report["candidates"], key=lambda r: r["cu"])
-        lines.append(f"no candidate reaches the target; the best reaches CU {top['cu']:.3f} ({describe(top)})")
-    else:
-        lines.append(f"cheapest: {describe(best)} -> CU {best['cu']:.4f}")
-    lines.append("")
+def plan_tables(report: dict[str, Any]) -> list[str]:
+    """A plan's tables (``--verbose``): the cheapest setting per exchange format, then every candidate with its CU."""
+    lines = [""]
     head = ["format", "bits/value", "cheapest reaching the target", "CU"]
     body = [[r["format"], f"{r['bits_per_value']:.3g}",
              describe(r) if r["meets"] else f"none (best: {describe(r)})", f"{r['cu']:.4f}"]
@@ -200,7 +192,7 @@ def format_plan(report: dict[str, Any]) -> str:
              "-" if r["topk"] is None else f"{r['topk']}/{r['topk_chunk']}", f"{r['bits_per_value']:.3g}",
              f"{r['cu']:.4f}", "yes" if r["meets"] else ""] for i, r in enumerate(report["candidates"])]
     lines.append(text_table(head, body, right=(0, 2, 3, 4, 6, 7, 8)))
-    return "\n".join(lines)
+    return lines
 
 
 def format_summary(reports: list[dict[str, Any]]) -> str:
