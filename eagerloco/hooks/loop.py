@@ -60,26 +60,22 @@ class OuterLoop:
         self._first_forward: list[Any] = []
         if isinstance(peers, Connection):  # the loop's from here: released at its end, or on an error
             self.connection = peers
-        try:  # before connecting: a bad setting meets nobody
-            self.config = (config or OuterConfig()).validate()
-            self.inner_optimizer = innermost_optimizer(inner_optimizer)
-            if grad_scaler is not None and self.config.per_step:
-                raise ConfigError("a GradScaler (grad_scaler=, or an fp16 Trainer's) with method dp: the gradient "
-                                  "mean runs inside the optimizer's step, which the scaler skips on one worker alone; "
-                                  "average the gradients with DDP, train in bf16, or use a method with outer rounds")
-        except BaseException:
-            self._release(cancel=True)
-            raise
         self.model = model
         self.apply_in_flight = apply_in_flight
         self.grad_scaler = grad_scaler
         self._scaler_update: Any = None  # the scaler's own update(), while this loop counts its skipped steps
         self._stepped = False
         self._tick_steps = 0  # this worker's steps in the current tick so far (adaptive steps)
-        if peers is None:
-            peers = connect()
-        self.connection = peers if isinstance(peers, Connection) else Connection.given(peers)
-        try:
+        try:  # the settings before connecting: a bad one meets nobody
+            self.config = (config or OuterConfig()).validate()
+            self.inner_optimizer = innermost_optimizer(inner_optimizer)
+            if grad_scaler is not None and self.config.per_step:
+                raise ConfigError("a GradScaler (grad_scaler=, or an fp16 Trainer's) with method dp: the gradient "
+                                  "mean runs inside the optimizer's step, which the scaler skips on one worker alone; "
+                                  "average the gradients with DDP, train in bf16, or use a method with outer rounds")
+            if peers is None:
+                peers = connect()
+            self.connection = peers if isinstance(peers, Connection) else Connection.given(peers)
             if self.connection.ctx is not None:  # this loop joined the other workers: agree with them first
                 # A worker arriving at an elastic run under way checks these against the run's, then waits here to
                 # be admitted at the members' next round boundary.
@@ -107,7 +103,6 @@ class OuterLoop:
         if self.connection.ctx is not None:  # its own group: released at exit if the script never finishes it
             atexit.register(_release_at_exit, weakref.ref(self))
         self._mark: float | None = None
-        self._wall0 = 0.0
 
     def _start_weights(self, module: nn.Module, args: Any) -> None:
         """At the first forward pass (of any of the model's modules): the workers agree on where they start,
@@ -145,8 +140,7 @@ class OuterLoop:
         if not self._hooks:
             opt = self.inner_optimizer
             self._hooks = [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
-            self._wall0 = time.perf_counter()
-            self._mark = self._wall0
+            self._mark = time.perf_counter()
             if self.grad_scaler is not None:
                 self._count_skipped_steps()
         return self
