@@ -156,40 +156,37 @@ class InProcessGroup:
                 "late": self._late.state_dict(), "computed": list(self._computed), "round_compute": self._round_compute,
                 "step": self._step, "tick_s": self._tick_s}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore :meth:`state_dict` (ValueError: :meth:`state_problem` says why not)."""
-        problem = self.state_problem(state)
-        if problem:
-            raise ValueError(problem)
-        self._link_free = float(state["link_free"])  # type: ignore[arg-type]
-        self._rng.setstate(_rng_state(state["rng"]))
-        if "grace" in state:  # written by a group that has run quorum exchanges' bookkeeping
-            self._grace.load_state_dict(state["grace"])  # type: ignore[arg-type]
-            self._late.load_state_dict(state["late"])  # type: ignore[arg-type]
-            self._computed = [float(c) for c in state["computed"]]  # type: ignore[attr-defined]
-            self._round_compute = float(state["round_compute"])  # type: ignore[arg-type]
-            self._step, self._tick_s = int(state["step"]), float(state["tick_s"])  # type: ignore[call-overload, arg-type]
+    def load_state_dict(self, state: object) -> None:
+        """Restore :meth:`state_dict`; ValueError naming what is wrong with ``state`` (read from a file)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"group {_short(state)} is not the simulated link's state (a table with link_free and "
+                             "rng)")
+        free = state.get("link_free")
+        if isinstance(free, bool) or not isinstance(free, (int, float)) or not math.isfinite(free) or free < 0:
+            raise ValueError(f"group.link_free {_short(free)} is not a time in seconds")
+        rng = random.Random()
+        try:
+            rng.setstate(_rng_state(state.get("rng")))
+        except (TypeError, ValueError, IndexError, KeyError, OverflowError):
+            raise ValueError(f"group.rng {_short(state.get('rng'))} is not a random generator's state") from None
+        grace, late = GraceWindow(), LateWindows()
+        try:
+            grace.load_state_dict(state["grace"])
+            late.load_state_dict(state["late"])
+            computed, round_compute = [float(c) for c in state["computed"]], float(state["round_compute"])
+            step, tick_s = int(state["step"]), float(state["tick_s"])
+        except (TypeError, ValueError, KeyError, AttributeError):
+            raise ValueError(f"group.late {_short(state.get('late'))} is not the quorum exchanges' state") from None
+        self._link_free, self._rng, self._grace, self._late = float(free), rng, grace, late
+        self._computed, self._round_compute, self._step, self._tick_s = computed, round_compute, step, tick_s
 
     @staticmethod
     def state_problem(state: object) -> str:
         """What keeps ``state`` (read from a file) from being a :meth:`state_dict` of a group, or ""."""
-        if not isinstance(state, dict):
-            return f"group {_short(state)} is not the simulated link's state (a table with link_free and rng)"
-        free = state.get("link_free")
-        if isinstance(free, bool) or not isinstance(free, (int, float)) or not math.isfinite(free) or free < 0:
-            return f"group.link_free {_short(free)} is not a time in seconds"
         try:
-            random.Random().setstate(_rng_state(state.get("rng")))
-        except (TypeError, ValueError, IndexError, KeyError, OverflowError):
-            return f"group.rng {_short(state.get('rng'))} is not a random generator's state"
-        if "grace" in state:
-            try:
-                GraceWindow().load_state_dict(state["grace"])
-                LateWindows().load_state_dict(state["late"])
-                [float(c) for c in state["computed"]], float(state["round_compute"])  # noqa: B018
-                int(state["step"]), float(state["tick_s"])  # noqa: B018
-            except (TypeError, ValueError, KeyError, AttributeError):
-                return f"group.late {_short(state.get('late'))} is not the quorum exchanges' state"
+            InProcessGroup(1).load_state_dict(state)
+        except ValueError as e:
+            return str(e)
         return ""
 
     def communicator(self, worker: int) -> InProcessCommunicator:
