@@ -125,12 +125,9 @@ def flatten(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> tor
 
 
 def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    out, i = [], 0
-    for t in like:
-        n = t.numel()
-        out.append(flat[i : i + n].view(t.shape))
-        i += n
-    return out
+    """Views of a flat vector (or its start) shaped like the tensors it was made of (:func:`flatten`'s inverse)."""
+    sizes = [t.numel() for t in like]
+    return [part.view(t.shape) for part, t in zip(torch.split(flat[: sum(sizes)], sizes), like, strict=True)]
 
 
 def hand_over(mean: list[torch.Tensor], out: list[torch.Tensor] | None) -> list[torch.Tensor]:

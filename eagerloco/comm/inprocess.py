@@ -211,13 +211,10 @@ class InProcessGroup:
                 f"match worker(s) that launched it first ({ex.numel} values, {ex.codec.name}, {ex.transport}): "
                 "workers must run the same schedule"
             )
-        if ex.shards is not None:
-            buf, own_flat = ex.shards.pack(flat, generator)
-            nbytes, wire = buf.numel(), ex.shards.wire_bytes
-        else:
-            buf, own_flat = encode(codec, flat, generator)
-            nbytes = buf.numel()
-            wire = wire_bytes(nbytes, self.num_workers, codec.summable)
+        shards = ex.shards
+        buf, own_flat = encode(codec, flat, generator) if shards is None else shards.pack(flat, generator)
+        nbytes = buf.numel()
+        wire = wire_bytes(nbytes, self.num_workers, codec.summable) if shards is None else shards.wire_bytes
         ex.payloads[comm.rank] = buf
         ex.launch_times[comm.rank] = comm.now
         if window is not None:
