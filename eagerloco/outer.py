@@ -88,20 +88,16 @@ class OuterSync:
         self.guides: list[torch.Tensor | None] | None = None
         #: The model's parameters by fragment, and the tensors the algorithm reads and writes for
         #: them: the parameters themselves, or this rank's shards of sharded ones (same storage).
-        self.params: list[list[nn.Parameter]]
-        self.local: list[list[torch.Tensor]]
+        # dp: one fragment of every parameter. Else frozen parameters are not exchanged: no inner step moves them.
+        frags = [list(model.named_parameters())] if self.is_dp else trainable_fragments(
+            assign_fragments(model, cfg.fragments, cfg.fragment_pattern, block_list))
+        self.fragment_names: list[list[str]] = [[n for n, _ in f] for f in frags]
+        self.params: list[list[nn.Parameter]] = [[p for _, p in f] for f in frags]
+        self.local: list[list[torch.Tensor]] = [[local_shard(p) for p in f] for f in self.params]
+        self.outer: list[list[torch.Tensor]] = []
+        self.outer_opts: list[torch.optim.Optimizer] = []
         if self.is_dp:
-            self.fragment_names: list[list[str]] = [[n for n, _ in model.named_parameters()]]
-            self.params = [list(model.parameters())]
-            self.local = [[local_shard(p) for p in self.params[0]]]
-            self.outer: list[list[torch.Tensor]] = []
-            self.outer_opts: list[torch.optim.Optimizer] = []
             return
-        # Frozen parameters are not exchanged: no inner step moves them, so they keep their values.
-        frags = trainable_fragments(assign_fragments(model, cfg.fragments, cfg.fragment_pattern, block_list))
-        self.fragment_names = [[n for n, _ in f] for f in frags]
-        self.params = [[p for _, p in f] for f in frags]
-        self.local = [[local_shard(p) for p in f] for f in self.params]
         self.outer = [[p.detach().clone().to(torch.float32) for p in f] for f in self.local]
         factory = outer_optimizer or make_outer_optimizer(cfg)
         self.outer_opts = [factory(params) for params in self.outer]
