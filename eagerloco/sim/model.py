@@ -137,22 +137,16 @@ def payload_bytes(numel: float, bits: int, block: int = 32, scale_bytes: int = S
     return body + math.ceil(numel / block) * scale_bytes
 
 
-def sparse_payload_bytes(numel: float, bits: int, chunk: int, k: int, block: int = 32,
-                         scale_bytes: int = SCALE_BYTES) -> float:
-    """Encoded size of a sparse exchange of numel values: :func:`eagerloco.codec_sizes.sparse_nbytes` of the codec
-    of ``bits`` bits, with ``scale_bytes`` changing the scales as for a dense payload."""
-    kept, position_bytes = sparse_counts(round(numel), chunk, k)
-    return math.ceil(payload_bytes(kept, bits, block, scale_bytes)) + position_bytes
-
-
 def exchange_payload_bytes(numel: float, variant: Variant, block: int = 32, scale_bytes: int = SCALE_BYTES) -> float:
-    """Encoded size of one outer exchange of numel values in the variant's format, dense or sparse."""
+    """Encoded size of one outer exchange of numel values in the variant's format: dense, or the kept values of a
+    sparse one (a shared support's without positions; top-k's with them, as
+    :func:`eagerloco.codec_sizes.sparse_nbytes` packs them, ``scale_bytes`` changing the scales as for a dense one)."""
     if variant.topk is None:
         return payload_bytes(numel, variant.bits, block, scale_bytes)
+    kept, position_bytes = sparse_counts(round(numel), variant.topk_chunk, variant.topk)
     if variant.shared:
-        return payload_bytes(sparse_counts(round(numel), variant.topk_chunk, variant.topk)[0], variant.bits, block,
-                             scale_bytes)
-    return sparse_payload_bytes(numel, variant.bits, variant.topk_chunk, variant.topk, block, scale_bytes)
+        return payload_bytes(kept, variant.bits, block, scale_bytes)
+    return math.ceil(payload_bytes(kept, variant.bits, block, scale_bytes)) + position_bytes
 
 
 def bits_per_value(variant: Variant, block: int = 32, scale_bytes: int = SCALE_BYTES) -> float:
