@@ -12,8 +12,9 @@ from eagerloco.comm.base import Communicator, Handle, QuorumResult, ReadyHandle
 
 #: What a state_dict holds, and each exchange in flight in it (check_state names what a state lacks).
 STATE_KEYS = ("method", "step", "outer", "outer_opts", "in_flight", "generator", "error_feedback", "adaptive")
-#: The parts of a state that a setting turns on (None in a state saved with it off), and the setting's flag.
-SETTING_PARTS = {"error_feedback": "--error-feedback", "adaptive": "--adaptive-steps"}
+#: The parts of a state that a setting turns on (None in a state saved with it off): what it is, and its flag.
+SETTING_PARTS = {"error_feedback": ("error feedback", "--error-feedback"),
+                 "adaptive": ("--adaptive-steps", "--adaptive-steps")}
 IN_FLIGHT_KEYS = ("fragment", "launch_step", "apply_step", "mean", "own", "payload_bytes", "ready_at", "workers",
                   "others", "window", "contributors")
 
@@ -82,10 +83,10 @@ def check_state(state: dict[str, Any], method: str, outer: list[list[torch.Tenso
         for a, b in zip(state["outer"], outer, strict=True)
     ):
         raise ValueError("state's fragments do not match this model and --fragments setting")
-    for key, flag in SETTING_PARTS.items():
+    for key, (what, flag) in SETTING_PARTS.items():
         if (state[key] is None) != (parts[key] is None):
             was, now = ("off" if x is None else "on" for x in (state[key], parts[key]))
-            raise ValueError(f"state was saved with {flag} {was} and this run has it {now}: resume with the same "
+            raise ValueError(f"state was saved with {what} {was} and this run has it {now}: resume with the same "
                              f"{flag} setting")
 
 
