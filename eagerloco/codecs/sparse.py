@@ -166,20 +166,16 @@ class SharedSupportCodec(_SparseCodec):
             guide = None if self.guide is None else self.guide.detach().reshape(-1).to("cpu", torch.float32)
             if guide is not None and guide.numel() != numel:
                 raise ValueError(f"the support's guide holds {guide.numel()} values, the exchange {numel}")
-            full, last = divmod(numel, self.chunk)
             parts = []
-            for start, shape in ((0, (full, self.chunk)), (full * self.chunk, (last,))):
-                if not shape[0]:
-                    continue
-                score = torch.rand(*shape, generator=g).view(-1, shape[-1])
-                k = min(self.k, score.shape[1])
+            for rows in as_rows(torch.arange(numel), self.chunk):  # each chunk's positions
+                score = torch.rand(rows.shape, generator=g)
+                k = min(self.k, rows.shape[1])
                 if guide is not None and int(self.guided * k):
                     # The guide's largest nonzero entries outrank every draw (scores in [0, 1)).
-                    rows = guide[start:start + score.numel()].view_as(score)
-                    score += 2.0 * (keep_largest(rows, int(self.guided * k)) & (rows != 0))
-                parts.append(score.topk(k, dim=1).indices.sort(dim=1).values
-                             + torch.arange(start, start + score.numel(), score.shape[1])[:, None])
-            self._support = numel, torch.cat([q.view(-1) for q in parts]) if parts else torch.zeros(0, dtype=torch.long)
+                    weights = guide[rows]
+                    score += 2.0 * (keep_largest(weights, int(self.guided * k)) & (weights != 0))
+                parts.append(rows.gather(1, score.topk(k, dim=1).indices.sort(dim=1).values).view(-1))
+            self._support = numel, torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
         return self._support[1]
 
     def packed_nbytes(self, numel: int) -> int:
