@@ -84,12 +84,6 @@ class TopKCodec(_SparseCodec):
     def packed_nbytes(self, numel: int) -> int:
         return sparse_nbytes(self.values.name, numel, self.chunk, self.k, self.values.block_size)
 
-    def _split(self, numel: int) -> tuple[int, int, int, int]:
-        """(full chunks, length of the last partial chunk, values kept in it, kept values in all)."""
-        full, last = divmod(numel, self.chunk)
-        k_last = min(self.k, last)
-        return full, last, k_last, full * self.k + k_last
-
     def _position_bits(self, mask: torch.Tensor, k: int) -> torch.Tensor:
         """Rows of a keep-mask as their position bits (indices or the mask itself, per the rule)."""
         rows, length = mask.shape
@@ -125,7 +119,8 @@ class TopKCodec(_SparseCodec):
 
     def unpack(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
         self._check_buf(buf, numel)
-        full, last, k_last, kept = self._split(numel)
+        (full, last), kept = divmod(numel, self.chunk), sparse_counts(numel, self.chunk, self.k)[0]
+        k_last = min(self.k, last)
         values_nbytes = self.values.packed_nbytes(kept)
         values = self.values.unpack(buf[:values_nbytes], kept)
         full_bits = full * chunk_position_bits(self.chunk, self.k)
