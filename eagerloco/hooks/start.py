@@ -15,14 +15,13 @@ from eagerloco.comm.rendezvous import parameter_digest
 from eagerloco.comm.worker import WorkerCommunicator
 from eagerloco.outer import OuterSync
 
+_RESUME_FIX = ("The workers resume from different states: load the same checkpoint on every worker (the outer "
+               "optimizer's state with it), or start them all afresh")
 #: What to do about a difference, by what differs or its first words (else: :data:`SETTINGS_FIX`).
 FIXES = (
     ("initial parameters", "The workers start from different weights: seed every worker the same way, or leave "
                            "init_sync=True (worker 0's weights are then sent to all)"),
-    ("step", "The workers resume from different states: load the same checkpoint on every worker (the outer "
-             "optimizer's state with it), or start them all afresh"),
-    ("outer state", "The workers resume from different states: load the same checkpoint on every worker (the outer "
-                    "optimizer's state with it), or start them all afresh"),
+    ("step", _RESUME_FIX), ("outer state", _RESUME_FIX),
     ("outer optimizer", "Pass the same outer optimizer (class and settings) to every worker"),
 )
 SETTINGS_FIX = "Pass the same settings to outer_loop on every worker"
