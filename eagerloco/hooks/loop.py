@@ -90,7 +90,7 @@ class OuterLoop:
             self.comm = self.connection.comm
             self.sync = OuterSync(model, self.inner_optimizer, self.comm, self.config, blocks=blocks,
                                   outer_optimizer=outer_optimizer, seed=self.connection.seed)
-            self.connection.attach(self.config, Handover(model, self.inner_optimizer, self.sync, scheduler,
+            self.connection.attach(self.config, Handover(model, self.inner_optimizer, self.sync, _Schedule(scheduler),
                                                          SimpleNamespace(seed=self.connection.seed)))
             self.connection.take_state()  # admitted into a run under way: a live member's state, its digest checked
             #: The tick at which this worker joined an elastic run under way (its loop continues from there), else None.
@@ -373,13 +373,9 @@ class Handover:
     model: nn.Module
     opt: torch.optim.Optimizer
     sync: OuterSync
-    scheduler: Any
+    sched: _Schedule
     cfg: SimpleNamespace
     last_loss: float = float("nan")
-
-    @property
-    def sched(self) -> _Schedule:
-        return _Schedule(self.scheduler)
 
 
 def _release_at_exit(ref: weakref.ref[OuterLoop]) -> None:
