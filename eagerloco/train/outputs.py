@@ -15,7 +15,7 @@ from eagerloco.config import TrainConfig
 from eagerloco.extras import require
 from eagerloco.flops import mfu
 from eagerloco.jsonfiles import finite_json
-from eagerloco.train.manifest import RunManifest
+from eagerloco.train.rundir import RunManifest
 from eagerloco.units import fmt_bytes
 
 #: Seconds between progress lines when stdout is not a terminal.
