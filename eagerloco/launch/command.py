@@ -237,10 +237,7 @@ def _launch(argv_for_train: list[str], workers: int, ranks_per_worker: int, mast
         # Exits are recorded by worker, under the workers' heartbeat prefix
         # (eagerloco.comm.groups.heartbeat_store): errors name a dead worker at once.
         exits = _ExitBoard(dist.PrefixStore("eagerloco/outer/", store), ranks_per_worker)
-        if elastic:
-            code = _supervise_elastic(procs, timeout_s, say, terminated, spawn, max_restarts, exits)
-        else:
-            code = _supervise(procs, timeout_s, say, terminated, exits)
+        code = _supervise(procs, timeout_s, say, terminated, exits, elastic, spawn, max_restarts)
     except KeyboardInterrupt:
         say("interrupted: forwarding Ctrl-C to every process")
         _signal_all(procs, signal.SIGINT)
@@ -287,83 +284,56 @@ class _ExitBoard:
             pass
 
 
-def _supervise(procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
-               exits: _ExitBoard) -> int:
-    """Wait for all processes; after the first failure, give the rest grace_s, then stop them."""
-    first: tuple[int, int] | None = None
-    deadline = None
-    while True:
-        codes = [p.poll() for p in procs]
-        for rank, rc in enumerate(codes):
-            if rc is not None:
-                exits.record(rank, procs[rank].pid, rc)
-            if rc not in (None, 0) and first is None:
-                first = (rank, rc)
-                deadline = time.monotonic() + grace_s
-                running = sum(c is None for c in codes)
-                if running:
-                    say(f"rank {rank} exited with code {rc}; the other {running} process(es) get "
-                        f"{grace_s:g} s to finish before they are stopped")
-        if all(c is not None for c in codes):
-            break
-        if terminated.is_set():
-            return _stop_on_signal(procs, say, terminated.signum, exits)
-        if deadline is not None and time.monotonic() >= deadline:
-            say(f"stopping the processes still running {grace_s:g} s after rank {first[0]} failed")
-            _stop(procs, say)
-            break
-        if deadline is not None and _only_frozen_left(procs, codes, say):
-            break
-        time.sleep(0.05)
-    if first is None:
-        return 0
-    rank, rc = first
-    return rc if rc > 0 else 128 - rc  # killed by signal s: 128 + s, as a shell reports it
-
-
-def _supervise_elastic(procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
-                       spawn: Any, max_restarts: int, exits: _ExitBoard) -> int:
-    """Elastic: restart a failed rank (as a returning worker) while it has restarts left. Done when every rank's
-    latest process exited; success if some rank finished the run; after the first finishes the rest get grace_s."""
+def _supervise(procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event, exits: _ExitBoard,
+               elastic: bool, spawn: Any, max_restarts: int) -> int:
+    """Wait until every rank's (latest) process has exited. Without ``elastic``, the others get grace_s after the
+    first failure, then are stopped, and that failure's code is the result. Elastic: a failed rank is started again
+    (as a returning worker) while it has restarts left, the others go on; after the first rank finishes the rest get
+    grace_s; success if some rank finished the run."""
     restarts = [0] * len(procs)
     final: list[int | None] = [None] * len(procs)
-    first_fail: int | None = None
-    deadline = None
+    first: tuple[int, int] | None = None  # the first failure: (rank, code)
+    deadline, after = None, ""
     while True:
         for rank, p in enumerate(procs):
             rc = p.poll()
             if rc is None or final[rank] is not None:
                 continue
             exits.record(rank, p.pid, rc)  # the survivors read it: no need to wait for a stale heartbeat
-            if rc != 0 and restarts[rank] < max_restarts and deadline is None:
+            if elastic and rc != 0 and restarts[rank] < max_restarts and deadline is None:
                 restarts[rank] += 1
                 say(f"rank {rank} exited with code {rc}; restarting it to rejoin the run "
                     f"(restart {restarts[rank]} of {max_restarts})")
                 procs[rank] = spawn(rank, restarts[rank])
                 continue
             final[rank] = rc
-            if rc != 0:
-                first_fail = rc if first_fail is None else first_fail
-                running = sum(q.poll() is None for q in procs)
-                if running:
-                    say(f"rank {rank} exited with code {rc}; the other {running} process(es) go on (elastic)")
-            elif deadline is None:
-                deadline = time.monotonic() + grace_s
+            running = sum(q.poll() is None for q in procs)
+            if rc != 0 and running and (elastic or first is None):
+                say(f"rank {rank} exited with code {rc}; the other {running} process(es) "
+                    + ("go on (elastic)" if elastic else f"get {grace_s:g} s to finish before they are stopped"))
+            if rc != 0 and first is None:
+                first = (rank, rc)
+            if deadline is None and (rc == 0) == elastic:  # elastic: the first to finish; else the first failure
+                deadline, after = time.monotonic() + grace_s, "the run finished" if elastic else f"rank {rank} failed"
         if all(c is not None for c in final):
             break
         if terminated.is_set():
             return _stop_on_signal(procs, say, terminated.signum, exits)
         if deadline is not None and time.monotonic() >= deadline and any(p.poll() is None for p in procs):
-            say(f"stopping the processes still running {grace_s:g} s after the run finished")
+            say(f"stopping the processes still running {grace_s:g} s after {after}")
             _stop(procs, say)
+        elif deadline is not None and not elastic:
+            _kill_frozen(procs, say)
         time.sleep(0.05)
-    if any(c == 0 for c in final):
+    if elastic and 0 in final:
         lost = [r for r, c in enumerate(final) if c != 0]
         if lost:
             say(f"the run finished without rank(s) {lost} (elastic)")
         return 0
-    rc = first_fail if first_fail is not None else 1
-    return rc if rc > 0 else 128 - rc
+    if first is None:
+        return 0
+    rc = first[1]
+    return rc if rc > 0 else 128 - rc  # killed by signal s: 128 + s, as a shell reports it
 
 
 def _first_line(e: BaseException) -> str:
@@ -400,17 +370,16 @@ def _wait_all(procs: list[RankProcess], seconds: float) -> None:
         time.sleep(0.05)
 
 
-def _only_frozen_left(procs: list[RankProcess], codes: list[int | None], say: Any) -> bool:
+def _kill_frozen(procs: list[RankProcess], say: Any) -> None:
     """After a failure: if every process still running is stopped by a signal (frozen: it can neither
-    finish nor handle SIGTERM), kill those now rather than wait out the grace period. Returns whether it did."""
-    running = [r for r, c in enumerate(codes) if c is None]
+    finish nor handle SIGTERM), kill those now rather than wait out the grace period."""
+    running = [r for r, p in enumerate(procs) if p.poll() is None]
     if not running or not all(pid_stopped(procs[r].pid) for r in running):
-        return False
+        return
     say(f"rank(s) {', '.join(map(str, running))} are stopped by a signal and cannot finish: killing them now")
     for r in running:
         procs[r].kill()
         procs[r].wait()
-    return True
 
 
 def _stop(procs: list[RankProcess], say: Any) -> None:
