@@ -10,10 +10,11 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import IO, Any, Protocol
 
-from eagerloco.config.checks import check_int_at_least, host_port
+from eagerloco.config.checks import check_int_at_least
 from eagerloco.environment import (
     INCARNATION_ENV,
     LAUNCHER_PID_ENV,
@@ -37,13 +38,15 @@ class LinkShaping(Protocol):
     """A link between workers shaped on this machine (``--kernel-link-gbps``; the lab's
     :class:`eagerloco.lab.launch.KernelShaping`): each worker's processes start behind it."""
 
-    gbps: float
+    def check(self, argv: list[str], outer_addr: str | None) -> None:
+        """ValueError for train arguments (``argv``) or an ``outer_addr`` this link cannot shape, before anything
+        starts."""
 
-    def run_link(self, workers: int) -> Any:
-        """The link of one launch's ``workers`` workers."""
-
-    def job_link(self, port: int, worker_id: int, workers: int) -> Any:
-        """The link of worker ``worker_id`` of ``workers``, each its own job, meeting at ``port``."""
+    def link(self, argv: list[str], workers: int, worker_id: int | None,
+             out: IO[str]) -> AbstractContextManager[tuple[Any, list[str]]]:
+        """The link of a launch's ``workers`` workers (with ``worker_id``: of that worker, its own job) and the train
+        arguments behind it (an --outer-addr rewritten to where the link reaches the coordinator), said on ``out``.
+        The link gives each process its ``env()`` and ``command(cmd, worker)``."""
 
 
 def launch(
@@ -84,8 +87,7 @@ def launch(
     argv_for_train = list(argv_for_train)
     run_workers = workers
     if outer_addr is not None or worker_id is not None:
-        argv_for_train = _one_job(argv_for_train, workers, ranks_per_worker, outer_addr, worker_id, max_restarts,
-                                  shaping is not None)
+        argv_for_train = _one_job(argv_for_train, workers, ranks_per_worker, outer_addr, worker_id, max_restarts)
         workers = 1  # this job starts one process: its worker; the others are jobs of their own
     elastic = elastic or "--elastic" in argv_for_train
     if elastic and command is None and "--elastic" not in argv_for_train:
@@ -94,35 +96,24 @@ def launch(
         raise ValueError("--max-restarts needs --elastic: without it a failed rank stops the whole run")
     if elastic and ranks_per_worker != 1:
         raise ValueError("--elastic supports one rank per worker (--ranks-per-worker 1)")
-    if shaping is not None and any(a.split("=")[0] == "--bandwidth-gbps" for a in argv_for_train):
-        raise ValueError("--kernel-link-gbps shapes the link's bandwidth in the kernel: drop --bandwidth-gbps "
-                         "from the train arguments (latency and jitter flags still apply)")
     if shaping is None:
         return _launch(argv_for_train, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic,
                        max_restarts, None, fork_ranks)
-    if outer_addr is not None:
-        assert worker_id is not None
-        return _launch_job_behind_link(argv_for_train, run_workers, worker_id, outer_addr, shaping,
-                                       master_port, timeout_s, command, out, elastic)
-    with shaping.run_link(workers) as link:
-        (out or sys.stdout).write(
-            f"[launch] kernel-shaped link: {workers} network namespaces, each worker's uplink {shaping.gbps:g} "
-            f"Gbit/s (tbf), rendezvous at {link.master_addr}\n")
-        (out or sys.stdout).flush()
-        return _launch(argv_for_train, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic,
-                       max_restarts, link, False)
+    shaping.check(argv_for_train, outer_addr)
+    job = worker_id if outer_addr is not None else None
+    with shaping.link(argv_for_train, run_workers, job, out or sys.stdout) as (link, argv):
+        return _launch(argv, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic, max_restarts,
+                       link, False)
 
 
 def _one_job(argv: list[str], workers: int, ranks_per_worker: int, outer_addr: str | None, worker_id: int | None,
-             max_restarts: int, shaped: bool) -> list[str]:
+             max_restarts: int) -> list[str]:
     """The train arguments of one worker started as its own job; ValueError for what does not fit."""
     if outer_addr is None or worker_id is None:
         raise ValueError("--outer-addr and --worker-id go together: each worker its own job needs both")
     if ranks_per_worker != 1:
         raise ValueError("with --outer-addr `eagerloco train` runs one process per worker: drop --ranks-per-worker "
                          "(a worker of several ranks: the hook API, eagerloco.outer_loop, under torchrun)")
-    if shaped:
-        _local_port(outer_addr)
     if max_restarts:
         raise ValueError("--max-restarts restarts workers of one launch; a worker that is its own job (--outer-addr) "
                          "does not come back into the running run")
@@ -131,39 +122,6 @@ def _one_job(argv: list[str], workers: int, ranks_per_worker: int, outer_addr: s
         if flag in given:
             raise ValueError(f"{flag} is given to launch with --outer-addr: do not repeat it after --")
     return [*argv, "--outer-addr", outer_addr, "--worker-id", str(worker_id), "--workers", str(workers)]
-
-
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _local_port(outer_addr: str) -> int:
-    """The port of an --outer-addr that names this machine's loopback; ValueError otherwise (the
-    kernel-shaped link between jobs emulates a WAN on one machine)."""
-    host, port = host_port("outer_addr", outer_addr)
-    if host.strip("[]") not in _LOOPBACK:
-        raise ValueError(
-            f"--kernel-link-gbps with --outer-addr shapes the links between jobs on this machine: give every job "
-            f"--outer-addr 127.0.0.1:{port} (the launch reaches the coordinator there through the shaped bridge), "
-            f"not {host}; "
-            "jobs on separate machines are joined by the real link: drop --kernel-link-gbps there")
-    return port
-
-
-def _launch_job_behind_link(argv: list[str], workers: int, worker_id: int, outer_addr: str, shaping: LinkShaping,
-                            master_port: int | None, timeout_s: float, command: Sequence[str] | None,
-                            out: IO[str] | None, elastic: bool) -> int:
-    """One job's worker in its own namespace behind a shaped uplink, on the bridge of the run's jobs; its
-    --outer-addr becomes the bridge's address, where the namespace reaches this machine's coordinator."""
-    port = _local_port(outer_addr)
-    with shaping.job_link(port, worker_id, workers) as link:
-        addr = f"{link.master_addr}:{port}"  # the coordinator, seen from the namespace
-        i = len(argv) - 1 - argv[::-1].index("--outer-addr")  # the one _one_job appended
-        argv = [*argv[:i + 1], addr, *argv[i + 2:]]
-        (out or sys.stdout).write(
-            f"[launch] kernel-shaped link: worker {worker_id} in network namespace {link.ns}, its uplink "
-            f"{shaping.gbps:g} Gbit/s (tbf) on bridge {link.bridge}; outer rendezvous {outer_addr} -> {addr}\n")
-        (out or sys.stdout).flush()
-        return _launch(argv, 1, 1, master_port, timeout_s, command, out, elastic, 0, link, False)
 
 
 def _launch(argv_for_train: list[str], workers: int, ranks_per_worker: int, master_port: int | None, timeout_s: float,
@@ -284,7 +242,7 @@ class _ExitBoard:
             pass
 
 
-def _supervise(procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event, exits: _ExitBoard,
+def _supervise(procs: list[RankProcess], grace_s: float, say: Any, terminated: _Stop, exits: _ExitBoard,
                elastic: bool, spawn: Any, max_restarts: int) -> int:
     """Wait until every rank's (latest) process has exited. Without ``elastic``, the others get grace_s after the
     first failure, then are stopped, and that failure's code is the result. Elastic: a failed rank is started again
