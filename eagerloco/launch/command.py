@@ -25,7 +25,7 @@ from eagerloco.environment import (
 )
 from eagerloco.launch.ranks import RankProcess, rank_server
 from eagerloco.procs import pid_stopped
-from eagerloco.signals import STOP_SIGNALS, STOPPING_KEY, signal_name
+from eagerloco.signals import STOP_SIGNALS, STOPPING_KEY, handled, signal_name
 
 #: Seconds the other processes get to exit on their own after one fails (they notice a dead peer
 #: at once, or within their collective timeout if it hangs) before they are terminated.
@@ -190,12 +190,13 @@ def _launch(argv_for_train: list[str], workers: int, ranks_per_worker: int, mast
             out.flush()
 
     terminated = _Stop()
-    old_handlers = _install_stop_signals(terminated)
     try:
-        # Exits are recorded by worker, under the workers' heartbeat prefix
-        # (eagerloco.comm.groups.heartbeat_store): errors name a dead worker at once.
-        exits = _ExitBoard(dist.PrefixStore("eagerloco/outer/", store), ranks_per_worker)
-        code = _supervise(procs, timeout_s, say, terminated, exits, elastic, spawn, max_restarts)
+        # SIGHUP must not kill the launcher alone: the ranks, in sessions of their own, would be left behind.
+        with handled(STOP_SIGNALS, terminated.on_signal):
+            # Exits are recorded by worker, under the workers' heartbeat prefix
+            # (eagerloco.comm.groups.heartbeat_store): errors name a dead worker at once.
+            exits = _ExitBoard(dist.PrefixStore("eagerloco/outer/", store), ranks_per_worker)
+            code = _supervise(procs, timeout_s, say, terminated, exits, elastic, spawn, max_restarts)
     except KeyboardInterrupt:
         say("interrupted: forwarding Ctrl-C to every process")
         _signal_all(procs, signal.SIGINT)
@@ -206,8 +207,6 @@ def _launch(argv_for_train: list[str], workers: int, ranks_per_worker: int, mast
         _stop(procs, say)
         code = 130
     finally:
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
         for t in readers:
             t.join(timeout=5.0)
         del store
@@ -354,23 +353,13 @@ def _stop(procs: list[RankProcess], say: Any) -> None:
 
 
 class _Stop(threading.Event):
-    """Set by a stop signal (SIGTERM, SIGHUP) the launcher got; ``signum`` says which."""
+    """Set by a stop signal (SIGTERM, SIGHUP) the launcher got, for the supervisor loop; ``signum`` says which."""
 
     signum = int(signal.SIGTERM)
 
-
-def _install_stop_signals(flag: _Stop) -> dict[int, Any]:
-    """Turn SIGTERM and SIGHUP into a flag the supervisor loop sees (main thread only); returns the handlers to
-    restore. SIGHUP must not kill the launcher alone: the ranks, in sessions of their own, would be left behind."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def on_signal(signum: int, frame: Any) -> None:
-        flag.signum = signum
-        flag.set()
-
-    # A signal ignored from the start (nohup's SIGHUP) stays ignored, here and in the processes.
-    return {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS if signal.getsignal(sig) != signal.SIG_IGN}
+    def on_signal(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        self.set()
 
 
 def _stop_on_signal(procs: list[RankProcess], say: Any, signum: int, exits: _ExitBoard) -> int:
