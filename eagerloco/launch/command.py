@@ -191,21 +191,13 @@ def _launch(argv_for_train: list[str], workers: int, ranks_per_worker: int, mast
 
     terminated = _Stop()
     try:
-        # SIGHUP must not kill the launcher alone: the ranks, in sessions of their own, would be left behind.
-        with handled(STOP_SIGNALS, terminated.on_signal):
+        # A terminal's Ctrl-C reaches only the launcher, which passes it on as the other stop signals; SIGHUP must
+        # not kill the launcher alone: the ranks, in sessions of their own, would be left behind.
+        with handled((signal.SIGINT, *STOP_SIGNALS), terminated.on_signal):
             # Exits are recorded by worker, under the workers' heartbeat prefix
             # (eagerloco.comm.groups.heartbeat_store): errors name a dead worker at once.
             exits = _ExitBoard(dist.PrefixStore("eagerloco/outer/", store), ranks_per_worker)
             code = _supervise(procs, timeout_s, say, terminated, exits, elastic, spawn, max_restarts)
-    except KeyboardInterrupt:
-        say("interrupted: forwarding Ctrl-C to every process")
-        _signal_all(procs, signal.SIGINT)
-        try:
-            _wait_all(procs, _STOP_GRACE_S)
-        except KeyboardInterrupt:
-            pass
-        _stop(procs, say)
-        code = 130
     finally:
         for t in readers:
             t.join(timeout=5.0)
@@ -353,7 +345,8 @@ def _stop(procs: list[RankProcess], say: Any) -> None:
 
 
 class _Stop(threading.Event):
-    """Set by a stop signal (SIGTERM, SIGHUP) the launcher got, for the supervisor loop; ``signum`` says which."""
+    """Set by a stop signal (SIGINT, SIGTERM, SIGHUP) the launcher got, for the supervisor loop; ``signum`` says
+    which."""
 
     signum = int(signal.SIGTERM)
 
