@@ -266,8 +266,13 @@ def _supervise(procs: list[RankProcess], grace_s: float, say: Any, terminated: _
                 deadline, after = time.monotonic() + grace_s, "the run finished" if elastic else f"rank {rank} failed"
         if all(c is not None for c in final):
             break
-        if terminated.is_set():
-            return _stop_on_signal(procs, say, terminated.signum, exits)
+        if terminated.is_set():  # pass it on, give the processes time to save and say so, then kill what still runs
+            say(f"launcher got {signal_name(terminated.signum)}: stopping every process")
+            exits.stopping(terminated.signum)
+            _signal_all(procs, terminated.signum)
+            _wait_all(procs, _STOP_GRACE_S)
+            _stop(procs, say)
+            return 128 + terminated.signum
         if deadline is not None and time.monotonic() >= deadline and any(p.poll() is None for p in procs):
             say(f"stopping the processes still running {grace_s:g} s after {after}")
             _stop(procs, say)
@@ -353,17 +358,6 @@ class _Stop(threading.Event):
     def on_signal(self, signum: int, frame: Any) -> None:
         self.signum = signum
         self.set()
-
-
-def _stop_on_signal(procs: list[RankProcess], say: Any, signum: int, exits: _ExitBoard) -> int:
-    """Pass the launcher's stop signal on to every process, give them time to save and say so, then
-    kill what still runs; returns 128 + signum."""
-    say(f"launcher got {signal_name(signum)}: stopping every process")
-    exits.stopping(signum)
-    _signal_all(procs, signum)
-    _wait_all(procs, _STOP_GRACE_S)
-    _stop(procs, say)
-    return 128 + signum
 
 
 # --------------------------------------------------------------------------------------------------
