@@ -21,15 +21,6 @@ from eagerloco.units import fmt_bytes
 #: Seconds between progress lines when stdout is not a terminal.
 PROGRESS_EVERY_S = 30.0
 
-#: Fields every summary.json has (docs/reference/metrics.md documents them with every other key).
-SUMMARY_KEYS = (
-    "method", "workers", "inner_steps", "fragments", "overlap_steps", "alpha", "eager_rounds", "codec",
-    "steps", "tokens", "final_eval_loss", "bytes_sent_per_worker", "peak_sync_bytes", "compute_s",
-    "blocked_s", "wall_s", "compute_utilization", "tokens_per_s", "inner_tokens_per_s", "flops_per_token",
-    "peak_tflops", "mfu", "inner_mfu", "device", "precision",
-)
-
-
 def tensorboard_writer(cfg: TrainConfig, out: Path, manifest: RunManifest | None = None) -> Any:
     """A TensorBoard writer under <out>/tensorboard when --tensorboard is set, else None; the event file it
     creates is listed in ``manifest``."""
@@ -278,7 +269,6 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
 
 
 __all__ = [
-    "SUMMARY_KEYS",
     "ProgressLines",
     "RunOutput",
     "accounting",
