@@ -400,12 +400,6 @@ class RunLock:
             self.path.unlink(missing_ok=True)
             self.held = False
 
-    def __enter__(self) -> RunLock:
-        return self if self.held else self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
 
 def _lock_problem(holder: Any) -> str:
     if not isinstance(holder, dict):
@@ -445,6 +439,5 @@ def guard_run_dir(cfg: TrainConfig, reporting: bool) -> RunLock | None:
     return None
 
 
-__all__ = ["Entries", "LOCK_NAME", "MANIFEST_NAME", "MAX_PID", "OWN_FILES", "RUN_DIRS", "RUN_FILES", "RunLock",
-           "RunManifest", "check_fresh_start", "check_kinds", "check_out_dir", "claim", "guard_run_dir", "kind_of",
-           "read_manifest", "remove", "start_manifest", "survey"]
+__all__ = ["LOCK_NAME", "MANIFEST_NAME", "RunLock", "RunManifest", "check_fresh_start", "check_kinds", "claim",
+           "guard_run_dir", "kind_of", "read_manifest"]
