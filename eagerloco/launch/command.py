@@ -100,8 +100,7 @@ def launch(
         return _launch(argv_for_train, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic,
                        max_restarts, None, fork_ranks)
     shaping.check(argv_for_train, outer_addr)
-    job = worker_id if outer_addr is not None else None
-    with shaping.link(argv_for_train, run_workers, job, out or sys.stdout) as (link, argv):
+    with shaping.link(argv_for_train, run_workers, worker_id, out or sys.stdout) as (link, argv):
         return _launch(argv, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic, max_restarts,
                        link, False)
 
