@@ -163,6 +163,9 @@ class ProgressLines:
         print(f"{self.method}: step {step}/{self.steps}  loss {value:.3f}  sent {fmt_bytes(stats.bytes_sent)}  "
               f"blocked {stats.blocked_s:.2f}s  {pace:.2f} steps/s{rate}, about {left:.0f} s left", flush=True)
 
+    def close(self) -> None:
+        self.bar.close()
+
 
 def accounting(entries: list[tuple[dict[str, Any], float]]) -> dict[str, Any]:
     """The one summary formula from ``entries`` (per worker, ``WorkerStats.as_dict()`` and its wall seconds):

@@ -112,7 +112,7 @@ class Trainer:
             real_wall = time.perf_counter() - real_t0
             self.drain()
             if progress is not None:
-                progress.bar.close()
+                progress.close()
         finally:
             output.close()
         final_eval, extra = float("nan"), {}
