@@ -21,6 +21,7 @@ from eagerloco.units import fmt_bytes
 #: Seconds between progress lines when stdout is not a terminal.
 PROGRESS_EVERY_S = 30.0
 
+
 def tensorboard_writer(cfg: TrainConfig, out: Path, manifest: RunManifest | None = None) -> Any:
     """A TensorBoard writer under <out>/tensorboard when --tensorboard is set, else None; the event file it
     creates is listed in ``manifest``."""
