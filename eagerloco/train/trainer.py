@@ -100,7 +100,7 @@ class Trainer:
                 for w in workers:
                     events.inner_step_done(w.comm.rank, step)
                 eval_point = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
-                eval_loss = self.evaluate(step) if eval_point else None
+                eval_loss = self.evaluate(step)[0] if eval_point else None
                 if step % cfg.log_every == 0 or step == cfg.steps or eval_loss is not None:
                     output.log(self.record(step, real_t0, eval_loss))
                     self.check_loss(step)
@@ -115,17 +115,8 @@ class Trainer:
                 progress.close()
         finally:
             output.close()
-        final_eval, extra = float("nan"), {}
-        if rt.evaluates():
-            with syncs[0].outer_weights() as m:
-                final_eval = evaluate(m, self.eval_batches, workers[0].precision)
-                if self.final_evals is not None:
-                    extra = self.final_evals(m)
-            events.evaluation_done(cfg.steps)
-            if not math.isfinite(final_eval):
-                raise DivergedError("eval loss of the outer parameters", cfg.steps, workers[0].comm.rank)
-        rt.after_eval(cfg.steps)
-        return self.summary(final_eval, real_wall, extra)
+        final_eval, extra = self.evaluate(cfg.steps, final=True)
+        return self.summary(float("nan") if final_eval is None else final_eval, real_wall, extra)
 
     def mean_loss(self) -> float:
         """The mean over this process's workers of their last inner step's loss."""
@@ -138,15 +129,20 @@ class Trainer:
             if not math.isfinite(w.last_loss):
                 raise DivergedError("loss", step, w.comm.rank)
 
-    def evaluate(self, step: int) -> float | None:
-        """The eval loss of the outer parameters at an evaluation point (None where another process evaluates)."""
-        loss = None
+    def evaluate(self, step: int, final: bool = False) -> tuple[float | None, dict[str, float]]:
+        """The eval loss of the outer parameters at an evaluation point and, at the ``final`` one, the zero-shot
+        scores (None, {} where another process evaluates); a final loss that is not finite stops the run."""
+        loss, extra = None, {}
         if self.runtime.evaluates():
             with self.workers[0].sync.outer_weights() as m:
                 loss = evaluate(m, self.eval_batches, self.workers[0].precision)
+                if final and self.final_evals is not None:
+                    extra = self.final_evals(m)
             events.evaluation_done(step)
+            if final and not math.isfinite(loss):
+                raise DivergedError("eval loss of the outer parameters", step, self.workers[0].comm.rank)
         self.runtime.after_eval(step)
-        return loss
+        return loss, extra
 
     def record(self, step: int, real_t0: float, eval_loss: float | None) -> dict[str, Any]:
         """One metrics line: loss, link accounting, clock and throughput after ``step``."""
