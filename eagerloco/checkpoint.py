@@ -39,12 +39,11 @@ class CheckpointError(RuntimeError):
     is wrong and what to do."""
 
 
-def intact(root: Path, required: tuple[str, ...] = (),
-           check: Callable[[dict[str, Any]], str] | None = None) -> Iterator[tuple[Path, dict[str, Any]]]:
+def intact(root: Path, check: Callable[[dict[str, Any]], str] | None = None) -> Iterator[tuple[Path, dict[str, Any]]]:
     """The checkpoints under root that verify (:func:`verify`), newest first, with their meta."""
     for path in reversed(list_checkpoints(root)):
         try:
-            meta = verify(path, required, check)
+            meta = verify(path, check)
         except CheckpointError:
             continue
         yield path, meta
@@ -112,12 +111,8 @@ def write_worker_state(stage: Path, worker: int, state: dict[str, Any]) -> dict[
         stage.mkdir(parents=True, exist_ok=True)
         _write_bytes(stage / name, data)
     except OSError as e:
-        raise write_failure(stage.parent, _stage_step(stage), e) from None
+        raise write_failure(stage.parent, int(stage.name.rsplit("_", 1)[1]), e) from None
     return {"file": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def _stage_step(stage: Path) -> int:
-    return int(stage.name.rsplit("_", 1)[1])
 
 
 def publish(root: Path, step: int, entries: list[dict[str, Any]], meta: dict[str, Any], keep: int = 2) -> Path:
@@ -184,18 +179,13 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def verify(path: Path, required: tuple[str, ...] = (),
-           check: Callable[[dict[str, Any]], str] | None = None) -> dict[str, Any]:
+def verify(path: Path, check: Callable[[dict[str, Any]], str] | None = None) -> dict[str, Any]:
     """Meta of a checkpoint whose every file matches its size and checksum; CheckpointError naming the first
-    problem. ``required``: meta keys that must hold a table; ``check``: the caller's check of its own
-    records (what is wrong, or "")."""
+    problem. ``check``: the caller's check of its own records (what is wrong, or "")."""
     meta = read_meta(path)
-    meta_path = path / "meta.json"
-    problem = next((f"it records no {key!r} table" for key in required if not isinstance(meta.get(key), dict)), "")
-    if not problem and check is not None:
-        problem = check(meta)
+    problem = check(meta) if check is not None else ""
     if problem:
-        raise CheckpointError(f"{meta_path} is inconsistent: {problem}")
+        raise CheckpointError(f"{path / 'meta.json'} is inconsistent: {problem}")
     for entry in meta["files"]:
         f = path / entry["file"]
         try:
@@ -247,14 +237,14 @@ def load_worker_state(path: Path, worker: int) -> dict[str, Any]:
         raise CheckpointError(f"{f} cannot be read as a checkpoint ({type(e).__name__}: {e})") from e
 
 
-def latest_valid(root: Path, log: Any = None, required: tuple[str, ...] = (),
+def latest_valid(root: Path, log: Any = None,
                  check: Callable[[dict[str, Any]], str] | None = None) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint (path, meta) that verifies (:func:`verify`), reporting the corrupt ones skipped;
     None when there is none at all, CheckpointError listing each problem when none verifies."""
     problems = []
     for path in reversed(list_checkpoints(root)):
         try:
-            return path, verify(path, required, check)
+            return path, verify(path, check)
         except CheckpointError as e:
             problems.append(str(e))
             print(f"eagerloco: skipping checkpoint {path.name}: {e}", file=log or sys.stderr)

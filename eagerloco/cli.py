@@ -38,17 +38,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _cmd_data(args: argparse.Namespace) -> int:
-    from eagerloco.lab.corpora import fetch_source
-
-    for path in fetch_source(args.data, args.data_dir):
-        print(f"ready: {path}")
-    return 0
-
-
 def make_parser() -> argparse.ArgumentParser:
     """The whole `eagerloco` parser; each subcommand's handler is ``args.func``."""
     from eagerloco import launch
+    from eagerloco.lab import fetch
     from eagerloco.lab.compare import cli as compare_cli
     from eagerloco.lab.compare import demo
     from eagerloco.launch import coordinator
@@ -63,11 +56,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_train_flags(p)
     p.set_defaults(func=_cmd_train)
     demo.add_parser(sub)
-    p = sub.add_parser("data", help="fetch and cache the default data (the Brown Corpus)")
-    p.add_argument("action", choices=["fetch"], help="fetch: download once, verify the cache afterwards")
-    p.add_argument("--data", default="brown", help="source(s): brown, kjv, austen, or a comma list (default brown)")
-    p.add_argument("--data-dir", default=None, help="cache dir (default $EAGERLOCO_DATA_DIR or ~/.cache/eagerloco)")
-    p.set_defaults(func=_cmd_data)
+    fetch.add_parser(sub)
     sim_cli.add_parser(sub).set_defaults(func=_cmd_simulate)
     launch.add_parser(sub).set_defaults(func=_cmd_launch)
     coordinator.add_parser(sub).set_defaults(func=coordinator.run)

@@ -11,8 +11,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from eagerloco.config import Environment
@@ -62,28 +62,31 @@ def signal_name(signum: int) -> str:
 
 
 @contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """Within this block SIGTERM and SIGHUP raise :class:`RunStopped` in the main thread, SIGINT KeyboardInterrupt;
-    after the first the others are ignored (cleanup runs once). A signal ignored at the start stays ignored; outside
-    the main thread nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum: int, frame: object) -> None:
-        for s in (signal.SIGINT, *STOP_SIGNALS):  # one stop: a second signal must not interrupt the cleanup
-            signal.signal(s, signal.SIG_IGN)
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise RunStopped(signum)
-
-    # A signal ignored from the start (nohup's SIGHUP, a background job's SIGINT) stays ignored.
-    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, *STOP_SIGNALS) if signal.getsignal(s) != signal.SIG_IGN}
+def handled(signals: Iterable[int], handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """Within this block ``handler`` takes each of ``signals`` in the main thread (elsewhere nothing changes); a signal
+    ignored from the start (nohup's SIGHUP, a background job's SIGINT) stays ignored, here and in what it starts."""
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        old = {s: signal.signal(s, handler) for s in signals if signal.getsignal(s) != signal.SIG_IGN}
     try:
         yield
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _stop(signum: int, frame: object) -> None:
+    for s in (signal.SIGINT, *STOP_SIGNALS):  # one stop: a second signal must not interrupt the cleanup
+        signal.signal(s, signal.SIG_IGN)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise RunStopped(signum)
+
+
+def stop_on_signals() -> AbstractContextManager[None]:
+    """Within this block SIGTERM and SIGHUP raise :class:`RunStopped` in the main thread, SIGINT KeyboardInterrupt;
+    after the first the others are ignored (cleanup runs once)."""
+    return handled((signal.SIGINT, *STOP_SIGNALS), _stop)
 
 
 def die_with_launcher(env: Environment) -> None:
@@ -101,5 +104,5 @@ def die_with_launcher(env: Environment) -> None:
         raise RunStopped(signal.SIGTERM)
 
 
-__all__ = ["STOPPING_KEY", "STOP_SIGNALS", "RunStopped", "die_with_launcher", "launcher_stopping", "signal_name",
-           "stop_on_signals", "stopped_by"]
+__all__ = ["STOPPING_KEY", "STOP_SIGNALS", "RunStopped", "die_with_launcher", "handled", "launcher_stopping",
+           "signal_name", "stop_on_signals", "stopped_by"]

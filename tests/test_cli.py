@@ -9,9 +9,16 @@ from pathlib import Path
 import pytest
 
 from eagerloco.cli import main
-from eagerloco.train import SUMMARY_KEYS
 
 FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "2", "--no-progress"]
+
+#: Fields every summary.json has (docs/reference/metrics.md documents them with every other key).
+SUMMARY_KEYS = (
+    "method", "workers", "inner_steps", "fragments", "overlap_steps", "alpha", "eager_rounds", "codec",
+    "steps", "tokens", "final_eval_loss", "bytes_sent_per_worker", "peak_sync_bytes", "compute_s",
+    "blocked_s", "wall_s", "compute_utilization", "tokens_per_s", "inner_tokens_per_s", "flops_per_token",
+    "peak_tflops", "mfu", "inner_mfu", "device", "precision",
+)
 
 
 def _run(tmp_path: Path, *args: str) -> dict:

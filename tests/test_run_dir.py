@@ -22,8 +22,7 @@ from jobs import popen
 
 from eagerloco import checkpoint as ckpt
 from eagerloco.cli import main
-from eagerloco.train.manifest import MANIFEST_NAME, kind_of, read_manifest
-from eagerloco.train.rundir import LOCK_NAME
+from eagerloco.train.rundir import LOCK_NAME, MANIFEST_NAME, kind_of, read_manifest
 
 FAST = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress",
         "--log-every", "1"]

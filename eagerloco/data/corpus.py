@@ -41,13 +41,6 @@ class Corpus:
     eval_names: list[str] = field(default_factory=list)
     data_dir: Path | None = None
 
-    def summary(self) -> str:
-        chars = sum(map(len, self.train_docs)), sum(map(len, self.eval_docs))
-        return (
-            f"{self.name}: {len(self.train_docs)} train docs ({chars[0]:,} chars), "
-            f"{len(self.eval_docs)} eval docs ({chars[1]:,} chars), {len(set(self.train_groups))} groups"
-        )
-
     def fingerprint(self) -> str:
         """sha256 of the train and eval texts in order: the key of cached token ids."""
         h = hashlib.sha256(b"eagerloco-corpus-v1")

@@ -10,10 +10,11 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import IO, Any, Protocol
 
-from eagerloco.config.checks import check_int_at_least, host_port
+from eagerloco.config.checks import check_int_at_least
 from eagerloco.environment import (
     INCARNATION_ENV,
     LAUNCHER_PID_ENV,
@@ -24,7 +25,7 @@ from eagerloco.environment import (
 )
 from eagerloco.launch.ranks import RankProcess, rank_server
 from eagerloco.procs import pid_stopped
-from eagerloco.signals import STOP_SIGNALS, STOPPING_KEY, signal_name
+from eagerloco.signals import STOP_SIGNALS, STOPPING_KEY, handled, signal_name
 
 #: Seconds the other processes get to exit on their own after one fails (they notice a dead peer
 #: at once, or within their collective timeout if it hangs) before they are terminated.
@@ -37,13 +38,15 @@ class LinkShaping(Protocol):
     """A link between workers shaped on this machine (``--kernel-link-gbps``; the lab's
     :class:`eagerloco.lab.launch.KernelShaping`): each worker's processes start behind it."""
 
-    gbps: float
+    def check(self, argv: list[str], outer_addr: str | None) -> None:
+        """ValueError for train arguments (``argv``) or an ``outer_addr`` this link cannot shape, before anything
+        starts."""
 
-    def run_link(self, workers: int) -> Any:
-        """The link of one launch's ``workers`` workers."""
-
-    def job_link(self, port: int, worker_id: int, workers: int) -> Any:
-        """The link of worker ``worker_id`` of ``workers``, each its own job, meeting at ``port``."""
+    def link(self, argv: list[str], workers: int, worker_id: int | None,
+             out: IO[str]) -> AbstractContextManager[tuple[Any, list[str]]]:
+        """The link of a launch's ``workers`` workers (with ``worker_id``: of that worker, its own job) and the train
+        arguments behind it (an --outer-addr rewritten to where the link reaches the coordinator), said on ``out``.
+        The link gives each process its ``env()`` and ``command(cmd, worker)``."""
 
 
 def launch(
@@ -84,8 +87,7 @@ def launch(
     argv_for_train = list(argv_for_train)
     run_workers = workers
     if outer_addr is not None or worker_id is not None:
-        argv_for_train = _one_job(argv_for_train, workers, ranks_per_worker, outer_addr, worker_id, max_restarts,
-                                  shaping is not None)
+        argv_for_train = _one_job(argv_for_train, workers, ranks_per_worker, outer_addr, worker_id, max_restarts)
         workers = 1  # this job starts one process: its worker; the others are jobs of their own
     elastic = elastic or "--elastic" in argv_for_train
     if elastic and command is None and "--elastic" not in argv_for_train:
@@ -94,35 +96,23 @@ def launch(
         raise ValueError("--max-restarts needs --elastic: without it a failed rank stops the whole run")
     if elastic and ranks_per_worker != 1:
         raise ValueError("--elastic supports one rank per worker (--ranks-per-worker 1)")
-    if shaping is not None and any(a.split("=")[0] == "--bandwidth-gbps" for a in argv_for_train):
-        raise ValueError("--kernel-link-gbps shapes the link's bandwidth in the kernel: drop --bandwidth-gbps "
-                         "from the train arguments (latency and jitter flags still apply)")
     if shaping is None:
         return _launch(argv_for_train, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic,
                        max_restarts, None, fork_ranks)
-    if outer_addr is not None:
-        assert worker_id is not None
-        return _launch_job_behind_link(argv_for_train, run_workers, worker_id, outer_addr, shaping,
-                                       master_port, timeout_s, command, out, elastic)
-    with shaping.run_link(workers) as link:
-        (out or sys.stdout).write(
-            f"[launch] kernel-shaped link: {workers} network namespaces, each worker's uplink {shaping.gbps:g} "
-            f"Gbit/s (tbf), rendezvous at {link.master_addr}\n")
-        (out or sys.stdout).flush()
-        return _launch(argv_for_train, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic,
-                       max_restarts, link, False)
+    shaping.check(argv_for_train, outer_addr)
+    with shaping.link(argv_for_train, run_workers, worker_id, out or sys.stdout) as (link, argv):
+        return _launch(argv, workers, ranks_per_worker, master_port, timeout_s, command, out, elastic, max_restarts,
+                       link, False)
 
 
 def _one_job(argv: list[str], workers: int, ranks_per_worker: int, outer_addr: str | None, worker_id: int | None,
-             max_restarts: int, shaped: bool) -> list[str]:
+             max_restarts: int) -> list[str]:
     """The train arguments of one worker started as its own job; ValueError for what does not fit."""
     if outer_addr is None or worker_id is None:
         raise ValueError("--outer-addr and --worker-id go together: each worker its own job needs both")
     if ranks_per_worker != 1:
         raise ValueError("with --outer-addr `eagerloco train` runs one process per worker: drop --ranks-per-worker "
                          "(a worker of several ranks: the hook API, eagerloco.outer_loop, under torchrun)")
-    if shaped:
-        _local_port(outer_addr)
     if max_restarts:
         raise ValueError("--max-restarts restarts workers of one launch; a worker that is its own job (--outer-addr) "
                          "does not come back into the running run")
@@ -131,39 +121,6 @@ def _one_job(argv: list[str], workers: int, ranks_per_worker: int, outer_addr: s
         if flag in given:
             raise ValueError(f"{flag} is given to launch with --outer-addr: do not repeat it after --")
     return [*argv, "--outer-addr", outer_addr, "--worker-id", str(worker_id), "--workers", str(workers)]
-
-
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _local_port(outer_addr: str) -> int:
-    """The port of an --outer-addr that names this machine's loopback; ValueError otherwise (the
-    kernel-shaped link between jobs emulates a WAN on one machine)."""
-    host, port = host_port("outer_addr", outer_addr)
-    if host.strip("[]") not in _LOOPBACK:
-        raise ValueError(
-            f"--kernel-link-gbps with --outer-addr shapes the links between jobs on this machine: give every job "
-            f"--outer-addr 127.0.0.1:{port} (the launch reaches the coordinator there through the shaped bridge), "
-            f"not {host}; "
-            "jobs on separate machines are joined by the real link: drop --kernel-link-gbps there")
-    return port
-
-
-def _launch_job_behind_link(argv: list[str], workers: int, worker_id: int, outer_addr: str, shaping: LinkShaping,
-                            master_port: int | None, timeout_s: float, command: Sequence[str] | None,
-                            out: IO[str] | None, elastic: bool) -> int:
-    """One job's worker in its own namespace behind a shaped uplink, on the bridge of the run's jobs; its
-    --outer-addr becomes the bridge's address, where the namespace reaches this machine's coordinator."""
-    port = _local_port(outer_addr)
-    with shaping.job_link(port, worker_id, workers) as link:
-        addr = f"{link.master_addr}:{port}"  # the coordinator, seen from the namespace
-        i = len(argv) - 1 - argv[::-1].index("--outer-addr")  # the one _one_job appended
-        argv = [*argv[:i + 1], addr, *argv[i + 2:]]
-        (out or sys.stdout).write(
-            f"[launch] kernel-shaped link: worker {worker_id} in network namespace {link.ns}, its uplink "
-            f"{shaping.gbps:g} Gbit/s (tbf) on bridge {link.bridge}; outer rendezvous {outer_addr} -> {addr}\n")
-        (out or sys.stdout).flush()
-        return _launch(argv, 1, 1, master_port, timeout_s, command, out, elastic, 0, link, False)
 
 
 def _launch(argv_for_train: list[str], workers: int, ranks_per_worker: int, master_port: int | None, timeout_s: float,
@@ -232,27 +189,15 @@ def _launch(argv_for_train: list[str], workers: int, ranks_per_worker: int, mast
             out.flush()
 
     terminated = _Stop()
-    old_handlers = _install_stop_signals(terminated)
     try:
-        # Exits are recorded by worker, under the workers' heartbeat prefix
-        # (eagerloco.comm.groups.heartbeat_store): errors name a dead worker at once.
-        exits = _ExitBoard(dist.PrefixStore("eagerloco/outer/", store), ranks_per_worker)
-        if elastic:
-            code = _supervise_elastic(procs, timeout_s, say, terminated, spawn, max_restarts, exits)
-        else:
-            code = _supervise(procs, timeout_s, say, terminated, exits)
-    except KeyboardInterrupt:
-        say("interrupted: forwarding Ctrl-C to every process")
-        _signal_all(procs, signal.SIGINT)
-        try:
-            _wait_all(procs, _STOP_GRACE_S)
-        except KeyboardInterrupt:
-            pass
-        _stop(procs, say)
-        code = 130
+        # A terminal's Ctrl-C reaches only the launcher, which passes it on as the other stop signals; SIGHUP must
+        # not kill the launcher alone: the ranks, in sessions of their own, would be left behind.
+        with handled((signal.SIGINT, *STOP_SIGNALS), terminated.on_signal):
+            # Exits are recorded by worker, under the workers' heartbeat prefix
+            # (eagerloco.comm.groups.heartbeat_store): errors name a dead worker at once.
+            exits = _ExitBoard(dist.PrefixStore("eagerloco/outer/", store), ranks_per_worker)
+            code = _supervise(procs, timeout_s, say, terminated, exits, elastic, spawn, max_restarts)
     finally:
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
         for t in readers:
             t.join(timeout=5.0)
         del store
@@ -287,83 +232,61 @@ class _ExitBoard:
             pass
 
 
-def _supervise(procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
-               exits: _ExitBoard) -> int:
-    """Wait for all processes; after the first failure, give the rest grace_s, then stop them."""
-    first: tuple[int, int] | None = None
-    deadline = None
-    while True:
-        codes = [p.poll() for p in procs]
-        for rank, rc in enumerate(codes):
-            if rc is not None:
-                exits.record(rank, procs[rank].pid, rc)
-            if rc not in (None, 0) and first is None:
-                first = (rank, rc)
-                deadline = time.monotonic() + grace_s
-                running = sum(c is None for c in codes)
-                if running:
-                    say(f"rank {rank} exited with code {rc}; the other {running} process(es) get "
-                        f"{grace_s:g} s to finish before they are stopped")
-        if all(c is not None for c in codes):
-            break
-        if terminated.is_set():
-            return _stop_on_signal(procs, say, terminated.signum, exits)
-        if deadline is not None and time.monotonic() >= deadline:
-            say(f"stopping the processes still running {grace_s:g} s after rank {first[0]} failed")
-            _stop(procs, say)
-            break
-        if deadline is not None and _only_frozen_left(procs, codes, say):
-            break
-        time.sleep(0.05)
-    if first is None:
-        return 0
-    rank, rc = first
-    return rc if rc > 0 else 128 - rc  # killed by signal s: 128 + s, as a shell reports it
-
-
-def _supervise_elastic(procs: list[RankProcess], grace_s: float, say: Any, terminated: threading.Event,
-                       spawn: Any, max_restarts: int, exits: _ExitBoard) -> int:
-    """Elastic: restart a failed rank (as a returning worker) while it has restarts left. Done when every rank's
-    latest process exited; success if some rank finished the run; after the first finishes the rest get grace_s."""
+def _supervise(procs: list[RankProcess], grace_s: float, say: Any, terminated: _Stop, exits: _ExitBoard,
+               elastic: bool, spawn: Any, max_restarts: int) -> int:
+    """Wait until every rank's (latest) process has exited. Without ``elastic``, the others get grace_s after the
+    first failure, then are stopped, and that failure's code is the result. Elastic: a failed rank is started again
+    (as a returning worker) while it has restarts left, the others go on; after the first rank finishes the rest get
+    grace_s; success if some rank finished the run."""
     restarts = [0] * len(procs)
     final: list[int | None] = [None] * len(procs)
-    first_fail: int | None = None
-    deadline = None
+    first: tuple[int, int] | None = None  # the first failure: (rank, code)
+    deadline, after = None, ""
     while True:
         for rank, p in enumerate(procs):
             rc = p.poll()
             if rc is None or final[rank] is not None:
                 continue
             exits.record(rank, p.pid, rc)  # the survivors read it: no need to wait for a stale heartbeat
-            if rc != 0 and restarts[rank] < max_restarts and deadline is None:
+            if elastic and rc != 0 and restarts[rank] < max_restarts and deadline is None:
                 restarts[rank] += 1
                 say(f"rank {rank} exited with code {rc}; restarting it to rejoin the run "
                     f"(restart {restarts[rank]} of {max_restarts})")
                 procs[rank] = spawn(rank, restarts[rank])
                 continue
             final[rank] = rc
-            if rc != 0:
-                first_fail = rc if first_fail is None else first_fail
-                running = sum(q.poll() is None for q in procs)
-                if running:
-                    say(f"rank {rank} exited with code {rc}; the other {running} process(es) go on (elastic)")
-            elif deadline is None:
-                deadline = time.monotonic() + grace_s
+            running = sum(q.poll() is None for q in procs)
+            if rc != 0 and running and (elastic or first is None):
+                say(f"rank {rank} exited with code {rc}; the other {running} process(es) "
+                    + ("go on (elastic)" if elastic else f"get {grace_s:g} s to finish before they are stopped"))
+            if rc != 0 and first is None:
+                first = (rank, rc)
+            if deadline is None and (rc == 0) == elastic:  # elastic: the first to finish; else the first failure
+                deadline, after = time.monotonic() + grace_s, "the run finished" if elastic else f"rank {rank} failed"
         if all(c is not None for c in final):
             break
-        if terminated.is_set():
-            return _stop_on_signal(procs, say, terminated.signum, exits)
-        if deadline is not None and time.monotonic() >= deadline and any(p.poll() is None for p in procs):
-            say(f"stopping the processes still running {grace_s:g} s after the run finished")
+        if terminated.is_set():  # pass it on, give the processes time to save and say so, then kill what still runs
+            say(f"launcher got {signal_name(terminated.signum)}: stopping every process")
+            exits.stopping(terminated.signum)
+            _signal_all(procs, terminated.signum)
+            _wait_all(procs, _STOP_GRACE_S)
             _stop(procs, say)
+            return 128 + terminated.signum
+        if deadline is not None and time.monotonic() >= deadline and any(p.poll() is None for p in procs):
+            say(f"stopping the processes still running {grace_s:g} s after {after}")
+            _stop(procs, say)
+        elif deadline is not None and not elastic:
+            _kill_frozen(procs, say)
         time.sleep(0.05)
-    if any(c == 0 for c in final):
+    if elastic and 0 in final:
         lost = [r for r, c in enumerate(final) if c != 0]
         if lost:
             say(f"the run finished without rank(s) {lost} (elastic)")
         return 0
-    rc = first_fail if first_fail is not None else 1
-    return rc if rc > 0 else 128 - rc
+    if first is None:
+        return 0
+    rc = first[1]
+    return rc if rc > 0 else 128 - rc  # killed by signal s: 128 + s, as a shell reports it
 
 
 def _first_line(e: BaseException) -> str:
@@ -400,17 +323,16 @@ def _wait_all(procs: list[RankProcess], seconds: float) -> None:
         time.sleep(0.05)
 
 
-def _only_frozen_left(procs: list[RankProcess], codes: list[int | None], say: Any) -> bool:
+def _kill_frozen(procs: list[RankProcess], say: Any) -> None:
     """After a failure: if every process still running is stopped by a signal (frozen: it can neither
-    finish nor handle SIGTERM), kill those now rather than wait out the grace period. Returns whether it did."""
-    running = [r for r, c in enumerate(codes) if c is None]
+    finish nor handle SIGTERM), kill those now rather than wait out the grace period."""
+    running = [r for r, p in enumerate(procs) if p.poll() is None]
     if not running or not all(pid_stopped(procs[r].pid) for r in running):
-        return False
+        return
     say(f"rank(s) {', '.join(map(str, running))} are stopped by a signal and cannot finish: killing them now")
     for r in running:
         procs[r].kill()
         procs[r].wait()
-    return True
 
 
 def _stop(procs: list[RankProcess], say: Any) -> None:
@@ -427,34 +349,14 @@ def _stop(procs: list[RankProcess], say: Any) -> None:
 
 
 class _Stop(threading.Event):
-    """Set by a stop signal (SIGTERM, SIGHUP) the launcher got; ``signum`` says which."""
+    """Set by a stop signal (SIGINT, SIGTERM, SIGHUP) the launcher got, for the supervisor loop; ``signum`` says
+    which."""
 
     signum = int(signal.SIGTERM)
 
-
-def _install_stop_signals(flag: _Stop) -> dict[int, Any]:
-    """Turn SIGTERM and SIGHUP into a flag the supervisor loop sees (main thread only); returns the handlers to
-    restore. SIGHUP must not kill the launcher alone: the ranks, in sessions of their own, would be left behind."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def on_signal(signum: int, frame: Any) -> None:
-        flag.signum = signum
-        flag.set()
-
-    # A signal ignored from the start (nohup's SIGHUP) stays ignored, here and in the processes.
-    return {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS if signal.getsignal(sig) != signal.SIG_IGN}
-
-
-def _stop_on_signal(procs: list[RankProcess], say: Any, signum: int, exits: _ExitBoard) -> int:
-    """Pass the launcher's stop signal on to every process, give them time to save and say so, then
-    kill what still runs; returns 128 + signum."""
-    say(f"launcher got {signal_name(signum)}: stopping every process")
-    exits.stopping(signum)
-    _signal_all(procs, signum)
-    _wait_all(procs, _STOP_GRACE_S)
-    _stop(procs, say)
-    return 128 + signum
+    def on_signal(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        self.set()
 
 
 # --------------------------------------------------------------------------------------------------

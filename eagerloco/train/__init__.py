@@ -1,7 +1,6 @@
 """Training runs: one trainer (:mod:`.trainer`) driving the workers of one of four runtimes; one output path."""
 
 from eagerloco.config import TrainConfig
-from eagerloco.train.outputs import SUMMARY_KEYS
 from eagerloco.train.run import RUNTIMES, train
 
-__all__ = ["RUNTIMES", "SUMMARY_KEYS", "TrainConfig", "train"]
+__all__ = ["RUNTIMES", "TrainConfig", "train"]

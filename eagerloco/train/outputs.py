@@ -15,19 +15,11 @@ from eagerloco.config import TrainConfig
 from eagerloco.extras import require
 from eagerloco.flops import mfu
 from eagerloco.jsonfiles import finite_json
-from eagerloco.train.manifest import RunManifest
+from eagerloco.train.rundir import RunManifest
 from eagerloco.units import fmt_bytes
 
 #: Seconds between progress lines when stdout is not a terminal.
 PROGRESS_EVERY_S = 30.0
-
-#: Fields every summary.json has (docs/reference/metrics.md documents them with every other key).
-SUMMARY_KEYS = (
-    "method", "workers", "inner_steps", "fragments", "overlap_steps", "alpha", "eager_rounds", "codec",
-    "steps", "tokens", "final_eval_loss", "bytes_sent_per_worker", "peak_sync_bytes", "compute_s",
-    "blocked_s", "wall_s", "compute_utilization", "tokens_per_s", "inner_tokens_per_s", "flops_per_token",
-    "peak_tflops", "mfu", "inner_mfu", "device", "precision",
-)
 
 
 def tensorboard_writer(cfg: TrainConfig, out: Path, manifest: RunManifest | None = None) -> Any:
@@ -129,35 +121,51 @@ class RunOutput:
 
 
 class ProgressLines:
-    """Progress where there is no terminal for a bar: one line every ``every_s`` seconds (step, loss, bytes
-    sent, time blocked, pace, tokens/s and, where the peak is known, MFU)."""
+    """A run's progress: a bar on a terminal, its figures refreshed every ``log_every`` steps; where there is none (a
+    log, `eagerloco launch`) a line every ``every_s`` seconds instead (step, loss, bytes sent, time blocked, pace,
+    tokens/s and, where the peak is known, MFU)."""
 
-    def __init__(self, method: str, steps: int, start_step: int, every_s: float | None = None) -> None:
-        self.method, self.steps = method, steps
+    def __init__(self, method: str, steps: int, start_step: int, every_s: float | None = None,
+                 log_every: int = 1) -> None:
+        from tqdm import tqdm
+
+        self.method, self.steps, self.log_every = method, steps, log_every
         self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
         self.t0 = self.last = time.perf_counter()
         self.start_step = start_step
+        self.bar: Any = tqdm(total=steps, initial=start_step, desc=method, unit="step", dynamic_ncols=True,
+                             leave=False, disable=None)
 
     def update(self, step: int, loss: float | Callable[[], float], stats: Any, tokens: int | None = None,
                per_token: float = 0.0, peak: float | None = None, devices: int = 1) -> None:
-        """After every inner step. ``loss``: the value or a function giving it (read only when a line is printed:
-        on a GPU reading it waits); ``tokens``: trained so far by all workers."""
-        now = time.perf_counter()
-        if now - self.last < self.every_s:
+        """After every inner step. ``loss``: the value or a function giving it (read only when it is shown: on a GPU
+        reading it waits); ``tokens``: trained so far by all workers."""
+        now, bar = time.perf_counter(), not self.bar.disable
+        if bar:
+            self.bar.update(1)
+        due = (step % self.log_every == 0 or step == self.steps) if bar else now - self.last >= self.every_s
+        if not due:
             return
         self.last = now
         value = loss() if callable(loss) else loss
         pace = (step - self.start_step) / (now - self.t0)
+        per_s = (tokens * (step - self.start_step) / step / (now - self.t0)
+                 if tokens is not None and self.start_step < step else None)
+        run_mfu = mfu(per_s, per_token, peak, devices) if per_s is not None else None
+        if bar:
+            shown = {"mfu": f"{run_mfu:.1%}"} if run_mfu is not None else {}
+            self.bar.set_postfix(loss=f"{value:.3f}", sent=fmt_bytes(stats.bytes_sent, ".1f", ""),
+                                 blocked=f"{stats.blocked_s:.2f}s", tok_s=f"{per_s or 0.0:,.0f}", **shown)
+            return
         left = (self.steps - step) / pace if pace > 0 else float("inf")
         rate = ""
-        if tokens is not None and self.start_step < step:
-            per_s = tokens * (step - self.start_step) / step / (now - self.t0)
-            rate = f"  {per_s:,.0f} tokens/s"
-            run_mfu = mfu(per_s, per_token, peak, devices)
-            if run_mfu is not None:
-                rate += f"  MFU {run_mfu:.1%}"
+        if per_s is not None:
+            rate = f"  {per_s:,.0f} tokens/s" + (f"  MFU {run_mfu:.1%}" if run_mfu is not None else "")
         print(f"{self.method}: step {step}/{self.steps}  loss {value:.3f}  sent {fmt_bytes(stats.bytes_sent)}  "
               f"blocked {stats.blocked_s:.2f}s  {pace:.2f} steps/s{rate}, about {left:.0f} s left", flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def accounting(entries: list[tuple[dict[str, Any], float]]) -> dict[str, Any]:
@@ -265,7 +273,6 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
 
 
 __all__ = [
-    "SUMMARY_KEYS",
     "ProgressLines",
     "RunOutput",
     "accounting",

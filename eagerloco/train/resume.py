@@ -41,7 +41,7 @@ def resume_checkpoint(cfg: TrainConfig, runtime: str = "inprocess") -> tuple[Pat
     if not cfg.resume:
         return None
     root = ckpt.checkpoint_root(Path(cfg.out))
-    found = ckpt.latest_valid(root, required=("config",), check=lambda meta: meta_problem(meta, cfg))
+    found = ckpt.latest_valid(root, check=lambda meta: meta_problem(meta, cfg))
     if found is None:
         raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh")
     return check_checkpoint(cfg, runtime, found)
@@ -65,6 +65,8 @@ def check_checkpoint(cfg: TrainConfig, runtime: str, found: tuple[Path, dict[str
 def meta_problem(meta: dict[str, Any], cfg: TrainConfig) -> str:
     """What in a checkpoint's meta.json, beyond its files and step, a run of ``cfg`` cannot resume from, or "":
     every field the runtimes read is checked here first."""
+    if not isinstance(meta.get("config"), dict):
+        return "it records no 'config' table"
     step = meta["step"]
     if step > cfg.steps:
         return f"step {step} is past the run's last step ({cfg.steps})"
@@ -86,14 +88,14 @@ def meta_problem(meta: dict[str, Any], cfg: TrainConfig) -> str:
 
 def intact_steps(cfg: TrainConfig) -> list[int]:
     """The steps of the checkpoints under ``<out>/checkpoints`` that verify, oldest first."""
-    found = ckpt.intact(ckpt.checkpoint_root(Path(cfg.out)), ("config",), lambda m: meta_problem(m, cfg))
+    found = ckpt.intact(ckpt.checkpoint_root(Path(cfg.out)), lambda m: meta_problem(m, cfg))
     return sorted(int(meta["step"]) for _, meta in found)
 
 
 def checkpoint_at(cfg: TrainConfig, runtime: str, step: int) -> tuple[Path, dict[str, Any]]:
     """The checkpoint of ``step``, verified (CheckpointError) and checked to fit (ConfigError)."""
     path = ckpt.checkpoint_dir(ckpt.checkpoint_root(Path(cfg.out)), step)
-    meta = ckpt.verify(path, required=("config",), check=lambda m: meta_problem(m, cfg))
+    meta = ckpt.verify(path, lambda m: meta_problem(m, cfg))
     return check_checkpoint(cfg, runtime, (path, meta))
 
 

@@ -1,41 +1,62 @@
-"""The run directory (``--out``), guarded: checked before the first step, locked while a run writes it.
+"""The run directory (``--out``), guarded: checked before the first step, locked while a run writes it, and
+``<out>/.eagerloco-run.json``, the manifest of the files the run created there.
 
 A run refuses a directory holding another run's files unless it continues it (``--resume``) or replaces
 it (``--overwrite``, which removes exactly the files the earlier run's manifest lists and refuses
-anything else at a run's paths)."""
+anything else at a run's paths). The reporting process lists each path before (or as) it creates it,
+rewriting the manifest atomically and rereading it first (a new reporter extends it). :func:`remove` never
+removes through a symbolic link, nor an entry no longer of the kind the run made, nor a directory someone
+else put a file in."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import stat
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
+from eagerloco import checkpoint as ckpt
 from eagerloco.config import ConfigError, TrainConfig
+from eagerloco.jsonfiles import write_json_atomic
 from eagerloco.procs import pid_alive
-from eagerloco.train.manifest import (
-    LOCK_NAME,
-    MANIFEST_NAME,
-    OWN_NAMES,
-    RUN_NAMES,
-    Entries,
-    RunManifest,
-    kind_of,
-    read_manifest,
-    remove,
-    survey,
-)
 
+MANIFEST_NAME = ".eagerloco-run.json"
+LOCK_NAME = ".eagerloco.lock"
+FORMAT = 1
 #: The name's start of the empty file that checks ``--out`` is writable (removed at once).
 WRITE_PROBE = ".write-test-"
-#: The files a run writes at the top of its directory, by what they hold (each must be a regular file or absent).
-RUN_FILE_ROLES = {"metrics.jsonl": "metrics", "summary.json": "summary",
-                  "summary.json.tmp": "summary while it is written", LOCK_NAME: "run lock",
-                  MANIFEST_NAME: "list of the run's files",
-                  MANIFEST_NAME + ".tmp": "list of the run's files while it is written"}
+#: The files a run writes at the top of its directory, by what they hold (each a regular file or absent).
+RUN_FILES = {"metrics.jsonl": "metrics", "summary.json": "summary", "summary.json.tmp": "summary while it is written"}
+#: eagerloco's own bookkeeping files: never a reason to refuse a directory, never removed by --overwrite.
+OWN_FILES = {LOCK_NAME: "run lock", MANIFEST_NAME: "list of the run's files",
+             MANIFEST_NAME + ".tmp": "list of the run's files while it is written"}
+#: The directories a run writes at the top of its directory.
+RUN_DIRS = ("checkpoints", "tensorboard")
+#: The largest process id a lock may name (a C int, as the system's calls take it).
+MAX_PID = 2**31 - 1
+
+#: Paths relative to the run directory ("checkpoints/step_00000002/meta.json") -> "file" or "dir".
+Entries = dict[str, str]
+
+
+def kind_of(path: Path) -> str | None:
+    """"link", "dir", "file", "other", or None (nothing there), from one lstat: a file another rank renames
+    into place meanwhile is seen as absent or as a file, never as something else."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(mode):
+        return "link"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    return "file" if stat.S_ISREG(mode) else "other"
 
 
 def check_out_dir(out: str) -> Path:
@@ -61,13 +82,13 @@ def check_out_dir(out: str) -> Path:
 def check_kinds(cfg: TrainConfig, path: Path) -> None:
     """Raise ConfigError unless each file a run writes in ``path`` is a regular file or absent (never a link
     or a directory), and ``checkpoints`` (and ``tensorboard`` when used) a directory or absent."""
-    for name, role in RUN_FILE_ROLES.items():
+    for name, role in {**RUN_FILES, **OWN_FILES}.items():
         kind = kind_of(path / name)
         if kind not in (None, "file"):
             what = {"link": "a symbolic link", "dir": "a directory"}.get(kind, "not a regular file")
             raise ConfigError(f"{path / name} is {what}; eagerloco keeps the run's {role} in that file and never "
                               "writes through or removes anything else: move it away or pass another --out")
-    for name, needed in (("checkpoints", True), ("tensorboard", cfg.tensorboard)):
+    for name, needed in zip(RUN_DIRS, (True, cfg.tensorboard), strict=True):
         target = path / name
         if needed and kind_of(target) is not None and not target.is_dir():
             what = "a link to nothing" if kind_of(target) == "link" else "a file"
@@ -75,16 +96,136 @@ def check_kinds(cfg: TrainConfig, path: Path) -> None:
                               "directory: move it away or pass another --out")
 
 
-def run_files(path: Path) -> tuple[Entries, list[str], bool]:
-    """(The earlier run's entries present, by its manifest; the other paths at a run's names; whether
-    ``path`` has no manifest)."""
-    listed = read_manifest(path)
-    ours, foreign = survey(path, listed or {})
-    return ours, foreign, listed is None
+def read_manifest(out: Path) -> Entries | None:
+    """The entries of ``out``'s manifest (None: none); ConfigError for one that is not eagerloco's or unreadable."""
+    path = out / MANIFEST_NAME
+    kind = kind_of(path)
+    if kind is None:
+        return None
+    fix = f"restore it, or move the run's files out of {out} and delete it"
+    if kind != "file":
+        raise ConfigError(f"{path} is a {'symbolic link' if kind == 'link' else kind}, not the list of the files of "
+                          f"the eagerloco run in {out}: {fix}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is unreadable ({e}); it lists the files of the eagerloco run in {out}: "
+                          f"{fix}") from None
+    problem = _manifest_problem(raw)
+    if problem:
+        raise ConfigError(f"{path}: {problem}; {fix}")
+    return dict(raw["entries"])
+
+
+def _manifest_problem(raw: Any) -> str:
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        return f"not an eagerloco run manifest of format {FORMAT}"
+    entries = raw.get("entries")
+    if not isinstance(entries, dict):
+        return "'entries' must be a table of paths"
+    for rel, kind in entries.items():
+        if kind not in ("file", "dir"):
+            return f"entry {rel!r} has kind {kind!r}, not 'file' or 'dir'"
+        parts = rel.split("/")
+        if rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts) or rel == MANIFEST_NAME:
+            return f"entry {rel!r} is not a path inside the run directory"
+    return ""
+
+
+class RunManifest:
+    """The manifest of the run directory ``out``; only the process that reports writes it."""
+
+    def __init__(self, out: Path | str) -> None:
+        self.out = Path(out)
+
+    def write(self, entries: Entries) -> None:
+        """Replace the manifest (atomically)."""
+        write_json_atomic(self.out / MANIFEST_NAME, {"format": FORMAT, "written_by": "eagerloco",
+                                                     "entries": dict(sorted(entries.items()))})
+
+    def record(self, add: Entries | None = None, drop: Iterable[str] = ()) -> None:
+        """Add entries and drop others, rereading the file first (the reporting process can change)."""
+        entries = read_manifest(self.out) or {}
+        for rel in drop:
+            entries.pop(rel, None)
+        entries.update(add or {})
+        self.write(entries)
+
+    def staging(self, step: int) -> Entries:
+        """The entry of the staging directory of step's checkpoint (list it before any process writes it)."""
+        return {ckpt.staging_dir(ckpt.checkpoint_root(self.out), step).relative_to(self.out).as_posix(): "dir"}
+
+    def record_checkpoint(self, final: Path, files: Iterable[str], next_step: int | None = None) -> None:
+        """A published checkpoint: its directory, meta.json and files; its staging directory and the
+        checkpoints pruned since are dropped, and the next checkpoint's staging directory listed."""
+        root, name = final.parent.relative_to(self.out).as_posix(), final.name
+        pruned = [r for r in read_manifest(self.out) or {}
+                  if r.startswith(root + "/step_") and kind_of(self.out / r) is None]
+        add = {f"{root}/{name}": "dir", f"{root}/{name}/meta.json": "file",
+               **{f"{root}/{name}/{f}": "file" for f in files}}
+        if next_step is not None:
+            add.update(self.staging(next_step))
+        self.record(add, drop=[*pruned, f"{root}/.partial-{name}"])
+
+
+def survey(out: Path, listed: Entries) -> tuple[Entries, list[str]]:
+    """(The listed entries present as the kind listed, with the checkpoint files in listed staging
+    directories; the paths at a run's names that are not the run's, each named at its topmost point)."""
+    try:
+        ours = {rel: kind for rel, kind in listed.items() if rel not in OWN_FILES and kind_of(out / rel) == kind}
+        for rel in [r for r, k in ours.items() if k == "dir" and ckpt.STAGING_NAME.fullmatch(r.rsplit("/", 1)[-1])]:
+            for child in (out / rel).iterdir():
+                if ckpt.FILE_NAME.fullmatch(child.name) and kind_of(child) == "file":
+                    ours[f"{rel}/{child.name}"] = "file"
+        foreign: list[str] = []
+        for name in (*RUN_FILES, *RUN_DIRS):
+            _foreign(out, name, ours, foreign, top=True)
+    except OSError as e:
+        raise ConfigError(f"cannot read {e.filename or out} ({e.strerror or e}); make it readable or pass another "
+                          "--out") from None
+    return ours, foreign
+
+
+def _foreign(out: Path, rel: str, ours: Entries, found: list[str], top: bool = False) -> None:
+    path = out / rel
+    kind = kind_of(path)
+    if kind is None:
+        return
+    # A run's directories are looked into, a symbolic link to one at the top too (a `checkpoints` on another disk).
+    top_dir = top and rel in RUN_DIRS
+    if (kind == "dir" and (top_dir or rel in ours)) or (top_dir and kind == "link" and path.is_dir()):
+        for child in sorted(path.iterdir()):
+            _foreign(out, f"{rel}/{child.name}", ours, found)
+    elif rel not in ours:
+        found.append(rel)
+
+
+def remove(out: Path, entries: Entries) -> tuple[list[str], list[str]]:
+    """Remove the run's entries, deepest first, a directory only once empty, nothing no longer of the kind
+    listed; returns (what was removed, the directories kept). ConfigError naming a file that cannot go."""
+    removed: list[str] = []
+    kept: list[str] = []
+    for rel in sorted(entries, key=lambda r: (-r.count("/"), entries[r] == "dir", r)):
+        path, kind = out / rel, entries[rel]
+        if rel in OWN_FILES or kind_of(path) != kind:
+            continue
+        try:
+            if kind == "file":
+                path.unlink()
+            else:
+                path.rmdir()
+        except OSError as e:
+            if kind == "dir" and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                kept.append(rel)
+                continue
+            raise ConfigError(f"--overwrite: cannot remove {path} ({e.strerror or e}); make it writable or pass "
+                              "another --out") from None
+        removed.append(rel)
+    return removed, kept
 
 
 def _summarize(ours: Entries) -> list[str]:
-    found: list[str] = [name for name in ("metrics.jsonl", "summary.json", "summary.json.tmp") if name in ours]
+    found: list[str] = [name for name in RUN_FILES if name in ours]
     files = [r for r, k in ours.items() if k == "file"]
     steps = sorted({r.split("/")[1] for r in files if r.startswith("checkpoints/step_")}, key=lambda s: int(s[5:]))
     if steps:
@@ -99,7 +240,7 @@ def _summarize(ours: Entries) -> list[str]:
 def _unlisted_top(path: Path, ours: Entries) -> list[str]:
     """The names at the top of ``path`` other than a run's paths (:func:`survey` looked into those) and
     eagerloco's bookkeeping."""
-    tops = {rel.split("/", 1)[0] for rel in ours} | set(OWN_NAMES) | set(RUN_NAMES)
+    tops = {rel.split("/", 1)[0] for rel in ours} | {*OWN_FILES, *RUN_FILES, *RUN_DIRS}
     try:
         names = os.listdir(path) if path.is_dir() else []  # compare checks a run's directory before making it
         return sorted(n for n in names if n not in tops and not n.startswith(WRITE_PROBE))
@@ -118,10 +259,11 @@ def check_fresh_start(cfg: TrainConfig, path: Path) -> None:
     check_kinds(cfg, path)
     if cfg.resume:
         return
-    ours, foreign, unlisted = run_files(path)
-    how = f"no {MANIFEST_NAME} lists them" if unlisted else f"{path / MANIFEST_NAME} does not list them"
+    listed = read_manifest(path)
+    ours, foreign = survey(path, listed or {})
+    how = f"no {MANIFEST_NAME} lists them" if listed is None else f"{path / MANIFEST_NAME} does not list them"
     if cfg.overwrite:
-        if unlisted and not foreign:
+        if listed is None and not foreign:
             foreign = _unlisted_top(path, ours)
             if foreign:
                 fix = ("move them away or pass another --out" if _summarize(ours) else
@@ -155,8 +297,9 @@ def check_fresh_start(cfg: TrainConfig, path: Path) -> None:
 
 
 def start_manifest(cfg: TrainConfig, path: Path) -> None:
-    """Write the run's manifest: the earlier run's entries kept (``--resume``) or removed (``--overwrite``),
-    plus the lock and the directories this run will create."""
+    """Write the run's manifest: the earlier run's entries kept (``--resume``) or removed (``--overwrite``), less
+    what a run that stopped mid-write left (unfinished checkpoints, a summary.json.tmp: removed, with a line
+    saying so), plus the lock and the directories this run will create. Call while no process of the run writes."""
     ours, _ = survey(path, read_manifest(path) or {})
     if cfg.resume:
         entries = ours
@@ -168,29 +311,23 @@ def start_manifest(cfg: TrainConfig, path: Path) -> None:
         entries = {r: "dir" for r in kept}
     else:
         entries = {r: k for r, k in ours.items() if k == "dir"}  # an earlier run's directories, emptied by hand
-    entries[LOCK_NAME] = "file"
-    for name, used in (("checkpoints", cfg.checkpoint_every > 0), ("tensorboard", cfg.tensorboard)):
-        if used and kind_of(path / name) is None:
-            entries[name] = "dir"
-    RunManifest(path).write(entries)
-
-
-def remove_leftovers(path: Path) -> None:
-    """Remove what a run that stopped mid-write left in ``path`` (unfinished checkpoints, a summary.json.tmp),
-    as far as the manifest lists it, with a line saying so. Call while no process of the run writes."""
-    manifest = RunManifest(path)
-    listed = manifest.entries()
-    ours, _ = survey(path, listed)
-    staged = [r for r, k in ours.items() if k == "dir" and r.rsplit("/", 1)[-1].startswith(".partial-")]
-    files = [r for r in ours if r == "summary.json.tmp" or any(r.startswith(s + "/") for s in staged)]
-    removed, _ = remove(path, {r: ours[r] for r in [*staged, *files]})
-    if kind_of(path / (MANIFEST_NAME + ".tmp")) == "file":
-        (path / (MANIFEST_NAME + ".tmp")).unlink()
+    staged = [r for r, k in entries.items() if k == "dir" and r.rsplit("/", 1)[-1].startswith(".partial-")]
+    unfinished = [r for r in entries if r in staged or r == "summary.json.tmp"
+                  or any(r.startswith(s + "/") for s in staged)]
+    removed, _ = remove(path, {r: entries[r] for r in unfinished})
     gone = [r.rsplit("/", 1)[-1] for r in removed if r in staged or r == "summary.json.tmp"]
     if gone:
         print(f"eagerloco: removed what an earlier run left unfinished in {path}: {', '.join(gone)}",
               file=sys.stderr, flush=True)
-        manifest.record(drop=removed)
+    for rel in removed:
+        del entries[rel]
+    if kind_of(path / (MANIFEST_NAME + ".tmp")) == "file":
+        (path / (MANIFEST_NAME + ".tmp")).unlink()
+    entries[LOCK_NAME] = "file"
+    for name, used in zip(RUN_DIRS, (cfg.checkpoint_every > 0, cfg.tensorboard), strict=True):
+        if used and kind_of(path / name) is None:
+            entries[name] = "dir"
+    RunManifest(path).write(entries)
 
 
 class RunLock:
@@ -255,23 +392,13 @@ class RunLock:
             shown = text.strip() if len(text.strip()) <= 60 else text.strip()[:57] + "..."
             raise ConfigError(f"the run lock {self.path} holds {shown}: {problem}, so eagerloco did not write it; "
                               f"if no run uses {self.path.parent}, delete {self.path}")
-        return cast("dict[str, Any]", holder)  # a table: _lock_problem checked it
+        return {"pid": holder["pid"], "host": holder["host"]}
 
     def release(self) -> None:
         """Remove the lock if this process holds it."""
         if self.held:
             self.path.unlink(missing_ok=True)
             self.held = False
-
-    def __enter__(self) -> RunLock:
-        return self if self.held else self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-#: The largest process id a lock may name (a C int, as the system's calls take it).
-MAX_PID = 2**31 - 1
 
 
 def _lock_problem(holder: Any) -> str:
@@ -294,7 +421,6 @@ def claim(cfg: TrainConfig) -> RunLock:
     try:
         check_fresh_start(cfg, path)
         start_manifest(cfg, path)
-        remove_leftovers(path)
     except BaseException:
         lock.release()
         raise
@@ -313,5 +439,5 @@ def guard_run_dir(cfg: TrainConfig, reporting: bool) -> RunLock | None:
     return None
 
 
-__all__ = ["LOCK_NAME", "MAX_PID", "RUN_FILE_ROLES", "RunLock", "check_fresh_start", "check_kinds", "check_out_dir",
-           "claim", "guard_run_dir", "remove_leftovers", "run_files", "start_manifest"]
+__all__ = ["LOCK_NAME", "MANIFEST_NAME", "RunLock", "RunManifest", "check_fresh_start", "check_kinds", "claim",
+           "guard_run_dir", "kind_of", "read_manifest"]

@@ -17,9 +17,8 @@ from eagerloco import checkpoint as ckpt
 from eagerloco.comm.link import check_exchange_fits, emulated_link
 from eagerloco.comm.rendezvous import Meeting
 from eagerloco.config import Environment, LinkConfig, TrainConfig
-from eagerloco.train.manifest import RunManifest
 from eagerloco.train.resume import announce_resume, resume_checkpoint
-from eagerloco.train.rundir import claim
+from eagerloco.train.rundir import RunManifest, claim
 from eagerloco.train.worker import Worker
 
 #: A checkpoint to continue from: its directory and its meta.json.

@@ -30,7 +30,6 @@ from eagerloco.train.outputs import ProgressLines, RunOutput, accounting, add_th
 from eagerloco.train.resume import checkpoint_meta
 from eagerloco.train.runtime import Runtime, num_params
 from eagerloco.train.worker import Worker, evaluate, model_flops, prepare, task_evals
-from eagerloco.units import fmt_bytes
 
 
 class Trainer:
@@ -84,7 +83,7 @@ class Trainer:
         if short is not None and rt.reports():
             print(f"eagerloco: warning: {short}", flush=True)
         try:
-            progress = (_Progress(cfg, workers, self.perf, self.start_step, rt.devices)
+            progress = (ProgressLines(cfg.outer.method, cfg.steps, self.start_step, log_every=cfg.log_every)
                         if cfg.progress and rt.reports() else None)
             real_t0 = time.perf_counter() - self.real_elapsed
             for step in range(self.start_step + 1, cfg.steps + 1):
@@ -101,12 +100,13 @@ class Trainer:
                 for w in workers:
                     events.inner_step_done(w.comm.rank, step)
                 eval_point = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
-                eval_loss = self.evaluate(step) if eval_point else None
+                eval_loss = self.evaluate(step)[0] if eval_point else None
                 if step % cfg.log_every == 0 or step == cfg.steps or eval_loss is not None:
                     output.log(self.record(step, real_t0, eval_loss))
                     self.check_loss(step)
                 if progress is not None:
-                    progress.update(step, real_t0, self.tokens(step))
+                    progress.update(step, self.mean_loss, workers[0].comm.stats, self.tokens(step),
+                                    self.perf["flops_per_token"], self.perf["peak_tflops"], rt.devices)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     self.save(step)
             real_wall = time.perf_counter() - real_t0
@@ -115,17 +115,12 @@ class Trainer:
                 progress.close()
         finally:
             output.close()
-        final_eval, extra = float("nan"), {}
-        if rt.evaluates():
-            with syncs[0].outer_weights() as m:
-                final_eval = evaluate(m, self.eval_batches, workers[0].precision)
-                if self.final_evals is not None:
-                    extra = self.final_evals(m)
-            events.evaluation_done(cfg.steps)
-            if not math.isfinite(final_eval):
-                raise DivergedError("eval loss of the outer parameters", cfg.steps, workers[0].comm.rank)
-        rt.after_eval(cfg.steps)
-        return self.summary(final_eval, real_wall, extra)
+        final_eval, extra = self.evaluate(cfg.steps, final=True)
+        return self.summary(float("nan") if final_eval is None else final_eval, real_wall, extra)
+
+    def mean_loss(self) -> float:
+        """The mean over this process's workers of their last inner step's loss."""
+        return sum(w.last_loss for w in self.workers) / len(self.workers)
 
     def check_loss(self, step: int) -> None:
         """A loss that is not finite stops the run where it is found (at a log point or a checkpoint, where the
@@ -134,15 +129,20 @@ class Trainer:
             if not math.isfinite(w.last_loss):
                 raise DivergedError("loss", step, w.comm.rank)
 
-    def evaluate(self, step: int) -> float | None:
-        """The eval loss of the outer parameters at an evaluation point (None where another process evaluates)."""
-        loss = None
+    def evaluate(self, step: int, final: bool = False) -> tuple[float | None, dict[str, float]]:
+        """The eval loss of the outer parameters at an evaluation point and, at the ``final`` one, the zero-shot
+        scores (None, {} where another process evaluates); a final loss that is not finite stops the run."""
+        loss, extra = None, {}
         if self.runtime.evaluates():
             with self.workers[0].sync.outer_weights() as m:
                 loss = evaluate(m, self.eval_batches, self.workers[0].precision)
+                if final and self.final_evals is not None:
+                    extra = self.final_evals(m)
             events.evaluation_done(step)
+            if final and not math.isfinite(loss):
+                raise DivergedError("eval loss of the outer parameters", step, self.workers[0].comm.rank)
         self.runtime.after_eval(step)
-        return loss
+        return loss, extra
 
     def record(self, step: int, real_t0: float, eval_loss: float | None) -> dict[str, Any]:
         """One metrics line: loss, link accounting, clock and throughput after ``step``."""
@@ -155,7 +155,7 @@ class Trainer:
         rec: dict[str, Any] = {
             "step": step,
             "tokens": tokens,
-            "loss": sum(w.last_loss for w in workers) / len(workers),
+            "loss": self.mean_loss(),
             "lr": workers[0].sched.get_last_lr()[0],
             **link_metrics(st, clock),
             "wall_s": clock,
@@ -210,7 +210,7 @@ class Trainer:
             "eager_weighting": oc.eager_weighting, "codec": oc.codec, "steps": cfg.steps,
             "tokens": self.tokens(cfg.steps),
             "final_eval_loss": final_eval,
-            "final_train_loss": sum(w.last_loss for w in workers) / len(workers),
+            "final_train_loss": self.mean_loss(),
             **acc,
             "real_wall_s": real_wall,
             "bandwidth_gbps": cfg.link.bandwidth_gbps, "latency_ms": cfg.link.latency_ms,
@@ -252,43 +252,6 @@ class Trainer:
             shutil.rmtree(stage, ignore_errors=True)
         rt.share_verdict(problem)
         rt.doing = "training"
-
-
-class _Progress:
-    """A bar on a terminal; in a pipe (a log, `eagerloco launch`) a line now and then."""
-
-    def __init__(self, cfg: TrainConfig, workers: list[Worker], perf: dict[str, Any], start_step: int,
-                 devices: int) -> None:
-        from tqdm import tqdm
-
-        self.cfg, self.workers, self.perf, self.devices = cfg, workers, perf, devices
-        self.bar: Any = tqdm(total=cfg.steps, initial=start_step, desc=cfg.outer.method, unit="step",
-                             dynamic_ncols=True, leave=False, disable=None)
-        self.lines = None
-        if self.bar.disable:
-            self.bar, self.lines = None, ProgressLines(cfg.outer.method, cfg.steps, start_step)
-
-    def loss(self) -> float:
-        return sum(w.last_loss for w in self.workers) / len(self.workers)
-
-    def update(self, step: int, real_t0: float, tokens: int) -> None:
-        cfg, st = self.cfg, self.workers[0].comm.stats
-        if self.lines is not None:
-            self.lines.update(step, self.loss, st, tokens=tokens, per_token=self.perf["flops_per_token"],
-                              peak=self.perf["peak_tflops"], devices=self.devices)
-            return
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            real = time.perf_counter() - real_t0
-            rate = tokens / real if real > 0 else float("nan")
-            run_mfu = mfu(rate, self.perf["flops_per_token"], self.perf["peak_tflops"], self.devices)
-            shown = {"mfu": f"{run_mfu:.1%}"} if run_mfu is not None else {}
-            self.bar.set_postfix(loss=f"{self.loss():.3f}", sent=fmt_bytes(st.bytes_sent, ".1f", ""),
-                                 blocked=f"{st.blocked_s:.2f}s", tok_s=f"{rate:,.0f}", **shown)
-        self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 __all__ = ["Trainer"]
