@@ -76,7 +76,8 @@ def test_a_listener_that_never_answers_ends_the_job_within_the_timeout_with_one_
     finally:
         silent.close()
     assert p.returncode == 3, out + err
-    assert took < 4 + 15, took  # the timeout, start-up and the slack; it was minutes (the lines: see above)
+    # The timeout plus a start-up (torch's import) that takes 30 s on 2 loaded cores; it was minutes (see above).
+    assert took < 4 + 45, took
     last = err.strip().splitlines()[-1]
     assert last.startswith("eagerloco: error: worker 1 cannot reach the coordinator at 127.0.0.1:"), err
     assert "Traceback" not in err and "frame #" not in err, err
