@@ -72,16 +72,14 @@ class Membership:
         workers: int,
         timeout_s: float,
         *,
-        members: list[int] | None = None,
-        epoch: int = 0,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         self.client, self.group = client, group
         self.kv = prefixed("eagerloco/elastic/", client)
         self.hb = prefixed(HEARTBEAT_PREFIX, client)
         self.worker, self.workers, self.timeout_s = worker, workers, float(timeout_s)
-        self.members = list(members) if members is not None else list(range(workers))
-        self.epoch = epoch
+        self.members = list(range(workers))
+        self.epoch = 0
         #: The schedule changes follow (:meth:`attach`): inner steps between round boundaries, the exchange delay
         #: and the run's last step (0: unknown).
         self.round, self.delay, self.steps = 1, 0, 0
@@ -473,7 +471,7 @@ class Membership:
               f"members {self.members} (epoch {self.epoch})", flush=True)
 
     @classmethod
-    def join(cls, client: dist.Store, worker: int, workers: int, timeout_s: float, **kwargs: Any) -> Membership | None:
+    def join(cls, client: dist.Store, worker: int, workers: int, timeout_s: float) -> Membership | None:
         """A returning worker: ask to join, wait to be admitted (at most 4 timeouts, 10 minutes or more), build the
         group. Returns the membership at the step it joins, with the member it takes its state from (:meth:`joined`),
         or None when the run ended first."""
@@ -482,7 +480,7 @@ class Membership:
         # asks, as the rank server preloads it (cli.preload_train).
         import torch._dynamo  # noqa: F401
 
-        m = cls(client, worker, workers, timeout_s, **kwargs)
+        m = cls(client, worker, workers, timeout_s)
         wait_s = max(4 * timeout_s, 600.0)
         if poll(lambda: [] if m._gone(worker) or not m.hb.check([f"hb/{worker}"]) else [worker], 3 * _STALE_S,
                 lambda _: f"worker {worker}: waiting for the heartbeat of an earlier worker {worker} to stop",

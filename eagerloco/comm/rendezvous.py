@@ -365,12 +365,15 @@ def init_process_groups(workers: int, ranks_per_worker: int = 1, backend: str | 
 @dataclass(frozen=True)
 class OuterRendezvous:
     """Where the workers of a run find each other when each is its own job: the coordinator's TCPStore at
-    host:port (``eagerloco coordinator``), which every worker's first rank connects to."""
+    host:port (``eagerloco coordinator``, or the launcher's under ``eagerloco launch --elastic``), which every
+    worker's first rank connects to. ``single``: this process is the whole worker (a rank of ``eagerloco launch
+    --elastic``, whose RANK and WORLD_SIZE number the workers); else the job's WORLD is the worker's ranks."""
 
     host: str
     port: int
     worker: int
     workers: int
+    single: bool = False
 
     @property
     def where(self) -> str:
@@ -440,11 +443,11 @@ def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S
     if not (timeout_s > 0):
         raise ConfigError(f"--dist-timeout must be a positive number of seconds, got {timeout_s}")
     env = Environment.read()
-    rank, world = env.rank or 0, env.world_size or 1
+    rank, world = (0, 1) if rdzv.single else (env.rank or 0, env.world_size or 1)
     if not dist.is_initialized() and world > 1:
         init_world("nccl" if torch.cuda.is_available() else "gloo", timeout_s, env)
     backend = "gloo"
-    if dist.is_initialized():
+    if dist.is_initialized() and not rdzv.single:
         rank, world, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
     local_rank = env.local_rank or 0
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
