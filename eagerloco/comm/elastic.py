@@ -17,6 +17,7 @@ import torch.distributed as dist
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.errors import PeerError, describe_exception
 from eagerloco.comm.groups import HEARTBEAT_PREFIX, OUTER_PG_PREFIX, gloo_group
+from eagerloco.comm.init_sync import broadcast_parameters
 from eagerloco.comm.ops import BARRIER
 from eagerloco.comm.rendezvous import poll, prefixed
 from eagerloco.config import OuterConfig
@@ -522,22 +523,11 @@ class Membership:
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> None:
-        """Agree on one final model (the leader's outer parameters) and tell late joiners it is over."""
+        """Agree on one final model (the leader's outer parameters: the leader, the lowest id, is the group's first
+        rank) and tell late joiners it is over."""
         trainer = self.trainer
         assert trainer is not None
-
-        def agree() -> None:
-            params = trainer.sync.outer_parameters()
-            flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
-            self.share(flat, self.members.index(self.leader))
-            i = 0
-            with torch.no_grad():
-                for p in params:
-                    n = p.numel()
-                    p.copy_(flat[i : i + n].view_as(p).to(p.dtype))
-                    i += n
-
-        self.guarded(agree)
+        self.guarded(lambda: broadcast_parameters(trainer.sync.outer_parameters(), None, self.group))
         if self.is_leader():
             self.kv.set("done", "1")
 
