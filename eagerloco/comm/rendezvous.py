@@ -35,6 +35,7 @@ from eagerloco.comm.groups import (
     world_backend,
 )
 from eagerloco.config import ConfigError
+from eagerloco.config.checks import host_port
 from eagerloco.environment import Environment
 
 T = TypeVar("T")
@@ -383,15 +384,13 @@ class OuterRendezvous:
     def parse(cls, addr: str, worker: int | None, workers: int | None, grow: bool = False) -> OuterRendezvous:
         """From ``host:port``, this worker's id and the number of workers; ConfigError if invalid. ``grow``: an id
         beyond the workers is allowed (a worker joining an elastic run under way)."""
-        host, sep, port = str(addr).rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-            raise ConfigError(f"--outer-addr must be host:port with a port in 1..65535, got {addr!r}")
+        host, port = host_port("outer_addr", str(addr))
         if workers is None or isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ConfigError(f"--workers must be an integer >= 1 with --outer-addr, got {workers!r}")
         if (worker is None or isinstance(worker, bool) or not isinstance(worker, int) or worker < 0
                 or (worker >= workers and not grow)):
             raise ConfigError(f"--worker-id must be an integer in 0..{workers - 1} (one per job), got {worker!r}")
-        return cls(host.strip("[]"), int(port), worker, workers)
+        return cls(host.strip("[]"), port, worker, workers)
 
     @classmethod
     def find(cls, outer_addr: str | None, worker_id: int | None, workers: int | None,
