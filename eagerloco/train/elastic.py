@@ -55,17 +55,15 @@ class ElasticRuntime(JobRuntime):
             start_step, real_elapsed = super().load(files, found)
         else:
             path, meta = found
-            have = has_worker(meta, me)
-            if have:
+            if has_worker(meta, me):
                 files[me].load_state_dict(ckpt.load_worker_state(path, me))
             elif (own := own_last_state(self.root, me)) is not None:
                 files[me].stream.load_state_dict(own["stream"])  # its data position when it was last saved
             start_step, real_elapsed = int(meta["step"]), float(meta.get("real_elapsed", 0.0))
-            membership.kv.set(f"resumed/{me}", json.dumps(have))
-            flags = membership.collect("resumed")
-            lacking = [w for w, h in flags.items() if not h]
+            # Every member read the same checkpoint (the run's one directory, the step they agreed on).
+            lacking = [w for w in membership.members if not has_worker(meta, w)]
             if lacking:  # out of the group when the checkpoint was made: take a member's state
-                membership.handover(min(w for w, h in flags.items() if h), lacking)
+                membership.handover(min(w for w in membership.members if has_worker(meta, w)), lacking)
         membership.step = self.start_step = start_step
         self.comm.step_hint = start_step + 1
         return start_step, real_elapsed
