@@ -47,7 +47,7 @@ class DistContext:
     #: The group this rank exchanges outer gradients in: one rank per worker (each worker's first),
     #: None on the other ranks; with ``sharded_outer`` every rank has one (the i-th rank of every worker).
     outer_group: dist.ProcessGroup | None = None
-    #: Client of the rendezvous store for heartbeats (None if it could not be reached).
+    #: This process's client of the run's store, under the heartbeats' prefix (None if it could not be reached).
     store: dist.Store | None = field(default=None, repr=False)
     #: Every rank exchanges its own shard of the outer gradient (FSDP inside the worker): R outer
     #: groups side by side, each carrying 1/R of the payload.
@@ -147,7 +147,7 @@ def process_groups(workers: int, ranks_per_worker: int, backend: str, device: to
                       ranks_per_worker=r, local_rank=Environment.read().local_rank or 0, device=device,
                       backend=backend, timeout_s=timeout_s, inner_group=inner, outer_group=outer,
                       sharded_outer=sharded_outer)
-    ctx.store = heartbeat_store(timeout_s) if ctx.is_outer_rank else None
+    ctx.store = heartbeat_store(timeout_s)  # every rank's: the outer ranks' heartbeats, the runtime's waits
     return ctx
 
 
