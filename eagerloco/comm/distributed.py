@@ -35,7 +35,7 @@ from eagerloco.comm.base import (
 from eagerloco.comm.emulated_link import EmulatedLink
 from eagerloco.comm.errors import PeerError, TransportError, describe_exception
 from eagerloco.comm.exchange_queue import ExchangeQueue, Result
-from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext
+from eagerloco.comm.groups import DEFAULT_TIMEOUT_S
 from eagerloco.comm.heartbeat import HEARTBEAT_S, Heartbeat
 from eagerloco.comm.ops import AGREE, BARRIER, Op, check_headers, check_schedules, header
 from eagerloco.comm.quorum_jobs import QuorumJobs
@@ -166,20 +166,6 @@ class TorchDistCommunicator(Communicator):
         self.heartbeat = Heartbeat(store, self.rank, channel, heartbeat_s,
                                    progress=lambda: (self.exchanges.entered, self.step_hint))
         self.exchanges.start()
-
-    @classmethod
-    def from_context(
-        cls, ctx: DistContext, link: LinkConfig | None = None, **kwargs: Any
-    ) -> TorchDistCommunicator:
-        """The communicator of an outer rank, with the context's timeout, worker names and store."""
-        if not ctx.is_outer_rank:
-            raise ValueError(
-                f"global rank {ctx.rank} is not its worker's first rank and has no outer communicator"
-            )
-        kwargs.setdefault("timeout_s", ctx.timeout_s)
-        kwargs.setdefault("names", ctx.worker_names())
-        kwargs.setdefault("store", ctx.store)
-        return cls(ctx.outer_group, link, **kwargs)
 
     def __enter__(self) -> TorchDistCommunicator:
         return self
