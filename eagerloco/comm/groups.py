@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from eagerloco.comm.errors import PeerError
 from eagerloco.config import ConfigError
 from eagerloco.environment import Environment
 
@@ -188,29 +187,20 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> dis
     return group
 
 
-def store_client(timeout_s: float) -> dist.TCPStore:
-    """A client of this process's own to the run's store at MASTER_ADDR:MASTER_PORT."""
+def heartbeat_store(timeout_s: float) -> dist.Store | None:
+    """This process's client of the run's store at MASTER_ADDR:MASTER_PORT, under the heartbeats' prefix; None where
+    there is none: heartbeats only improve error messages, so an unreachable store is a warning. timeout_s is capped
+    at 30 s: diagnosis must stay quick."""
     env = Environment.read()
     host, port = env.master_addr, env.master_port
     if not host or port is None:
-        raise ConfigError("MASTER_ADDR and MASTER_PORT (the launcher's store) are not set; start the run with "
-                          "`eagerloco launch` or torchrun")
-    try:
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
-    except Exception as e:
-        raise PeerError(f"cannot reach the run's store at {host}:{port} ({e}); is the launcher still running?") from e
-
-
-def heartbeat_store(timeout_s: float) -> dist.Store | None:
-    """The heartbeat store, or None: heartbeats only improve error messages, so a missing store is a warning.
-    timeout_s is capped at 30 s: diagnosis must stay quick."""
-    try:
-        client = store_client(min(timeout_s, 30.0))
-    except ConfigError:
         return None
-    except PeerError as e:
-        warnings.warn(f"no heartbeat store: {e}; peer errors will not name the worker", stacklevel=2)
+    try:
+        client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=min(timeout_s, 30.0)),
+                               wait_for_workers=False)
+    except Exception as e:
+        warnings.warn(f"no heartbeat store: cannot reach the run's store at {host}:{port} ({e}); is the launcher still "
+                      "running? Peer errors will not name the worker", stacklevel=2)
         return None
     return dist.PrefixStore(HEARTBEAT_PREFIX, client)
 
