@@ -202,10 +202,8 @@ class CoordinatorClient(StoreView):
             left = self.timeout_s - (now - self.lost_since)
             waiting = f"{self.me}: waiting for the coordinator at {self.where} (it restarted, or the network is cut)"
             try:
-                if left <= 0 or threading.get_ident() != self.owner:
-                    wait_for_listener(self.host, self.port, 0.0, waiting)
-                else:
-                    wait_for_listener(self.host, self.port, left, waiting)
+                mine = threading.get_ident() == self.owner  # only its thread waits; the others look once
+                wait_for_listener(self.host, self.port, max(left, 0.0) if mine else 0.0, waiting)
                 self.store = self._connect()
                 for key, value in self.kept.items():
                     self.store.set(key, value)
