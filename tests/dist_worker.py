@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from eagerloco.codecs import get_codec
 from eagerloco.comm.base import flatten, mean_of_payloads
-from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.rendezvous import init_process_groups
 from eagerloco.comm.worker import communicator_for
@@ -62,7 +61,7 @@ def scenario_peer(outdir: Path, mode: str) -> None:
 
     timeout = float(os.environ.get("TEST_DIST_TIMEOUT", "4"))
     ctx = init_process_groups(int(os.environ["WORLD_SIZE"]), 1, "gloo", timeout_s=timeout)
-    comm = TorchDistCommunicator.from_context(ctx, heartbeat_s=0.5)
+    comm = communicator_for(ctx, heartbeat_s=0.5)
     codec = get_codec("fp32")
     comm.allreduce_mean([torch.ones(1000)], codec).wait()
     victim = comm.num_workers - 1

@@ -22,6 +22,7 @@ from eagerloco.comm.base import flatten, wire_bytes
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.errors import ScheduleMismatchError
 from eagerloco.comm.groups import DistContext
+from eagerloco.comm.worker import communicator_for
 from eagerloco.config import LinkConfig, OuterConfig
 from eagerloco.outer import OuterSync
 
@@ -80,7 +81,7 @@ def _timing(ctx: DistContext) -> dict:
     codec = get_codec("e2m1")
     x = [torch.randn(4096)]
     r: dict[str, float | bool] = {}
-    comm = TorchDistCommunicator.from_context(ctx, LinkConfig(latency_ms=LATENCY_S * 1e3))
+    comm = communicator_for(ctx, LinkConfig(latency_ms=LATENCY_S * 1e3))
     comm.barrier()
     # Overlap: launch, compute for about the link time, then wait.
     t0 = time.perf_counter()
@@ -114,7 +115,7 @@ def _timing(ctx: DistContext) -> dict:
     n = 1 << 16
     payload = codec.packed_nbytes(n)
     gbps = payload * 8 / 0.4 / 1e9
-    comm = TorchDistCommunicator.from_context(ctx, LinkConfig(bandwidth_gbps=gbps))
+    comm = communicator_for(ctx, LinkConfig(bandwidth_gbps=gbps))
     comm.barrier()
     t0 = time.perf_counter()
     comm.allreduce_mean([torch.randn(n)], codec).wait()
@@ -136,7 +137,7 @@ def _agreement(ctx: DistContext) -> dict:
     an emulated link, whose schedule needs the header); different schedules are a clear error."""
 
     def run(link: LinkConfig | None, width: int = 8) -> dict:
-        comm = TorchDistCommunicator.from_context(ctx, link)
+        comm = communicator_for(ctx, link)
         gathers = []
         gather = comm._gather
         comm._gather = lambda buf: (gathers.append(buf.numel()), gather(buf))[1]  # type: ignore[method-assign]

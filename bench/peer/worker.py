@@ -95,14 +95,14 @@ def run_ours(method: str, fragments: int, replica: int, steps: int, h: int, over
     """
     import eagerloco.comm.distributed as dmod
     from eagerloco.comm import base as comm_base
-    from eagerloco.comm.distributed import TorchDistCommunicator
     from eagerloco.comm.rendezvous import init_process_groups
+    from eagerloco.comm.worker import communicator_for
     from eagerloco.config import OuterConfig
     from eagerloco.outer import OuterSync
 
     replicas = int(sys.argv[3])
     ctx = init_process_groups(replicas, 1, "gloo", timeout_s=TIMEOUT_S)
-    comm = TorchDistCommunicator.from_context(ctx)
+    comm = communicator_for(ctx)
     model = wl.build_model()
     opt = wl.inner_optimizer(model)
     lr = wl.EAGER_OUTER_LR if method == "eager" else wl.OUTER_LR

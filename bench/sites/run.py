@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from eagerloco import checkpoint as ckpt  # noqa: E402
-from eagerloco.train.elastic import worker_steps  # noqa: E402
+from eagerloco.train.job import worker_steps  # noqa: E402
 
 PY = sys.executable
 STARTED: list[subprocess.Popen] = []  # every process the benchmark started

@@ -50,10 +50,13 @@ class Connection:
     joined: bool = False  # the outer group was formed across jobs (join_outer_group)
     meeting: Meeting | None = None
     late: Callable[[], None] | None = None  # arrived at an elastic run under way: how it opens once admitted (settle)
+    finished: str = ""  # the elastic run under way ended before this worker was admitted: saying so
 
     @property
     def comm(self) -> Communicator:
         """The communicator over the outer group."""
+        if self.finished:
+            raise PeerError(self.finished, [])
         if self.opened is None:
             raise ConfigError("this connection joins an elastic run under way and is not admitted yet: pass it to "
                               "outer_loop (or a callback), which checks the run's settings and waits for a round "
@@ -102,8 +105,8 @@ class Connection:
         if ctx.joining:
             self.membership = Membership.join(ctx.outer_store, rdzv.worker, rdzv.workers, self.timeout_s)
             if self.membership is None:
-                raise PeerError(f"worker {rdzv.worker}: the run at {rdzv.where} finished before this worker could "
-                                "join", [])
+                self.finished = f"worker {rdzv.worker}: the run at {rdzv.where} finished before this worker could join"
+                return
             ctx.outer_group = self.membership.group
         elif elastic:
             self.membership = Membership(ctx.outer_store, rdzv.worker, rdzv.workers, self.timeout_s,
@@ -140,7 +143,7 @@ class Connection:
             check_agreement({0: json.loads(json.dumps(mine, default=str)), -1: theirs},
                             lambda i: "the run" if i < 0 else me, f"Start {me} with the run's settings to join it",
                             fixes)
-        if self.opened is None:
+        if self.opened is None and not self.finished:
             self.late()
 
     @property

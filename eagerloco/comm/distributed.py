@@ -2,9 +2,9 @@
 
 Only the outer ranks (:mod:`eagerloco.comm.groups`) own a :class:`TorchDistCommunicator`; the others share
 its results through :class:`~eagerloco.comm.worker.WorkerCommunicator`. It composes the queue
-(:mod:`~eagerloco.comm.exchange_queue`), the group (:mod:`~eagerloco.comm.peers`), the header checks
-(:mod:`~eagerloco.comm.ops`) and the heartbeat (:mod:`~eagerloco.comm.heartbeat`), and parks for an elastic
-membership change (:mod:`~eagerloco.comm.elastic`).
+(:mod:`~eagerloco.comm.exchange_queue`), the header checks (:mod:`~eagerloco.comm.ops`) and the heartbeat
+(:mod:`~eagerloco.comm.heartbeat`), and parks for an elastic membership change (:mod:`~eagerloco.comm.elastic`),
+which alone changes its group, members and link.
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ from eagerloco.comm.base import (
 from eagerloco.comm.emulated_link import EmulatedLink
 from eagerloco.comm.errors import PeerError, TransportError, describe_exception
 from eagerloco.comm.exchange_queue import ExchangeQueue, Result
-from eagerloco.comm.groups import DEFAULT_TIMEOUT_S, DistContext
+from eagerloco.comm.groups import DEFAULT_TIMEOUT_S
 from eagerloco.comm.heartbeat import HEARTBEAT_S, Heartbeat
 from eagerloco.comm.ops import AGREE, BARRIER, Op, check_headers, check_schedules, header
-from eagerloco.comm.peers import Peers
 from eagerloco.comm.quorum_jobs import QuorumJobs
 from eagerloco.comm.reduce_scatter import Shards, uses_reduce_scatter
 from eagerloco.comm.staging import Staging
@@ -142,8 +141,11 @@ class TorchDistCommunicator(Communicator):
         # A group's name() is its backend; dist.get_backend() knows only WORLD's groups (see gloo_group).
         backend = (group if group is not None else dist.group.WORLD).name()
         self.staging = Staging(device, on_device=backend == "nccl")
-        #: The current group, its members and their names, and the emulated link among them.
-        self.peers = Peers(group, members, pos, names, link, seed)
+        #: The current group (None: the default group, or detached for a membership change), the worker id of each
+        #: of its ranks (this worker's at ``pos``), how errors name each worker, and the emulated link among them.
+        self.group, self._members, self.pos, self.names = group, members, pos, dict(names or {})
+        self._link_cfg, self._seed = link, seed
+        self.link = EmulatedLink(link, seed)
         self.elastic = elastic
         #: Called on the caller's thread when it finds the group broken (elastic); re-forms it.
         self.recover_hook: Any = None
@@ -165,20 +167,6 @@ class TorchDistCommunicator(Communicator):
                                    progress=lambda: (self.exchanges.entered, self.step_hint))
         self.exchanges.start()
 
-    @classmethod
-    def from_context(
-        cls, ctx: DistContext, link: LinkConfig | None = None, **kwargs: Any
-    ) -> TorchDistCommunicator:
-        """The communicator of an outer rank, with the context's timeout, worker names and store."""
-        if not ctx.is_outer_rank:
-            raise ValueError(
-                f"global rank {ctx.rank} is not its worker's first rank and has no outer communicator"
-            )
-        kwargs.setdefault("timeout_s", ctx.timeout_s)
-        kwargs.setdefault("names", ctx.worker_names())
-        kwargs.setdefault("store", ctx.store)
-        return cls(ctx.outer_group, link, **kwargs)
-
     def __enter__(self) -> TorchDistCommunicator:
         return self
 
@@ -186,18 +174,16 @@ class TorchDistCommunicator(Communicator):
         self.close(cancel=exc is not None)
 
     @property
-    def group(self) -> dist.ProcessGroup | None:
-        """The current outer group (None: the default group, or detached for a membership change)."""
-        return self.peers.group
-
-    @property
     def num_workers(self) -> int:  # type: ignore[override]
-        return self.peers.size
+        return len(self._members)
 
     @property
-    def link(self) -> EmulatedLink:
-        """The emulated slow link of the current group."""
-        return self.peers.link
+    def members(self) -> list[int]:
+        return list(self._members)
+
+    def name(self, w: int) -> str:
+        """How messages call worker w."""
+        return self.names.get(w, f"worker {w}")
 
     # -- the Communicator interface ----------------------------------------------------------------
 
@@ -289,7 +275,7 @@ class TorchDistCommunicator(Communicator):
             self.quorum_jobs.close()
         # Let go of the group, so that whoever formed it can free it (its gloo threads and sockets) now:
         # see groups.leave_outer_group.
-        self.peers.group = None
+        self.group = None
 
     # -- caller's side ------------------------------------------------------------------------------
 
@@ -352,7 +338,7 @@ class TorchDistCommunicator(Communicator):
         else:
             # Elastic mode keeps recent means for survivors that missed them; they are then
             # shared, so wait() hands out copies. Otherwise the mean is the handle's alone.
-            op.handle.contributors = list(self.peers.members)  # the group it ran in
+            op.handle.contributors = self.members  # the group it ran in
             self.exchanges.land(op, mean, done)
         self._in_collective_since = None
         return None
@@ -383,7 +369,7 @@ class TorchDistCommunicator(Communicator):
         """One collective on the current group, timed for :meth:`_await`; a failure is a TransportError."""
         self._in_collective_since = time.monotonic()
         try:
-            fn(*args, group=self.peers.group, **kwargs)
+            fn(*args, group=self.group, **kwargs)
         except Exception as e:
             raise TransportError(str(e)) from e
         self._in_collective_since = None
@@ -398,18 +384,18 @@ class TorchDistCommunicator(Communicator):
         """
         self.exchanges.entered = op.seq
         self.heartbeat.announce()
-        self.heartbeat.wait_for_peers(op.seq, self.peers.members, self.peers.names, self.timeout_s, self._cancel)
+        self.heartbeat.wait_for_peers(op.seq, self._members, self.names, self.timeout_s, self._cancel)
         codec = op.codec
         start = op.launch_wall
         if op.checked:
             rows = self._gather(header(op)).view(torch.float64)
-            check_headers(rows, self.peers.pos, self.peers.members, self.peers.name)
+            check_headers(rows, self.pos, self._members, self.name)
             start = float(rows[:, 0].max())
         if op.numel == BARRIER:
             return None
         if op.numel == AGREE:
             assert op.payload is not None
-            check_schedules(self._gather(op.payload), self.peers.pos, self.peers.members, self.peers.name, op.note)
+            check_schedules(self._gather(op.payload), self.pos, self._members, self.name, op.note)
             return None
         assert codec is not None and op.payload is not None
         self.staging.before_collective(op.ready)
@@ -423,7 +409,7 @@ class TorchDistCommunicator(Communicator):
         else:
             payloads = list(self._gather(op.payload).unbind(0))
             mean = mean_of_payloads(codec, payloads, op.numel)
-        finish = self.peers.link.schedule(start, op.wire)
+        finish = self.link.schedule(start, op.wire)
         if not EmulatedLink.sleep_until(finish, self._cancel):
             raise RuntimeError("the communicator was closed while this exchange was on the link")
         return mean
@@ -436,13 +422,13 @@ class TorchDistCommunicator(Communicator):
         if self._error is not None:
             self.exchanges.fail_pending(self._error)
             return
-        suspects, notes = self.heartbeat.diagnose(seq, self.peers.members, self.peers.names, self._cancel)
+        suspects, notes = self.heartbeat.diagnose(seq, self._members, self.names, self._cancel)
         if suspects:
-            who = ", ".join(self.peers.name(w) for w in suspects)
+            who = ", ".join(self.name(w) for w in suspects)
             advice = f"Check the log of {who} for the cause"
         else:
             advice = "Could not tell which worker failed; check every worker's log for the cause"
-        msg = f"outer exchange #{seq} on {self.peers.name(self.rank)} failed: {what}"
+        msg = f"outer exchange #{seq} on {self.name(self.rank)} failed: {what}"
         if notes:
             msg += ": " + "; ".join(notes)
         msg += (f". {advice}, then restart all workers and resume from the last checkpoint."
@@ -473,25 +459,20 @@ class TorchDistCommunicator(Communicator):
         broken = self.exchanges.broken
         return f"exchange #{broken[0]}: {broken[1]}" if broken else ""
 
-    @property
-    def members(self) -> list[int]:
-        """The worker id of each rank of the current group."""
-        return list(self.peers.members)
-
     def pause(self, timeout_s: float) -> None:
         """Park the exchange thread between exchanges and drop the reference to the current group, so destroying it
         closes its sockets and survivors blocked in it fail at once; PeerError past timeout_s."""
         self._check_open()
         if not self.exchanges.pause(timeout_s):
-            raise PeerError(f"{self.peers.name(self.rank)}: the outer communication thread did not stop within "
+            raise PeerError(f"{self.name(self.rank)}: the outer communication thread did not stop within "
                             f"{timeout_s:g} s for a membership change. Restart the run from the last checkpoint.")
-        self.peers.group = None
+        self.group = None
 
     def recent_result(self, seq: int) -> Result:
         """(numel, flat mean, launch step) of a recently completed exchange, for survivors that did not complete it."""
         result = self.exchanges.recent(seq)
         if result is None:
-            raise PeerError(f"{self.peers.name(self.rank)} no longer holds the result of exchange #{seq}; "
+            raise PeerError(f"{self.name(self.rank)} no longer holds the result of exchange #{seq}; "
                             "restart the run from the last checkpoint")
         return result
 
@@ -499,18 +480,19 @@ class TorchDistCommunicator(Communicator):
         """Continue on a new group: rerun the given exchanges there, in order, then the later ones (counted again; the
         emulated link restarts with the same seed and epoch on every member)."""
         assert self.exchanges.parked, "pause() first"
-        self.peers.regroup(group, members)
-        self.peers.reset_link(epoch)
+        self.group, self._members = group, list(members)
+        self.pos = self._members.index(self.rank)
+        self.reset_link(epoch)
         for op in ops:
             if op.codec is not None and op.payload is not None:
-                op.wire = wire_bytes(op.payload.numel(), self.peers.size, op.codec.summable)
+                op.wire = wire_bytes(op.payload.numel(), self.num_workers, op.codec.summable)
                 self.stats.bytes_sent += op.wire
                 self.stats.bytes_received += op.wire
         self.exchanges.resume(ops)
 
     def reset_link(self, epoch: int) -> None:
         """A fresh emulated link for a membership epoch (same seed and epoch on every member)."""
-        self.peers.reset_link(epoch)
+        self.link = EmulatedLink(self._link_cfg, self._seed + 7919 * epoch)
 
 
 __all__ = ["TorchDistCommunicator", "TorchDistHandle"]

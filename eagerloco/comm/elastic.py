@@ -17,6 +17,7 @@ import torch.distributed as dist
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.errors import PeerError, describe_exception
 from eagerloco.comm.groups import HEARTBEAT_PREFIX, OUTER_PG_PREFIX, gloo_group
+from eagerloco.comm.init_sync import broadcast_parameters
 from eagerloco.comm.ops import BARRIER
 from eagerloco.comm.rendezvous import poll, prefixed
 from eagerloco.config import OuterConfig
@@ -72,16 +73,14 @@ class Membership:
         workers: int,
         timeout_s: float,
         *,
-        members: list[int] | None = None,
-        epoch: int = 0,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         self.client, self.group = client, group
         self.kv = prefixed("eagerloco/elastic/", client)
         self.hb = prefixed(HEARTBEAT_PREFIX, client)
         self.worker, self.workers, self.timeout_s = worker, workers, float(timeout_s)
-        self.members = list(members) if members is not None else list(range(workers))
-        self.epoch = epoch
+        self.members = list(range(workers))
+        self.epoch = 0
         #: The schedule changes follow (:meth:`attach`): inner steps between round boundaries, the exchange delay
         #: and the run's last step (0: unknown).
         self.round, self.delay, self.steps = 1, 0, 0
@@ -473,7 +472,7 @@ class Membership:
               f"members {self.members} (epoch {self.epoch})", flush=True)
 
     @classmethod
-    def join(cls, client: dist.Store, worker: int, workers: int, timeout_s: float, **kwargs: Any) -> Membership | None:
+    def join(cls, client: dist.Store, worker: int, workers: int, timeout_s: float) -> Membership | None:
         """A returning worker: ask to join, wait to be admitted (at most 4 timeouts, 10 minutes or more), build the
         group. Returns the membership at the step it joins, with the member it takes its state from (:meth:`joined`),
         or None when the run ended first."""
@@ -482,7 +481,7 @@ class Membership:
         # asks, as the rank server preloads it (cli.preload_train).
         import torch._dynamo  # noqa: F401
 
-        m = cls(client, worker, workers, timeout_s, **kwargs)
+        m = cls(client, worker, workers, timeout_s)
         wait_s = max(4 * timeout_s, 600.0)
         if poll(lambda: [] if m._gone(worker) or not m.hb.check([f"hb/{worker}"]) else [worker], 3 * _STALE_S,
                 lambda _: f"worker {worker}: waiting for the heartbeat of an earlier worker {worker} to stop",
@@ -524,22 +523,11 @@ class Membership:
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> None:
-        """Agree on one final model (the leader's outer parameters) and tell late joiners it is over."""
+        """Agree on one final model (the leader's outer parameters: the leader, the lowest id, is the group's first
+        rank) and tell late joiners it is over."""
         trainer = self.trainer
         assert trainer is not None
-
-        def agree() -> None:
-            params = trainer.sync.outer_parameters()
-            flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
-            self.share(flat, self.members.index(self.leader))
-            i = 0
-            with torch.no_grad():
-                for p in params:
-                    n = p.numel()
-                    p.copy_(flat[i : i + n].view_as(p).to(p.dtype))
-                    i += n
-
-        self.guarded(agree)
+        self.guarded(lambda: broadcast_parameters(trainer.sync.outer_parameters(), None, self.group))
         if self.is_leader():
             self.kv.set("done", "1")
 

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from eagerloco.comm.errors import PeerError
 from eagerloco.config import ConfigError
 from eagerloco.environment import Environment
 
@@ -47,7 +46,7 @@ class DistContext:
     #: The group this rank exchanges outer gradients in: one rank per worker (each worker's first),
     #: None on the other ranks; with ``sharded_outer`` every rank has one (the i-th rank of every worker).
     outer_group: dist.ProcessGroup | None = None
-    #: Client of the rendezvous store for heartbeats (None if it could not be reached).
+    #: This process's client of the run's store, under the heartbeats' prefix (None if it could not be reached).
     store: dist.Store | None = field(default=None, repr=False)
     #: Every rank exchanges its own shard of the outer gradient (FSDP inside the worker): R outer
     #: groups side by side, each carrying 1/R of the payload.
@@ -147,7 +146,7 @@ def process_groups(workers: int, ranks_per_worker: int, backend: str, device: to
                       ranks_per_worker=r, local_rank=Environment.read().local_rank or 0, device=device,
                       backend=backend, timeout_s=timeout_s, inner_group=inner, outer_group=outer,
                       sharded_outer=sharded_outer)
-    ctx.store = heartbeat_store(timeout_s) if ctx.is_outer_rank else None
+    ctx.store = heartbeat_store(timeout_s)  # every rank's: the outer ranks' heartbeats, the runtime's waits
     return ctx
 
 
@@ -188,29 +187,20 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> dis
     return group
 
 
-def store_client(timeout_s: float) -> dist.TCPStore:
-    """A client of this process's own to the run's store at MASTER_ADDR:MASTER_PORT."""
+def heartbeat_store(timeout_s: float) -> dist.Store | None:
+    """This process's client of the run's store at MASTER_ADDR:MASTER_PORT, under the heartbeats' prefix; None where
+    there is none: heartbeats only improve error messages, so an unreachable store is a warning. timeout_s is capped
+    at 30 s: diagnosis must stay quick."""
     env = Environment.read()
     host, port = env.master_addr, env.master_port
     if not host or port is None:
-        raise ConfigError("MASTER_ADDR and MASTER_PORT (the launcher's store) are not set; start the run with "
-                          "`eagerloco launch` or torchrun")
-    try:
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
-    except Exception as e:
-        raise PeerError(f"cannot reach the run's store at {host}:{port} ({e}); is the launcher still running?") from e
-
-
-def heartbeat_store(timeout_s: float) -> dist.Store | None:
-    """The heartbeat store, or None: heartbeats only improve error messages, so a missing store is a warning.
-    timeout_s is capped at 30 s: diagnosis must stay quick."""
-    try:
-        client = store_client(min(timeout_s, 30.0))
-    except ConfigError:
         return None
-    except PeerError as e:
-        warnings.warn(f"no heartbeat store: {e}; peer errors will not name the worker", stacklevel=2)
+    try:
+        client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=min(timeout_s, 30.0)),
+                               wait_for_workers=False)
+    except Exception as e:
+        warnings.warn(f"no heartbeat store: cannot reach the run's store at {host}:{port} ({e}); is the launcher still "
+                      "running? Peer errors will not name the worker", stacklevel=2)
         return None
     return dist.PrefixStore(HEARTBEAT_PREFIX, client)
 

@@ -35,6 +35,7 @@ from eagerloco.comm.groups import (
     world_backend,
 )
 from eagerloco.config import ConfigError
+from eagerloco.config.checks import host_port
 from eagerloco.environment import Environment
 
 T = TypeVar("T")
@@ -201,10 +202,8 @@ class CoordinatorClient(StoreView):
             left = self.timeout_s - (now - self.lost_since)
             waiting = f"{self.me}: waiting for the coordinator at {self.where} (it restarted, or the network is cut)"
             try:
-                if left <= 0 or threading.get_ident() != self.owner:
-                    wait_for_listener(self.host, self.port, 0.0, waiting)
-                else:
-                    wait_for_listener(self.host, self.port, left, waiting)
+                mine = threading.get_ident() == self.owner  # only its thread waits; the others look once
+                wait_for_listener(self.host, self.port, max(left, 0.0) if mine else 0.0, waiting)
                 self.store = self._connect()
                 for key, value in self.kept.items():
                     self.store.set(key, value)
@@ -365,12 +364,15 @@ def init_process_groups(workers: int, ranks_per_worker: int = 1, backend: str | 
 @dataclass(frozen=True)
 class OuterRendezvous:
     """Where the workers of a run find each other when each is its own job: the coordinator's TCPStore at
-    host:port (``eagerloco coordinator``), which every worker's first rank connects to."""
+    host:port (``eagerloco coordinator``, or the launcher's under ``eagerloco launch --elastic``), which every
+    worker's first rank connects to. ``single``: this process is the whole worker (a rank of ``eagerloco launch
+    --elastic``, whose RANK and WORLD_SIZE number the workers); else the job's WORLD is the worker's ranks."""
 
     host: str
     port: int
     worker: int
     workers: int
+    single: bool = False
 
     @property
     def where(self) -> str:
@@ -380,15 +382,13 @@ class OuterRendezvous:
     def parse(cls, addr: str, worker: int | None, workers: int | None, grow: bool = False) -> OuterRendezvous:
         """From ``host:port``, this worker's id and the number of workers; ConfigError if invalid. ``grow``: an id
         beyond the workers is allowed (a worker joining an elastic run under way)."""
-        host, sep, port = str(addr).rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-            raise ConfigError(f"--outer-addr must be host:port with a port in 1..65535, got {addr!r}")
+        host, port = host_port("outer_addr", str(addr))
         if workers is None or isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ConfigError(f"--workers must be an integer >= 1 with --outer-addr, got {workers!r}")
         if (worker is None or isinstance(worker, bool) or not isinstance(worker, int) or worker < 0
                 or (worker >= workers and not grow)):
             raise ConfigError(f"--worker-id must be an integer in 0..{workers - 1} (one per job), got {worker!r}")
-        return cls(host.strip("[]"), int(port), worker, workers)
+        return cls(host.strip("[]"), port, worker, workers)
 
     @classmethod
     def find(cls, outer_addr: str | None, worker_id: int | None, workers: int | None,
@@ -440,11 +440,11 @@ def join_outer_group(rdzv: OuterRendezvous, timeout_s: float = DEFAULT_TIMEOUT_S
     if not (timeout_s > 0):
         raise ConfigError(f"--dist-timeout must be a positive number of seconds, got {timeout_s}")
     env = Environment.read()
-    rank, world = env.rank or 0, env.world_size or 1
+    rank, world = (0, 1) if rdzv.single else (env.rank or 0, env.world_size or 1)
     if not dist.is_initialized() and world > 1:
         init_world("nccl" if torch.cuda.is_available() else "gloo", timeout_s, env)
     backend = "gloo"
-    if dist.is_initialized():
+    if dist.is_initialized() and not rdzv.single:
         rank, world, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
     local_rank = env.local_rank or 0
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")

@@ -125,13 +125,15 @@ class _WorkerHandle(Handle):
 
 def communicator_for(ctx: DistContext, link: LinkConfig | None = None, **kwargs: Any) -> Communicator:
     """The communicator every rank uses: the outer one (R = 1, or every rank exchanging its shard, each on 1/R of
-    the link's bandwidth), or a worker-wide one (R > 1, the first rank exchanging for all)."""
+    the link's bandwidth), or a worker-wide one (R > 1, the first rank exchanging for all). ``kwargs`` go to
+    :class:`TorchDistCommunicator`, over the context's timeout, worker names and store."""
+    kwargs = {"timeout_s": ctx.timeout_s, "names": ctx.worker_names(), "store": ctx.store, **kwargs}
     if ctx.sharded_outer:
         share = link
         if link is not None and ctx.ranks_per_worker > 1:
             share = replace(link, bandwidth_gbps=link.bandwidth_gbps / ctx.ranks_per_worker)
-        return TorchDistCommunicator.from_context(ctx, share, channel=ctx.rank_in_worker, **kwargs)
-    outer = TorchDistCommunicator.from_context(ctx, link, **kwargs) if ctx.is_outer_rank else None
+        return TorchDistCommunicator(ctx.outer_group, share, channel=ctx.rank_in_worker, **kwargs)
+    outer = TorchDistCommunicator(ctx.outer_group, link, **kwargs) if ctx.is_outer_rank else None
     if ctx.ranks_per_worker == 1:
         assert outer is not None
         return outer

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from eagerloco.comm.errors import describe_exception, is_transport_failure
-from eagerloco.comm.groups import heartbeat_store, set_worker_threads, shutdown
+from eagerloco.comm.groups import set_worker_threads, shutdown
 from eagerloco.comm.heartbeat import Heartbeat, blame_ranks, wait_for_evaluation
 from eagerloco.comm.rendezvous import Meeting, init_process_groups
 from eagerloco.comm.worker import communicator_for
@@ -53,7 +53,7 @@ class DistributedRuntime(Runtime):
                                            outer_backend=rc.outer_backend, sharded_outer=rc.fsdp)
             # Every rank's heartbeat (rank/hb/<rank>): a collective of the main thread that fails (a
             # checkpoint, the inner group) names the rank that died or froze, not only the worker.
-            self.gate = heartbeat_store(rc.dist_timeout)
+            self.gate = self.ctx.store
             if self.gate is not None:
                 self.beat = Heartbeat(dist.PrefixStore("rank", self.gate), self.ctx.rank)
         except BaseException:
