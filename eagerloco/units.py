@@ -1,8 +1,9 @@
-"""Human-readable quantities for tables, progress bars and plot labels (torch-free)."""
+"""Human-readable quantities and tables for reports, progress bars and plot labels (torch-free)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 from typing import Any
 
 _BYTE_UNITS = ("B", "KB", "MB", "GB", "TB")
@@ -21,4 +22,18 @@ def fmt_bytes(n: Any, spec: str = ".2f", sep: str = " ") -> str:
     raise AssertionError("unreachable")
 
 
-__all__ = ["fmt_bytes"]
+def text_table(head: list[str], body: list[list[str]], right: Container[int] | None = None) -> str:
+    """Columns as wide as their widest cell under a rule; the columns in ``right`` (default: all but the first)
+    right-aligned."""
+    right = range(1, len(head)) if right is None else right
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    lines = []
+    for n, x in enumerate([head, *body]):
+        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(x, widths, strict=True))).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+__all__ = ["fmt_bytes", "text_table"]

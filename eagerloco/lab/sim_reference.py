@@ -20,8 +20,8 @@ from eagerloco.config import ConfigError
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.model import PRESETS, ModelSpec, Variant, fragment_count, traffic
 from eagerloco.sim.paper import PAPER_ASSUMPTIONS, PAPER_FRAGMENT_LAYERS, PAPER_WORKERS, PRESET_MFU, paper_grid
-from eagerloco.sim.report import text_table
 from eagerloco.sim.search import least_bandwidth, meets
+from eagerloco.units import text_table
 
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
 REFERENCE_FILES = ("streaming_diloco_table4.json", "eager_table5.json")

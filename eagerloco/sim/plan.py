@@ -18,8 +18,8 @@ from eagerloco.codec_sizes import SCALE_BYTES
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.hetero import per_worker_cu
 from eagerloco.sim.model import ModelSpec, Variant, bits_per_value, fragment_count, payload_label, traffic
-from eagerloco.sim.report import text_table
 from eagerloco.sim.search import meets
+from eagerloco.units import text_table
 
 #: Method order of the ranking (simplest first).
 METHOD_RANK = {"dp": 0, "diloco": 1, "streaming": 2, "streaming-tau": 3, "eager": 4}

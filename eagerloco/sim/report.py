@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Container
 from typing import Any
 
 from eagerloco.sim.search import meets
-from eagerloco.units import fmt_bytes
+from eagerloco.units import fmt_bytes, text_table
 
 
 def cell_key(x: float) -> str:
@@ -26,20 +25,6 @@ def _fmt_count(x: float) -> str:
         if x >= scale:
             return f"{x / scale:.4g}{unit}"
     return f"{x:.4g}"
-
-
-def text_table(head: list[str], body: list[list[str]], right: Container[int] | None = None) -> str:
-    """Columns as wide as their widest cell under a rule; the columns in ``right`` (default: all but the first)
-    right-aligned."""
-    right = range(1, len(head)) if right is None else right
-    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-    lines = []
-    for n, x in enumerate([head, *body]):
-        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(x, widths, strict=True))).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def _per_worker_tables(rows: list[dict[str, Any]], speeds: list[float]) -> list[str]:

@@ -16,7 +16,7 @@ from eagerloco.extras import require
 from eagerloco.flops import mfu
 from eagerloco.jsonfiles import finite_json
 from eagerloco.train.rundir import RunManifest
-from eagerloco.units import fmt_bytes
+from eagerloco.units import fmt_bytes, text_table
 
 #: Seconds between progress lines when stdout is not a terminal.
 PROGRESS_EVERY_S = 30.0
@@ -265,11 +265,7 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
             by = " / ".join(f"{w['blocked_s']:.2f}" for w in s.get("per_worker") or [])
             row = (*row[:5], by or "-", *row[5:])
         rows.append(row)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    line = "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))
-    out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(out)
+    return text_table(list(head), [list(r) for r in rows], right=())
 
 
 __all__ = [
