@@ -20,8 +20,8 @@ import torch.distributed as dist
 from test_hooks_jobs import assert_exited_0, coordinators, wait_all
 from test_quorum_jobs import GRACE, H, client, counters, end_all, job, outer, summary
 
-from eagerloco.comm.quorum import GRACE_MAX, GRACE_MIN, GRACE_WINDOW
 from eagerloco.comm.quorum_jobs import QUORUM_PREFIX
+from eagerloco.config.outer import GRACE_MAX, GRACE_MIN, GRACE_WINDOW
 
 pytestmark = pytest.mark.processes
 

@@ -10,11 +10,10 @@ from collections import deque
 import pytest
 
 from eagerloco import cli
+from eagerloco.config.outer import GRACE_WINDOW, auto_grace
 from eagerloco.sim.goodput import (
-    GRACE_WINDOW,
     Faults,
     Timing,
-    auto_grace,
     draw_events,
     method_timing,
     play_rounds,

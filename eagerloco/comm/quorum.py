@@ -4,7 +4,6 @@ windows it holds, and the token-weighted mean of what it merged. The in-process 
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -14,9 +13,7 @@ from typing import Any
 import torch
 
 from eagerloco.comm.base import Contribution, QuorumResult, QuorumRule, Window
-
-#: Exchanges the auto grace window looks back over, and its bounds as shares of a round's compute time (12.2).
-GRACE_WINDOW, GRACE_MIN, GRACE_MAX = 8, 0.01, 0.25
+from eagerloco.config.outer import GRACE_WINDOW, auto_grace
 
 
 class GraceWindow:
@@ -47,7 +44,7 @@ class GraceWindow:
         if len(self.spreads) < GRACE_WINDOW:
             return None
         recent = [*self.spreads, spread][-GRACE_WINDOW:]
-        return min(max(2.0 * statistics.median(recent), GRACE_MIN * round_compute), GRACE_MAX * round_compute)
+        return auto_grace(recent, round_compute)
 
     def state_dict(self) -> dict[str, Any]:
         return {"spreads": list(self.spreads)}
@@ -137,4 +134,4 @@ class LateWindows:
                               for w in held] for f, held in state.items()}
 
 
-__all__ = ["GRACE_MAX", "GRACE_MIN", "GRACE_WINDOW", "GraceWindow", "LateWindow", "LateWindows"]
+__all__ = ["GraceWindow", "LateWindow", "LateWindows"]

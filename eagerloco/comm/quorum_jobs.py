@@ -16,8 +16,9 @@ from eagerloco.comm.base import Contribution, Handle, QuorumResult, ReadyHandle,
 from eagerloco.comm.emulated_link import EmulatedLink
 from eagerloco.comm.errors import PeerError
 from eagerloco.comm.groups import gloo_group
-from eagerloco.comm.quorum import GRACE_WINDOW, GraceWindow, LateWindow
+from eagerloco.comm.quorum import GraceWindow, LateWindow
 from eagerloco.comm.rendezvous import poll, prefixed
+from eagerloco.config.outer import GRACE_WINDOW
 
 #: Where the exchanges' arrivals, decisions and means live in the coordinator's store, and their groups' keys.
 QUORUM_PREFIX, QUORUM_PG_PREFIX = "eagerloco/quorum/", "eagerloco/quorum-pg/"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from eagerloco.codec_sizes import CODEC_NAMES
@@ -30,6 +32,14 @@ MAX_SPEED_RATIO = 1000.0
 MAX_LATENCY_MS = 60_000.0
 #: The longest --grace: an hour, past which a stalled site is a site that left (--dist-timeout), not a late one.
 MAX_GRACE_S = 3600.0
+#: --grace auto: exchanges it looks back over, and its bounds as shares of a round's compute time (12.2).
+GRACE_WINDOW, GRACE_MIN, GRACE_MAX = 8, 0.01, 0.25
+
+
+def auto_grace(spreads: Iterable[float], round_compute: float) -> float:
+    """--grace auto: twice the median, over the last exchanges, of how far the Q-th arrival trails the median
+    one, within [1%, 25%] of a round's compute time (docs/algorithms.md, 12.2)."""
+    return min(max(2.0 * statistics.median(spreads), GRACE_MIN * round_compute), GRACE_MAX * round_compute)
 
 
 def check_topk(topk: int | None, chunk: int) -> None:
@@ -341,5 +351,6 @@ class LinkConfig:
         return self.latency_ms / 1e3 + nbytes * 8 / (self.bandwidth_gbps * 1e9)
 
 
-__all__ = ["LinkConfig", "MAX_CODEC_BLOCK", "MAX_OUTER_LR", "MAX_ROUNDS_IN_FLIGHT", "METHODS", "MIN_BANDWIDTH_GBPS",
-           "OUTER_OPTIMIZERS", "OuterConfig", "TRANSPORTS", "WEIGHTINGS", "check_topk"]
+__all__ = ["GRACE_MAX", "GRACE_MIN", "GRACE_WINDOW", "LinkConfig", "MAX_CODEC_BLOCK", "MAX_OUTER_LR",
+           "MAX_ROUNDS_IN_FLIGHT", "METHODS", "MIN_BANDWIDTH_GBPS", "OUTER_OPTIMIZERS", "OuterConfig", "TRANSPORTS",
+           "WEIGHTINGS", "auto_grace", "check_topk"]

@@ -17,13 +17,12 @@ import numpy as np
 
 from eagerloco.config import ConfigError, OuterConfig, setting
 from eagerloco.config.checks import check_int_at_least
+from eagerloco.config.outer import GRACE_WINDOW, auto_grace
 from eagerloco.flags import FromFlags
 from eagerloco.sim.config import Settings, int_list
 from eagerloco.sim.engine import simulate
 from eagerloco.sim.model import ModelSpec, Variant, traffic
 
-#: Exchanges the auto grace window looks back over, and its bounds as shares of a round's compute time.
-GRACE_WINDOW, GRACE_MIN, GRACE_MAX = 8, 0.01, 0.25
 #: Decoupled DiLoCo's published figures (arXiv 2604.21428), set beside ours.
 PUBLISHED = {
     "source": "Decoupled DiLoCo, arXiv 2604.21428",
@@ -240,12 +239,6 @@ def _round(out: Outcome, ev: dict[int, tuple[float, float | None]], late: dict[i
             late[w] = (arrive[w] - close, work[w], 1)
     for w in [w for w, (free, pending, _) in late.items() if free <= 0 and not pending]:
         del late[w]
-
-
-def auto_grace(spreads: deque[float], round_compute: float) -> float:
-    """Twice the median, over the last exchanges, of how far the Q-th arrival trails the median one, within
-    [1%, 25%] of a round's compute time (docs/algorithms.md section 12.2)."""
-    return min(max(2.0 * statistics.median(spreads), GRACE_MIN * round_compute), GRACE_MAX * round_compute)
 
 
 def goodput_table(cfg: GoodputConfig, models: list[Any], methods: list[str], inner_steps: int,
