@@ -52,7 +52,12 @@ ROWS = {
                      [*SPARSE, "--topk", "256", "--transport", "shared-support", "--support-guided", "0.75"]),
     "guided-128": ("shared support: 128 of 4096, half the largest of the last mean and half drawn, 2-bit",
                    [*SPARSE, "--topk", "128", "--transport", "shared-support", "--support-guided", "0.5"]),
-    "sparseloco-32": ("SparseLoCo: top 32 of 4096, 2-bit, all-gathered", [*SPARSE, "--topk", "32"]),
+    "sparseloco-128": ("SparseLoCo: top 128 of 4096, 2-bit, all-gathered", [*SPARSE, "--topk", "128"]),
+    "sparseloco-256": ("SparseLoCo: top 256 of 4096, 2-bit, all-gathered", [*SPARSE, "--topk", "256"]),
+    "shared-2048": ("shared support: 2048 of 4096 drawn per round, 2-bit, reduce-scattered",
+                    [*SPARSE, "--topk", "2048", "--transport", "shared-support"]),
+    "guided-2048": ("shared support: 2048 of 4096, half the largest of the last mean and half drawn, 2-bit",
+                    [*SPARSE, "--topk", "2048", "--transport", "shared-support", "--support-guided", "0.5"]),
     "rs-2bit": ("dense 2-bit through the reduce-scatter, error feedback 0.95, Nesterov",
                 ["--outer-lr", "0.2", "--codec", "2bit", "--transport", "reduce-scatter", "--error-feedback", "0.95"]),
     "rs-e2m1": ("dense e2m1 through the reduce-scatter, Nesterov",
@@ -203,7 +208,8 @@ def reaches(entry: dict[str, Any]) -> bool | None:
 
 def answer(table: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     """Per exchange, the best bytes ratio whose loss reaches DiLoCo's on every corpus, and the sentence of what is
-    left (rows short of 3 outer lrs on seed 0 or of 3 seeds at the chosen lr, or missing on a corpus)."""
+    left (rows short of 3 outer lrs on seed 0, best at the edge of them, short of 3 seeds at the chosen lr, or missing
+    on a corpus)."""
     said = []
     for p, what in TRANSPORTS.items():
         rows = sorted({n for t in table.values() for n in t if n.startswith(p)}, key=_order)
@@ -216,8 +222,10 @@ def answer(table: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     left = []
     for prefix, t in table.items():
         for n, e in t.items():
-            short = [f"{len(e[part])} {what}" for part, what in (("tried", "outer lr"), ("losses", "seed"))
-                     if len(e[part]) < 3]
+            short = [f"{len(e[part])} {what}{'s' * (len(e[part]) > 1)}"
+                     for part, what in (("tried", "outer lr"), ("losses", "seed")) if len(e[part]) < 3]
+            if len(e["tried"]) >= 3 and e["lr"] in (min(e["tried"]), max(e["tried"])):
+                short.append("best at the edge of the outer lrs tried")
             if short:
                 left.append(f"{prefix}{n} ({', '.join(short)})")
     for n in sorted({n for t in table.values() for n in t}, key=_order):
@@ -249,7 +257,8 @@ def pareto_markdown(results: dict[str, Any]) -> list[str]:
             gap: Interval | None = e["gap"]
             gap_s = "" if gap is None else (f"{gap.mean:+.3f}" + (f" [{gap.lo:+.3f}, {gap.hi:+.3f}]" if gap.n > 1
                                                                   else ""))
-            ok = {None: "" if name == BASE else "(under 3 seeds)", True: "yes", False: "no"}[reaches(e)]
+            pending = "" if gap is None else f"({gap.n} seed{'s' * (gap.n > 1)} paired, 3 wanted)"
+            ok = {None: pending, True: "yes", False: "no"}[reaches(e)]
             mean = sum(e["losses"].values()) / len(e["losses"])
             ratio = "" if name == BASE else f"{e['ratio']:.0f}x"
             lines.append(f"| {name} | {tried} | {len(e['losses'])} | {mean:.3f} | {gap_s} | {ratio} | {ok} |")
