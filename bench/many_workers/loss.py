@@ -214,11 +214,16 @@ def answer(table: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     for p, what in TRANSPORTS.items():
         rows = sorted({n for t in table.values() for n in t if n.startswith(p)}, key=_order)
         ok = [n for n in rows if all(n in t and reaches(t[n]) for t in table.values())]
+        both = [n for n in rows if all(n in t for t in table.values())]
         if ok:
             ratio, best = max((next(iter(table.values()))[n]["ratio"], n) for n in ok)
             said.append(f"{what}: **{ratio:.0f}x** ({best})")
+        elif both:  # the densest row measured on every corpus, and how far it is
+            ratio, n = min((next(iter(table.values()))[n]["ratio"], n) for n in both)
+            gaps = ", ".join(f"{t[n]['gap'].mean:+.3f} on {CORPORA[c]}" for c, t in table.items())
+            said.append(f"{what}: none yet (the densest measured on both, {n} at {ratio:.0f}x: {gaps})")
         else:
-            said.append(f"{what}: no row yet")
+            said.append(f"{what}: not measured on both corpora")
     left = []
     for prefix, t in table.items():
         for n, e in t.items():
