@@ -189,7 +189,8 @@ def pareto(results: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
                 continue
             losses = {s: r["final_eval_loss"] for s, r in runs[lr].items()}
             tried = {x: rs[0]["final_eval_loss"] for x, rs in sorted(runs.items()) if 0 in rs}
-            table[name] = {"lr": lr, "tried": tried,
+            own = {s: r["final_eval_loss"] for s, r in runs.get(row_lr(ROWS[name][1]), {}).items()}
+            table[name] = {"lr": lr, "tried": tried, "own": paired_difference(losses, own),
                            "losses": losses, "gap": None if name == BASE else paired_difference(losses, base),
                            "ratio": base_bytes / runs[lr][0]["bytes_sent_per_worker"]}
     return out
@@ -216,7 +217,7 @@ def answer(table: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
         elif both:  # the densest row measured on every corpus, and how far it is
             ratio, n = min((next(iter(table.values()))[n]["ratio"], n) for n in both)
             gaps = ", ".join(f"{t[n]['gap'].mean:+.3f} on {CORPORA[c]}" for c, t in table.items())
-            said.append(f"{what}: none yet (the densest measured on both, {n} at {ratio:.0f}x: {gaps})")
+            said.append(f"{what}: no row measured reaches it (the densest on both, {n} at {ratio:.0f}x: {gaps})")
         else:
             said.append(f"{what}: not measured on both corpora")
     left = []
@@ -230,8 +231,12 @@ def answer(table: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
                 left.append(f"{prefix}{n} ({', '.join(short)})")
     for n in sorted({n for t in table.values() for n in t}, key=_order):
         left += [f"{p}{n} (not run)" for p in table if n not in table[p]]
+    moved = [f"{t[BASE]['lr']:g} on {CORPORA[c]} ({t[BASE]['own'].mean:+.3f} [{t[BASE]['own'].lo:+.3f}, "
+             f"{t[BASE]['own'].hi:+.3f}] against {row_lr(ROWS[BASE][1]):g} over {t[BASE]['own'].n} seeds)"
+             for c, t in table.items() if BASE in t and t[BASE]["own"] is not None and t[BASE]["own"].n > 1]
     return ["The best compression against FP32 DiLoCo at M = 8 whose loss reaches DiLoCo's (paired 90% interval over "
-            f"3 seeds including 0 or below it) on {' and '.join(CORPORA[p] for p in table)}: " + "; ".join(said) + ".",
+            f"3 seeds including 0 or below it) on {' and '.join(CORPORA[p] for p in table)}: " + "; ".join(said) + "."
+            + (" DiLoCo's tuned Nesterov lr at M = 8: " + ", ".join(moved) + "." if moved else ""),
             "", "What is left: " + ("; ".join(left) or "nothing") + "."]
 
 
