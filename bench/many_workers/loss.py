@@ -53,6 +53,8 @@ ROWS = {
     "guided-128": ("shared support: 128 of 4096, half the largest of the last mean and half drawn, 2-bit",
                    [*SPARSE, "--topk", "128", "--transport", "shared-support", "--support-guided", "0.5"]),
     "sparseloco-128": ("SparseLoCo: top 128 of 4096, 2-bit, all-gathered", [*SPARSE, "--topk", "128"]),
+    "shared-2048": ("shared support: 2048 of 4096 drawn per round, 2-bit, reduce-scattered",
+                    [*SPARSE, "--topk", "2048", "--transport", "shared-support"]),
     "guided-2048": ("shared support: 2048 of 4096, half the largest of the last mean and half drawn, 2-bit",
                     [*SPARSE, "--topk", "2048", "--transport", "shared-support", "--support-guided", "0.5"]),
     "rs-2bit": ("dense 2-bit through the reduce-scatter, error feedback 0.95, Nesterov",
