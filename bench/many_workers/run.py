@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from loss import loss_markdown  # bench/many_workers/loss.py, beside this script
 
 from eagerloco.codecs import get_codec
 from eagerloco.comm.distributed import TorchDistCommunicator
@@ -270,48 +271,8 @@ def markdown(out: dict[str, Any]) -> str:
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
     loss = RESULTS / "many_workers_loss.json"
     if loss.exists():
-        lines += loss_table(json.loads(loss.read_text()))
+        lines += loss_markdown(json.loads(loss.read_text()))
     return "\n".join(lines) + "\n"
-
-
-def loss_table(results: dict[str, Any]) -> list[str]:
-    """The short loss check of bench/many_workers/loss.py: mean final eval loss per row over its seeds."""
-    rows: dict[str, list[dict[str, Any]]] = {}
-    for key, r in results.items():
-        rows.setdefault(key.split("/")[0], []).append({**r, "seed": key.split("/")[1]})
-
-    def base_of(name: str) -> str:  # the DiLoCo row of the row's corpus and length (kjv:row, 400steps:row)
-        return f"{name.split(':')[0]}:diloco-fp32" if ":" in name else "diloco-fp32"
-
-    first = next(iter(results.values()))
-    lines = ["", f"## Loss at M = {first['workers']} (`bench/many_workers/loss.py`)", "",
-             "Tiny model, Brown (rows kjv:... on the KJV, `--data kjv`), bpe:1024, batch 8 x 64, "
-             f"{first['steps']} steps (rows 400steps:... 400), H = 20, {first['workers']} "
-             "in-process workers; sparse rows with error feedback 0.95 and plain averaging at outer lr 1.5, DiLoCo "
-             "with Nesterov at 0.2 (the outer lrs tuned at M = 2 in bench/results/compression, not retuned). "
-             "A short check, not the tuned Pareto of issue 36's item 4. The eager rows (1-outer-step eager, the same "
-             "outer lr, untuned for eager at this M) say whether the shared support composes with eager as top-k "
-             "does, not what eager costs. shared-K draws the K positions of every chunk; guided-K takes half of "
-             "them from the largest entries of the last mean (`--support-guided 0.5`; guided75-K three quarters) "
-             "and draws the rest.", "",
-             "| row | seeds | final eval loss | minus DiLoCo fp32 (paired; each seed) | bytes per worker per run "
-             "| fewer than DiLoCo fp32 |", "|---|---|---|---|---|---|"]
-    def order(name: str) -> tuple:  # by corpus and length, DiLoCo first, then by K, the eager rows last
-        prefix, _, row = name.rpartition(":")
-        k = row.rsplit("-", 1)[-1]
-        return prefix, row != "diloco-fp32", row.startswith("eager"), int(k) if k.isdigit() else 0, row
-
-    for name, rs in sorted(rows.items(), key=lambda item: order(item[0])):
-        base = {r["seed"]: r["final_eval_loss"] for r in rows.get(base_of(name), [])}
-        base_bytes = rows[base_of(name)][0]["bytes_sent_per_worker"] if base_of(name) in rows else None
-        loss = statistics.mean(r["final_eval_loss"] for r in rs)
-        paired = [r["final_eval_loss"] - base[r["seed"]] for r in rs if r["seed"] in base]
-        each = f" ({', '.join(f'{d:+.3f}' for d in paired)})" if len(paired) > 1 else ""
-        delta = f"{statistics.mean(paired):+.3f}{each}" if paired and name != base_of(name) else ""
-        nbytes = rs[0]["bytes_sent_per_worker"]
-        ratio = f"{base_bytes / nbytes:.0f}x" if base_bytes and name != base_of(name) else ""
-        lines.append(f"| {name} | {len(rs)} | {loss:.3f} | {delta} | {nbytes / 1e6:.3f} MB | {ratio} |")
-    return lines
 
 
 if __name__ == "__main__":
