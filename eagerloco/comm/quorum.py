@@ -1,5 +1,6 @@
 """The party that forms a quorum exchange's mean (docs/algorithms.md, 12.1-12.4): when it closes, the late
-windows it holds, and the token-weighted mean of what it merged. The in-process and scripted runtimes use it."""
+windows it holds, and the token-weighted mean of what it merged. The in-process communicator uses it (and the
+tests' scripted one)."""
 
 from __future__ import annotations
 
