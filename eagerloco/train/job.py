@@ -116,7 +116,7 @@ class JobRuntime(Runtime):
         if not self.joining:
             return super().load(files, found)
         assert self.peers is not None and self.membership is not None
-        own = self.own if self.own is not None else own_last_state(self.root, self.rdzv.worker)
+        own = self.own if self.cfg.runtime.rejoin else own_last_state(self.root, self.rdzv.worker)
         if own is not None:  # its own data position; everything else comes from a live member
             files[self.rdzv.worker].stream.load_state_dict(own["stream"])
         self.peers.take_state()
