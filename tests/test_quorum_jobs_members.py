@@ -50,16 +50,18 @@ def _wait_for(store: dist.Store, key: str, value: bytes | None, jobs: list[Any],
     """Until ``key`` holds ``value`` (None: any) while every job in ``jobs`` runs."""
     deadline = time.monotonic() + timeout
     while not (store.check([key]) and value in (None, store.get(key))):
-        assert time.monotonic() < deadline and all(j.poll() is None for j in jobs), f"no {key} = {value!r}"
+        ended = [j for j in jobs if j.poll() is not None]
+        assert not ended, f"no {key} = {value!r}: a job exited {ended[0].returncode}:\n{ended[0].stdout.read()[-4000:]}"
+        assert time.monotonic() < deadline, f"no {key} = {value!r} after {timeout} s"
         time.sleep(0.02)
 
 
 @pytest.mark.slow
 def test_under_elastic_a_killed_worker_leaves_after_the_timeout_and_rejoins_a_stopped_one_stays_a_member(
         tmp_path: Path) -> None:
-    port, steps = coordinators(1)[0], 144
+    port, steps = coordinators(1)[0], 192
     store = client(port)
-    # Rounds of at least 0.1 s (the emulated link's latency), so that the run outlasts the timeout and the restart.
+    # 48 rounds of at least 0.1 s (the emulated link's latency): the run outlasts the timeout and a slow restart.
     args = ["--method", "diloco", "--quorum", "2", "--grace", str(GRACE), "--max-late-rounds", "16", "--steps",
             str(steps), "--checkpoint-every", str(steps), "--elastic", "--dist-timeout", "5", "--latency-ms", "100"]
     jobs = [job(port, w, 3, tmp_path / f"w{w}", *args) for w in range(3)]
@@ -148,10 +150,17 @@ def test_an_auto_grace_window_across_jobs_follows_the_spreads_its_decisions_carr
     jobs = [job(port, w, 3, tmp_path / f"w{w}", *args) for w in range(3)]
     measured = (GRACE_WINDOW + 1) * H  # the first exchange with a grace window: 8 measured before it
     try:
-        _wait_for(store, f"{QUORUM_PREFIX}0/{measured}/decided", None, jobs)
-        time.sleep(0.05)
-        os.kill(jobs[2].pid, signal.SIGSTOP)  # in its next window's inner steps
-        stopped = time.time()
+        # Worker 2 stopped in its inner steps once the others arrived at the next exchange (not inside an all-reduce,
+        # which would hold them): that exchange closes without it after the grace window.
+        s = measured
+        while True:
+            for w in (0, 1):
+                _wait_for(store, f"{QUORUM_PREFIX}0/{s + H}/arrived/{w}", None, jobs)
+            os.kill(jobs[2].pid, signal.SIGSTOP)
+            if not store.check([f"{QUORUM_PREFIX}0/{s + H}/arrived/2"]):
+                break
+            os.kill(jobs[2].pid, signal.SIGCONT)
+            s += H
         time.sleep(2.0)
         os.kill(jobs[2].pid, signal.SIGCONT)
         done = wait_all(jobs, 300)
@@ -171,8 +180,8 @@ def test_an_auto_grace_window_across_jobs_follows_the_spreads_its_decisions_carr
         assert d["spreads"][-1] == order[1] - order[0]
         t = d["round_compute"]
         assert t > 0 and d["grace"] == min(max(2 * statistics.median(d["spreads"]), GRACE_MIN * t), GRACE_MAX * t)
-    bypassed = [d for d in decisions if d["decided_at"] > stopped and 2 not in d["members"]]
-    assert bypassed, [(d["members"], d["grace"], round(d["decided_at"] - stopped, 2)) for d in decisions]
+    bypassed = [d for d in decisions if 2 not in d["members"]]
+    assert decisions[s // H]["members"] == [0, 1], [(d["members"], d["grace"]) for d in decisions[s // H - 2:]]
     for d in bypassed:  # the others waited g past the quorum's last arrival (plus the coordinator's round trips)
         assert d["decided_at"] - sorted(d["arrivals_at"].values())[1] < d["grace"] + 1.0, d
     merged = [tuple(c) for d in decisions for c in d["merged"]]
