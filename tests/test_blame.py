@@ -44,13 +44,13 @@ def test_a_recorded_end_outweighs_the_stale_heartbeats_of_ranks_shutting_down() 
     # on a busy machine), before the launcher saw them end: only rank 1 is the cause.
     store = _store({1: -9})
     for rank in (0, 2):
-        store.set(f"rank/hb/{rank}", f"{time.time() - 3.5} 0")
+        store.set(f"rank/hb/{rank}", f"{time.time() - 3.5} 0 up 0 0")
     err = blame_ranks(store, me=3, world=4, ranks_per_worker=2, what="a checkpoint", wait_s=0.0)
     assert str(err).count("global rank") == 2 and "global rank 1 (worker 0) was killed by signal 9" in str(err)
     assert err.workers == [0]
     # a stale heartbeat alone (a frozen rank) is named once the wait for a recorded end is over
     frozen = _store({})
-    frozen.set("rank/hb/1", f"{time.time() - 3.5} 0")
+    frozen.set("rank/hb/1", f"{time.time() - 3.5} 0 up 0 0")
     t0 = time.monotonic()
     err = blame_ranks(frozen, me=0, world=2, ranks_per_worker=1, what="a checkpoint", wait_s=0.5)
     assert time.monotonic() - t0 >= 0.5
@@ -91,7 +91,7 @@ def test_a_member_that_publishes_and_closes_while_the_leader_looks_is_collected(
     class PublishesWhileLooked(Membership):
         def _gone(self, w: int) -> bool:  # the interleaving: worker 1 finishes between the two reads
             self.kv.set(f"final/{w}", '{"worker": 1}')
-            self.hb.set(f"hb/{w}", f"{time.time()} 0 closed 9")
+            self.hb.set(f"hb/{w}", f"{time.time()} 0 closed 9 9")
             return super()._gone(w)
 
     m = PublishesWhileLooked(store, worker=0, workers=2, timeout_s=5.0)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from eagerloco.comm.distributed import TorchDistCommunicator
 from eagerloco.comm.errors import PeerError, describe_exception
 from eagerloco.comm.groups import HEARTBEAT_PREFIX, OUTER_PG_PREFIX, gloo_group
+from eagerloco.comm.heartbeat import read_beat
 from eagerloco.comm.init_sync import broadcast_parameters
 from eagerloco.comm.ops import BARRIER
 from eagerloco.comm.rendezvous import poll, prefixed
@@ -275,20 +276,18 @@ class Membership:
         try:
             if self.hb.check([f"exited/{w}"]):
                 return True
-            if not self.hb.check([f"hb/{w}"]):
-                return False
-            parts = self.hb.get(f"hb/{w}").decode().split()
+            beat = read_beat(self.hb, f"hb/{w}")
         except Exception:
             return False
-        return parts[2] in ("closed", "failed") or time.time() - float(parts[0]) > stale_s
+        return beat is not None and (beat.state in ("closed", "failed") or beat.age() > stale_s)
 
     def _last_seen_step(self, w: int) -> int | None:
         """Inner steps worker w had completed at its last heartbeat."""
         try:
-            parts = self.hb.get(f"hb/{w}").decode().split()
-            return int(parts[3]) - 1 if len(parts) > 3 else None
+            beat = read_beat(self.hb, f"hb/{w}")
         except Exception:
             return None
+        return beat.step - 1 if beat is not None else None
 
     def _settle(self, ops: list[Any]) -> int:
         """Give every survivor the result of the exchanges some survivor completed; drop them from

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -21,6 +22,27 @@ from eagerloco.comm.errors import PEER_EXIT_CODE, PeerError
 HEARTBEAT_S = 1.0
 
 Suspects = list[tuple[int, str]]
+
+
+class Beat(NamedTuple):
+    """One heartbeat as :meth:`Heartbeat.publish` writes it."""
+
+    at: float  # wall time
+    entered: int  # the last exchange entered
+    state: str  # up, failed or closed
+    step: int
+    steps_done: int  # inner steps completed
+
+    def age(self) -> float:
+        return time.time() - self.at
+
+
+def read_beat(store: dist.Store, key: str) -> Beat | None:
+    """The heartbeat at ``key``; None before the first one."""
+    if not store.check([key]):
+        return None
+    at, entered, state, step, done = store.get(key).decode().split()
+    return Beat(float(at), int(entered), state, int(step), int(done))
 
 
 class Heartbeat:
@@ -110,24 +132,23 @@ class Heartbeat:
                 if w == self.worker:
                     continue
                 try:
-                    if not self.store.check([self.key(w)]):
+                    beat = read_beat(self.store, self.key(w))
+                    if beat is None:
                         return
-                    fields = self.store.get(self.key(w)).decode().split()
-                    entered, state = int(fields[1]), fields[2]
-                    if entered >= seq or (len(fields) > 4 and int(fields[4]) >= mine):
+                    if beat.entered >= seq or beat.steps_done >= mine:
                         continue
-                    if state != "up" or time.time() - float(fields[0]) > self.stale_s or exit_note(self.store, w):
+                    if beat.state != "up" or beat.age() > self.stale_s or exit_note(self.store, w):
                         return
                 except Exception:  # the store is gone: the collective fails and the diagnosis says why
                     return
-                progress = (entered, *fields[3:])
+                progress = (beat.entered, beat.step, beat.steps_done)
                 if w not in seen or seen[w][0] != progress:
                     seen[w] = (progress, now)
                 elif now - seen[w][1] > patience_s:
-                    done = f", {fields[4]} inner steps done" if len(fields) > 4 else ""
                     raise PeerError(
                         f"outer exchange #{seq}: {names.get(w, f'worker {w}')} has not reached exchange #{seq} and is "
-                        f"alive but took no inner step for {patience_s:g} s (it last entered #{entered}{done}): it "
+                        f"alive but took no inner step for {patience_s:g} s (it last entered #{beat.entered}, "
+                        f"{beat.steps_done} inner steps done): it "
                         f"is slow or stuck, not dead. If its inner steps are that slow, raise --dist-timeout (now "
                         f"{patience_s:g} s) above one of them; else check its log, then restart all workers and "
                         "resume from the last checkpoint", [w])
@@ -169,13 +190,13 @@ class Heartbeat:
                 continue
             name, key = names.get(w, f"worker {w}"), self.key(w)
             try:
-                if not self.store.check([key]):
-                    strong.append((w, f"{name} never started its outer communicator"))
-                    continue
-                stamp, entered, state = self.store.get(key).decode().split()[:3]
+                beat = read_beat(self.store, key)
             except Exception as e:
                 return f"the rendezvous store is unreachable ({str(e).splitlines()[0][:120]})"
-            age, last = now - float(stamp), int(entered)
+            if beat is None:
+                strong.append((w, f"{name} never started its outer communicator"))
+                continue
+            age, last, state = now - beat.at, beat.entered, beat.state
             if state == "failed":  # a fellow survivor that already gave up: named only where nothing else is
                 gave_up.append((w, f"{name} gave up on this exchange first (its own line says why)"))
                 continue
@@ -226,7 +247,8 @@ def wait_for_evaluation(store: dist.Store, step: int, me: int, evaluators: Itera
                 if gone:
                     raise PeerError(f"{name} is gone while the others waited for it ({key}): {gone}. "
                                     "Check its log, then resume from the last checkpoint.", [worker])
-                age = time.time() - float(store.get(hb).decode().split()[0]) if store.check([hb]) else 0.0
+                beat = read_beat(store, hb)
+                age = beat.age() if beat is not None else 0.0
                 if age > patience_s:
                     raise PeerError(f"{name} is frozen or gone while the others waited for it ({key}): its last "
                                     f"heartbeat is {age:.1f} s old (--dist-timeout {patience_s:g} s). Check its log, "
@@ -266,8 +288,8 @@ def blame_ranks(store: dist.Store, me: int, world: int, ranks_per_worker: int, w
                         continue
                     how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
                     ended.append((f"{who} {how}", g // ranks_per_worker))
-                elif store.check([f"rank/hb/{g}"]):
-                    age = time.time() - float(store.get(f"rank/hb/{g}").decode().split()[0])
+                elif (beat := read_beat(store, f"rank/hb/{g}")) is not None:
+                    age = beat.age()
                     if age > stale_s:
                         stale.append((f"{who} is frozen or gone (last heartbeat {age:.1f} s ago)",
                                       g // ranks_per_worker))
