@@ -24,8 +24,9 @@ MAX_ROUNDS_IN_FLIGHT = 64
 MIN_BANDWIDTH_GBPS = 1e-6
 #: The block formats' largest block: one scale per 65,536 values already gives up what blocks are for.
 MAX_CODEC_BLOCK = 1 << 16
-#: Past this outer learning rate every outer step overshoots many times over (the papers: 0.4 to 1).
-MAX_OUTER_LR = 10.0
+#: Past this outer learning rate every outer step overshoots many times over: the papers use 0.4 to 1, a shared
+#: support of k of every C values, which sends each value about once in C / k rounds, up to about C / k.
+MAX_OUTER_LR = 100.0
 #: The slowest worker's speed is at least the fastest's over this: beyond it one step of the slowest outlasts a run.
 MAX_SPEED_RATIO = 1000.0
 #: One-way latency beyond a minute describes no link (around the Earth is about 0.1 s).
@@ -113,8 +114,8 @@ class OuterConfig:
     """The outer optimizer applied to the averaged outer gradient: sgd (with --outer-momentum, Nesterov), average
     (plain averaging with --outer-lr, as SparseLoCo), adam or adamw."""
     outer_lr: float = 0.7
-    """Outer learning rate, above 0 and at most 10 (the DiLoCo papers: 0.7; the eager paper lowers it to about
-    0.4)."""
+    """Outer learning rate, above 0 and at most 100 (the DiLoCo papers: 0.7; the eager paper lowers it to about
+    0.4; a shared support of k of C values wants about C / k times more)."""
     outer_momentum: float = 0.9
     """Outer momentum (SGD) or beta1 (Adam); the papers use 0.9."""
     outer_nesterov: bool = True
