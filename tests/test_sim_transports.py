@@ -4,12 +4,12 @@ reduce-scattered and shared-support exchanges as M grows, and a plan that change
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 import pytest
 
 from eagerloco.codec_sizes import packed_nbytes, reduce_scatter_wire_bytes, sparse_counts, sparse_nbytes
+from eagerloco.lab.compare.stats import paired_difference
 from eagerloco.sim.advice import SHARED_MEASURED, measured_note, settings, train_command
 from eagerloco.sim.model import ModelSpec, Variant, exchange_wire_bytes, traffic
 from eagerloco.sim.plan import Question, plan
@@ -70,14 +70,19 @@ def test_plan_takes_the_workers_into_account() -> None:
 
 
 def test_the_shared_supports_measured_cost_is_the_committed_check() -> None:
-    """The plan's note and outer lr for the shared support are many_workers_loss.json's, paired by seed."""
+    """The plan's note, outer lr and error feedback for the shared support are the tuned Pareto's on Brown
+    (many_workers_loss.json), paired by seed against DiLoCo at its own tuned lr."""
     runs = json.loads((Path(__file__).resolve().parents[1] / "bench/results/many_workers_loss.json").read_text())
-    for (family, fmt), (mean, lo, hi, lr) in SHARED_MEASURED.items():
+    for (family, fmt), (mean, lo, hi, lr, beta) in SHARED_MEASURED.items():
         k = fmt.split("shared")[1].split("/")[0]
-        deltas = [runs[f"shared-{k}/seed{s}"]["final_eval_loss"] - runs[f"diloco-fp32/seed{s}"]["final_eval_loss"]
-                  for s in range(3)]
-        assert (mean, lo, hi) == (round(statistics.mean(deltas), 3), round(min(deltas), 3), round(max(deltas), 3))
-        flags = runs[f"shared-{k}/seed0"]["flags"]
-        assert flags[flags.index("--outer-lr") + 1] == str(lr)
-        row = {"family": family, "format": fmt, "topk": int(k)}
-        assert measured_note(row).startswith(f"measured loss cost: {mean:+.3f} nats")
+        row_runs = {s: runs[f"shared-ef{beta:g}-{k}@lr{lr:g}/seed{s}"] for s in range(3)}
+        gap = paired_difference({s: r["final_eval_loss"] for s, r in row_runs.items()},
+                                {s: runs[f"diloco-fp32@lr0.4/seed{s}"]["final_eval_loss"] for s in range(3)})
+        assert gap is not None and (mean, lo, hi) == (round(gap.mean, 3), round(gap.lo, 3), round(gap.hi, 3))
+        flags = row_runs[0]["flags"]
+        assert float(flags[flags.index("--outer-lr") + 1]) == lr
+        assert float(flags[len(flags) - 1 - flags[::-1].index("--error-feedback") + 1]) == beta  # the last one counts
+        row = next(r for r in plan(ModelSpec("custom", 7e9, 32, 1.0), Question(0.1, 0.95, workers=32))["candidates"]
+                   if (r["family"], r["format"]) == (family, fmt))
+        assert measured_note(row).startswith(f"measured loss cost: {mean:+.3f} nats [{lo:+.3f}, {hi:+.3f}]")
+        assert settings(row)["error_feedback"] == beta and settings(row)["outer_lr"] == lr

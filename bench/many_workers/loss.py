@@ -57,6 +57,10 @@ ROWS = {
                     [*SPARSE, "--topk", "2048", "--transport", "shared-support"]),
     "guided-2048": ("shared support: 2048 of 4096, half the largest of the last mean and half drawn, 2-bit",
                     [*SPARSE, "--topk", "2048", "--transport", "shared-support", "--support-guided", "0.5"]),
+    "shared-nest-1024": ("shared support: 1024 of 4096 drawn per round, 2-bit, Nesterov outer steps",
+                         [*SPARSE, "--topk", "1024", "--transport", "shared-support", "--outer-optimizer", "sgd"]),
+    "shared-nest-512": ("shared support: 512 of 4096 drawn per round, 2-bit, Nesterov outer steps",
+                        [*SPARSE, "--topk", "512", "--transport", "shared-support", "--outer-optimizer", "sgd"]),
     "rs-2bit": ("dense 2-bit through the reduce-scatter, error feedback 0.95, Nesterov",
                 ["--outer-lr", "0.2", "--codec", "2bit", "--transport", "reduce-scatter", "--error-feedback", "0.95"]),
     "eager-sparseloco-64": ("1-outer-step eager, SparseLoCo top 64 of 4096", [*SPARSE, "--topk", "64",
@@ -64,6 +68,15 @@ ROWS = {
     "eager-shared-1024": ("1-outer-step eager, shared support 1024 of 4096",
                           [*SPARSE, "--topk", "1024", "--transport", "shared-support", "--method", "eager"]),
 }
+
+
+# The sparse rows with another error-feedback decay than SparseLoCo's 0.95 (shared-efB-K, sparseloco-efB-K).
+ROWS.update({f"shared-ef{b}-{k}": (f"shared support: {k} of 4096 drawn per round, 2-bit, error feedback {b}",
+                                   [*SPARSE, "--topk", k, "--transport", "shared-support", "--error-feedback", b])
+             for b in ("1", "0.8", "0.6", "0.4", "0.2", "0.1") for k in ("128", "256", "512", "1024", "2048")})
+ROWS.update({f"sparseloco-ef{b}-{k}": (f"SparseLoCo: top {k} of 4096, 2-bit, all-gathered, error feedback {b}",
+                                       [*SPARSE, "--topk", k, "--error-feedback", b])
+             for b in ("0.8", "0.6") for k in ("64", "128")})
 
 
 def with_lr(flags: list[str], lr: float) -> list[str]:
@@ -254,7 +267,8 @@ def pareto_markdown(results: dict[str, Any]) -> list[str]:
              "--seeds 0`, then `--outer-lr tuned --seeds 1,2`), DiLoCo's Nesterov lr too; every gap is paired by seed "
              "against DiLoCo at its own tuned lr. Seed 0 both chose the lr and counts among the 3 seeds, which "
              "favours every row a little, DiLoCo included. The sparse rows are those of the check below (2-bit values, "
-             "error feedback 0.95, plain averaging); rs-2bit sends every value in 2 bits through the reduce-scatter "
+             "error feedback 0.95, or B in rows named -efB-, plain averaging; -nest- rows take Nesterov steps at "
+             "DiLoCo's momentum instead); rs-2bit sends every value in 2 bits through the reduce-scatter "
              "with error feedback 0.95 and DiLoCo's Nesterov step, at DiLoCo's tuned lr. A row that reaches DiLoCo at "
              "fewer than 3 outer lrs tried is reported: tuning it can only choose a lower seed-0 loss.", "",
              *answer(table)]
@@ -280,18 +294,22 @@ def loss_table(results: dict[str, Any]) -> list[str]:
     """The short loss check of bench/many_workers/loss.py: mean final eval loss per row over its seeds."""
     rows: dict[str, list[dict[str, Any]]] = {}
     for key, r in results.items():
-        if "@" in key:  # another outer lr than the row's own: the Pareto's tuning
+        if "@" in key and split_key(key)[0] in CORPORA:  # another outer lr than the row's own: the Pareto's tuning
             continue
         rows.setdefault(key.split("/")[0], []).append({**r, "seed": key.split("/")[1]})
 
-    def base_of(name: str) -> str:  # the DiLoCo row of the row's corpus and length (kjv:row, 400steps:row)
-        return f"{name.split(':')[0]}:diloco-fp32" if ":" in name else "diloco-fp32"
+    def base_of(name: str) -> str:  # the DiLoCo row of the row's corpus and length (kjv:row, 400steps:row), any lr
+        prefix = f"{name.split(':')[0]}:" if ":" in name else ""
+        return next((n for n in rows if n.startswith(f"{prefix}{BASE}") and ":" not in n[len(prefix):]),
+                    f"{prefix}{BASE}")
 
     first = next(iter(results.values()))
     lines = ["", f"## Loss at M = {first['workers']} (`bench/many_workers/loss.py`)", "",
              "Tiny model, Brown (rows kjv:... on the KJV, `--data kjv`), bpe:1024, batch 8 x 64, "
-             f"{first['steps']} steps (rows 400steps:... 400), H = 20, {first['workers']} "
-             "in-process workers; sparse rows with error feedback 0.95 and plain averaging at outer lr 1.5, DiLoCo "
+             f"{first['steps']} steps (rows 400steps:... 400, kjv-800steps:... 800 on the KJV, each against DiLoCo "
+             f"of its corpus and length; row@lrX at outer lr X), H = 20, {first['workers']} "
+             "in-process workers; sparse rows with error feedback 0.95 (B in rows -efB-) and plain averaging at outer "
+             "lr 1.5, DiLoCo "
              "with Nesterov at 0.2 (the outer lrs tuned at M = 2 in bench/results/compression, not retuned). "
              "A short check at the outer lrs of M = 2; the tuned Pareto is above. The eager rows (1-outer-step "
              "eager, the same outer lr, untuned for eager at this M) say whether the shared support composes with "
