@@ -51,7 +51,8 @@ def _wait_for(store: dist.Store, key: str, value: bytes | None, jobs: list[Any],
     deadline = time.monotonic() + timeout
     while not (store.check([key]) and value in (None, store.get(key))):
         ended = [j for j in jobs if j.poll() is not None]
-        assert not ended, f"no {key} = {value!r}: a job exited {ended[0].returncode}:\n{ended[0].stdout.read()[-4000:]}"
+        assert not ended, (f"no {key} = {value!r}: a job exited {ended[0].returncode}:\n"
+                           f"{ended[0].communicate(timeout=10)[0][-4000:]}")
         assert time.monotonic() < deadline, f"no {key} = {value!r} after {timeout} s"
         time.sleep(0.02)
 
@@ -69,7 +70,8 @@ def test_under_elastic_a_killed_worker_leaves_after_the_timeout_and_rejoins_a_st
     try:
         # Worker 1 killed inside an exchange: arrived, so a member of its all-reduce, which fails; its members decide
         # again without it, and the exchanges after it bypass it until the timeout removes it.
-        killed_at = 2 * H  # the group of the three formed at the first exchange, as the run's first act
+        # Past its first metrics line (step 16), before its first checkpoint: what --resume must come back from.
+        killed_at = 5 * H
         while True:  # stopped once arrived, before the decision (which then holds it), then killed
             _wait_for(store, f"{QUORUM_PREFIX}0/{killed_at}/arrived/1", None, jobs)
             os.kill(jobs[1].pid, signal.SIGSTOP)
@@ -78,10 +80,10 @@ def test_under_elastic_a_killed_worker_leaves_after_the_timeout_and_rejoins_a_st
             os.kill(jobs[1].pid, signal.SIGCONT)
             killed_at += H
         jobs[1].kill()
-        assert wait_all([jobs[1]], 60)[0].returncode == -9
+        assert wait_all([jobs[1]], 60)[0].returncode == -9 and (tmp_path / "w1" / "metrics.jsonl").exists()
         _wait_for(store, members, b"0,2", [jobs[0], jobs[2]])
         left_at = time.time()
-        jobs[1] = job(port, 1, 3, tmp_path / "w1", *args)  # the same command again
+        jobs[1] = job(port, 1, 3, tmp_path / "w1", *args, "--resume")  # the same command, to continue its --out
         _wait_for(store, members, b"0,1,2", jobs)
         # Worker 2 stopped past the grace window, for less than the timeout, once worker 1 is back in the exchanges:
         # between two exchanges (the others arrived at the next one, it not yet), not inside one's all-reduce.
@@ -130,6 +132,7 @@ def test_under_elastic_a_killed_worker_leaves_after_the_timeout_and_rejoins_a_st
         assert f"worker {w}: workers [1] joined at step" in done[w].stdout, done[w].stdout[-3000:]
     assert "worker 1: joined at step" in done[1].stdout and "checked); members [0, 1, 2]" in done[1].stdout, \
         done[1].stdout[-3000:]
+    assert "--resume: no checkpoint under" in done[1].stdout and "worker 1 starts afresh" in done[1].stdout
     assert all("lost 2" not in d.stdout for d in done)
     merged = [tuple(c) for d in decisions.values() for c in d["merged"]]
     assert len(merged) == len(set(merged)), merged

@@ -77,6 +77,16 @@ class JobRuntime(Runtime):
     def device(self) -> torch.device:
         return resolve_device(self.cfg.device)
 
+    def resume_point(self) -> Found | None:
+        """As every runtime's, but under --elastic a job whose worker died before its first checkpoint comes back with
+        the same command and --resume: it takes the run's state from a live member and reads its shard afresh."""
+        rc = self.cfg.runtime
+        if self.cfg.resume and rc.elastic and rc.outer_addr and not ckpt.list_checkpoints(self.root):
+            print(f"eagerloco: --resume: no checkpoint under {self.root} yet: worker {self.rdzv.worker} starts "
+                  "afresh (joining a run under way, it takes the run's state from a live member)", flush=True)
+            return None
+        return super().resume_point()
+
     def build(self, corpus: Any, tok: Any, base: nn.Module) -> dict[int, Worker]:
         from eagerloco.data import worker_streams
 
