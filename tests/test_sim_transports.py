@@ -86,3 +86,6 @@ def test_the_shared_supports_measured_cost_is_the_committed_check() -> None:
                    if (r["family"], r["format"]) == (family, fmt))
         assert measured_note(row).startswith(f"measured loss cost: {mean:+.3f} nats [{lo:+.3f}, {hi:+.3f}]")
         assert settings(row)["error_feedback"] == beta and settings(row)["outer_lr"] == lr
+        streaming = {**row, "family": "streaming", "method": "streaming", "fragments": 4}  # measured with DiLoCo
+        assert measured_note(streaming).startswith("measured loss cost: none")
+        assert settings(streaming)["error_feedback"] == beta and settings(streaming)["outer_lr"] == lr

@@ -105,7 +105,8 @@ def settings(row: dict[str, Any]) -> dict[str, Any]:
         out["transport"] = row["transport"]
     if row["topk"] is not None:
         found = measured_for(row)
-        shared = SHARED_MEASURED.get((row["family"], row["format"]))
+        # The decay and outer lr follow the support's density, whichever method (measured with DiLoCo).
+        shared = next((v for (_, fmt), v in SHARED_MEASURED.items() if fmt == row["format"]), None)
         lr = found[1].outer_lr if found is not None else shared[3] if shared is not None else None
         beta = shared[4] if shared is not None else SPARSE_ERROR_FEEDBACK
         out.update(topk=row["topk"], topk_chunk=row["topk_chunk"], error_feedback=beta, outer_optimizer="average",
