@@ -160,7 +160,8 @@ def test_resume_after_a_killed_worker_gives_the_uninterrupted_numbers(
 
 @pytest.mark.processes
 def test_overlap_is_real_on_an_emulated_link(tmp_path: Path) -> None:
-    """A full exchange takes ~0.3 s (several inner steps): DiLoCo waits it out every round, eager hides it."""
+    """A full exchange takes ~0.3 s: DiLoCo waits it out every round, eager hides it behind the next round's 10
+    inner steps, paced to 0.06 s each so that the round outlasts the link however fast this machine's cores are."""
     n_bytes = 820_352 * 4  # tiny preset, fp32
     bw = n_bytes * 8 / 0.3 / 1e9  # M = 2: the ring sends one payload's worth per worker
     common = [
@@ -176,6 +177,8 @@ def test_overlap_is_real_on_an_emulated_link(tmp_path: Path) -> None:
         f"{bw:.6f}",
         "--latency-ms",
         "5",
+        "--sim-step-time",
+        "0.06",
     ]
     out = {}
     for method in ("diloco", "eager"):

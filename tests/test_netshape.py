@@ -116,8 +116,9 @@ _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADD
 @pytest.mark.usefixtures("shaping")
 def test_a_kernel_shaped_link_blocks_diloco_and_eager_hides_it(tmp_path: Path) -> None:
     """2 workers, tiny model (3.28 MB per FP32 exchange; the M = 2 ring sends one payload per worker):
-    at 0.08 Gbit/s one exchange needs about 0.33 s on the wire, several inner steps. DiLoCo waits for it
-    every round, eager overlaps it with the next round; the namespaces are gone afterwards."""
+    at 0.08 Gbit/s one exchange needs about 0.33 s on the wire. DiLoCo waits for it every round, eager overlaps
+    it with the next round's 10 inner steps, paced to 0.06 s each so that the round outlasts the wire on any
+    machine; the namespaces are gone afterwards."""
     gbps, payload = 0.08, 820_352 * 4
     wire_s = payload * 8 / (gbps * 1e9)
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
@@ -128,7 +129,7 @@ def test_a_kernel_shaped_link_blocks_diloco_and_eager_hides_it(tmp_path: Path) -
             [sys.executable, "-m", "eagerloco", "launch", "--workers", "2", "--kernel-link-gbps", str(gbps), "--",
              "--workers", "2", "--method", method, "--model", "tiny", "--batch-size", "8", "--seq-len", "64",
              "--inner-steps", "10", "--steps", "30", "--eval-batches", "2", "--no-progress", "--seed", "3",
-             "--dist-timeout", "60", "--out", str(out)],
+             "--sim-step-time", "0.06", "--dist-timeout", "60", "--out", str(out)],
             capture_output=True, text=True, timeout=300, env=env,
         )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
