@@ -112,16 +112,13 @@ class QuorumJobs:
             wire = mean.numel() * 4
             for late in held:
                 late.age += 1
-            keep = [w for w in held if w.age < window.rule.max_late]
-            for late in held:
+            payload = flat.clone() if window.steps or flat.any() else flat.new_zeros(0)  # a catch-up pass's: zero
+            held.append(LateWindow(Contribution(me, window.step, window.steps), time.time(), weight, payload))
+            for late in held:  # past --max-late-rounds (at 0, this one at once): dropped, each with its line
                 if late.age >= window.rule.max_late:
                     dropped.append(late.contribution)
                     late.report_drop(window)
-            payload = flat.clone() if window.steps or flat.any() else flat.new_zeros(0)  # a catch-up pass's: zero
-            mine = LateWindow(Contribution(me, window.step, window.steps), time.time(), weight, payload)
-            (keep if window.rule.max_late > 0 else dropped).append(mine)
-            if window.rule.max_late == 0:
-                mine.report_drop(window)
+            keep = [w for w in held if w.age < window.rule.max_late]
             if keep:
                 self.held[window.fragment] = keep
         EmulatedLink.sleep_until(comm.link.schedule(start, wire))  # the emulated link's time for what it moved
