@@ -132,9 +132,8 @@ def publish(root: Path, step: int, entries: list[dict[str, Any]], meta: dict[str
                               f"checkpoint's (or is a link); move it away, then continue: {resume_hint(root)}")
     os.replace(stage, final)
     fsync_dir(root)
-    if keep > 0:
-        for old in list_checkpoints(root)[:-keep]:
-            remove_checkpoint(old)
+    for old in list_checkpoints(root)[:-keep]:  # keep 0: [:-0] is empty, every checkpoint stays
+        remove_checkpoint(old)
     return final
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eagerloco.environment import quiet_torch_cpp_warnings
+from eagerloco.environment import Environment, quiet_torch_cpp_warnings
 from eagerloco.flags import add_train_flags
 
 
@@ -84,8 +84,6 @@ def _exit_code(e: BaseException) -> int | None:
 def is_launched_training(argv: list[str] | None = None) -> bool:
     """Whether this process is a rank of a launched run (RANK and WORLD_SIZE set) running ``train`` (``argv``: the
     arguments after the program name), which ends without the interpreter's teardown."""
-    from eagerloco.environment import Environment
-
     argv = sys.argv[1:] if argv is None else argv
     return argv[:1] == ["train"] and Environment.read().launched
 

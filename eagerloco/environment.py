@@ -71,8 +71,6 @@ class Environment:
     """EAGERLOCO_WORKER_ID: this job's worker id, with the outer rendezvous."""
     rejoin: bool = False
     """EAGERLOCO_REJOIN=1: this process was restarted into a running elastic run."""
-    incarnation: int = 0
-    """EAGERLOCO_INCARNATION: how many times the launcher has restarted this rank."""
     launcher_pid: int | None = None
     """EAGERLOCO_LAUNCHER_PID: the process whose end ends this one: the launcher that started it, or the
     launcher's rank server that forked it."""
@@ -130,8 +128,7 @@ class Environment:
             master_port=integer("MASTER_PORT"), workers=integer(WORKERS_ENV),
             ranks_per_worker=integer(RANKS_PER_WORKER_ENV), outer_addr=text(OUTER_ADDR_ENV),
             worker_id=integer(WORKER_ID_ENV), rejoin=text(REJOIN_ENV) == "1",
-            incarnation=integer(INCARNATION_ENV) or 0, launcher_pid=integer(LAUNCHER_PID_ENV),
-            kernel_link_gbps=gbps, data_dir=text(DATA_DIR_ENV),
+            launcher_pid=integer(LAUNCHER_PID_ENV), kernel_link_gbps=gbps, data_dir=text(DATA_DIR_ENV),
         )
 
 

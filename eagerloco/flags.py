@@ -33,14 +33,9 @@ _CLASS_GROUP = {"OuterConfig": "algorithm", "LinkConfig": "link", "TrainConfig":
 
 
 @functools.cache
-def _module_tree(path: str) -> ast.Module:
-    return ast.parse(Path(path).read_text(encoding="utf-8"))
-
-
-@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a dataclass (read from its source: Python keeps none at run time)."""
-    tree = _module_tree(inspect.getfile(cls))  # one parse of the module: inspect.getsource would parse it twice
+    tree = ast.parse(Path(inspect.getfile(cls)).read_text(encoding="utf-8"))  # inspect.getsource would parse twice
     body = next(n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__qualname__)
     docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:], strict=False):

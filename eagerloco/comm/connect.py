@@ -217,7 +217,9 @@ def connect(outer_addr: str | None = None, worker_id: int | None = None, workers
     from eagerloco.comm.worker import communicator_for
 
     env = Environment.read()
-    rdzv = OuterRendezvous.find(outer_addr, worker_id, workers, env, grow=elastic)
+    if not outer_addr and env.outer_addr:  # the environment's rendezvous where the arguments give none
+        outer_addr, worker_id, workers = env.outer_addr, env.worker_id, env.workers
+    rdzv = OuterRendezvous.parse(outer_addr, worker_id, workers, grow=elastic) if outer_addr else None
     world = env.world_size or 1
     if elastic and rdzv is None:
         raise ConfigError("elastic=True needs each worker as its own job: pass outer_addr='host:port', worker_id "

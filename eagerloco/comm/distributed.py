@@ -70,7 +70,7 @@ class TorchDistHandle(Handle):
     def done(self) -> bool:
         return self._event.is_set()
 
-    def wait(self, out: list[torch.Tensor] | None = None, timeout: float | None = None) -> list[torch.Tensor]:
+    def wait(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Block until the exchange landed (time added to stats.blocked_s). By default the wait lasts while the
         exchanges ahead make progress, and gives up once one collective is stuck past the timeout (plus slack)."""
         if self._waited:
@@ -79,7 +79,7 @@ class TorchDistHandle(Handle):
         self._comm._unwaited.discard(self.seq)
         t0 = time.perf_counter()
         try:
-            self._comm._await(self, timeout)
+            self._comm._await(self)
         finally:
             self._comm.stats.blocked_s += time.perf_counter() - t0
         if self._error is not None:
@@ -155,7 +155,7 @@ class TorchDistCommunicator(Communicator):
         #: The operations in launch order, and the thread that runs them (:meth:`_run_op`).
         self.exchanges = ExchangeQueue(self._run_op, keep_means=elastic, on_start=self.staging.enter_thread,
                                        name=f"eagerloco-outer-w{self.rank}")
-        self.quorum_jobs: QuorumJobs | None = None  # set by join_quorum: --quorum below M across jobs
+        self.quorum_jobs: QuorumJobs | None = None  # set by JobRuntime: --quorum below M across jobs
         self._agreed = False  # agree() succeeded: exchanges launched with agreed=True skip the header
         self._unwaited: set[int] = set()  # launched exchanges nobody waited on (yet)
         self._in_collective_since: float | None = None  # monotonic time, while inside a collective
@@ -248,7 +248,7 @@ class TorchDistCommunicator(Communicator):
         """Run a barrier or an agreement in order with the exchanges launched before, and wait for it."""
         handle = self._enqueue(kind, [], torch.device("cpu"), own=[], nbytes=0 if payload is None else payload.numel())
         self.exchanges.put(Op(handle.seq, kind, time.time(), handle, payload=payload, step=self.step_hint, note=note))
-        self._await(handle, None)
+        self._await(handle)
         handle._waited = True
         if handle._error is not None:
             raise handle._error
@@ -291,21 +291,16 @@ class TorchDistCommunicator(Communicator):
         self.exchanges.track(handle)
         return handle
 
-    def _await(self, handle: TorchDistHandle, timeout: float | None) -> None:
+    def _await(self, handle: TorchDistHandle) -> None:
         """Wait for the handle; give up when the transport stopped making progress."""
-        start = time.monotonic()
         limit = self.timeout_s + _WAIT_SLACK_S
-        while not handle._event.wait(_POLL_S if timeout is None else min(_POLL_S, max(timeout, 0.0))):
+        while not handle._event.wait(_POLL_S):
             if self.exchanges.broken is not None and self.recover_hook is not None:
                 self.recover_hook()  # re-forms the group; this exchange then lands or runs again
-                start = time.monotonic()
                 continue
-            waited = time.monotonic() - start
             since = self._in_collective_since
             stuck = 0.0 if since is None else time.monotonic() - since
-            if timeout is not None and waited >= timeout:
-                self._fail(handle.seq, f"no result after waiting {waited:.1f} s (wait timeout)", None)
-            elif stuck >= limit:
+            if stuck >= limit:
                 self._fail(handle.seq, f"a collective made no progress for {stuck:.1f} s", None)
             elif not self.exchanges.alive:
                 self._fail(handle.seq, "the communication thread stopped", None)
@@ -320,10 +315,7 @@ class TorchDistCommunicator(Communicator):
                 raise self._error
             if self._cancel.is_set():
                 raise RuntimeError("the communicator was closed before this exchange ran")
-            mean = self._execute(op)
-            done = None
-            if mean is not None:
-                mean, done = self.staging.received(mean)
+            mean, done = self.staging.received(self._execute(op))
         except TransportError as e:  # a peer is gone or hung
             self._in_collective_since = None
             if self.elastic and not self._cancel.is_set():
@@ -350,29 +342,22 @@ class TorchDistCommunicator(Communicator):
         if self.staging.on_device and home.type == "cpu":
             buf = buf.to(self.staging.device)
         out = torch.empty(self.num_workers * buf.numel(), dtype=torch.uint8, device=buf.device)
-        self._collective(_all_gather, out, buf)
-        return out.view(self.num_workers, buf.numel()).to(home)
-
-    def _scatter(self, rows: torch.Tensor) -> torch.Tensor:
-        """All-to-all of equal-size uint8 rows: row j goes to group position j; returns the rows received,
-        in group order (gloo sends the M-1 others' rows and copies this worker's own)."""
-        out = torch.empty_like(rows)
-        self._collective(dist.all_to_all_single, out, rows)
-        return out
+        return self._collective(_all_gather, out, buf).view(self.num_workers, buf.numel()).to(home)
 
     def _sum(self, buf: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) an FP32 buffer in place: half the bytes of an all-gather beyond M = 2."""
-        self._collective(dist.all_reduce, buf, op=dist.ReduceOp.SUM)
-        return buf
+        return self._collective(dist.all_reduce, buf, op=dist.ReduceOp.SUM)
 
-    def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> None:
-        """One collective on the current group, timed for :meth:`_await`; a failure is a TransportError."""
+    def _collective(self, fn: Any, out: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One collective into ``out`` on the current group, timed for :meth:`_await`; a failure is a
+        TransportError."""
         self._in_collective_since = time.monotonic()
         try:
-            fn(*args, group=self.group, **kwargs)
+            fn(out, *args, group=self.group, **kwargs)
         except Exception as e:
             raise TransportError(str(e)) from e
         self._in_collective_since = None
+        return out
 
     def _execute(self, op: Op) -> torch.Tensor | None:
         """Run one operation on this thread; returns the flat FP32 mean (None for a barrier or agreement).
@@ -405,7 +390,9 @@ class TorchDistCommunicator(Communicator):
             buf = op.payload if op.inplace else op.payload.clone()
             mean = self._sum(buf.view(torch.float32)).div_(self.num_workers)
         elif op.shards is not None:  # :mod:`~eagerloco.comm.reduce_scatter`: an all-to-all, then an all-gather
-            mean = op.shards.exchange(op.payload, self._scatter, self._gather)
+            # All-to-all: row j to group position j (gloo sends the M-1 others' rows, copies this worker's own).
+            scatter = lambda rows: self._collective(dist.all_to_all_single, torch.empty_like(rows), rows)  # noqa: E731
+            mean = op.shards.exchange(op.payload, scatter, self._gather)
         else:
             payloads = list(self._gather(op.payload).unbind(0))
             mean = mean_of_payloads(codec, payloads, op.numel)

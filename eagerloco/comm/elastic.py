@@ -310,7 +310,7 @@ class Membership:
             buf = None
             if numel != BARRIER:
                 buf = mean.clone() if mean is not None else torch.empty(numel, dtype=torch.float32)
-                self.share(buf, holders[0])
+                dist.broadcast(buf, group=self.group, group_src=holders[0])  # from the first holder, in place
             if self.pos not in holders:
                 assert op is not None
                 op.handle.contributors = comm.members  # its mean holds the group it ran in, not re-formed yet
@@ -323,10 +323,6 @@ class Membership:
         rows = mine.new_zeros(len(self.members), mine.numel())
         _gather(rows.view(-1), mine, group=self.group)
         return rows
-
-    def share(self, buf: torch.Tensor, src: int) -> None:
-        """Broadcast buf from the member at position src of the new group, in place."""
-        dist.broadcast(buf, group=self.group, group_src=src)
 
     # ------------------------------------------------------------------ a worker comes back
     def boundary(self, step: int) -> None:

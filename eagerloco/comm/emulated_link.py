@@ -38,9 +38,4 @@ class EmulatedLink:
     def sleep_until(finish: float, interrupt: threading.Event | None = None) -> bool:
         """Sleep until wall time `finish`; False if `interrupt` was set first (shutdown)."""
         remaining = finish - time.time()
-        if remaining <= 0:
-            return True
-        if interrupt is None:
-            time.sleep(remaining)
-            return True
-        return not interrupt.wait(remaining)
+        return remaining <= 0 or not (interrupt or threading.Event()).wait(remaining)

@@ -41,7 +41,8 @@ class ExchangeQueue:
         self._parked = threading.Event()
         self._resume_ev = threading.Event()
         self._parked_op: Op | None = None
-        self._broken: tuple[int, str] | None = None  # (operation, what failed): text, no traceback
+        #: (operation, what failed) when the thread parked on a failed op, else None: text, no traceback.
+        self.broken: tuple[int, str] | None = None
         self._recent: dict[int, Result] = {}
         #: Operations numbered so far (the caller's thread numbers them at launch).
         self.launched = 0
@@ -105,7 +106,7 @@ class ExchangeQueue:
             assert isinstance(op, Op)
             failed = self._run_op(op)
             if failed is not None:
-                self._broken = (op.seq, failed)
+                self.broken = (op.seq, failed)
                 self._park(op)  # the caller re-forms the group and hands the op back
                 continue
             with self._pending_lock:
@@ -126,11 +127,6 @@ class ExchangeQueue:
         self._resume_ev.clear()
 
     # -- parking, for a membership change ------------------------------------------------------------
-
-    @property
-    def broken(self) -> tuple[int, str] | None:
-        """(operation, what failed) when the thread parked on a failed op, else None."""
-        return self._broken
 
     @property
     def parked(self) -> bool:
@@ -167,7 +163,7 @@ class ExchangeQueue:
         for op in later:
             if op is not _PAUSE:
                 self._ops.put(op)
-        self._broken = None
+        self.broken = None
         self._parked.clear()
         self._resume_ev.set()
 

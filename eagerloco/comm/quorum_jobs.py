@@ -239,12 +239,4 @@ class QuorumJobs:
                 pass
 
 
-def join_quorum(comm: Any, client: dist.Store, workers: int, timeout_s: float,
-                membership: Any = None) -> None:
-    """Let ``comm`` (a TorchDistCommunicator of a job at a coordinator) close its outer exchanges on a quorum; under
-    --elastic over the members ``membership`` holds."""
-    comm.quorum_jobs = QuorumJobs(comm, client, workers, timeout_s, membership)
-    comm.closes_on_quorum = True
-
-
-__all__ = ["QUORUM_PG_PREFIX", "QUORUM_PREFIX", "QuorumJobs", "join_quorum"]
+__all__ = ["QUORUM_PG_PREFIX", "QUORUM_PREFIX", "QuorumJobs"]

@@ -20,8 +20,6 @@ from eagerloco.comm.base import mean_of_payloads
 
 #: The ``transport`` that routes a quantized dense exchange through a reduce-scatter.
 REDUCE_SCATTER = "reduce-scatter"
-#: The ``transport`` whose sparse positions every worker draws alike, so that the values are reduce-scattered.
-SHARED_SUPPORT = "shared-support"
 
 
 def uses_reduce_scatter(codec: Codec, transport: str, workers: int) -> bool:
@@ -93,4 +91,4 @@ class Shards:
         return self.mean(gather(self.reduce(list(received.unbind(0)))))
 
 
-__all__ = ["REDUCE_SCATTER", "SHARED_SUPPORT", "Shards", "uses_reduce_scatter"]
+__all__ = ["REDUCE_SCATTER", "Shards", "uses_reduce_scatter"]

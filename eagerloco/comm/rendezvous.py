@@ -390,16 +390,6 @@ class OuterRendezvous:
             raise ConfigError(f"--worker-id must be an integer in 0..{workers - 1} (one per job), got {worker!r}")
         return cls(host.strip("[]"), port, worker, workers)
 
-    @classmethod
-    def find(cls, outer_addr: str | None, worker_id: int | None, workers: int | None,
-             env: Environment, grow: bool = False) -> OuterRendezvous | None:
-        """The rendezvous the arguments give, else the environment's (EAGERLOCO_OUTER_ADDR, ...); None: none."""
-        if outer_addr:
-            return cls.parse(outer_addr, worker_id, workers, grow)
-        if env.outer_addr:
-            return cls.parse(env.outer_addr, env.worker_id, env.workers, grow)
-        return None
-
 
 def wait_for_workers(store: dist.Store, me: int, workers: int, timeout_s: float, where: str,
                      report_every_s: float = REPORT_EVERY_S) -> None:

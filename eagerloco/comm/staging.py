@@ -56,10 +56,10 @@ class Staging:
         else:
             ready.synchronize()  # the copy to pinned memory: only this thread waits
 
-    def received(self, mean: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """On the communication thread: (the mean, its event or None); a host mean bound for a GPU is pinned here,
-        so that its copy to the device can be asynchronous."""
-        if not self.cuda:
+    def received(self, mean: torch.Tensor | None) -> tuple[torch.Tensor | None, Any]:
+        """On the communication thread: (the mean, its event or None; None for a barrier's); a host mean bound for
+        a GPU is pinned here, so that its copy to the device can be asynchronous."""
+        if mean is None or not self.cuda:
             return mean, None
         if mean.device.type == "cuda":
             done = torch.cuda.Event()

@@ -294,11 +294,6 @@ class OuterConfig:
                               f"({num_blocks}); choose 1..{max(num_blocks, 1)}")
 
     @property
-    def sparse(self) -> bool:
-        """Whether the exchange sends only the top entries of each chunk (--topk)."""
-        return self.topk is not None
-
-    @property
     def per_step(self) -> bool:
         """Whether workers exchange at every inner step (the gradient mean of dp) rather than once a round."""
         return self.method == "dp"

@@ -9,8 +9,6 @@ from eagerloco.environment import Environment
 from eagerloco.errors import ConfigError
 
 BACKENDS = ("gloo", "nccl")
-#: The ways of starting workers (:meth:`RuntimeConfig.kind`).
-RUNTIMES = ("inprocess", "distributed", "elastic", "job")
 _GROUP = "multi-process"
 #: A week: longer waits than this are no timeout (and overflow the timedelta torch.distributed takes).
 MAX_DIST_TIMEOUT = 7 * 24 * 3600.0
@@ -69,7 +67,7 @@ class RuntimeConfig:
         return self
 
     def kind(self, env: Environment) -> str:
-        """Which runtime runs this process (one of RUNTIMES)."""
+        """Which runtime runs this process (a key of :data:`eagerloco.train.RUNTIMES`)."""
         if self.outer_addr:
             return "job"
         if env.launched:
@@ -150,4 +148,4 @@ class RuntimeConfig:
                                   "nccl and --device cuda")
 
 
-__all__ = ["BACKENDS", "RUNTIMES", "RuntimeConfig"]
+__all__ = ["BACKENDS", "RuntimeConfig"]

@@ -4,6 +4,7 @@ algorithm, the link and the runtime as sections. Each field's docstring is also 
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -193,13 +194,11 @@ class TrainConfig:
                     f"train got --bandwidth-gbps {given:g}: pass the bandwidth once, to the launcher"
                 )
             self.link.bandwidth_gbps = kernel
-        self._check_memory(self.workers if self.runtime.kind(env) == "inprocess" else 1)
+        self._check_memory(self.workers if kind == "inprocess" else 1)
         return self
 
     def _check_memory(self, replicas: int) -> None:
         """Refuse a run whose models cannot fit this machine's memory (an estimate: model.training_bytes)."""
-        import os
-
         from eagerloco.data.tokenizer import parse_tokenizer_name
         from eagerloco.model import model_config, training_bytes
 
@@ -268,11 +267,9 @@ class TrainConfig:
         check_int_at_least("eval_limit", self.eval_limit, 1)
 
     def _validate_device(self) -> None:
-        from eagerloco.device import DEVICE_PATTERN, PRECISIONS, DeviceError, resolve_device  # imports torch
+        from eagerloco.device import PRECISIONS, DeviceError, resolve_device  # imports torch
 
-        if not isinstance(self.device, str) or not re.fullmatch(DEVICE_PATTERN, self.device):
-            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        try:
+        try:  # DeviceError for a name that is not auto, cpu, cuda or cuda:N too
             resolve_device(self.device)
         except DeviceError as e:
             raise ConfigError(str(e)) from None

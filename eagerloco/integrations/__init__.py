@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from eagerloco.atomic import atomic_file
 from eagerloco.comm.base import Communicator
 from eagerloco.comm.connect import Connection, connect
 from eagerloco.comm.errors import api_error
@@ -45,18 +42,11 @@ def start_loop(model: nn.Module, optimizer: Any, config: OuterConfig | None, pee
     """The callback's OuterLoop at train start: on ``peers``, else connected with the callback's keywords;
     the framework's GradScaler and learning-rate scheduler unless the callback was given its own. A worker that
     arrives at an elastic run under way is admitted here, with a live worker's state (``loop.joined_at``)."""
-    loop = {k: v for k, v in options.items() if k in LOOP_OPTIONS}
-    loop.setdefault("grad_scaler", grad_scaler)
-    loop.setdefault("scheduler", scheduler)
+    loop = {"grad_scaler": grad_scaler, "scheduler": scheduler,  # unless the callback was given its own
+            **{k: v for k, v in options.items() if k in LOOP_OPTIONS}}
     if peers is None:
         peers = connect(**{k: v for k, v in options.items() if k not in LOOP_OPTIONS})
     return OuterLoop(model, optimizer, config, peers=peers, **loop)  # it releases the connection on an error
 
 
-def save_atomic(state: Any, path: str | Path) -> None:
-    """torch.save, atomically: a crash never leaves half a file."""
-    with atomic_file(Path(path)) as f:
-        torch.save(state, f)
-
-
-__all__ = ["LOOP_OPTIONS", "check_options", "save_atomic", "start_loop"]
+__all__ = ["LOOP_OPTIONS", "check_options", "start_loop"]

@@ -10,12 +10,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from eagerloco.atomic import atomic_file
 from eagerloco.comm.base import Communicator
 from eagerloco.comm.connect import Connection
 from eagerloco.config import OuterConfig
 from eagerloco.extras import require
 from eagerloco.hooks import OuterLoop
-from eagerloco.integrations import check_options, save_atomic, start_loop
+from eagerloco.integrations import check_options, start_loop
 
 #: The base class, or the one line that names the [hf] extra (transformers is not a dependency of eagerloco).
 TrainerCallback = require("transformers", "eagerloco.integrations.hf").TrainerCallback
@@ -60,8 +63,6 @@ class OuterLoopCallback(TrainerCallback):
                     f"the Trainer resumed at step {state.global_step} but {path} holds no eagerloco outer state "
                     "(was the checkpoint written with OuterLoopCallback, by this worker?); pass resume_from= "
                     "the checkpoint folder")
-            import torch
-
             self.outer.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
         self.outer.start()
         self._ended_early = _EndedEarly(self.outer)
@@ -72,7 +73,8 @@ class OuterLoopCallback(TrainerCallback):
         if self.outer.is_reporting_rank:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             folder.mkdir(parents=True, exist_ok=True)
-            save_atomic(outer_state, folder / STATE_FILE.format(worker=self.outer.worker))
+            with atomic_file(folder / STATE_FILE.format(worker=self.outer.worker)) as f:  # never half a file
+                torch.save(outer_state, f)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:

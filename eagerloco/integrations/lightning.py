@@ -43,10 +43,9 @@ class OuterLoopCallback(Callback):
                                 getattr(trainer.precision_plugin, "scaler", None), scheduler)
         if self.outer.joined_at is not None:  # joined an elastic run under way: it goes on from the run's step
             continue_at(trainer, self.outer.joined_at)
-            self._restored = None
         elif self._restored is not None:  # fit(ckpt_path=...): Lightning restored the callbacks first
             self.outer.load_state_dict(self._restored)
-            self._restored = None
+        self._restored = None
         self.outer.start()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from eagerloco.comm.connect import Connection, connect
-from eagerloco.comm.errors import api_error
 from eagerloco.config import ConfigError, OuterConfig
 from eagerloco.hooks import OuterLoop
+from eagerloco.integrations import check_options
 
 
 class Manager:
@@ -119,10 +119,7 @@ class DiLoCo(OuterLoop):
                              fragments=len(fragments), fragment_pattern="sequential", overlap_steps=fragment_sync_delay,
                              alpha=fragment_update_alpha, codec="fp8" if should_quantize else "fp32")
         factory = outer_factory(outer_optimizer, len(fragments))
-        try:  # before connecting: a bad setting meets nobody
-            config.validate()
-        except ConfigError as e:
-            raise api_error(e) from None
+        check_options(config, {})  # before connecting: a bad setting meets nobody
         super().__init__(nn.ModuleList(fragments), inner_optimizer, config, blocks=fragments,
                          peers=(manager or Manager()).connect(), outer_optimizer=factory)
         if manager is not None:

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from datetime import timedelta
 from typing import IO, Any, Protocol
 
@@ -151,13 +151,10 @@ def _launch(argv_for_train: list[str], workers: int, ranks_per_worker: int, mast
 
     def spawn(rank: int, incarnation: int = 0) -> RankProcess:
         ours = Environment.for_child()  # what every rank inherits; a rank server is chosen by it
-        env = dict(ours)
-        env.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
-            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
-            PYTHONUNBUFFERED="1",
-        )
+        env = dict(ours, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                   WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                   PYTHONUNBUFFERED="1")
         env.update({WORKERS_ENV: str(workers), RANKS_PER_WORKER_ENV: str(ranks_per_worker),
                     LAUNCHER_PID_ENV: str(os.getpid())})  # it dies with us (die_with_launcher)
         if incarnation:
@@ -215,21 +212,17 @@ class _ExitBoard:
     def stopping(self, signum: int) -> None:
         """The launcher got a stop signal and passes it on (``stopping``): a rank whose collective then fails
         because another rank stopped first says it was stopped by the signal, not that the other failed."""
-        try:
+        with suppress(Exception):  # only words a message
             self.store.set(STOPPING_KEY, str(signum))
-        except Exception:  # only words a message
-            pass
 
     def record(self, rank: int, pid: int, rc: int) -> None:
         if (rank, pid) in self.seen:
             return
         self.seen.add((rank, pid))
-        try:
+        with suppress(Exception):  # only speeds up diagnosis
             self.store.set(f"exited/{rank // self.r}", str(rc))
             self.store.set(f"exited-rank/{rank // self.r}", str(rank))  # which of the worker's ranks
             self.store.set(f"rank/exited/{rank}", str(rc))
-        except Exception:  # only speeds up diagnosis
-            pass
 
 
 def _supervise(procs: list[RankProcess], grace_s: float, say: Any, terminated: _Stop, exits: _ExitBoard,
@@ -299,22 +292,17 @@ def _pump(p: RankProcess, prefix: str, out: IO[str], lock: threading.Lock) -> No
     assert p.stdout is not None
     for raw in iter(p.stdout.readline, b""):
         line = raw.decode(errors="replace")
-        try:
-            with lock:
-                out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
-                out.flush()
-        except (OSError, ValueError):  # our output is gone (closed pipe): keep draining the child's
-            pass
+        with suppress(OSError, ValueError), lock:  # our output gone (closed pipe): keep draining the child's
+            out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+            out.flush()
     p.stdout.close()
 
 
 def _signal_all(procs: list[RankProcess], sig: int) -> None:
     for p in procs:
         if p.poll() is None:
-            try:
+            with suppress(ProcessLookupError):
                 os.killpg(p.pid, sig)  # the process and anything it started
-            except ProcessLookupError:
-                pass
 
 
 def _wait_all(procs: list[RankProcess], seconds: float) -> None:

@@ -19,7 +19,8 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from typing import IO, Any, Protocol
+from contextlib import suppress
+from typing import IO, Any
 
 #: The server's module (``python -m``), and the longest a message may be (its environment is most of it).
 SERVER_MODULE = "eagerloco.rankserver"
@@ -54,19 +55,6 @@ def receive_message(sock: socket.socket) -> tuple[dict[str, Any] | None, list[in
     return json.loads(data), fds
 
 
-class RankProcess(Protocol):
-    """What the launcher needs of a rank's process: :class:`subprocess.Popen` and :class:`ForkedRank` have it."""
-
-    pid: int
-    stdout: IO[bytes] | None
-
-    def poll(self) -> int | None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
-
-    def kill(self) -> None: ...
-
-
 class ForkedRank:
     """A rank forked by the server, with the part of :class:`subprocess.Popen` the launcher uses
     (``pid``, ``stdout``, ``poll``, ``wait``, ``kill``, ``returncode``)."""
@@ -95,10 +83,8 @@ class ForkedRank:
     def kill(self) -> None:
         """SIGKILL the rank, if it still runs."""
         if self.poll() is None:
-            try:
+            with suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 class RankServer:
@@ -197,10 +183,8 @@ class RankServer:
         """End the server: it stops reading and exits (a rank still running gets its parent-death SIGTERM).
         An idle one is stopped at once: it may still be importing, and reads its socket only after."""
         idle = not self.busy
-        try:
+        with suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
         if idle and self.process.poll() is None:
             self.process.terminate()
@@ -210,6 +194,9 @@ class RankServer:
             self.process.kill()
             self.process.wait()
 
+
+#: What the launcher needs of a rank's process (pid, stdout, poll, wait, kill): a started or a forked one.
+RankProcess = subprocess.Popen | ForkedRank
 
 _server: RankServer | None = None
 _server_lock = threading.Lock()

@@ -7,6 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
+from eagerloco.checkpoint import NO_ROOM_ERRNOS, checkpoint_root, newest_intact, resume_hint
 from eagerloco.comm.errors import PEER_EXIT_CODE, PeerError
 from eagerloco.config import Environment
 from eagerloco.errors import DIVERGED_EXIT_CODE, DivergedError
@@ -34,20 +35,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"eagerloco: {stopped_line(signum, Path(cfg.out))}", file=sys.stderr, flush=True)
         return 128 + signum
     except PeerError as e:  # a dead or frozen peer: name the checkpoint that the restart resumes from
-        from eagerloco.checkpoint import checkpoint_root, resume_hint
-
         print(f"eagerloco: error: {e} ({resume_hint(checkpoint_root(Path(cfg.out)))})", file=sys.stderr, flush=True)
         return PEER_EXIT_CODE
     except DivergedError as e:  # nothing after it was checkpointed: name what was kept
-        from eagerloco.checkpoint import checkpoint_root, newest_intact
-
         found = newest_intact(checkpoint_root(Path(cfg.out)))
         kept = "no checkpoint was written" if found is None else f"the newest checkpoint, {found[0]}, is from before it"
         print(f"eagerloco: error: {e} ({kept})", file=sys.stderr, flush=True)
         return DIVERGED_EXIT_CODE
     except OSError as e:
-        from eagerloco.checkpoint import NO_ROOM_ERRNOS
-
         if e.errno not in NO_ROOM_ERRNOS:
             raise
         print(f"eagerloco: error: {no_room_line(e, Path(cfg.out))}", file=sys.stderr, flush=True)
@@ -59,9 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
 def stopped_line(signum: int, out: Path) -> str:
     """The line (without the program prefix) of a run stopped by ``signum``: the checkpoint to resume from."""
-    from eagerloco import checkpoint as ckpt
-
-    found = ckpt.newest_intact(ckpt.checkpoint_root(out))
+    found = newest_intact(checkpoint_root(out))
     if found is not None:
         return (f"stopped by {signal_name(signum)}; the newest good checkpoint is {found[0]} (step {found[1]}): "
                 "run the same command with --resume to continue from it")
@@ -72,11 +65,9 @@ def stopped_line(signum: int, out: Path) -> str:
 def no_room_line(e: OSError, out: Path) -> str:
     """The line of a run whose file cannot be written for lack of room (``e.errno`` in
     ``checkpoint.NO_ROOM_ERRNOS``): the file, the reason, the directory to free, the checkpoint to resume."""
-    from eagerloco import checkpoint as ckpt
-
     where = e.filename or out
     return (f"cannot write {where}: {e.strerror or e}; free space on the disk of {out} (or make it writable), "
-            f"then continue: {ckpt.resume_hint(ckpt.checkpoint_root(out))}")
+            f"then continue: {resume_hint(checkpoint_root(out))}")
 
 
 __all__ = ["no_room_line", "run", "stopped_line"]

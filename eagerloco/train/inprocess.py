@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from eagerloco.comm.inprocess import InProcessGroup
+from eagerloco.data import worker_streams
 from eagerloco.device import resolve_device
 from eagerloco.train.runtime import Found, Runtime
 from eagerloco.train.worker import Worker
@@ -18,12 +19,9 @@ class InProcessRuntime(Runtime):
     so blocked time and compute utilization are reported as they would be on that link."""
 
     def build(self, corpus: Any, tok: Any, base: nn.Module) -> dict[int, Worker]:
-        from eagerloco.data import worker_streams
-
         cfg = self.cfg
         device = resolve_device(cfg.device)
-        if device.type != "cpu":  # every worker on the one device, taking turns as on the CPU
-            base = base.to(device)
+        base = base.to(device)  # every worker on the one device, taking turns as on the CPU
         streams = worker_streams(corpus, tok, cfg.workers, cfg.batch_size, cfg.seq_len, cfg.seed, iid=cfg.iid)
         self.group = InProcessGroup(cfg.workers, cfg.link, seed=cfg.seed, count_overhead=cfg.sim_step_time is None)
         return {m: Worker(base if m == 0 else copy.deepcopy(base), self.group.communicator(m), streams[m], cfg)

@@ -20,7 +20,7 @@ from torch import nn
 from eagerloco import checkpoint as ckpt
 from eagerloco.comm.connect import Connection
 from eagerloco.comm.heartbeat import wait_for_evaluation
-from eagerloco.comm.quorum_jobs import join_quorum
+from eagerloco.comm.quorum_jobs import QuorumJobs
 from eagerloco.comm.rendezvous import Meeting, OuterRendezvous, shapes_digest
 from eagerloco.device import resolve_device
 from eagerloco.train.agree import agreed_settings
@@ -32,14 +32,8 @@ from eagerloco.train.worker import Worker
 
 def lost_steps(events: list[dict[str, Any]]) -> int:
     """Inner steps that lost workers computed after their last exchange that reached the model."""
-    lost = 0
-    for ev in events:
-        if ev.get("event") != "left":
-            continue
-        for seen in ev.get("last_seen_step", {}).values():
-            if seen is not None:
-                lost += max(0, int(seen) - int(ev.get("last_included_step") or 0))
-    return lost
+    return sum(max(0, int(seen) - int(ev.get("last_included_step") or 0)) for ev in events
+               if ev.get("event") == "left" for seen in ev.get("last_seen_step", {}).values() if seen is not None)
 
 
 def worker_steps(events: list[dict[str, Any]], workers: int, start: int, steps: int) -> int:
@@ -109,7 +103,10 @@ class JobRuntime(Runtime):
             return {}
         self.comm, self.membership = self.peers.comm, self.peers.membership
         if cfg.outer.quorum is not None and cfg.outer.quorum < cfg.workers and self.peers.ctx is not None:
-            join_quorum(self.comm, self.peers.ctx.outer_store, cfg.workers, timeout_s, self.membership)
+            # Its outer exchanges close on a quorum at the coordinator; under --elastic over the membership's members.
+            self.comm.quorum_jobs = QuorumJobs(self.comm, self.peers.ctx.outer_store, cfg.workers, timeout_s,
+                                               self.membership)
+            self.comm.closes_on_quorum = True
         self.joining = self.peers.joining
         worker = Worker(model, self.comm, stream, cfg)
         self.peers.attach(cfg.outer, worker, steps=cfg.steps)

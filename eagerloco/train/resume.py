@@ -99,11 +99,6 @@ def checkpoint_at(cfg: TrainConfig, runtime: str, step: int) -> tuple[Path, dict
     return check_checkpoint(cfg, runtime, (path, meta))
 
 
-def announce_resume(path: Path, step: int, cfg: TrainConfig) -> None:
-    """The line a resumed run prints once."""
-    print(f"resuming from {path} (step {step} of {cfg.steps})", flush=True)
-
-
 def check_resume_layout(meta: dict[str, Any], ranks_per_worker: int, fsdp: bool) -> None:
     """Refuse (ConfigError) to resume a checkpoint of another layout: one file per rank, replicas or FSDP shards."""
     saved_r, saved_fsdp = int(meta.get("ranks_per_worker", 1)), bool(meta.get("fsdp", False))
@@ -135,7 +130,6 @@ def checkpoint_meta(cfg: TrainConfig, real_elapsed: float, **extra: Any) -> dict
 
 __all__ = [
     "RESUMABLE_CHANGES",
-    "announce_resume",
     "check_checkpoint",
     "check_resume_config",
     "checkpoint_at",

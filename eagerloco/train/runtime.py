@@ -17,7 +17,7 @@ from eagerloco import checkpoint as ckpt
 from eagerloco.comm.link import check_exchange_fits, emulated_link
 from eagerloco.comm.rendezvous import Meeting
 from eagerloco.config import Environment, LinkConfig, TrainConfig
-from eagerloco.train.resume import announce_resume, resume_checkpoint
+from eagerloco.train.resume import resume_checkpoint
 from eagerloco.train.rundir import RunManifest, claim
 from eagerloco.train.worker import Worker
 
@@ -82,7 +82,7 @@ class Runtime:
         """Every process is about to train from ``start_step``: announce it, make the run directory, meet."""
         if self.reports():
             if found is not None:
-                announce_resume(found[0], start_step, self.cfg)
+                print(f"resuming from {found[0]} (step {start_step} of {self.cfg.steps})", flush=True)
             Path(self.cfg.out).mkdir(parents=True, exist_ok=True)
             first = self.next_checkpoint(start_step)
             if first is not None:  # listed before any process (the others wait for this one) writes into it

@@ -16,6 +16,7 @@ from torch import nn
 from eagerloco.checkpoint import CheckpointError
 from eagerloco.comm.base import Communicator
 from eagerloco.config import ConfigError, TrainConfig
+from eagerloco.data import eval_batches, get_tokenizer, load_corpus
 from eagerloco.device import (
     autocast,
     compile_model,
@@ -27,6 +28,7 @@ from eagerloco.device import (
 )
 from eagerloco.flops import flops_per_token
 from eagerloco.fsdp import load_model_state, local_state, shard_optimizer_state
+from eagerloco.model import GPT, model_config
 from eagerloco.optim import muon_with_adamw
 from eagerloco.outer import OuterSync
 
@@ -132,8 +134,7 @@ class Worker:
     def forward_backward(self) -> None:
         t0 = time.perf_counter()
         x, y = self.stream.next_batch()
-        if self.device.type != "cpu":
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)  # no copy on the CPU
         self.opt.zero_grad(set_to_none=True)
         with self.autocast():
             _, loss = self.forward(x, y)
@@ -155,11 +156,8 @@ class Worker:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.inner_group)
         flat /= dist.get_world_size(self.inner_group)
-        i = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[i : i + n].view_as(g))
-            i += n
+        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
 
     def state_dict(self) -> dict[str, Any]:
         comm = self.comm
@@ -240,8 +238,6 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
 
 
 def build_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
-    from eagerloco.model import GPT, model_config
-
     try:
         mcfg = model_config(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len)
     except ValueError as e:
@@ -270,8 +266,6 @@ def model_flops(worker: Worker, cfg: TrainConfig) -> dict[str, Any]:
 
 def prepare(cfg: TrainConfig) -> tuple[Any, Any, nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Corpus, tokenizer (trained on the training split when BPE), the initial model, eval batches."""
-    from eagerloco.data import eval_batches, get_tokenizer, load_corpus
-
     corpus = load_corpus(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed)
     tok = get_tokenizer(cfg.tokenizer, corpus, cfg.data_dir)
     base = build_model(cfg, tok.vocab_size)
