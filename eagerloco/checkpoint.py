@@ -161,8 +161,9 @@ def list_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    """A checkpoint's meta.json, checked field by field (files unread: :func:`verify`); CheckpointError if not."""
+def verify(path: Path, check: Callable[[dict[str, Any]], str] | None = None) -> dict[str, Any]:
+    """Meta of a checkpoint whose every file matches its size and checksum; CheckpointError naming the first
+    problem. ``check``: the caller's check of its own records (what is wrong, or "")."""
     meta_path = path / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
@@ -172,19 +173,9 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{meta_path} is unreadable or corrupt ({e})") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "files" not in meta:
         raise CheckpointError(f"{meta_path} is not an eagerloco checkpoint of format {FORMAT_VERSION}")
-    problem = _meta_problem(meta, path.name)
-    if problem:
+    problem = _meta_problem(meta, path.name) or (check(meta) if check is not None else "")
+    if problem:  # a hand-edited or foreign file must not crash a resume
         raise CheckpointError(f"{meta_path} is inconsistent: {problem}")
-    return meta
-
-
-def verify(path: Path, check: Callable[[dict[str, Any]], str] | None = None) -> dict[str, Any]:
-    """Meta of a checkpoint whose every file matches its size and checksum; CheckpointError naming the first
-    problem. ``check``: the caller's check of its own records (what is wrong, or "")."""
-    meta = read_meta(path)
-    problem = check(meta) if check is not None else ""
-    if problem:
-        raise CheckpointError(f"{path / 'meta.json'} is inconsistent: {problem}")
     for entry in meta["files"]:
         f = path / entry["file"]
         try:

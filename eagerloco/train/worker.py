@@ -156,8 +156,11 @@ class Worker:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.inner_group)
         flat /= dist.get_world_size(self.inner_group)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            g.copy_(part.view_as(g))
+        i = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[i : i + n].view_as(g))
+            i += n
 
     def state_dict(self) -> dict[str, Any]:
         comm = self.comm
