@@ -25,6 +25,14 @@ from eagerloco.quorum import OwnWindows, quorum_rule
 from eagerloco.schedule import apply_delay, fragment_offsets, fragments_due
 
 
+@torch.no_grad()
+def copy_fragments(dst: Sequence[Sequence[torch.Tensor]], src: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Copy every fragment's tensors of ``src`` into ``dst``'s, fragment by fragment."""
+    for d, s in zip(dst, src, strict=True):
+        for t, v in zip(d, s, strict=True):
+            t.copy_(v)
+
+
 class OuterSync:
     """Wraps a model and its inner optimizer with the configured outer algorithm.
 
@@ -118,16 +126,13 @@ class OuterSync:
         if self.own_windows is not None:
             self.own_windows.end = step
 
-    @torch.no_grad()
     def restart_from_model(self) -> None:
         """Take the model's current parameters as the outer copies; only before the first inner step."""
         if self.step != 0 or self.in_flight:
             raise RuntimeError("restart_from_model() is for the start of a run, before the first inner step")
         if self.is_dp:  # no outer copies: the model is the state
             return
-        for frag_local, frag_outer in zip(self.local, self.outer, strict=True):
-            for local, outer in zip(frag_local, frag_outer, strict=True):
-                outer.copy_(local)
+        copy_fragments(self.outer, self.local)
 
     @property
     def num_workers(self) -> int:
@@ -417,17 +422,11 @@ class OuterSync:
             yield self.model
             return
         saved = [[t.detach().clone() for t in frag] for frag in self.local]
-        with torch.no_grad():
-            for fl, fo in zip(self.local, self.outer, strict=True):
-                for local, outer in zip(fl, fo, strict=True):
-                    local.copy_(outer)
+        copy_fragments(self.local, self.outer)
         try:
             yield self.model
         finally:
-            with torch.no_grad():
-                for fl, fs in zip(self.local, saved, strict=True):
-                    for local, s in zip(fl, fs, strict=True):
-                        local.copy_(s)
+            copy_fragments(self.local, saved)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly. In-flight exchanges are resolved and replaced by ready handles in
@@ -448,10 +447,7 @@ class OuterSync:
         ValueError when the state lacks a part, is for another method or fragmenting, or differs in settings."""
         check_state(state, self.config.method, self.outer, {"error_feedback": self.feedback, "adaptive": self.adaptive})
         self.step = int(state["step"])
-        with torch.no_grad():
-            for frag, saved in zip(self.outer, state["outer"], strict=True):
-                for t, s in zip(frag, saved, strict=True):
-                    t.copy_(s)
+        copy_fragments(self.outer, state["outer"])
         for opt, s in zip(self.outer_opts, state["outer_opts"], strict=True):
             opt.load_state_dict(s)
         self.generator.set_state(state["generator"])

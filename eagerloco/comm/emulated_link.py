@@ -17,8 +17,8 @@ class EmulatedLink:
 
     def __init__(self, config: LinkConfig | None = None, seed: int = 0) -> None:
         self.config = (config or LinkConfig()).validate()
-        self._rng = random.Random(seed)
-        self._free_at = 0.0  # wall time the previous transfer left the link
+        self.rng = random.Random(seed)
+        self.free_at = 0.0  # the time the previous transfer left the link
 
     @property
     def trivial(self) -> bool:
@@ -29,9 +29,9 @@ class EmulatedLink:
     def schedule(self, start: float, wire_bytes: int) -> float:
         """Reserve the link for a transfer whose last worker launched at `start`; return its finish time."""
         jitter_ms = self.config.jitter_ms
-        jitter = self._rng.uniform(0.0, jitter_ms / 1e3) if jitter_ms and wire_bytes else 0.0
-        finish = max(start, self._free_at) + self.config.transfer_seconds(wire_bytes) + jitter
-        self._free_at = finish
+        jitter = self.rng.uniform(0.0, jitter_ms / 1e3) if jitter_ms and wire_bytes else 0.0
+        finish = max(start, self.free_at) + self.config.transfer_seconds(wire_bytes) + jitter
+        self.free_at = finish
         return finish
 
     @staticmethod

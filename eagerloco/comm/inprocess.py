@@ -28,6 +28,7 @@ from eagerloco.comm.base import (
     unflatten,
     wire_bytes,
 )
+from eagerloco.comm.emulated_link import EmulatedLink
 from eagerloco.comm.quorum import GraceWindow, LateWindows
 from eagerloco.comm.reduce_scatter import Shards, uses_reduce_scatter
 from eagerloco.config import LinkConfig
@@ -130,15 +131,13 @@ class InProcessGroup:
         if num_workers < 1:
             raise ValueError(f"--workers must be an integer >= 1, got {num_workers}")
         self.num_workers = num_workers
-        self.link = (link or LinkConfig()).validate()
+        self.link = EmulatedLink(link, seed)  # its clock is the simulated one
         self.count_overhead = count_overhead
         # Exchanges by launch sequence number, until every worker has launched; then only the
         # handles hold them, so a finished exchange is freed with its last handle.
         self._by_seq: dict[int, _Exchange] = {}
-        self._link_free = 0.0
         self._spare: dict[int, torch.Tensor] = {}  # a finished exchange's mean buffer, by size
         self._spare_payloads: dict[int, list[torch.Tensor]] = {}  # finished keep_own=False payloads
-        self._rng = random.Random(seed)
         #: Quorum exchanges (12 of docs/algorithms.md): when they close, the late windows held, and each worker's
         #: compute seconds at its last window (the fastest one's compute between windows sizes the auto grace).
         self._grace = GraceWindow()
@@ -152,7 +151,7 @@ class InProcessGroup:
         """The link's state between steps (every exchange launched by then is complete)."""
         if self._by_seq:
             raise RuntimeError("cannot checkpoint while an exchange is only partly launched")
-        return {"link_free": self._link_free, "rng": self._rng.getstate(), "grace": self._grace.state_dict(),
+        return {"link_free": self.link.free_at, "rng": self.link.rng.getstate(), "grace": self._grace.state_dict(),
                 "late": self._late.state_dict(), "computed": list(self._computed), "round_compute": self._round_compute,
                 "step": self._step, "tick_s": self._tick_s}
 
@@ -177,7 +176,7 @@ class InProcessGroup:
             step, tick_s = int(state["step"]), float(state["tick_s"])
         except (TypeError, ValueError, KeyError, AttributeError):
             raise ValueError(f"group.late {_short(state.get('late'))} is not the quorum exchanges' state") from None
-        self._link_free, self._rng, self._grace, self._late = float(free), rng, grace, late
+        self.link.free_at, self.link.rng, self._grace, self._late = float(free), rng, grace, late
         self._computed, self._round_compute, self._step, self._tick_s = computed, round_compute, step, tick_s
 
     @staticmethod
@@ -225,10 +224,7 @@ class InProcessGroup:
             del self._by_seq[idx]
             # The collective starts when the last worker joins and the link is free; a ring moves
             # every worker's share at once, so one shared link time serves the group.
-            start = max(max(ex.launch_times) if ex.window is None else self._close(ex), self._link_free)
-            jitter = self._rng.uniform(0.0, self.link.jitter_ms / 1e3) if self.link.jitter_ms and wire else 0.0
-            ex.finish_time = start + self.link.transfer_seconds(wire) + jitter
-            self._link_free = ex.finish_time
+            ex.finish_time = self.link.schedule(max(ex.launch_times) if ex.window is None else self._close(ex), wire)
         own = unflatten(own_flat, tensors) if keep_own else []
         handle = InProcessHandle(self, comm, ex, own, nbytes)
         if ex.window is not None:
