@@ -125,14 +125,9 @@ class DistributedRuntime(Runtime):
     def agreement(self) -> Meeting | None:
         if self.gate is None:  # no store to meet in (torchrun without MASTER_ADDR): nothing to compare through
             return None
-        ctx = self.ctx
-        names = ctx.worker_names()
-        r = ctx.ranks_per_worker
-
-        def name(g: int) -> str:
-            return names[g // r] if r == 1 else f"global rank {g} (worker {g // r})"
-
-        return Meeting(self.gate, ctx.rank, list(range(ctx.world_size)), name,
+        ctx, r = self.ctx, self.ctx.ranks_per_worker
+        return Meeting(self.gate, ctx.rank, list(range(ctx.world_size)),
+                       lambda g: f"worker {g}" if r == 1 else f"global rank {g} (worker {g // r})",
                        f"{self.env.master_addr}:{self.env.master_port}")
 
     def ready(self, start_step: int, found: Found | None) -> None:

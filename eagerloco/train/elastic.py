@@ -71,8 +71,7 @@ class ElasticRuntime(JobRuntime):
     def reports(self) -> bool:
         return self.membership.is_leader()
 
-    def evaluates(self) -> bool:
-        return self.membership.is_leader()
+    evaluates = reports
 
     def evaluators(self) -> list[int]:
         """The leader evaluates alone; a leader that dies meanwhile is left to the membership change that follows
