@@ -127,7 +127,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                    help="TOML file: top-level training keys, [outer], [link] and [runtime] tables")
 
 
-def _config_tables(path: Path) -> dict[str, dict[str, Any]]:
+def config_tables(path: Path) -> dict[str, dict[str, Any]]:
+    """A ``--config`` file's settings by table ("" for the top level); ConfigError for a missing or invalid file."""
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file; pass a TOML file")
     try:
@@ -156,7 +157,7 @@ def build_train_config(args: argparse.Namespace, env: Environment | None = None)
         tables[""]["workers"] = env.workers
     config = getattr(args, "config", None)
     if config is not None:
-        for name, table in _config_tables(config).items():
+        for name, table in config_tables(config).items():
             tables[name].update(table)
     given = vars(args)
     for name, cls in (("", TrainConfig), *SECTIONS.items()):
@@ -169,4 +170,5 @@ def build_train_config(args: argparse.Namespace, env: Environment | None = None)
     return train_config_from_tables(tables, where).validate(env)
 
 
-__all__ = ["GROUPS", "FromFlags", "add_dataclass_flags", "add_train_flags", "build_train_config", "field_docs"]
+__all__ = ["GROUPS", "FromFlags", "add_dataclass_flags", "add_train_flags", "build_train_config", "config_tables",
+           "field_docs"]

@@ -2,30 +2,26 @@
 `eagerloco demo` (:mod:`.demo`).
 """
 
-from eagerloco.lab.compare.cli import add_parser, run
+from eagerloco.lab.compare.cli import add_parser
 from eagerloco.lab.compare.grid import (
     ALL_GRID,
     ENTRIES,
     PAPER_GRID,
     SWEEP_GRID,
-    GridEntry,
     resolve_grid,
     tolerated_steps,
     tolerated_text,
 )
-from eagerloco.lab.compare.runner import plan_runs, run_plans
+from eagerloco.lab.compare.runner import plan_runs
 
 __all__ = [
     "ALL_GRID",
     "ENTRIES",
     "PAPER_GRID",
     "SWEEP_GRID",
-    "GridEntry",
     "add_parser",
     "plan_runs",
     "resolve_grid",
-    "run",
-    "run_plans",
     "tolerated_steps",
     "tolerated_text",
 ]

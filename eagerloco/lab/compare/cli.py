@@ -12,7 +12,7 @@ from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.extras import check
 from eagerloco.flags import add_train_flags
 from eagerloco.lab.compare.grid import DEFAULT_SWEEP_H, ENTRIES, SWEEP_GRID, grid_help, resolve_grid
-from eagerloco.lab.compare.runner import build_base_config, plan_runs, run_plans
+from eagerloco.lab.compare.runner import build_base_config, plan_runs, print_done, run_plans
 from eagerloco.lab.compare.seeded import TUNE_SEED_OFFSET, mark_divergence, run_seeded
 from eagerloco.lab.compare.tune import parse_tune
 
@@ -144,10 +144,7 @@ def run(args: argparse.Namespace) -> int:
         "elapsed_s": time.perf_counter() - t0,
     }
     paths = write_report(out, results, meta)
-    reused = sum(r["cached"] for r in results)
     print()
     print(paths["table"])
-    print(f"\n{len(results) - reused} run(s) trained, {reused} reused, in {meta['elapsed_s']:.0f} s; "
-          f"plots and summary.json beside the report")
-    print(f"report: {paths['report']}")
+    print_done(results, meta["elapsed_s"], paths["report"])
     return 0

@@ -18,7 +18,7 @@ from eagerloco.lab.compare.cli import add_arguments, prepare, use_threads
 from eagerloco.lab.compare.grid import ENTRIES, resolve_grid
 from eagerloco.lab.compare.reference import PROTOCOL_FLAGS, load_reference, protocol_of, tuned_settings
 from eagerloco.lab.compare.report import as_number, fmt_cu, fmt_loss, fmt_outer_lr, markdown_table
-from eagerloco.lab.compare.runner import PlannedRun, checked, plan_runs, run_plans
+from eagerloco.lab.compare.runner import PlannedRun, checked, plan_runs, print_done, run_plans
 from eagerloco.lab.compare.tune import apply_setting, value_text
 
 #: The rows: one worker alone (does communicating pay at all?), the reference, the naive delay and the
@@ -300,7 +300,6 @@ def run(args: argparse.Namespace) -> int:
             "demo": {"reference": reference["source"], "settings": {p.entry.name: p.setting for p in plans
                                                                     if p.setting}}}
     paths = write_report(out, results, meta, preface=report_preface(results, reference, base))
-    reused = sum(r["cached"] for r in results)
     print()
     print(demo_table(results, reference, base.seed))
     said = conclusion(results)
@@ -311,9 +310,7 @@ def run(args: argparse.Namespace) -> int:
         print(textwrap.fill(line, TABLE_WIDTH, break_long_words=False, break_on_hyphens=False))
     print(textwrap.fill(rerun_sentence(reference) + ":", TABLE_WIDTH, break_on_hyphens=False))
     print("\n".join("  " + ln for ln in command_lines(reference["command"], TABLE_WIDTH - 2)))
-    print(f"\n{len(results) - reused} run(s) trained, {reused} reused, in {meta['elapsed_s']:.0f} s; "
-          "every column, plots and summary.json beside the report")
-    print(f"report: {paths['report']}")
+    print_done(results, meta["elapsed_s"], paths["report"], "every column, plots and summary.json")
     return 0
 
 

@@ -14,12 +14,8 @@ from eagerloco.jsonfiles import write_json_atomic
 from eagerloco.lab.compare.grid import ENTRIES, PAPER_EVAL_LOSS
 from eagerloco.units import fmt_bytes
 
-#: Downstream benchmarks (report column, summary keys that may hold the accuracy).
-EVAL_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
-    ("HellaSwag", ("hellaswag",)),
-    ("PIQA", ("piqa",)),
-    ("ARC-Easy", ("arc_easy", "arc-easy", "arceasy")),
-]
+#: Downstream benchmarks: the report's column, and the top-level summary key train writes the accuracy under.
+EVAL_COLUMNS: list[tuple[str, str]] = [("HellaSwag", "hellaswag"), ("PIQA", "piqa"), ("ARC-Easy", "arc_easy")]
 REFERENCE = "no-overlap"
 PLOTS = {"steps": "loss_vs_steps.png", "wallclock": "loss_vs_wallclock.png", "bytes": "loss_vs_bytes.png"}
 SWEEP_PLOT = "loss_vs_inner_steps.png"
@@ -42,31 +38,28 @@ def as_number(v: Any) -> float | None:
     return None
 
 
-def benchmark_score(summary: dict[str, Any], keys: tuple[str, ...]) -> float | None:
-    """A benchmark accuracy from the run's summary, wherever the evals put it (top level, or under
-    'evals'/'benchmarks'; a dict value gives its acc_norm or acc); None when the run has none."""
-    for where in (summary, summary.get("evals"), summary.get("benchmarks")):
-        if not isinstance(where, dict):
-            continue
-        for k in keys:
-            v = where.get(k)
-            if isinstance(v, dict):
-                v = next((v[a] for a in ("acc_norm", "acc", "accuracy") if a in v), None)
-            x = as_number(v)
-            if x is not None and math.isfinite(x):
-                return x
-    return None
+def benchmark_score(summary: dict[str, Any], key: str) -> float | None:
+    """A run's accuracy on a benchmark (``key`` at the top level of its summary); None when it has none."""
+    x = as_number(summary.get(key))
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _num(x: Any, fmt: str, finite: bool = False) -> str:
+    """``x`` (a number, or train's inf/nan string) formatted by ``fmt``; n/a otherwise (with ``finite``: inf, nan)."""
+    v = as_number(x)
+    return "n/a" if v is None or (finite and not math.isfinite(v)) else fmt.format(v)
 
 
 def fmt_score(x: float | None) -> str:
-    if x is None:
-        return "n/a"
-    return f"{100 * x:.1f}%" if 0.0 <= x <= 1.0 else f"{x:.3f}"
+    return _num(x, "{:.1%}" if x is not None and 0.0 <= x <= 1.0 else "{:.3f}")
 
 
 def fmt_loss(x: Any) -> str:
-    v = as_number(x)
-    return f"{v:.4f}" if v is not None else "n/a"
+    return _num(x, "{:.4f}")
+
+
+def fmt_cu(x: Any) -> str:
+    return _num(x, "{:.3f}")
 
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -86,42 +79,20 @@ def _delta(r: dict[str, Any], ref: dict[str, Any] | None) -> str:
     return "0" if r is ref else f"{a - b:+.4f}"
 
 
-def fmt_cu(x: Any) -> str:
-    v = as_number(x)
-    return f"{v:.3f}" if v is not None else "n/a"
-
-
-def _wall(r: dict[str, Any]) -> str:
-    v = as_number(r.get("wall_s"))
-    return f"{v:.1f} s" if v is not None else "n/a"
-
-
-def fmt_rate(r: dict[str, Any]) -> str:
-    """Real tokens/s of a run (every worker's tokens over the training loop's wall time)."""
-    v = as_number(r.get("tokens_per_s"))
-    return f"{v:,.0f}" if v is not None and math.isfinite(v) else "n/a"
-
-
-def fmt_mfu(r: dict[str, Any]) -> str:
-    """A run's MFU (n/a where the device's peak is unknown: a CPU without --peak-tflops)."""
-    v = as_number(r.get("mfu"))
-    return f"{100 * v:.1f}%" if v is not None and math.isfinite(v) else "n/a"
-
-
 #: Chance accuracy of each zero-shot benchmark (4-way HellaSwag and ARC-Easy, 2-way PIQA).
 CHANCE = {"HellaSwag": 0.25, "PIQA": 0.5, "ARC-Easy": 0.25}
 
 
-def benchmark_columns(results: list[dict[str, Any]]) -> list[tuple[str, tuple[str, ...]]]:
+def benchmark_columns(results: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """The zero-shot columns some run has a score for: a column of n/a says nothing."""
-    return [(c, keys) for c, keys in EVAL_COLUMNS if any(benchmark_score(r, keys) is not None for r in results)]
+    return [(c, key) for c, key in EVAL_COLUMNS if any(benchmark_score(r, key) is not None for r in results)]
 
 
 def at_chance(results: list[dict[str, Any]], limit: int) -> bool:
     """Whether every zero-shot score of every run is within two standard errors of chance on ``limit``
     questions per task (then the columns say nothing at this size); False when there is none."""
-    scores = [(c, x) for c, keys in benchmark_columns(results) for r in results
-              if (x := benchmark_score(r, keys)) is not None and 0.0 <= x <= 1.0]
+    scores = [(c, x) for c, key in benchmark_columns(results) for r in results
+              if (x := benchmark_score(r, key)) is not None and 0.0 <= x <= 1.0]
     if not scores or limit < 1:
         return False
     return all(abs(x - CHANCE[c]) <= 2 * math.sqrt(CHANCE[c] * (1 - CHANCE[c]) / limit) for c, x in scores)
@@ -155,7 +126,7 @@ def fmt_per_worker(r: dict[str, Any]) -> list[str]:
             "/".join(f"{s:.1f}" for s in idle) if idle else "n/a"]
 
 
-def _columns(results: list[dict[str, Any]], with_ref: bool) -> tuple[list[str], list[tuple[str, tuple[str, ...]]]]:
+def _columns(results: list[dict[str, Any]], with_ref: bool) -> tuple[list[str], list[tuple[str, str]]]:
     bench = benchmark_columns(results)
     headers = (["outer lr"] if _outer_lr_varies(results) else []) + ["tolerated latency", "eval loss"]
     headers += (["Δ vs no overlap"] if with_ref else []) + [c for c, _ in bench]
@@ -165,13 +136,15 @@ def _columns(results: list[dict[str, Any]], with_ref: bool) -> tuple[list[str], 
 
 
 def _cells(r: dict[str, Any], ref: dict[str, Any] | None, with_ref: bool, lr_col: bool,
-           bench: list[tuple[str, tuple[str, ...]]], unequal: bool = False) -> list[str]:
+           bench: list[tuple[str, str]], unequal: bool = False) -> list[str]:
     row = ([fmt_outer_lr(r)] if lr_col else []) + [r["tolerated"], fmt_loss(r.get("final_eval_loss"))]
     if with_ref:
         row.append(_delta(r, ref))
-    row += [fmt_score(benchmark_score(r, keys)) for _, keys in bench]
+    row += [fmt_score(benchmark_score(r, key)) for _, key in bench]
+    # tokens/s: every worker's tokens over the training loop's real wall time; MFU: n/a where the peak is unknown
     row += [fmt_bytes(r.get("bytes_sent_per_worker")), fmt_bytes(r.get("peak_sync_bytes")),
-            fmt_cu(r.get("compute_utilization")), _wall(r), fmt_rate(r), fmt_mfu(r)]
+            fmt_cu(r.get("compute_utilization")), _num(r.get("wall_s"), "{:.1f} s"),
+            _num(r.get("tokens_per_s"), "{:,.0f}", finite=True), _num(r.get("mfu"), "{:.1%}", finite=True)]
     return row + (fmt_per_worker(r) if unequal else [])
 
 
@@ -488,12 +461,19 @@ def write_report(out: Path, results: list[dict[str, Any]], meta: dict[str, Any],
                               ("wallclock", "Eval loss against wall-clock time on the emulated link"),
                               ("bytes", "Eval loss against bytes exchanged")):
             lines += [f"## {heading}", "", f"![{heading}]({plots[kind].name})", ""]
-    lines += ["## Runs", ""]
-    for r in results:
+    runs = [(r["label"] + (f" (H = {r['inner_steps']})" if sweep else ""), r) for r in results]
+    return finish_report(out, lines, runs, {**meta, "runs": results}, plots, table)
+
+
+def finish_report(out: Path, lines: list[str], runs: list[tuple[str, dict[str, Any]]], summary: dict[str, Any],
+                  plots: dict[str, Path], table: str) -> dict[str, Any]:
+    """Write ``lines`` and the "## Runs" list (each run's label, directory, trained or reused) to <out>/report.md,
+    ``summary`` to <out>/summary.json; returns their paths, the plots and the table."""
+    lines = [*lines, "## Runs", ""]
+    for label, r in runs:
         how = "reused" if r.get("cached") else f"trained in {as_number(r.get('real_wall_s')) or 0:.0f} s"
-        lines.append(f"- {r['label']}" + (f" (H = {r['inner_steps']})" if sweep else "")
-                     + f": `{r['run_dir']}` ({how})")
+        lines.append(f"- {label}: `{r['run_dir']}` ({how})")
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
-    write_json_atomic(out / "summary.json", {**meta, "runs": results})
+    write_json_atomic(out / "summary.json", summary)
     return {"report": report, "summary": out / "summary.json", "plots": plots, "table": table}

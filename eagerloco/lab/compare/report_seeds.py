@@ -8,10 +8,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from eagerloco.jsonfiles import write_json_atomic
 from eagerloco.lab.compare.report import (
     REFERENCE,
     as_number,
+    finish_report,
     fmt_cu,
     line_styles,
     load_curves,
@@ -366,15 +366,10 @@ def write_seeded_report(out: Path, units: list[Any], results: list[dict[str, Any
     if any(isinstance(r["delta"], dict) for r in rows):
         plots["delta"] = plot_delta(rows, out, subtitle)
         lines += ["## Difference to no overlap, paired by seed", "", f"![difference]({plots['delta'].name})", ""]
-    lines += ["## Runs", ""]
-    for r in [*tune_results, *results]:
-        how = "reused" if r.get("cached") else f"trained in {as_number(r.get('real_wall_s')) or 0:.0f} s"
-        lines.append(f"- {r['label']}, seed {r['seed']}" + (f", {setting_text(r['setting'])}" if r.get("setting")
-                                                           else "") + f": `{r['run_dir']}` ({how})")
-    report = out / "report.md"
-    report.write_text("\n".join(lines) + "\n")
-    write_json_atomic(out / "summary.json", {**meta, "rows": rows, "runs": results, "tuning_runs": tune_results})
-    return {"report": report, "summary": out / "summary.json", "plots": plots, "table": table}
+    runs = [(f"{r['label']}, seed {r['seed']}" + (f", {setting_text(r['setting'])}" if r.get("setting") else ""), r)
+            for r in [*tune_results, *results]]
+    summary = {**meta, "rows": rows, "runs": results, "tuning_runs": tune_results}
+    return finish_report(out, lines, runs, summary, plots, table)
 
 
 __all__ = [

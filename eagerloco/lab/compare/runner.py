@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import tomllib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from eagerloco.config import ConfigError, TrainConfig
-from eagerloco.flags import build_train_config
+from eagerloco.flags import build_train_config, config_tables
 from eagerloco.jsonfiles import finite_json
 from eagerloco.lab.compare.grid import (
     CACHE_IGNORED,
@@ -157,6 +156,15 @@ def run_plans(plans: list[PlannedRun], force: bool = False) -> list[dict[str, An
     return results
 
 
+def print_done(results: list[dict[str, Any]], elapsed_s: float, report: Path,
+               beside: str = "plots and summary.json") -> None:
+    """The closing lines of a comparison: how many runs trained and were reused, in how long, and the report."""
+    reused = sum(r["cached"] for r in results)
+    print(f"\n{len(results) - reused} run(s) trained, {reused} reused, in {elapsed_s:.0f} s; "
+          f"{beside} beside the report")
+    print(f"report: {report}")
+
+
 def _check_run_dirs(plans: list[PlannedRun]) -> None:
     """Before anything trains: each run directory to (re)train holds nothing but an earlier eagerloco run's
     files, the only ones its run removes (:func:`eagerloco.train.rundir.check_fresh_start`)."""
@@ -196,21 +204,6 @@ def _result(plan: PlannedRun, summary: dict[str, Any], cached: bool) -> dict[str
     }
 
 
-def _config_file_keys(path: Path | None) -> set[str]:
-    """Field names the config file sets (top level, [outer], [link]); its errors are reported later."""
-    if path is None or not path.is_file():
-        return set()
-    try:
-        raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
-        return set()
-    keys = {k for k, v in raw.items() if not isinstance(v, dict)}
-    for table in ("outer", "link"):
-        if isinstance(raw.get(table), dict):
-            keys |= set(raw[table])
-    return keys
-
-
 def build_base_config(args: argparse.Namespace) -> tuple[Any, Path]:
     """The shared TrainConfig of every run (defaults <- compare defaults <- file <- flags), validated, and <out>."""
     given = [f for f in PER_ENTRY_FLAGS if getattr(args, f, None) is not None]
@@ -222,7 +215,9 @@ def build_base_config(args: argparse.Namespace) -> tuple[Any, Path]:
         raise ConfigError("compare: pass either --steps or --tokens (the budget every run shares), not both")
     if getattr(args, "resume", None):
         raise ConfigError("compare: --resume is per run; compare reuses finished runs by itself (--force retrains)")
-    explicit = _config_file_keys(args.config) | {k for k, v in vars(args).items() if v is not None}
+    explicit = {k for k, v in vars(args).items() if v is not None}
+    if args.config is not None:  # what the file sets, in any of its tables
+        explicit |= {k for table in config_tables(args.config).values() for k in table}
     ns = argparse.Namespace(**vars(args))
     for key, value in COMPARE_DEFAULTS.items():
         if key not in explicit:

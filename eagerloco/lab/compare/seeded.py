@@ -16,7 +16,7 @@ from typing import Any
 
 from eagerloco.config import ConfigError, TrainConfig
 from eagerloco.lab.compare.grid import BASELINES, ENTRIES, GridEntry
-from eagerloco.lab.compare.runner import PlannedRun, checked, entry_config, run_plans
+from eagerloco.lab.compare.runner import PlannedRun, checked, entry_config, print_done, run_plans
 from eagerloco.lab.compare.stats import diverged, spiked, unigram_entropy
 from eagerloco.lab.compare.tune import TuneAxis, apply_setting, choose, setting_text, settings_for
 
@@ -34,13 +34,6 @@ class Unit:
     @property
     def name(self) -> str:
         return self.entry.name if self.h is None else f"H{self.h}-{self.entry.name}"
-
-
-def seed_list(first: int, n: int) -> list[int]:
-    """The seeds ``first``, ``first + 1``, ... (n of them); ConfigError unless n is an integer >= 1."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"--seeds must be an integer >= 1, got {n!r}")
-    return [first + i for i in range(n)]
 
 
 def units_for(entries: list[GridEntry], sweep_h: list[int] | None) -> list[Unit]:
@@ -167,7 +160,7 @@ def run_seeded(args: argparse.Namespace, entries: list[GridEntry], base: TrainCo
     ConfigError for an invalid setting before anything trains."""
     from eagerloco.lab.compare.report_seeds import write_seeded_report
 
-    seeds = seed_list(base.seed, args.seeds if args.seeds is not None else 1)
+    seeds = list(range(base.seed, base.seed + (args.seeds or 1)))  # --seeds checked >= 1 by the command
     tune_seed = args.tune_seed if args.tune_seed is not None else base.seed + TUNE_SEED_OFFSET
     if axes and tune_seed in seeds:
         print(f"eagerloco: warning: the tuning seed {tune_seed} is also a comparison seed: the chosen settings "
@@ -223,13 +216,9 @@ def run_seeded(args: argparse.Namespace, entries: list[GridEntry], base: TrainCo
         "elapsed_s": time.perf_counter() - t0,
     }
     paths = write_seeded_report(out, units, results, tune_results, meta)
-    everything = results + tune_results
-    reused = sum(r["cached"] for r in everything)
     print()
     print(paths["table"])
-    print(f"\n{len(everything) - reused} run(s) trained, {reused} reused, in {meta['elapsed_s']:.0f} s; "
-          f"plots and summary.json beside the report")
-    print(f"report: {paths['report']}")
+    print_done(results + tune_results, meta["elapsed_s"], paths["report"])
     return 0
 
 
@@ -243,6 +232,5 @@ __all__ = [
     "parent_unit",
     "plan_tuning",
     "run_seeded",
-    "seed_list",
     "units_for",
 ]
