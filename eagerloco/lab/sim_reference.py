@@ -136,14 +136,12 @@ def compare(
     mfu: float = PRESET_MFU,
     cold_rounds: int | None = None,
     pattern: str = "strided",
-    reading: str = PAPER_READING,
 ) -> dict[str, Any]:
-    """Ours beside the papers' for every reference row and target, read as ``reading`` says and the other way.
+    """Ours beside the papers' for every reference row and target, read as :data:`PAPER_READING` and the other way.
 
     A cell: the paper's value, ours (None: not reached), ours / paper, and how many grid points ours lies from the
     one nearest the paper's (0: the same point); under "other", the same for the other reading."""
-    if reading not in READINGS:
-        raise ConfigError(f"reading must be one of {', '.join(READINGS)}, got {reading!r}")
+    reading = PAPER_READING
     other = next(r for r in READINGS if r != reading)
     grid = paper_grid()
     rows, summary, summary_other = [], {}, {}

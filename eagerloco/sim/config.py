@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -192,9 +193,9 @@ class SimConfig(FromFlags):
         _at_least("--codec-block", self.codec_block, 1)
         _at_least("--scale-bytes", scale_bytes, 0)
         check_topk(self.topk, self.topk_chunk)
-        taus = int_list("--overlap-steps", self.overlap_steps, 0)
-        eager_ks = int_list("--eager-rounds", self.eager_rounds, 1)
-        delayed_ks = int_list("--delayed-rounds", self.delayed_rounds, 1)
+        taus = number_list("--overlap-steps", self.overlap_steps, int, 0)
+        eager_ks = number_list("--eager-rounds", self.eager_rounds, int, 1)
+        delayed_ks = number_list("--delayed-rounds", self.delayed_rounds, int, 1)
         for flag, ks in (("--eager-rounds", eager_ks), ("--delayed-rounds", delayed_ks)):
             if max(ks) > MAX_ROUNDS_IN_FLIGHT:
                 raise ConfigError(f"{flag} values must be at most {MAX_ROUNDS_IN_FLIGHT} (rounds an exchange may take; "
@@ -227,7 +228,7 @@ class SimConfig(FromFlags):
     def _speeds(self, workers: int) -> list[float] | None:
         if self.worker_speeds is None:
             return None
-        speeds = _floats("--worker-speeds", self.worker_speeds)
+        speeds = number_list("--worker-speeds", self.worker_speeds, float)
         if not all(math.isfinite(v) and v > 0 for v in speeds):
             raise ConfigError(f"--worker-speeds must be positive numbers, one per worker, got {self.worker_speeds!r}")
         if len(speeds) != workers:
@@ -304,14 +305,14 @@ class SimConfig(FromFlags):
         return CODEC_BITS[getattr(self, name)]
 
     def _link_and_targets(self) -> tuple[list[float], list[float]]:
-        bandwidths = _floats("--bandwidth-gbps", self.bandwidth_gbps)
+        bandwidths = number_list("--bandwidth-gbps", self.bandwidth_gbps, float)
         for b in bandwidths:
             if math.isnan(b) or b <= 0:
                 raise ConfigError(f"--bandwidth-gbps values must be positive Gbit/s (inf allowed), got {b}")
         if math.isnan(self.latency_ms) or not math.isfinite(self.latency_ms) or self.latency_ms < 0:
             raise ConfigError(f"--latency-ms must be a finite number >= 0, got {self.latency_ms}")
         target_text = self.target_cu if self.target_cu is not None or bandwidths else DEFAULT_TARGETS
-        targets = _floats("--target-cu", target_text)
+        targets = number_list("--target-cu", target_text, float)
         for t in targets:
             if not 0 < t <= 1:
                 raise ConfigError(f"--target-cu values must be in (0, 1], got {t}")
@@ -380,25 +381,19 @@ def _split(flag: str, text: str | None) -> list[str]:
     return items
 
 
-def _floats(flag: str, text: str | None) -> list[float]:
+N = TypeVar("N", int, float)
+
+
+def number_list(flag: str, text: str | None, kind: type[N], low: int | None = None) -> list[N]:
+    """A comma list's values as ``kind`` (int or float), each >= ``low`` when given; ConfigError naming the flag."""
     out = []
     for x in _split(flag, text):
         try:
-            out.append(float(x))
+            v = kind(x)
         except ValueError:
-            raise ConfigError(f"{flag} takes numbers separated by commas, got {x!r}") from None
-    return out
-
-
-def int_list(flag: str, text: str | None, low: int) -> list[int]:
-    """The integers >= low of a comma list; ConfigError naming the flag."""
-    out = []
-    for x in _split(flag, text):
-        try:
-            v = int(x)
-        except ValueError:
-            raise ConfigError(f"{flag} takes integers separated by commas, got {x!r}") from None
-        if v < low:
+            what = "integers" if kind is int else "numbers"
+            raise ConfigError(f"{flag} takes {what} separated by commas, got {x!r}") from None
+        if low is not None and v < low:
             raise ConfigError(f"{flag} values must be integers >= {low}, got {v}")
         out.append(v)
     return out
@@ -414,4 +409,4 @@ def _at_least(flag: str, v: int | None, low: int) -> None:
         raise ConfigError(f"{flag} must be an integer >= {low}, got {v}")
 
 
-__all__ = ["DEFAULT_TARGETS", "GROUPS", "MAX_INNER_STEPS", "SimConfig", "Settings", "TRANSPORTS", "int_list"]
+__all__ = ["DEFAULT_TARGETS", "GROUPS", "MAX_INNER_STEPS", "SimConfig", "Settings", "TRANSPORTS", "number_list"]

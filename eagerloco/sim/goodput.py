@@ -19,9 +19,9 @@ from eagerloco.config import ConfigError, OuterConfig, setting
 from eagerloco.config.checks import check_int_at_least
 from eagerloco.config.outer import GRACE_WINDOW, auto_grace
 from eagerloco.flags import FromFlags
-from eagerloco.sim.config import Settings, int_list
+from eagerloco.sim.config import Settings, number_list
 from eagerloco.sim.engine import simulate
-from eagerloco.sim.model import ModelSpec, Variant, traffic
+from eagerloco.sim.model import Variant, traffic
 
 #: Decoupled DiLoCo's published figures (arXiv 2604.21428), set beside ours.
 PUBLISHED = {
@@ -66,7 +66,7 @@ class GoodputConfig(FromFlags):
 
     def check(self) -> tuple[list[int], float | None]:
         """The worker counts and the grace (None: auto); ConfigError naming the first bad flag."""
-        counts = int_list("--goodput-workers", self.goodput_workers, 1)
+        counts = number_list("--goodput-workers", self.goodput_workers, int, 1)
         for flag, v in (("--mtbf-hours", self.mtbf_hours), ("--run-hours", self.run_hours)):
             if math.isnan(v) or v <= 0:
                 raise ConfigError(f"{flag} must be a positive number of hours, got {v}")
@@ -241,35 +241,6 @@ def _round(out: Outcome, ev: dict[int, tuple[float, float | None]], late: dict[i
         del late[w]
 
 
-def goodput_table(cfg: GoodputConfig, models: list[Any], methods: list[str], inner_steps: int,
-                  fragments: list[int], tau: int, k: int, cu: Any) -> dict[str, Any]:
-    """Goodput of every (model, M, method), all-or-nothing against quorum; ``cu(model, method, M)`` gives the
-    fault-free compute utilization (1 without a link limit)."""
-    counts, grace = cfg.check()
-    faults = Faults(cfg.mtbf_hours * 3600, cfg.restart_seconds, cfg.stalls_per_hour / 3600, cfg.stall_seconds)
-    tables = []
-    for model, P in zip(models, fragments, strict=True):
-        rows = []
-        for M in counts:
-            Q = math.ceil(cfg.quorum_share * M)
-            for method in methods:
-                t = method_timing(method, model.step_time, cu(model, method, M), inner_steps, P, tau, k)
-                rounds = max(1, round(cfg.run_hours * 3600 / t.period))
-                events = draw_events(faults, M, rounds, t.period, cfg.seed)
-                aon = play_rounds(events, M, rounds, t, faults.restart_s, M, grace, cfg.max_late_rounds)
-                quo = play_rounds(events, M, rounds, t, faults.restart_s, Q, grace, cfg.max_late_rounds)
-                row = {"workers": M, "method": method, "quorum": Q, "rounds": rounds, "round_s": t.period,
-                       "cu": t.compute / t.period, "all_or_nothing": aon.as_dict(), "quorum_exchange": quo.as_dict()}
-                if quo.graces:
-                    row["quorum_exchange"]["grace_s_median"] = statistics.median(quo.graces)
-                rows.append(row)
-        tables.append({"model": asdict(model), "fragments": P, "rows": rows})
-    return {"goodput": tables, "settings": {f: getattr(cfg, f) for f in (
-        "mtbf_hours", "restart_seconds", "stalls_per_hour", "stall_seconds", "quorum_share", "grace",
-        "max_late_rounds", "run_hours", "seed")} | {"inner_steps": inner_steps, "overlap_steps": tau,
-                                                    "eager_rounds": k}, "published": PUBLISHED}
-
-
 def format_goodput(rep: dict[str, Any]) -> str:
     """The goodput tables as text, with the published figures and their assumptions under them."""
     s = rep["settings"]
@@ -295,8 +266,8 @@ def format_goodput(rep: dict[str, Any]) -> str:
 
 
 def goodput_report(cfg: GoodputConfig, s: Settings) -> dict[str, Any]:
-    """The goodput report of the resolved simulate settings: their models, rows, H, first tau and k, each row's CU at
-    the first --bandwidth-gbps (1 without one)."""
+    """Goodput of every (model, M, method) of the resolved simulate settings, all-or-nothing against quorum: the first
+    row of each method at H, the first tau and k, its fault-free CU at the first --bandwidth-gbps (1 without one)."""
     c = s.cfg
     rows: dict[str, Variant] = {}
     for v in s.variants:  # the first row of each method, a Streaming row with overlap before one without
@@ -307,14 +278,33 @@ def goodput_report(cfg: GoodputConfig, s: Settings) -> dict[str, Any]:
     stream, eager = rows.get("streaming"), rows.get("eager", rows.get("delayed"))
     tau = stream.overlap_steps if stream is not None else 0
     k = eager.eager_rounds if eager is not None else 1
-    fragments = [s.fragments_for(m) for m in s.models]
-
-    def cu(model: ModelSpec, method: str, workers: int) -> float:
-        if not s.bandwidths or math.isinf(s.bandwidths[0]):
-            return 1.0
-        v = rows[method]
-        tr = traffic(model, v, workers, c.inner_steps, s.fragments_for(model), c.codec_block, s.scale_bytes,
-                     c.transport, c.fragment_pattern)
-        return float(simulate(model, v, tr, s.bandwidths[0], c.latency_ms, c.inner_steps).cu[0])
-
-    return goodput_table(cfg, s.models, list(rows), c.inner_steps, fragments, tau, k, cu)
+    counts, grace = cfg.check()
+    faults = Faults(cfg.mtbf_hours * 3600, cfg.restart_seconds, cfg.stalls_per_hour / 3600, cfg.stall_seconds)
+    link = s.bandwidths[0] if s.bandwidths and not math.isinf(s.bandwidths[0]) else None
+    tables = []
+    for model in s.models:
+        P = s.fragments_for(model)
+        table = []
+        for M in counts:
+            Q = math.ceil(cfg.quorum_share * M)
+            for method, v in rows.items():
+                cu = 1.0
+                if link is not None:
+                    tr = traffic(model, v, M, c.inner_steps, P, c.codec_block, s.scale_bytes, c.transport,
+                                 c.fragment_pattern)
+                    cu = float(simulate(model, v, tr, link, c.latency_ms, c.inner_steps).cu[0])
+                t = method_timing(method, model.step_time, cu, c.inner_steps, P, tau, k)
+                rounds = max(1, round(cfg.run_hours * 3600 / t.period))
+                events = draw_events(faults, M, rounds, t.period, cfg.seed)
+                aon = play_rounds(events, M, rounds, t, faults.restart_s, M, grace, cfg.max_late_rounds)
+                quo = play_rounds(events, M, rounds, t, faults.restart_s, Q, grace, cfg.max_late_rounds)
+                row = {"workers": M, "method": method, "quorum": Q, "rounds": rounds, "round_s": t.period,
+                       "cu": t.compute / t.period, "all_or_nothing": aon.as_dict(), "quorum_exchange": quo.as_dict()}
+                if quo.graces:
+                    row["quorum_exchange"]["grace_s_median"] = statistics.median(quo.graces)
+                table.append(row)
+        tables.append({"model": asdict(model), "fragments": P, "rows": table})
+    return {"goodput": tables, "settings": {f: getattr(cfg, f) for f in (
+        "mtbf_hours", "restart_seconds", "stalls_per_hour", "stall_seconds", "quorum_share", "grace",
+        "max_late_rounds", "run_hours", "seed")} | {"inner_steps": c.inner_steps, "overlap_steps": tau,
+                                                    "eager_rounds": k}, "published": PUBLISHED}

@@ -25,10 +25,6 @@ class ModelSpec:
     layers: int
     step_time: float
 
-    @property
-    def params_per_layer(self) -> float:
-        return self.params / self.layers
-
 
 #: The papers' presets: 60% MFU step times for 1B, 10B and 100B models (docs/algorithms.md, section 9).
 PRESETS: dict[str, ModelSpec] = {
@@ -210,7 +206,7 @@ def traffic(model: ModelSpec, variant: Variant, workers: int, inner_steps: int, 
             scale_bytes: int = SCALE_BYTES, transport: str = "ring", pattern: str = "strided") -> Traffic:
     """Sizes of the transfers one period puts on the link, and the blocks each carries: dp one gradient exchange per
     block per step (never sparse); outer methods one exchange per fragment per round of H steps."""
-    per_layer = model.params_per_layer
+    per_layer = model.params / model.layers
     if variant.method == "dp":
         one = exchange_wire_bytes(per_layer, variant, workers, block, scale_bytes, transport)
         return Traffic([one] * model.layers, 1, tuple((i,) for i in range(model.layers)))
