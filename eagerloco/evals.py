@@ -164,10 +164,7 @@ def choice_logprobs(
     out: list[list[ChoiceScore]] = [[ChoiceScore(0.0, 0, 0, 0)] * len(ex.choices) for ex in examples]
     was_training = model.training
     model.eval()
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:
-        device = torch.device("cpu")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     try:
         for b in range(0, len(order), batch_size):
             batch = [requests[r] for r in order[b : b + batch_size]]

@@ -39,10 +39,8 @@ def require(module: str, needed_for: str) -> ModuleType:
     :class:`MissingExtraError` that says what needs it (``needed_for``) and the extra that installs it."""
     try:
         return importlib.import_module(module)
-    except ImportError as e:
-        if e.name == module.partition(".")[0]:
-            raise _missing(module, needed_for, e) from None
-        raise _missing(module, needed_for, e) from e
+    except ImportError as e:  # the package itself missing: no chained traceback; a failure inside it: chained
+        raise _missing(module, needed_for, e) from (None if e.name == module.partition(".")[0] else e)
 
 
 def check(module: str, needed_for: str) -> None:

@@ -106,9 +106,12 @@ def _remove(made: list[tuple[str, str]]) -> None:
 class _ShapedLink:
     """What both shaped links share: the bridge's address, the processes' environment, building under the lock."""
 
-    bandwidth_gbps: float
-    subnet: str  # "10.213.X", picked (or read from a job bridge) on entry
-    _made: list[tuple[str, str]]  # ("ns" | "link", name), in creation order
+    def __init__(self, workers: int, bandwidth_gbps: float, tag: int | None) -> None:
+        _check_sizes(workers, bandwidth_gbps)
+        self.workers, self.bandwidth_gbps = workers, float(bandwidth_gbps)
+        self.tag = os.getpid() if tag is None else tag
+        self.subnet = ""  # "10.213.X", picked (or read from a job bridge) on entry
+        self._made: list[tuple[str, str]] = []  # ("ns" | "link", name), in creation order
 
     @property
     def master_addr(self) -> str:
@@ -134,11 +137,12 @@ class _ShapedLink:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _setup(self) -> None:
+    def _setup(self) -> None:  # each link's own: build it, recording in self._made what it makes
         raise NotImplementedError
 
     def close(self) -> None:
-        raise NotImplementedError
+        """Remove what was made, newest first."""
+        _remove(self._made)
 
 
 class KernelLink(_ShapedLink):
@@ -154,12 +158,8 @@ class KernelLink(_ShapedLink):
     Use ``command(cmd, worker)`` to run a process in a worker's namespace, ``master_addr`` and ``env()``."""
 
     def __init__(self, workers: int, bandwidth_gbps: float, tag: int | None = None) -> None:
-        _check_sizes(workers, bandwidth_gbps)
-        self.workers, self.bandwidth_gbps = workers, float(bandwidth_gbps)
-        self.tag = os.getpid() if tag is None else tag
-        self.subnet = ""  # "10.213.X", a free one, picked on entry
+        super().__init__(workers, bandwidth_gbps, tag)
         self.bridge = f"elbr{self.tag}"
-        self._made = []
 
     def namespace(self, worker: int) -> str:
         return f"{_PREFIX}{self.tag}w{worker}"
@@ -192,10 +192,6 @@ class KernelLink(_ShapedLink):
             _add_uplink(ns, f"elh{self.tag}w{w}", self.bridge, f"{self.subnet}.{10 + w}", self.bandwidth_gbps,
                         self._made)
 
-    def close(self) -> None:
-        """Remove what was made, newest first."""
-        _remove(self._made)
-
 
 class JobLink(_ShapedLink):
     """One job's worker behind a shaped uplink on a bridge the jobs of one run share on one machine (``eagerloco
@@ -208,14 +204,11 @@ class JobLink(_ShapedLink):
     is refused."""
 
     def __init__(self, port: int, worker: int, workers: int, bandwidth_gbps: float, tag: int | None = None) -> None:
-        _check_sizes(workers, bandwidth_gbps)
-        self.port, self.worker, self.workers, self.bandwidth_gbps = port, worker, workers, float(bandwidth_gbps)
-        self.tag = os.getpid() if tag is None else tag
+        super().__init__(workers, bandwidth_gbps, tag)
+        self.port, self.worker = port, worker
         self.bridge = f"{_JOB_BRIDGE}{port}"
         self.uplink = f"{_JOB_VETH}{port}w{worker}"
         self.ns = f"{_PREFIX}{self.tag}w{worker}"
-        self.subnet = ""
-        self._made = []
 
     def command(self, cmd: Sequence[str], worker: int = 0) -> list[str]:
         """cmd run in this job's namespace (worker: as for KernelLink; this job has one)."""

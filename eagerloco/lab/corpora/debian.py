@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagerloco.data.cache import DataError, file_sha256, note
+from eagerloco.data.cache import DataError, file_entry, note
 from eagerloco.data.store import Doc
 
 
@@ -81,10 +81,6 @@ def _dpkg_extract(deb: Path, dest: Path) -> None:
         raise _BadDeb(f"`dpkg-deb -x {deb}` failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
 
 
-def _deb_meta(debs: Sequence[Path]) -> dict[str, Any]:
-    return {"debs": {d.name: {"size": d.stat().st_size, "sha256": file_sha256(d)} for d in debs}}
-
-
 def from_debs(
     directory: Path, packages: Sequence[str], parse: Callable[[Path], list[Doc]]
 ) -> tuple[list[Doc], dict[str, Any]]:
@@ -100,7 +96,7 @@ def from_debs(
         try:
             for deb in debs:
                 _dpkg_extract(deb, tree)
-            return parse(tree), _deb_meta(debs)
+            return parse(tree), {"debs": {d.name: file_entry(d) for d in debs}}
         except _BadDeb:
             if attempt == 1:
                 raise
