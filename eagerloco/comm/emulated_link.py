@@ -1,5 +1,6 @@
 """A slow link emulated on a fast one: a transfer starts once every worker launched it and the link is free, and
-takes ``latency + wire_bytes * 8 / bandwidth`` plus jitter in ``[0, jitter]``, in wall-clock time."""
+takes ``latency + wire_bytes * 8 / bandwidth`` plus jitter in ``[0, jitter]``: in wall-clock time on processes, on
+the simulated clock in-process."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from eagerloco.config import LinkConfig
 
 
 class EmulatedLink:
-    """One worker's schedule of the shared link: with the same seed and launch times every worker computes the same
-    finish times, as if they shared one wire."""
+    """The shared link's schedule: with the same seed and launch times every worker (on processes; in-process the
+    group holds one) computes the same finish times, as if they shared one wire."""
 
     def __init__(self, config: LinkConfig | None = None, seed: int = 0) -> None:
         self.config = (config or LinkConfig()).validate()
