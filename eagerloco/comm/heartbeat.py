@@ -79,13 +79,11 @@ class Heartbeat:
             self.state = state
         self._wake.set()
 
-    def publish(self, state: str | None = None) -> None:
+    def publish(self) -> None:
         """Write this worker's heartbeat: time, last exchange entered, state (up, failed, closed), step."""
         if self.store is None:
             return
         with self._lock:
-            if state is not None:
-                self.state = state
             entered, step = self._progress()
             try:
                 self.store.set(self.key(self.worker),
@@ -101,7 +99,8 @@ class Heartbeat:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=2.0)
-        self.publish(state)
+        self.state = state
+        self.publish()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -228,7 +227,7 @@ def exit_note(store: dist.Store, w: int) -> str:
 
 
 def wait_for_evaluation(store: dist.Store, step: int, me: int, evaluators: Iterable[int], patience_s: float,
-                        role: str, *, wait: bool = True, survive: bool = False, poll_s: float = 0.2) -> None:
+                        role: str, *, wait: bool = True, survive: bool = False) -> None:
     """Say that this worker evaluated at ``step`` (if it is one of ``evaluators``), then wait, with no deadline,
     for each other evaluator to say so while it shows signs of life.
 
@@ -253,7 +252,7 @@ def wait_for_evaluation(store: dist.Store, step: int, me: int, evaluators: Itera
                     raise PeerError(f"{name} is frozen or gone while the others waited for it ({key}): its last "
                                     f"heartbeat is {age:.1f} s old (--dist-timeout {patience_s:g} s). Check its log, "
                                     "then resume from the last checkpoint.", [worker])
-                time.sleep(poll_s)
+                time.sleep(0.2)
         except PeerError:
             if not survive:
                 raise

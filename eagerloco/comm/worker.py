@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from eagerloco.codecs import Codec
-from eagerloco.comm.base import Communicator, Handle, WorkerStats, flatten, hand_over, unflatten
+from eagerloco.comm.base import Communicator, Handle, WorkerStats, encode, flatten, hand_over, unflatten
 from eagerloco.comm.distributed import TorchDistCommunicator, TorchDistHandle
 from eagerloco.comm.errors import PeerError, describe_exception
 from eagerloco.comm.groups import DistContext
@@ -48,8 +48,7 @@ class WorkerCommunicator(Communicator):
         if uses_reduce_scatter(codec, transport, self.num_workers):
             packed, own_flat = Shards(codec, flat.numel(), self.num_workers).pack(flat, generator)
         else:
-            packed = codec.pack(flat, generator)
-            own_flat = codec.unpack(packed, flat.numel())
+            packed, own_flat = encode(codec, flat, generator)
         return _WorkerHandle(self, None, unflatten(own_flat, like), packed.numel(), like, device)
 
     def agree(self, schedule: bytes, describe: str = "") -> bool:
