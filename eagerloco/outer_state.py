@@ -43,16 +43,14 @@ def save_in_flight(items: list[InFlight], comm: Communicator) -> list[dict[str, 
     the run that continues and the run that resumes apply the very same numbers."""
     saved = []
     for item in items:
-        mean, ready_at = item.handle.checkpoint_result()
-        own, nbytes = item.handle.own, item.handle.payload_bytes
-        who = item.handle.contributors
-        quorum = item.handle.quorum
-        item.handle = ReadyHandle(comm, mean, own, nbytes, ready_at, who, quorum)
+        h = item.handle
+        mean, ready_at = h.checkpoint_result()
+        item.handle = ReadyHandle(comm, mean, h.own, h.payload_bytes, ready_at, h.contributors, h.quorum)
         saved.append({
             "fragment": item.fragment, "launch_step": item.launch_step, "apply_step": item.apply_step,
-            "mean": mean, "own": own, "payload_bytes": nbytes, "ready_at": ready_at,
-            "workers": item.workers, "others": item.others, "window": item.window, "contributors": who,
-            **({} if quorum is None else {"quorum": quorum.state()}),
+            "mean": mean, "own": h.own, "payload_bytes": h.payload_bytes, "ready_at": ready_at,
+            "workers": item.workers, "others": item.others, "window": item.window, "contributors": h.contributors,
+            **({} if h.quorum is None else {"quorum": h.quorum.state()}),
         })
     return saved
 

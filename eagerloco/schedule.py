@@ -77,12 +77,8 @@ def block_groups(num_blocks: int, fragments: int, pattern: str) -> list[list[int
         return [list(range(p, num_blocks, fragments)) for p in range(fragments)]
     if pattern == "sequential":
         base, extra = divmod(num_blocks, fragments)
-        groups, start = [], 0
-        for p in range(fragments):
-            n = base + (1 if p < extra else 0)
-            groups.append(list(range(start, start + n)))
-            start += n
-        return groups
+        starts = [p * base + min(p, extra) for p in range(fragments + 1)]  # the first ones a block longer
+        return [list(range(a, b)) for a, b in zip(starts, starts[1:], strict=False)]
     raise ConfigError(f"--fragment-pattern must be one of {', '.join(PATTERNS)}; got {pattern!r}")
 
 

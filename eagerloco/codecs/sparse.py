@@ -55,8 +55,6 @@ def keep_largest(rows: torch.Tensor, k: int) -> torch.Tensor:
 class _SparseCodec(Codec):
     """What the sparse exchanges share: k values of every chunk of ``chunk``, in the dense codec ``values``."""
 
-    summable = False
-
     def __init__(self, values: Codec, chunk: int, k: int, kind: str) -> None:
         if chunk < 1 or not 1 <= k <= chunk:
             raise ValueError(f"a sparse exchange keeps 1 <= k <= chunk values of each chunk, got k={k}, chunk={chunk}")
