@@ -153,9 +153,7 @@ class OuterLoop:
         def update(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
             if not self._stepped and self._hooks:  # skipped: the step counts, with nothing applied
-                self._count_compute()
-                self._guard(self._after_step)
-                self._mark = time.perf_counter()
+                self._post(self.inner_optimizer, (), {})
             self._stepped = False
             return result
 

@@ -156,11 +156,8 @@ class Worker:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.inner_group)
         flat /= dist.get_world_size(self.inner_group)
-        i = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[i : i + n].view_as(g))
-            i += n
+        for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
 
     def state_dict(self) -> dict[str, Any]:
         comm = self.comm
