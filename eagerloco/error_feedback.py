@@ -41,10 +41,7 @@ class ErrorFeedback:
     @torch.no_grad()
     def load(self, saved: list[list[torch.Tensor]]) -> None:
         """Take the buffers of :meth:`state` (ValueError: shapes that do not match, or values not finite)."""
-        if len(saved) != len(self.buffers) or any(
-            len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True))
-            for a, b in zip(saved, self.buffers, strict=True)
-        ):
+        if [[s.shape for s in frag] for frag in saved] != [[e.shape for e in frag] for frag in self.buffers]:
             raise ValueError("the saved error-feedback buffers do not match this model's fragments")
         if not all(bool(s.isfinite().all()) for frag in saved for s in frag):
             raise ValueError("the saved error-feedback buffers are not finite (NaN or inf): the state was saved "

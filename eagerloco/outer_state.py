@@ -76,10 +76,7 @@ def check_state(state: dict[str, Any], method: str, outer: list[list[torch.Tenso
                          "version of eagerloco, which this one does not read; start the run afresh")
     if state["method"] != method:
         raise ValueError(f"state is for method {state.get('method')!r}, this run uses {method!r}")
-    if len(state["outer"]) != len(outer) or any(
-        len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True))
-        for a, b in zip(state["outer"], outer, strict=True)
-    ):
+    if [[t.shape for t in frag] for frag in state["outer"]] != [[t.shape for t in frag] for frag in outer]:
         raise ValueError("state's fragments do not match this model and --fragments setting")
     for key, (what, flag) in SETTING_PARTS.items():
         if (state[key] is None) != (parts[key] is None):
