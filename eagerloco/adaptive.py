@@ -190,6 +190,3 @@ class AdaptiveSteps:
         self.pending = None if p is None else ReadyHandle(self.comm, p["mean"], [], 0, p["ready_at"], p["contributors"])
         self.compute_mark = state["compute_mark"]
         self.trained = [int(n) for n in state["trained"]]
-
-
-__all__ = ["AdaptiveSteps", "SpeedMeter", "Weight"]

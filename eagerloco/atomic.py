@@ -56,6 +56,3 @@ def atomic_write(path: Path, data: bytes, temp: Path | None = None) -> None:
     """Write ``data`` to ``path`` atomically (see :func:`atomic_file`)."""
     with atomic_file(path, temp) as f:
         f.write(data)
-
-
-__all__ = ["atomic_file", "atomic_write", "fsync_dir"]

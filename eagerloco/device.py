@@ -97,18 +97,3 @@ def compile_model(model: nn.Module) -> nn.Module:
     """The model compiled for the inner steps; it shares the module's parameters, so the outer
     algorithm, checkpoints and evaluation keep working on the plain module."""
     return torch.compile(model)  # type: ignore[return-value]
-
-
-__all__ = [
-    "DEVICE_PATTERN",
-    "PRECISIONS",
-    "DeviceError",
-    "autocast",
-    "compile_model",
-    "device_name",
-    "inner_optimizer",
-    "peak_tflops",
-    "resolve_device",
-    "resolve_precision",
-    "synchronize",
-]

@@ -130,19 +130,3 @@ class Environment:
             worker_id=integer(WORKER_ID_ENV), rejoin=text(REJOIN_ENV) == "1",
             launcher_pid=integer(LAUNCHER_PID_ENV), kernel_link_gbps=gbps, data_dir=text(DATA_DIR_ENV),
         )
-
-
-__all__ = [
-    "DATA_DIR_ENV",
-    "TORCH_CPP_LOG_LEVEL",
-    "Environment",
-    "INCARNATION_ENV",
-    "KERNEL_LINK_ENV",
-    "LAUNCHER_PID_ENV",
-    "OUTER_ADDR_ENV",
-    "RANKS_PER_WORKER_ENV",
-    "REJOIN_ENV",
-    "WORKERS_ENV",
-    "WORKER_ID_ENV",
-    "quiet_torch_cpp_warnings",
-]

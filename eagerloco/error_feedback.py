@@ -49,6 +49,3 @@ class ErrorFeedback:
         for frag, frag_saved in zip(self.buffers, saved, strict=True):
             for e, s in zip(frag, frag_saved, strict=True):
                 e.copy_(s)
-
-
-__all__ = ["ErrorFeedback"]

@@ -23,6 +23,3 @@ class DivergedError(ArithmeticError):
         super().__init__(f"worker {worker}'s {what} at step {step} is not finite (NaN or inf): the run diverged; "
                          "start it again with lower learning rates (--lr, --outer-lr) or a longer --warmup-steps")
         self.what, self.step, self.worker = what, step, worker
-
-
-__all__ = ["ConfigError", "DIVERGED_EXIT_CODE", "DivergedError"]

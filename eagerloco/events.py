@@ -34,6 +34,3 @@ def evaluation_done(step: int) -> None:
     """Announce, on the evaluating process, that the evaluation at ``step`` is done."""
     for fn in list(_eval_watchers):
         fn(step)
-
-
-__all__ = ["evaluation_done", "inner_step_done", "on_evaluation", "on_inner_step"]

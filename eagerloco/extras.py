@@ -53,6 +53,3 @@ def check(module: str, needed_for: str) -> None:
         raise _missing(top, needed_for, e) from None
     if not found:
         raise _missing(top, needed_for, None)
-
-
-__all__ = ["EXTRAS", "MissingExtraError", "check", "require"]

@@ -168,7 +168,3 @@ def build_train_config(args: argparse.Namespace, env: Environment | None = None)
     if "tokens" in tables[""] and "steps" in tables[""]:
         raise ConfigError(f"pass either steps or tokens (a token budget that sets the steps), not both ({where})")
     return train_config_from_tables(tables, where).validate(env)
-
-
-__all__ = ["GROUPS", "FromFlags", "add_dataclass_flags", "add_train_flags", "build_train_config", "config_tables",
-           "field_docs"]

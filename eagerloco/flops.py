@@ -43,6 +43,3 @@ def mfu(tokens_per_s: float, per_token: float, peak_tflops: float | None, device
     if peak_tflops is None or not math.isfinite(tokens_per_s) or peak_tflops <= 0 or devices < 1:
         return None
     return tokens_per_s * per_token / (peak_tflops * 1e12 * devices)
-
-
-__all__ = ["PEAK_TFLOPS", "flops_per_token", "mfu", "peak_for"]

@@ -24,6 +24,3 @@ def finite_json(obj: Any) -> Any:
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write obj as JSON to path atomically, through ``<name>.tmp`` (the name a run lists and removes after a crash)."""
     atomic_write(path, json.dumps(finite_json(obj), indent=2).encode(), temp=path.with_name(path.name + ".tmp"))
-
-
-__all__ = ["finite_json", "write_json_atomic"]

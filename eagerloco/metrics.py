@@ -54,6 +54,3 @@ def outer_metrics(stats: Accounting) -> OuterMetrics:
     wall = stats.compute_s + stats.blocked_s + stats.overhead_s
     return {**link_metrics(stats, wall), "bytes_received": int(stats.bytes_received),
             "outer_syncs": int(stats.num_syncs), "overhead_s": stats.overhead_s}
-
-
-__all__ = ["Accounting", "LinkMetrics", "OuterMetrics", "link_metrics", "outer_metrics"]

@@ -154,6 +154,3 @@ def muon_with_adamw(
     adamw = inner_optimizer(rest, device, lr=lr, weight_decay=weight_decay, betas=betas) if rest else None
     muon = torch.optim.Muon(matrices, lr=muon_lr, weight_decay=weight_decay, momentum=muon_momentum)
     return CombinedOptimizer(*([adamw] if adamw is not None else []), muon)
-
-
-__all__ = ["CombinedOptimizer", "muon_parameters", "muon_with_adamw"]

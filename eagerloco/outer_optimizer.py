@@ -32,6 +32,3 @@ def make_outer_optimizer(config: OuterConfig) -> OuterOptimizerFactory:
         return torch.optim.AdamW(params, lr=config.outer_lr, foreach=True)
 
     return factory
-
-
-__all__ = ["OuterOptimizerFactory", "make_outer_optimizer"]

@@ -83,7 +83,3 @@ def check_state(state: dict[str, Any], method: str, outer: list[list[torch.Tenso
             was, now = ("off" if x is None else "on" for x in (state[key], parts[key]))
             raise ValueError(f"state was saved with {what} {was} and this run has it {now}: resume with the same "
                              f"{flag} setting")
-
-
-__all__ = ["IN_FLIGHT_KEYS", "InFlight", "SETTING_PARTS", "STATE_KEYS", "check_state", "load_in_flight",
-           "save_in_flight"]

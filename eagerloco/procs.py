@@ -32,6 +32,3 @@ def pid_stopped(pid: int) -> bool:
     """Whether the process is stopped by a signal (SIGSTOP, SIGTSTP: state T), so that it can handle no other
     signal until continued. False where ``/proc`` is missing or the process is gone."""
     return _state(pid) == "T"
-
-
-__all__ = ["pid_alive", "pid_stopped"]

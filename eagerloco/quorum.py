@@ -161,6 +161,3 @@ class OwnWindows:
         self.recent = [float(t) for t in state["recent"]]
         self.compute_mark = state["compute_mark"]
         self.launches = {(int(f), int(s)): (float(c), int(k), p) for f, s, c, k, p in state["launches"]}
-
-
-__all__ = ["OwnWindows", "quorum_rule"]

@@ -141,7 +141,5 @@ def serve(fd: int, preload: Callable[[], None] = _preload_ranks, child: Child = 
                 return 0
 
 
-__all__ = ["Child", "become_child", "serve"]
-
 if __name__ == "__main__":
     sys.exit(serve(int(sys.argv[1])))

@@ -102,7 +102,3 @@ def die_with_launcher(env: Environment) -> None:
         return
     if os.getppid() != launcher:  # it died before prctl: no signal will come
         raise RunStopped(signal.SIGTERM)
-
-
-__all__ = ["STOPPING_KEY", "STOP_SIGNALS", "RunStopped", "die_with_launcher", "handled", "launcher_stopping",
-           "signal_name", "stop_on_signals", "stopped_by"]

@@ -34,6 +34,3 @@ def text_table(head: list[str], body: list[list[str]], right: Container[int] | N
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
-
-
-__all__ = ["fmt_bytes", "text_table"]

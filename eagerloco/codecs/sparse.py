@@ -187,6 +187,3 @@ class SharedSupportCodec(_SparseCodec):
         out = torch.zeros(numel, dtype=torch.float32, device=kept.device)
         out[self.support(numel).to(kept.device)] = kept
         return out
-
-
-__all__ = ["SharedSupportCodec", "TopKCodec", "keep_largest", "pack_bits", "unpack_bits"]

@@ -243,6 +243,3 @@ def connect(outer_addr: str | None = None, worker_id: int | None = None, workers
                           "worker_id (each worker its own job), or start the workers with torchrun")
     return Connection(InProcessGroup(1, link, seed=seed).communicator(0), timeout_s=timeout_s, seed=seed,
                       init_sync=init_sync)
-
-
-__all__ = ["SETTINGS_KEY", "Connection", "connect", "outer_meeting"]

@@ -480,6 +480,3 @@ class TorchDistCommunicator(Communicator):
     def reset_link(self, epoch: int) -> None:
         """A fresh emulated link for a membership epoch (same seed and epoch on every member)."""
         self.link = EmulatedLink(self._link_cfg, self._seed + 7919 * epoch)
-
-
-__all__ = ["TorchDistCommunicator", "TorchDistHandle"]

@@ -525,6 +525,3 @@ class Membership:
         self.guarded(lambda: broadcast_parameters(trainer.sync.outer_parameters(), None, self.group))
         if self.is_leader():
             self.kv.set("done", "1")
-
-
-__all__ = ["Membership", "outer_digest"]

@@ -22,6 +22,3 @@ def broadcast_parameters(params: list[torch.Tensor], ctx: DistContext | None,
     if ctx is not None and ctx.ranks_per_worker > 1 and not ctx.sharded_outer:  # then from the worker's first rank
         for p in params:
             dist.broadcast(p.data, src=ctx.inner_ranks[0], group=ctx.inner_group)
-
-
-__all__ = ["broadcast_parameters"]

@@ -36,6 +36,3 @@ def check_exchange_fits(link: LinkConfig, outer: OuterConfig, workers: int, num_
             f"{link.bandwidth_gbps:g} Gbit/s link, longer than --dist-timeout {timeout_s:g} s, after which peers "
             "are declared dead: raise --bandwidth-gbps or --dist-timeout"
         )
-
-
-__all__ = ["check_exchange_fits", "emulated_link"]

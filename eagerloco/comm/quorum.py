@@ -133,6 +133,3 @@ class LateWindows:
                                          float(w["arrival"]), float(w["weight"]),
                                          torch.tensor(w["values"], dtype=torch.float32), int(w["age"]))
                               for w in held] for f, held in state.items()}
-
-
-__all__ = ["GraceWindow", "LateWindow", "LateWindows"]

@@ -237,6 +237,3 @@ class QuorumJobs:
                 self.groups.pop(key).shutdown()
             except RuntimeError:  # a member is gone: nothing more to release
                 pass
-
-
-__all__ = ["QUORUM_PG_PREFIX", "QUORUM_PREFIX", "QuorumJobs"]

@@ -89,6 +89,3 @@ class Shards:
         returns the flat FP32 mean."""
         received = scatter(payload.view(self.workers, self.nbytes))
         return self.mean(gather(self.reduce(list(received.unbind(0)))))
-
-
-__all__ = ["REDUCE_SCATTER", "Shards", "uses_reduce_scatter"]

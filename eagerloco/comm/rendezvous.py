@@ -492,10 +492,3 @@ def leave_outer_group(ctx: DistContext) -> None:
     ctx.store = ctx.outer_store = None
     del group
     gc.collect()
-
-
-__all__ = ["AGREE_PREFIX", "REPORT_EVERY_S", "STARTED_KEY", "CoordinatorClient", "Meeting", "OuterRendezvous",
-           "StoreView",
-           "bounded", "check_agreement", "differences", "init_process_groups", "init_world", "join_outer_group",
-           "leave_outer_group", "parameter_digest", "poll", "publish_and_gather", "prefixed", "shapes_digest",
-           "store_unreachable", "wait_for_listener", "wait_for_workers"]

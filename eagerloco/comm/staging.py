@@ -78,6 +78,3 @@ class Staging:
         if device.type == "cuda":
             return mean.to(device, non_blocking=mean.is_pinned())
         return mean
-
-
-__all__ = ["Staging"]

@@ -137,6 +137,3 @@ def communicator_for(ctx: DistContext, link: LinkConfig | None = None, **kwargs:
         assert outer is not None
         return outer
     return WorkerCommunicator(ctx, outer)
-
-
-__all__ = ["WorkerCommunicator", "communicator_for"]

@@ -345,8 +345,3 @@ class LinkConfig:
         if nbytes <= 0:
             return 0.0
         return self.latency_ms / 1e3 + nbytes * 8 / (self.bandwidth_gbps * 1e9)
-
-
-__all__ = ["GRACE_MAX", "GRACE_MIN", "GRACE_WINDOW", "LinkConfig", "MAX_CODEC_BLOCK", "MAX_OUTER_LR",
-           "MAX_ROUNDS_IN_FLIGHT", "METHODS", "MIN_BANDWIDTH_GBPS", "OUTER_OPTIMIZERS", "OuterConfig", "TRANSPORTS",
-           "WEIGHTINGS", "auto_grace", "check_topk"]

@@ -146,6 +146,3 @@ class RuntimeConfig:
             if self.backend == "nccl" or self.outer_backend == "nccl" or device.startswith("cuda"):
                 raise ConfigError("--elastic re-forms gloo groups on the CPU; drop --backend nccl, --outer-backend "
                                   "nccl and --device cuda")
-
-
-__all__ = ["BACKENDS", "RuntimeConfig"]

@@ -78,6 +78,3 @@ def train_config_from_tables(tables: dict[str, dict[str, Any]], where: str) -> T
     for name, cls in SECTIONS.items():
         setattr(cfg, name, from_dict(cls, tables.get(name, {}), f"[{name}] of {where}"))
     return cfg
-
-
-__all__ = ["SECTIONS", "from_dict", "train_config_from_tables", "type_name", "type_ok"]

@@ -324,6 +324,3 @@ def parse_slow_workers(specs: Any, workers: int | None = None) -> dict[int, floa
             raise ConfigError(f"--slow-worker: worker {w} is given twice; give each worker once")
         out[w] = f
     return out
-
-
-__all__ = ["INNER_OPTIMIZERS", "MAX_SEED", "MUON_LR", "MUON_MOMENTUM", "TrainConfig", "parse_slow_workers"]

@@ -430,6 +430,3 @@ def outer_loop(
     """
     return OuterLoop(model, inner_optimizer, config, peers=peers, blocks=blocks, outer_optimizer=outer_optimizer,
                      apply_in_flight=apply_in_flight, grad_scaler=grad_scaler, scheduler=scheduler)
-
-
-__all__ = ["Handover", "OuterLoop", "STATE_VERSION", "outer_loop"]

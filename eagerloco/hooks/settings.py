@@ -42,6 +42,3 @@ def exit_on_errors() -> Iterator[None]:
     except tuple(cls for cls, _ in EXIT_STATUS) as e:
         print(f"eagerloco: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(next(code for cls, code in EXIT_STATUS if isinstance(e, cls))) from None
-
-
-__all__ = ["EXIT_STATUS", "exit_on_errors", "innermost_optimizer"]

@@ -93,6 +93,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
     return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
-
-
-__all__ = ["FIXES", "SETTINGS_FIX", "outer_optimizer_settings", "outer_state_digest", "start_state", "start_weights"]

@@ -123,6 +123,3 @@ class _EndedEarly:
         print(f"eagerloco: {what}: the outer loop's exchanges in flight are dropped; continue from the Trainer's "
               "last checkpoint (trainer.train(resume_from_checkpoint=True))", file=sys.stderr, flush=True)
         self.loop.close(cancel=True)
-
-
-__all__ = ["STATE_FILE", "OuterLoopCallback"]

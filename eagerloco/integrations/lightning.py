@@ -85,6 +85,3 @@ def continue_at(trainer: Any, step: int) -> None:
     done.ready = done.completed = step
     if loop.max_steps < 0:  # epochs: its own start at batch 0 would run past the others' end
         loop.max_steps = int(trainer.estimated_stepping_batches)
-
-
-__all__ = ["OuterLoopCallback", "continue_at"]

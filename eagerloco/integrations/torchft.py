@@ -124,6 +124,3 @@ class DiLoCo(OuterLoop):
                          peers=(manager or Manager()).connect(), outer_optimizer=factory)
         if manager is not None:
             manager.loop = self
-
-
-__all__ = ["DiLoCo", "Manager", "outer_factory"]

@@ -25,6 +25,3 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--data", default="brown", help="source(s): brown, kjv, austen, or a comma list (default brown)")
     p.add_argument("--data-dir", default=None, help="cache dir (default $EAGERLOCO_DATA_DIR or ~/.cache/eagerloco)")
     p.set_defaults(func=run)
-
-
-__all__ = ["add_parser", "run"]

@@ -293,13 +293,3 @@ def owner_pid(name: str) -> int | None:
     if name.startswith("elbr") and name[4:].isdigit():
         return int(name[4:])
     return None
-
-
-__all__ = [
-    "JobLink",
-    "KernelLink",
-    "LinkShapingError",
-    "owner_pid",
-    "remove_stale",
-    "tbf_args",
-]

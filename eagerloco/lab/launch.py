@@ -71,6 +71,3 @@ class KernelShaping:
 def run_shaped(args: argparse.Namespace) -> int:
     """``eagerloco launch`` with ``--kernel-link-gbps``."""
     return run(args, KernelShaping(args.kernel_link_gbps))
-
-
-__all__ = ["KernelShaping", "run_shaped"]

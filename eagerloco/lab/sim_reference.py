@@ -192,7 +192,3 @@ def compare_text(mfu: float, cold_rounds: int | None, pattern: str) -> tuple[dic
     """``eagerloco simulate --paper --compare-reference``: the report of :func:`compare` and its table."""
     report = compare(mfu, cold_rounds, pattern)
     return report, format_compare(report)
-
-
-__all__ = ["PAPER_READING", "PAPER_TARGETS", "READINGS", "ReferenceRow", "compare", "compare_text", "format_compare",
-           "last_below", "load_reference", "paper_model", "row_cu", "simulate_row"]

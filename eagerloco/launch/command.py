@@ -401,6 +401,3 @@ def run(args: argparse.Namespace, shaping: LinkShaping | None = None) -> int:
     except ValueError as e:  # ConfigError (and so LinkShapingError) is a ValueError too
         print(f"eagerloco launch: error: {e}", file=sys.stderr)
         return 2
-
-
-__all__ = ["DEFAULT_GRACE_S", "LinkShaping", "add_parser", "launch", "run"]

@@ -42,6 +42,3 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     serve(args.host, args.port, stop)
     return 0
-
-
-__all__ = ["add_parser", "run", "serve"]

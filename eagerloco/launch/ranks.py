@@ -229,6 +229,3 @@ def close_rank_server() -> None:
 
 
 atexit.register(close_rank_server)  # a no-op in a process that never started one
-
-__all__ = ["SERVER_MODULE", "ForkedRank", "RankProcess", "RankServer", "close_rank_server", "rank_server",
-           "receive_message", "send_message", "start_keys"]

@@ -185,7 +185,3 @@ def format_decision(report: dict[str, Any], step_source: str, shifted: dict[floa
     else:
         lines.append(f"(every format's cheapest and all {len(report['candidates'])} candidates: --verbose)")
     return "\n".join(lines)
-
-
-__all__ = ["MEASURED", "SHARED_MEASURED", "Measured", "format_decision", "measured_for", "measured_note",
-           "outer_loop_call", "settings", "train_command"]

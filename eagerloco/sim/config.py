@@ -407,6 +407,3 @@ def _positive(flag: str, v: float | None) -> None:
 def _at_least(flag: str, v: int | None, low: int) -> None:
     if v is not None and v < low:
         raise ConfigError(f"{flag} must be an integer >= {low}, got {v}")
-
-
-__all__ = ["DEFAULT_TARGETS", "GROUPS", "MAX_INNER_STEPS", "SimConfig", "Settings", "TRANSPORTS", "number_list"]

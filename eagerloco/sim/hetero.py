@@ -38,6 +38,3 @@ def per_worker_cu(model: ModelSpec, variant: Variant, traffic: Traffic, lanes: n
         res = simulate(paced, variant, traffic, lanes, latency_ms, h, warmup_rounds, rounds, cold_rounds)
         out[mode] = compute[None, :] / np.asarray(res.wall_per_step)[:, None]
     return out
-
-
-__all__ = ["MODES", "per_worker_cu"]

@@ -28,6 +28,3 @@ PAPER_ASSUMPTIONS: tuple[str, ...] = (
 def paper_grid() -> np.ndarray:
     """The papers' bandwidth grid: 50 log-spaced points from 0.1 to 1000 Gbit/s."""
     return np.logspace(-1, 3, 50)
-
-
-__all__ = ["PAPER_ASSUMPTIONS", "PAPER_FRAGMENT_LAYERS", "PAPER_WORKERS", "PRESET_MFU", "paper_grid"]

@@ -77,6 +77,3 @@ def compute(s: Settings) -> tuple[dict[str, Any], dict[str, list[tuple[str, np.n
         "notes": s.notes,
     }
     return report, curves, grid
-
-
-__all__ = ["compute"]

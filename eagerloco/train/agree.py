@@ -72,6 +72,3 @@ def agree_before_start(rt: Runtime, found: Found | None, model: nn.Module) -> Fo
           f"has (this one also has {', '.join(str(s) for s in sorted(have[place.me]) if s > step)})",
           file=sys.stderr, flush=True)
     return checkpoint_at(cfg, rt.checkpoint_kind, step)
-
-
-__all__ = ["FIX", "LOCAL_SETTINGS", "agree_before_start", "agreed_settings"]

@@ -68,6 +68,3 @@ def no_room_line(e: OSError, out: Path) -> str:
     where = e.filename or out
     return (f"cannot write {where}: {e.strerror or e}; free space on the disk of {out} (or make it writable), "
             f"then continue: {resume_hint(checkpoint_root(out))}")
-
-
-__all__ = ["no_room_line", "run", "stopped_line"]

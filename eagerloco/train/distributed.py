@@ -194,6 +194,3 @@ def run_device(device: str, ctx: Any) -> torch.device:
         return resolve_device(device, ctx.local_rank)
     except DeviceError as e:
         raise ConfigError(str(e)) from None
-
-
-__all__ = ["DistributedRuntime", "run_device"]

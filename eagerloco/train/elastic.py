@@ -127,6 +127,3 @@ class ElasticRuntime(JobRuntime):
             final_outer={str(e["worker"]): {"sha256": e["sha256"], "finite": e["finite"]} for e in every},
         )
         return summary
-
-
-__all__ = ["ElasticRuntime"]

@@ -35,6 +35,3 @@ class InProcessRuntime(Runtime):
 
     def checkpoint_meta(self) -> dict[str, Any]:
         return {"group": self.group.state_dict()}
-
-
-__all__ = ["InProcessRuntime"]

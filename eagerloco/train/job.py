@@ -172,6 +172,3 @@ class JobRuntime(Runtime):
             summary.update(worker_steps=done, tokens=done * cfg.batch_size * cfg.seq_len)
             add_throughput(summary, self.devices)
         return summary
-
-
-__all__ = ["JobRuntime", "lost_steps", "worker_steps"]

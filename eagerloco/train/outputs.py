@@ -266,15 +266,3 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
             row = (*row[:5], by or "-", *row[5:])
         rows.append(row)
     return text_table(list(head), [list(r) for r in rows], right=())
-
-
-__all__ = [
-    "ProgressLines",
-    "RunOutput",
-    "accounting",
-    "add_throughput",
-    "aggregate",
-    "format_table",
-    "per_worker",
-    "tensorboard_writer",
-]

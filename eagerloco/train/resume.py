@@ -126,18 +126,3 @@ def own_last_state(root: Path, worker: int) -> dict[str, Any] | None:
 def checkpoint_meta(cfg: TrainConfig, real_elapsed: float, **extra: Any) -> dict[str, Any]:
     """What every checkpoint's meta.json records besides its files: the settings and the time spent."""
     return {"config": finite_json(asdict(cfg)), **extra, "real_elapsed": real_elapsed}
-
-
-__all__ = [
-    "RESUMABLE_CHANGES",
-    "check_checkpoint",
-    "check_resume_config",
-    "checkpoint_at",
-    "check_resume_layout",
-    "checkpoint_meta",
-    "has_worker",
-    "intact_steps",
-    "meta_problem",
-    "own_last_state",
-    "resume_checkpoint",
-]

@@ -40,6 +40,3 @@ def train(cfg: TrainConfig, env: Environment | None = None, *, validated: bool =
         cfg.validate(env)
     runtime = RUNTIMES[cfg.runtime.kind(env)](cfg, env)
     return Trainer(cfg, runtime).run()
-
-
-__all__ = ["RUNTIMES", "train"]

@@ -437,7 +437,3 @@ def guard_run_dir(cfg: TrainConfig, reporting: bool) -> RunLock | None:
     else:
         check_fresh_start(cfg, Path(cfg.out))
     return None
-
-
-__all__ = ["LOCK_NAME", "MANIFEST_NAME", "RunLock", "RunManifest", "check_fresh_start", "check_kinds", "claim",
-           "guard_run_dir", "kind_of", "read_manifest"]

@@ -157,6 +157,3 @@ def num_params(model: nn.Module) -> int:
 def device_count(device: torch.device, world_size: int) -> int:
     """The accelerators a run of ``world_size`` processes uses on a host with this device."""
     return min(world_size, torch.cuda.device_count()) if device.type == "cuda" else 1
-
-
-__all__ = ["Found", "Runtime", "device_count", "num_params"]

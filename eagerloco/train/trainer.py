@@ -252,6 +252,3 @@ class Trainer:
             shutil.rmtree(stage, ignore_errors=True)
         rt.share_verdict(problem)
         rt.doing = "training"
-
-
-__all__ = ["Trainer"]

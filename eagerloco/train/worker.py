@@ -285,7 +285,3 @@ def task_evals(cfg: TrainConfig, tok: Any) -> Callable[[nn.Module], dict[str, fl
         return run_evals(model, tok, cfg.eval_task_list, limit=cfg.eval_limit, seq_len=cfg.seq_len, seed=cfg.seed)
 
     return run
-
-
-__all__ = ["BETAS", "Worker", "build_inner_optimizer", "build_model", "evaluate", "lr_lambda", "model_flops", "prepare",
-           "task_evals"]

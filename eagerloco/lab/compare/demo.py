@@ -312,8 +312,3 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join("  " + ln for ln in command_lines(reference["command"], TABLE_WIDTH - 2)))
     print_done(results, meta["elapsed_s"], paths["report"], "every column, plots and summary.json")
     return 0
-
-
-__all__ = ["DEMO_GRID", "DEMO_MINUTES", "DEMO_OUT", "TABLE_WIDTH", "add_parser", "command_lines", "conclusion",
-           "demo_defaults", "demo_table", "plan_demo", "protocol_changes", "report_preface", "rerun_sentence", "run",
-           "seeded_cell", "summary_lines", "with_defaults"]

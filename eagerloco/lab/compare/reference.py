@@ -138,9 +138,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["PROTOCOL_FLAGS", "PROTOCOL_KEYS", "REFERENCE_FILE", "load_reference", "protocol_of",
-           "reference_from_summary", "seeded_command", "tuned_settings"]
-
-
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -370,18 +370,3 @@ def write_seeded_report(out: Path, units: list[Any], results: list[dict[str, Any
             for r in [*tune_results, *results]]
     summary = {**meta, "rows": rows, "runs": results, "tuning_runs": tune_results}
     return finish_report(out, lines, runs, summary, plots, table)
-
-
-__all__ = [
-    "SEED_PLOTS",
-    "aggregate",
-    "fmt_interval",
-    "plot_delta",
-    "plot_steps",
-    "plot_sweep_bands",
-    "plot_tune",
-    "reading",
-    "seeded_table",
-    "tune_table",
-    "write_seeded_report",
-]

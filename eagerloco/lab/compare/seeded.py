@@ -220,17 +220,3 @@ def run_seeded(args: argparse.Namespace, entries: list[GridEntry], base: TrainCo
     print(paths["table"])
     print_done(results + tune_results, meta["elapsed_s"], paths["report"])
     return 0
-
-
-__all__ = [
-    "TUNE_SEED_OFFSET",
-    "Unit",
-    "chosen_from",
-    "data_entropy",
-    "mark_divergence",
-    "plan_seeded",
-    "parent_unit",
-    "plan_tuning",
-    "run_seeded",
-    "units_for",
-]

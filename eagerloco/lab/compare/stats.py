@@ -127,16 +127,3 @@ def spiked(eval_losses: Sequence[float], threshold: float) -> bool:
         elif below:
             return True
     return False
-
-
-__all__ = [
-    "LEVEL",
-    "Interval",
-    "diverged",
-    "mean_interval",
-    "paired_difference",
-    "spiked",
-    "t_cdf",
-    "t_quantile",
-    "unigram_entropy",
-]

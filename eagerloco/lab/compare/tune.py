@@ -116,7 +116,3 @@ def choose(losses: list[float], diverged: list[bool]) -> int:
         raise ValueError("every candidate's loss is not finite: nothing to choose")
     pool = [i for i in finite if not diverged[i]] or finite
     return min(pool, key=lambda i: (losses[i], i))
-
-
-__all__ = ["NOT_TUNABLE", "TuneAxis", "apply_setting", "choose", "parse_tune", "section_of", "setting_text",
-           "settings_for", "value_text"]
