@@ -23,6 +23,7 @@ from jobs import popen
 from test_hooks_jobs import assert_exited_0, coordinators, job_env, wait_all
 
 from eagerloco.comm.quorum_jobs import QUORUM_PREFIX
+from testing.faults import FAULT_SLOW_ENV
 
 pytestmark = pytest.mark.processes
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +58,29 @@ def counters(summary: dict[str, Any]) -> tuple[int, int, int]:
     return w["quorum_missed"], w["late_merged"], w["late_dropped"]
 
 
+def wait_for(store: dist.Store, key: str, value: bytes | None, jobs: list[Any], timeout: float = 120) -> None:
+    """Until ``key`` holds ``value`` (None: any) while every job in ``jobs`` runs."""
+    deadline = time.monotonic() + timeout
+    while not (store.check([key]) and value in (None, store.get(key))):
+        ended = [j for j in jobs if j.poll() is not None]
+        assert not ended, (f"no {key} = {value!r}: a job exited {ended[0].returncode}:\n"
+                           f"{ended[0].communicate(timeout=10)[0][-4000:]}")
+        assert time.monotonic() < deadline, f"no {key} = {value!r} after {timeout} s"
+        time.sleep(0.02)
+
+
+def stopped_before(store: dist.Store, jobs: list[Any], s: int) -> bool:
+    """Once workers 0 and 1 arrived at exchange s, stop worker 2; whether it had not arrived (else it goes on)."""
+    for w in (0, 1):
+        wait_for(store, f"{QUORUM_PREFIX}0/{s}/arrived/{w}", None, jobs)
+    os.kill(jobs[2].pid, signal.SIGSTOP)
+    time.sleep(0.1)  # an arrival it wrote just before the stop reaches the store
+    if not store.check([f"{QUORUM_PREFIX}0/{s}/arrived/2"]):
+        return True
+    os.kill(jobs[2].pid, signal.SIGCONT)
+    return False
+
+
 def end_all(jobs: list[Any]) -> None:
     """Kill the jobs a failed test left running, a stopped one woken first."""
     for j in jobs:
@@ -72,25 +96,24 @@ def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and
     port = coordinators(1)[0]
     store = client(port)
     # Rounds of at least 0.2 s (the emulated link's latency): the stop ends before the others' run does.
-    # An evaluation point inside the stop (step 2H + 1): under a quorum nobody waits there for worker 2 (12.10).
+    # Evaluation points inside the stop (every 2H + 1 steps): under a quorum nobody waits there for worker 2 (12.10).
     quorum = ["--method", method, "--quorum", "2", "--grace", str(GRACE), "--max-late-rounds", str(max_late),
               "--latency-ms", "200", "--eval-every", str(2 * H + 1),
               *(["--fragments", "2", "--overlap-steps", "1"] if method == "streaming" else [])]
     resume_too = method == "diloco" and max_late == 16  # then resumed mid-schedule too: a checkpoint every exchange
     if resume_too:
         quorum += ["--checkpoint-every", str(H), "--keep-checkpoints", str(STEPS // H)]
-    jobs = [job(port, w, 3, tmp_path / f"w{w}", *quorum) for w in range(3)]
+    # Worker 2 a little slower (0.05 s more a step, a round's within the grace window): the last to send, by a margin.
+    (tmp_path / "slow").write_text("0.05")
+    jobs = [job(port, w, 3, tmp_path / f"w{w}", *quorum,
+                env={FAULT_SLOW_ENV: str(tmp_path / "slow")} if w == 2 else None) for w in range(3)]
     try:
-        deadline = time.monotonic() + 240
-        while not store.check([f"{QUORUM_PREFIX}0/{2 * H}/decided"]) and time.monotonic() < deadline:
-            if any(j.poll() is not None for j in jobs):  # one ended early: its output says why
-                out = wait_all(jobs, 60)
-                raise AssertionError("\n".join(o.stdout[-2000:] for o in out))
-            time.sleep(0.005)
-        # Stopped in its next window's inner steps, past the exchange's all-reduce (a worker stopped inside the
-        # collective of an exchange it is a member of holds its members, as any collective's member does).
-        time.sleep(0.05)
-        os.kill(jobs[2].pid, signal.SIGSTOP)
+        # Stopped in the inner steps of a window the others have sent and it has not, so past every all-reduce it
+        # is a member of (one stopped inside such a collective holds its members, as any collective's member does).
+        stop_at = 3 * H
+        while not stopped_before(store, jobs, stop_at):
+            stop_at += H
+            assert stop_at < STEPS - H, "worker 2 sent its window first at every exchange"
         stopped = time.time()
         time.sleep(2.0)
         os.kill(jobs[2].pid, signal.SIGCONT)
@@ -101,12 +124,11 @@ def test_a_stalled_worker_is_bypassed_after_the_grace_window_then_catches_up_and
     assert_exited_0(done)
     decisions = {s: json.loads(store.get(f"{QUORUM_PREFIX}0/{s}/decided")) for s in range(H, STEPS + 1, H)}
     bypassed = [s for s, d in decisions.items() if 2 not in d["members"]]
-    # Worker 2 was stopped for 2 s: the others passed the evaluation point at step 2H + 1 without it (had they
-    # waited there, as all-or-nothing rounds do, it would have caught them up and nothing would be bypassed) and
-    # closed exchanges without it, each within the grace window of its quorum's last arrival (plus the coordinator's
-    # round trips). Where the stop lands inside exchange 2H's all-reduce (a loaded machine), the others are held
-    # there until SIGCONT, as any collective's members are, and its catch-up is what they bypass.
-    assert bypassed, [(s, d["members"], round(d["decided_at"] - stopped, 2)) for s, d in decisions.items()]
+    # Worker 2 was stopped for 2 s: the others passed the evaluation points without it (had they waited there, as
+    # all-or-nothing rounds do, it would have caught them up and nothing would be bypassed) and closed exchanges
+    # without it, exchange stop_at first, each within the grace window of its quorum's last arrival (plus the
+    # coordinator's round trips).
+    assert stop_at in bypassed, [(e, d["members"], round(d["decided_at"] - stopped, 2)) for e, d in decisions.items()]
     assert decisions[STEPS]["members"] == [0, 1, 2], decisions[STEPS]  # the run's last exchange waits for all (12.4)
     for s in bypassed:
         d = decisions[s]
@@ -166,3 +188,23 @@ def _resumed_mid_schedule_ends_as_the_uninterrupted_run(tmp_path: Path, decision
         assert d.returncode == 0, f"resumed worker {w}:\n{d.stdout[-3000:]}"
         again, first = outer(tmp_path / "resumed" / f"w{w}", w), outer(tmp_path / f"w{w}", w)
         assert all(torch.equal(a, b) for a, b in zip(again, first, strict=True)), w
+
+
+def test_eager_hides_a_quorum_exchange_behind_the_next_round(tmp_path: Path) -> None:
+    """Across jobs a quorum exchange runs on the communication thread, as every exchange does: DiLoCo waits out
+    each round's (the emulated link's 100 ms and the decision), eager launches it a round (4 inner steps paced to
+    0.1 s) before it must land. Both runs at once, each at its own coordinator."""
+    ports = coordinators(2)
+    args = ["--quorum", "2", "--grace", str(GRACE), "--latency-ms", "100", "--sim-step-time", "0.1"]
+    jobs = {m: [job(p, w, 3, tmp_path / m / f"w{w}", "--method", m, *args) for w in range(3)]
+            for m, p in zip(("diloco", "eager"), ports, strict=True)}
+    try:
+        done = [d for m in jobs for d in wait_all(jobs[m], 300)]
+    finally:
+        end_all([j for js in jobs.values() for j in js])
+    assert_exited_0(done)
+    blocked = {m: [summary(tmp_path / m / f"w{w}")["per_worker"][0]["blocked_s"] for w in range(3)] for m in jobs}
+    rounds = STEPS // H
+    assert min(blocked["diloco"]) >= 0.9 * rounds * 0.1, blocked
+    # Summed over the workers: on loaded cores a worker's thread may come late to a decision now and then.
+    assert sum(blocked["eager"]) < sum(blocked["diloco"]) / 3, blocked

@@ -12,13 +12,12 @@ import statistics
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from test_hooks_jobs import assert_exited_0, coordinators, wait_all
-from test_quorum_jobs import GRACE, H, client, counters, end_all, job, outer, summary
+from test_quorum_jobs import GRACE, H, client, counters, end_all, job, outer, stopped_before, summary, wait_for
 
 from eagerloco.comm.quorum_jobs import QUORUM_PREFIX
 from eagerloco.config.outer import GRACE_MAX, GRACE_MIN, GRACE_WINDOW
@@ -46,28 +45,6 @@ def test_q_equal_m_across_jobs_is_today_s_run(tmp_path: Path, method: str) -> No
         assert sa["final_eval_loss"] == sb["final_eval_loss"]
 
 
-def _wait_for(store: dist.Store, key: str, value: bytes | None, jobs: list[Any], timeout: float = 120) -> None:
-    """Until ``key`` holds ``value`` (None: any) while every job in ``jobs`` runs."""
-    deadline = time.monotonic() + timeout
-    while not (store.check([key]) and value in (None, store.get(key))):
-        ended = [j for j in jobs if j.poll() is not None]
-        assert not ended, (f"no {key} = {value!r}: a job exited {ended[0].returncode}:\n"
-                           f"{ended[0].communicate(timeout=10)[0][-4000:]}")
-        assert time.monotonic() < deadline, f"no {key} = {value!r} after {timeout} s"
-        time.sleep(0.02)
-
-
-def _stopped_before(store: dist.Store, jobs: list[Any], s: int) -> bool:
-    """Once workers 0 and 1 arrived at exchange s, stop worker 2; whether it had not arrived (else it goes on)."""
-    for w in (0, 1):
-        _wait_for(store, f"{QUORUM_PREFIX}0/{s}/arrived/{w}", None, jobs)
-    os.kill(jobs[2].pid, signal.SIGSTOP)
-    if not store.check([f"{QUORUM_PREFIX}0/{s}/arrived/2"]):
-        return True
-    os.kill(jobs[2].pid, signal.SIGCONT)
-    return False
-
-
 @pytest.mark.slow
 def test_under_elastic_a_killed_worker_leaves_after_the_timeout_and_rejoins_a_stopped_one_stays_a_member(
         tmp_path: Path) -> None:
@@ -84,7 +61,7 @@ def test_under_elastic_a_killed_worker_leaves_after_the_timeout_and_rejoins_a_st
         # Past its first metrics line (step 16), before its first checkpoint: what --resume must come back from.
         killed_at = 5 * H
         while True:  # stopped once arrived, before the decision (which then holds it), then killed
-            _wait_for(store, f"{QUORUM_PREFIX}0/{killed_at}/arrived/1", None, jobs)
+            wait_for(store, f"{QUORUM_PREFIX}0/{killed_at}/arrived/1", None, jobs)
             os.kill(jobs[1].pid, signal.SIGSTOP)
             if not store.check([f"{QUORUM_PREFIX}0/{killed_at}/decided"]):
                 break
@@ -92,18 +69,18 @@ def test_under_elastic_a_killed_worker_leaves_after_the_timeout_and_rejoins_a_st
             killed_at += H
         jobs[1].kill()
         assert wait_all([jobs[1]], 60)[0].returncode == -9 and (tmp_path / "w1" / "metrics.jsonl").exists()
-        _wait_for(store, members, b"0,2", [jobs[0], jobs[2]])
+        wait_for(store, members, b"0,2", [jobs[0], jobs[2]])
         left_at = time.time()
         jobs[1] = job(port, 1, 3, tmp_path / "w1", *args, "--resume")  # the same command, to continue its --out
-        _wait_for(store, members, b"0,1,2", jobs)
+        wait_for(store, members, b"0,1,2", jobs)
         # Worker 2 stopped past the grace window, for less than the timeout, once worker 1 is back in the exchanges:
         # between two exchanges (the others arrived at the next one, it not yet), not inside one's all-reduce.
         s = next(s for s in range(steps, 0, -H) if store.check([f"{QUORUM_PREFIX}0/{s}/decided"]))
         while True:
-            _wait_for(store, f"{QUORUM_PREFIX}0/{s}/decided", None, jobs)
+            wait_for(store, f"{QUORUM_PREFIX}0/{s}/decided", None, jobs)
             back = json.loads(store.get(f"{QUORUM_PREFIX}0/{s}/decided"))["members"] == [0, 1, 2]
             s += H
-            if back and _stopped_before(store, jobs, s):
+            if back and stopped_before(store, jobs, s):
                 break
         stopped = time.time()
         time.sleep(2.5)
@@ -162,7 +139,7 @@ def test_an_auto_grace_window_across_jobs_follows_the_spreads_its_decisions_carr
         # Worker 2 stopped in its inner steps once the others arrived at the next exchange (not inside an all-reduce,
         # which would hold them): that exchange closes without it after the grace window.
         s = measured + H
-        while not _stopped_before(store, jobs, s):
+        while not stopped_before(store, jobs, s):
             s += H
         time.sleep(2.0)
         os.kill(jobs[2].pid, signal.SIGCONT)

@@ -66,6 +66,8 @@ class TorchDistHandle(Handle):
         self._done_event: Any = None  # NCCL: the CUDA event the mean is ready after
         self._error: BaseException | None = None
         self._waited = False
+        #: (wire, payload) bytes of an exchange its transport ran itself, counted where it lands.
+        self.exchanged: tuple[int, int] | None = None
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -86,6 +88,8 @@ class TorchDistHandle(Handle):
             raise self._error
         assert self._mean is not None
         mean, self._mean = self._mean, None
+        if self.exchanged is not None:
+            self._comm.stats.exchanged(*self.exchanged)
         if self._comm.staging.cuda:
             mean = self._comm.staging.deliver(mean, self._done_event, self._device)
         if out is not None:
@@ -193,7 +197,7 @@ class TorchDistCommunicator(Communicator):
     ) -> Handle:
         self._check_open()
         if window is not None and self.quorum_jobs is not None:  # across jobs at the coordinator (12.10)
-            return self.quorum_jobs.exchange(tensors, window, keep_own)
+            return self._quorum_exchange(tensors, window, keep_own)
         flat = flatten(tensors)
         numel = flat.numel()
         shards = Shards(codec, numel, self.num_workers) if uses_reduce_scatter(codec, transport, self.num_workers) \
@@ -217,6 +221,29 @@ class TorchDistCommunicator(Communicator):
                 inplace=not keep_own and not self.elastic, checked=not (agreed and self._agreed), ready=ready,
                 shards=shards)
         self.exchanges.put(op)
+        return handle
+
+    def _quorum_exchange(self, tensors: list[torch.Tensor], window: Window, keep_own: bool) -> Handle:
+        """A quorum exchange at the coordinator on the communication thread, overlapping what follows as every
+        exchange does; under --elastic on this thread, where the membership changes."""
+        quorum = self.quorum_jobs
+        assert quorum is not None
+        if quorum.membership is not None:
+            return quorum.exchange(tensors, window, keep_own)
+        flat, compute_s = flatten(tensors).float().cpu(), self.stats.compute_s  # gloo; the compute at launch
+        like = [torch.empty(t.shape, device="meta") for t in tensors]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        handle = self._enqueue(flat.numel(), like, device, own=unflatten(flat, like) if keep_own else [],
+                               nbytes=flat.numel() * 4)
+        self._unwaited.add(handle.seq)
+
+        def run() -> torch.Tensor:
+            mean, handle.quorum, wire = quorum.run(flat, window, compute_s)
+            handle.exchanged = (wire, flat.numel() * 4)
+            return mean
+
+        self.exchanges.put(Op(handle.seq, flat.numel(), time.time(), handle, step=self.step_hint, checked=False,
+                              run=run))
         return handle
 
     def quorum_state(self) -> dict[str, Any] | None:
@@ -330,7 +357,8 @@ class TorchDistCommunicator(Communicator):
         else:
             # Elastic mode keeps recent means for survivors that missed them; they are then
             # shared, so wait() hands out copies. Otherwise the mean is the handle's alone.
-            op.handle.contributors = self.members  # the group it ran in
+            if op.run is None:  # a transport's own exchange says who is in its mean (Handle.quorum)
+                op.handle.contributors = self.members  # the group it ran in
             self.exchanges.land(op, mean, done)
         self._in_collective_since = None
         return None
@@ -369,6 +397,8 @@ class TorchDistCommunicator(Communicator):
         """
         self.exchanges.entered = op.seq
         self.heartbeat.announce()
+        if op.run is not None:
+            return op.run()
         self.heartbeat.wait_for_peers(op.seq, self._members, self.names, self.timeout_s, self._cancel)
         codec = op.codec
         start = op.launch_wall

@@ -44,6 +44,9 @@ class Op:
     ready: object = None
     #: The reduce-scatter's layout when the exchange goes through one (the payload is then its shards).
     shards: Shards | None = None
+    #: An exchange its transport runs itself (a quorum's at the coordinator): the thread calls it for the flat mean,
+    #: with no header and no wait for every peer.
+    run: Callable[[], torch.Tensor] | None = None
 
 
 def header(op: Op) -> torch.Tensor:

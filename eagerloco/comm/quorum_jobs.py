@@ -48,14 +48,27 @@ class QuorumJobs:
         return list(self.membership.members) if self.membership is not None else list(range(self.workers))
 
     def exchange(self, tensors: list[torch.Tensor], window: Window, keep_own: bool) -> Handle:
-        """The exchange of ``window``, run now: its mean and what it merged (FP32 payloads, sent unencoded)."""
-        me, comm = self.comm.rank, self.comm
+        """The exchange of ``window``, run now on the calling thread (under --elastic, whose membership changes are
+        this thread's to make): its mean and what it merged."""
+        comm, t0 = self.comm, time.perf_counter()
         flat = flatten(tensors).float().cpu()  # gloo
+        mean, result, wire = self.run(flat, window, comm.stats.compute_s)
+        comm.stats.exchanged(wire, flat.numel() * 4)
+        comm.stats.blocked_s += time.perf_counter() - t0
+        own = unflatten(flat, tensors) if keep_own else []
+        device = tensors[0].device if tensors else mean.device  # whose windows the mean holds: in result, as in-process
+        return ReadyHandle(comm, unflatten(mean.to(device), tensors), own, flat.numel() * 4, None, None, result)
+
+    def run(self, flat: torch.Tensor, window: Window, compute_s: float
+            ) -> tuple[torch.Tensor, QuorumResult | None, int]:
+        """The exchange of ``window`` (this worker's FP32 payload ``flat``, sent unencoded; ``compute_s``: its
+        compute seconds at launch): the flat mean, what it merged, the bytes it moved each way. Exchanges of a
+        fragment run in launch order, since a worker's next arrival carries the windows its last one left it."""
+        me, comm = self.comm.rank, self.comm
         weight = window.total / comm.num_workers  # N / M: the payload (M n / N) X times this is n X
         held = self.held.pop(window.fragment, [])
         key = f"{window.fragment}/{window.step}"
-        t0 = time.perf_counter()
-        compute_s, last = comm.stats.compute_s, self.computed.get(window.fragment)
+        last = self.computed.get(window.fragment)
         self.computed[window.fragment] = compute_s
         arrival = {"t": time.time(), "steps": window.steps, "held": [[c.contribution.step, c.contribution.steps]
                                                                      for c in held],
@@ -122,8 +135,6 @@ class QuorumJobs:
             if keep:
                 self.held[window.fragment] = keep
         EmulatedLink.sleep_until(comm.link.schedule(start, wire))  # the emulated link's time for what it moved
-        comm.stats.exchanged(wire, flat.numel() * 4)
-        comm.stats.blocked_s += time.perf_counter() - t0
         result = None
         if not (plain and me in members):
             # The close on this worker's clock (perf_counter), so that a late one knows how far behind it is.
@@ -135,9 +146,7 @@ class QuorumJobs:
                   f"{self.timeout_s:g} s, or started again): the windows they held leave with them, never applied",
                   file=sys.stderr, flush=True)
             self.membership.recover(cause=f"worker(s) {left} left the quorum's exchanges")
-        own = unflatten(flat, tensors) if keep_own else []
-        device = tensors[0].device if tensors else mean.device  # whose windows the mean holds: in result, as in-process
-        return ReadyHandle(comm, unflatten(mean.to(device), tensors), own, flat.numel() * 4, None, None, result)
+        return mean, result, wire
 
     def state_dict(self) -> dict[str, Any]:
         """The windows this worker holds and the auto grace's measurements, for its checkpoint (12.3, 12.10)."""
