@@ -21,8 +21,6 @@ WORKERS_ENV, RANKS_PER_WORKER_ENV = "EAGERLOCO_WORKERS", "EAGERLOCO_RANKS_PER_WO
 OUTER_ADDR_ENV, WORKER_ID_ENV = "EAGERLOCO_OUTER_ADDR", "EAGERLOCO_WORKER_ID"
 #: Set by ``eagerloco launch --elastic`` on a process it restarts: join the live workers.
 REJOIN_ENV = "EAGERLOCO_REJOIN"
-#: Set by ``eagerloco launch --elastic``: how many times this rank was started (0 first).
-INCARNATION_ENV = "EAGERLOCO_INCARNATION"
 #: Set by ``eagerloco launch`` on every process it starts: the launcher's process id.
 LAUNCHER_PID_ENV = "EAGERLOCO_LAUNCHER_PID"
 #: Set by ``eagerloco launch --kernel-link-gbps``: the uplink rate in Gbit/s the kernel shapes (the runtime

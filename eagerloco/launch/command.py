@@ -16,7 +16,6 @@ from typing import IO, Any, Protocol
 
 from eagerloco.config.checks import check_int_at_least
 from eagerloco.environment import (
-    INCARNATION_ENV,
     LAUNCHER_PID_ENV,
     RANKS_PER_WORKER_ENV,
     REJOIN_ENV,
@@ -158,7 +157,7 @@ def _launch(argv_for_train: list[str], workers: int, ranks_per_worker: int, mast
         env.update({WORKERS_ENV: str(workers), RANKS_PER_WORKER_ENV: str(ranks_per_worker),
                     LAUNCHER_PID_ENV: str(os.getpid())})  # it dies with us (die_with_launcher)
         if incarnation:
-            env.update({REJOIN_ENV: "1", INCARNATION_ENV: str(incarnation)})
+            env[REJOIN_ENV] = "1"
         env.setdefault("OMP_NUM_THREADS", str(threads_each))  # as torchrun: no core oversubscription
         argv = cmd
         if link is not None:  # in the worker's network namespace, behind its shaped uplink
