@@ -372,6 +372,11 @@ class TorchDistCommunicator(Communicator):
         out = torch.empty(self.num_workers * buf.numel(), dtype=torch.uint8, device=buf.device)
         return self._collective(_all_gather, out, buf).view(self.num_workers, buf.numel()).to(home)
 
+    def _scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        """All-to-all of equal-size uint8 rows: row j goes to group position j; returns the rows received, in group
+        order (gloo sends the M-1 others' rows and copies this worker's own)."""
+        return self._collective(dist.all_to_all_single, torch.empty_like(rows), rows)
+
     def _sum(self, buf: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) an FP32 buffer in place: half the bytes of an all-gather beyond M = 2."""
         return self._collective(dist.all_reduce, buf, op=dist.ReduceOp.SUM)
@@ -420,9 +425,7 @@ class TorchDistCommunicator(Communicator):
             buf = op.payload if op.inplace else op.payload.clone()
             mean = self._sum(buf.view(torch.float32)).div_(self.num_workers)
         elif op.shards is not None:  # :mod:`~eagerloco.comm.reduce_scatter`: an all-to-all, then an all-gather
-            # All-to-all: row j to group position j (gloo sends the M-1 others' rows, copies this worker's own).
-            scatter = lambda rows: self._collective(dist.all_to_all_single, torch.empty_like(rows), rows)  # noqa: E731
-            mean = op.shards.exchange(op.payload, scatter, self._gather)
+            mean = op.shards.exchange(op.payload, self._scatter, self._gather)
         else:
             payloads = list(self._gather(op.payload).unbind(0))
             mean = mean_of_payloads(codec, payloads, op.numel)
